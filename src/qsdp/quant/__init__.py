@@ -1,0 +1,40 @@
+"""Quantizers: tensors to wire bytes and back (reference in torch, fused kernels in Triton)."""
+
+from .codec import (
+    Backend,
+    Encoded,
+    decode,
+    decode_add,
+    decode_sum,
+    decode_sum_encode,
+    encode,
+    encode_diff,
+)
+from .global_int import (
+    CARRIERS,
+    global_int_decode,
+    global_int_encode,
+    global_int_levels,
+    group_absmax,
+)
+from .spec import NonFinite, QuantSpec, Rounding, Scheme
+
+__all__ = [
+    "CARRIERS",
+    "Backend",
+    "Encoded",
+    "NonFinite",
+    "QuantSpec",
+    "Rounding",
+    "Scheme",
+    "decode",
+    "decode_add",
+    "decode_sum",
+    "decode_sum_encode",
+    "encode",
+    "encode_diff",
+    "global_int_decode",
+    "global_int_encode",
+    "global_int_levels",
+    "group_absmax",
+]

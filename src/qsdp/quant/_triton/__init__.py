@@ -1,0 +1,1 @@
+"""Triton backend of the quantizers (imported lazily: ``import qsdp`` never imports triton)."""

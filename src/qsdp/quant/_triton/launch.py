@@ -1,0 +1,134 @@
+"""Launchers of the Triton quantizer kernels: shapes, grids and constexpr flags."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ..philox import random_signs
+from ..spec import QuantSpec, Rounding, Scheme, inv_sqrt
+from . import kernels as K
+
+_SCHEME_ID = {Scheme.ABSMAX: 0, Scheme.MINMAX: 1, Scheme.SHIFT_LATTICE: 2}
+#: Elements per program; a program always holds whole groups.
+_BLOCK = 4096
+_NUM_WARPS = 8
+
+
+def _rows(spec: QuantSpec) -> int:
+    return max(1, _BLOCK // spec.group_size)
+
+
+@functools.lru_cache(maxsize=64)
+def _signs(h: int, seed: int, device: torch.device) -> torch.Tensor:
+    return random_signs(h, seed, device=device)
+
+
+def _had_args(spec: QuantSpec, device: torch.device) -> dict:
+    h = spec.hadamard_block or 16
+    signs = _signs(h, spec.hadamard_seed, device) if spec.hadamard_seed is not None else None
+    return {
+        "signs": signs,
+        "inv_sqrt_h": inv_sqrt(h),
+        "H": h,
+        "LOG_H": h.bit_length() - 1,
+        "HAS_SIGNS": signs is not None,
+    }
+
+
+def _grid(spec: QuantSpec, numel: int) -> tuple[int]:
+    return (triton_cdiv(spec.num_groups(numel), _rows(spec)),)
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _key(seed: int) -> tuple[int, int]:
+    return seed & 0xFFFFFFFF, seed >> 32
+
+
+def encode(
+    src: torch.Tensor,
+    spec: QuantSpec,
+    out: torch.Tensor,
+    *,
+    ref: torch.Tensor | None,
+    seed: int,
+    step: int,
+    stream: int,
+    rotate: bool,
+) -> None:
+    """Write the payload of the contiguous 1-D ``src`` (minus ``ref``) into ``out`` (uint8)."""
+    numel = src.numel()
+    if numel == 0:
+        return
+    had = _had_args(spec, src.device)
+    key0, key1 = _key(seed)
+    K.encode_kernel[_grid(spec, numel)](
+        src, ref if ref is not None else src, out, had["signs"] if had["HAS_SIGNS"] else src,
+        numel, spec.num_groups(numel) * spec.scale_bytes, spec.code_bytes(numel),
+        spec.num_groups(numel), key0, key1, stream, step, had["inv_sqrt_h"],
+        BITS=spec.bits, GROUP=spec.group_size, ROWS=_rows(spec),
+        SCHEME=_SCHEME_ID[spec.scheme], STOCHASTIC=spec.rounding is Rounding.STOCHASTIC,
+        SCALE_BF16=spec.scale_dtype == torch.bfloat16, HAS_REF=ref is not None,
+        ROTATE=bool(spec.hadamard_block) and rotate, HAS_SIGNS=had["HAS_SIGNS"],
+        H=had["H"], LOG_H=had["LOG_H"], num_warps=_NUM_WARPS, enable_fp_fusion=False,
+    )
+
+
+def decode(
+    payloads: torch.Tensor,
+    numel: int,
+    spec: QuantSpec,
+    out: torch.Tensor,
+    *,
+    accumulate: bool,
+    rotate: bool,
+) -> None:
+    """Sum of the decoded rows of ``payloads`` ([k, bytes] uint8) into (or onto) ``out``."""
+    if numel == 0:
+        return
+    had = _had_args(spec, out.device)
+    K.decode_kernel[_grid(spec, numel)](
+        payloads, payloads.stride(0), out,
+        had["signs"] if had["HAS_SIGNS"] else out, numel,
+        spec.num_groups(numel) * spec.scale_bytes, spec.code_bytes(numel),
+        spec.num_groups(numel), had["inv_sqrt_h"],
+        BITS=spec.bits, GROUP=spec.group_size, ROWS=_rows(spec),
+        SCHEME=_SCHEME_ID[spec.scheme], SCALE_BF16=spec.scale_dtype == torch.bfloat16,
+        K=payloads.shape[0], ACCUMULATE=accumulate, ROTATE=bool(spec.hadamard_block) and rotate,
+        HAS_SIGNS=had["HAS_SIGNS"], H=had["H"], LOG_H=had["LOG_H"],
+        num_warps=_NUM_WARPS, enable_fp_fusion=False,
+    )
+
+
+def decode_sum_encode(
+    payloads: torch.Tensor,
+    numel: int,
+    in_spec: QuantSpec,
+    out_spec: QuantSpec,
+    out: torch.Tensor,
+    *,
+    seed: int,
+    step: int,
+    stream: int,
+) -> None:
+    """Re-encode (``out_spec``) the float32 sum of the decoded rows of ``payloads`` into ``out``."""
+    if numel == 0:
+        return
+    key0, key1 = _key(seed)
+    ng = out_spec.num_groups(numel)
+    K.decode_sum_encode_kernel[_grid(out_spec, numel)](
+        payloads, payloads.stride(0), out, numel,
+        ng * in_spec.scale_bytes, in_spec.code_bytes(numel),
+        ng * out_spec.scale_bytes, out_spec.code_bytes(numel), ng,
+        key0, key1, stream, step,
+        IN_BITS=in_spec.bits, IN_SCHEME=_SCHEME_ID[in_spec.scheme],
+        IN_SCALE_BF16=in_spec.scale_dtype == torch.bfloat16, BITS=out_spec.bits,
+        GROUP=out_spec.group_size, ROWS=_rows(out_spec), SCHEME=_SCHEME_ID[out_spec.scheme],
+        STOCHASTIC=out_spec.rounding is Rounding.STOCHASTIC,
+        SCALE_BF16=out_spec.scale_dtype == torch.bfloat16, K=payloads.shape[0],
+        num_warps=_NUM_WARPS, enable_fp_fusion=False,
+    )

@@ -1,0 +1,346 @@
+"""Public encode / decode of tensors into wire payloads, dispatching to a backend.
+
+``reference`` is plain torch (any device, the specification); ``triton`` runs the fused kernels
+(CUDA, or CPU tensors under ``TRITON_INTERPRET=1``); ``auto`` picks triton on CUDA and the
+reference elsewhere. There is no silent fallback: a backend that cannot run raises.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from . import reference as ref
+from .spec import NonFinite, QuantSpec
+
+__all__ = [
+    "Backend",
+    "Encoded",
+    "decode",
+    "decode_add",
+    "decode_sum",
+    "decode_sum_encode",
+    "encode",
+    "encode_diff",
+]
+
+Backend = Literal["auto", "reference", "triton"]
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """A quantized tensor: one contiguous ``uint8`` payload (scales then packed codes)."""
+
+    payload: torch.Tensor
+    """The bytes that go on the wire (1-D ``uint8``, ``spec.payload_bytes(numel)`` long)."""
+    numel: int
+    """Elements of the original tensor."""
+    dtype: torch.dtype
+    """Dtype :func:`decode` returns."""
+    spec: QuantSpec
+    """The quantizer that made the payload."""
+    shape: torch.Size | None = None
+    """Shape :func:`decode` returns (default: 1-D of ``numel``)."""
+
+    def __post_init__(self) -> None:
+        p = self.payload
+        expect = self.spec.payload_bytes(self.numel)
+        if p.dtype != torch.uint8 or p.dim() != 1 or p.numel() != expect:
+            raise ValueError(
+                f"Encoded payload must be 1-D uint8 of {expect} bytes for numel={self.numel} "
+                f"and spec {self.spec}; got {p.dtype=} {tuple(p.shape)=}"
+            )
+        if self.shape is not None and torch.Size(self.shape).numel() != self.numel:
+            raise ValueError(f"Encoded shape={tuple(self.shape)} does not hold numel={self.numel}")
+
+    @property
+    def wire_bytes(self) -> int:
+        """Bytes this tensor puts on the wire (the payload's size)."""
+        return self.payload.numel()
+
+
+# --- argument checks --------------------------------------------------------------------------
+def _check_float(x: torch.Tensor, name: str) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in _FLOAT_DTYPES:
+        raise TypeError(
+            f"{name} has dtype {x.dtype}; qsdp quantizes float32, bfloat16 and float16 tensors"
+        )
+
+
+def _check_counter(name: str, value: int, bits: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 2**bits:
+        raise ValueError(f"{name}={value!r} must be an int in [0, 2**{bits})")
+
+
+def _check_rng(seed: int, step: int, stream: int) -> None:
+    _check_counter("seed", seed, 64)
+    _check_counter("step", step, 32)
+    _check_counter("stream", stream, 32)
+
+
+def _resolve(backend: Backend, device: torch.device) -> str:
+    if backend == "auto":
+        if device.type == "cuda":
+            _require_triton()
+            return "triton"
+        return "reference"
+    if backend == "reference":
+        return backend
+    if backend == "triton":
+        if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError(
+                "backend='triton' on a CPU tensor needs the Triton interpreter: set "
+                "TRITON_INTERPRET=1 before triton is imported, or use backend='reference'"
+            )
+        if device.type not in ("cpu", "cuda"):
+            raise ValueError(f"backend='triton' runs on CUDA (or CPU interpreted), not {device}")
+        _require_triton()
+        return backend
+    raise ValueError(f"backend={backend!r} must be 'auto', 'reference' or 'triton'")
+
+
+def _require_triton() -> None:
+    try:
+        import triton  # noqa: F401
+    except ImportError as e:
+        raise ImportError(
+            "qsdp's CUDA kernels need triton: pip install 'qsdp[triton]', or pass "
+            "backend='reference' to run the pure-torch quantizer"
+        ) from e
+
+
+def _launch():
+    from ._triton import launch
+
+    return launch
+
+
+def _flat(x: torch.Tensor) -> torch.Tensor:
+    return x.reshape(-1) if x.is_contiguous() else x.contiguous().reshape(-1)
+
+
+def _raise_nonfinite(payload: torch.Tensor, spec: QuantSpec, src: torch.Tensor, numel: int):
+    """Raise if any group was flagged non-finite (its first scale field is NaN)."""
+    if spec.nonfinite is NonFinite.PROPAGATE or numel == 0:
+        return
+    ng = spec.num_groups(numel)
+    fields = ref._bytes_to_fields(payload[: ng * spec.scale_bytes], ng, spec)
+    if bool(torch.isnan(fields[:, 0]).any()):
+        count = int((~torch.isfinite(src)).sum())
+        raise ValueError(
+            f"cannot quantize: {count} of {numel} values are NaN or Inf ({spec}); fix the "
+            "source (a diverging loss, a missing grad clip), or build the QuantSpec with "
+            "nonfinite='propagate' to send the affected groups as NaN"
+        )
+
+
+# --- public API -------------------------------------------------------------------------------
+def encode(
+    x: torch.Tensor,
+    spec: QuantSpec,
+    *,
+    seed: int = 0,
+    step: int = 0,
+    stream: int = 0,
+    out: torch.Tensor | None = None,
+    backend: Backend = "auto",
+) -> Encoded:
+    """Quantize ``x`` into one payload.
+
+    Args:
+        x: float32, bfloat16 or float16 tensor of any shape and layout (empty allowed).
+        spec: the quantizer.
+        seed, step, stream: key and counter words of the stochastic-rounding noise (and of the
+            shift-lattice dither, which uses ``seed`` and ``step`` only, so ranks share it).
+            Same inputs and key give the same bytes on every run and backend.
+        out: optional 1-D uint8 tensor of ``spec.payload_bytes(x.numel())`` bytes to write into
+            (e.g. a slice of an all-to-all send buffer).
+        backend: ``"auto"``, ``"reference"`` or ``"triton"``.
+
+    Returns:
+        The :class:`Encoded` tensor; ``wire_bytes`` is its payload size.
+
+    Raises:
+        ValueError: NaN or Inf in ``x`` (unless ``spec.nonfinite == "propagate"``), bad counters.
+    """
+    return _encode(x, None, spec, seed=seed, step=step, stream=stream, out=out, backend=backend)
+
+
+def encode_diff(
+    x: torch.Tensor,
+    base: torch.Tensor,
+    spec: QuantSpec,
+    *,
+    seed: int = 0,
+    step: int = 0,
+    stream: int = 0,
+    out: torch.Tensor | None = None,
+    backend: Backend = "auto",
+) -> Encoded:
+    """Quantize ``x - base`` (float32 difference) in one pass: SDP4Bit's weight differences."""
+    _check_float(base, "base")
+    if base.shape != x.shape:
+        raise ValueError(f"encode_diff needs equal shapes; got {x.shape=} {base.shape=}")
+    if base.device != x.device:
+        raise ValueError(f"encode_diff needs one device; got {x.device=} {base.device=}")
+    return _encode(x, base, spec, seed=seed, step=step, stream=stream, out=out, backend=backend)
+
+
+def _encode(x, base, spec, *, seed, step, stream, out, backend) -> Encoded:
+    _check_float(x, "x")
+    if not isinstance(spec, QuantSpec):
+        raise TypeError(f"spec must be a QuantSpec, got {type(spec).__name__}")
+    _check_rng(seed, step, stream)
+    numel = x.numel()
+    nbytes = spec.payload_bytes(numel)
+    if out is None:
+        out = torch.empty(nbytes, dtype=torch.uint8, device=x.device)
+    elif out.dtype != torch.uint8 or out.dim() != 1 or out.numel() != nbytes:
+        raise ValueError(
+            f"out must be 1-D uint8 of {nbytes} bytes for {numel} elements and {spec}; got "
+            f"{out.dtype=} {tuple(out.shape)=}"
+        )
+    elif not out.is_contiguous() or out.device != x.device:
+        raise ValueError(f"out must be contiguous and on {x.device}")
+    src = _flat(x)
+    rsrc = _flat(base) if base is not None else None
+    if _resolve(backend, x.device) == "triton":
+        _launch().encode(src, spec, out, ref=rsrc, seed=seed, step=step, stream=stream,
+                         rotate=True)
+    else:
+        diff = src.float() if rsrc is None else src.float() - rsrc.float()
+        out.copy_(ref.encode_flat(diff, spec, seed=seed, step=step, stream=stream))
+    _raise_nonfinite(out, spec, src if rsrc is None else src.float() - rsrc.float(), numel)
+    return Encoded(payload=out, numel=numel, dtype=x.dtype, spec=spec, shape=x.shape)
+
+
+def _stacked(payloads: torch.Tensor | list[Encoded], numel: int, spec: QuantSpec):
+    if isinstance(payloads, (list, tuple)):
+        for e in payloads:
+            if e.spec != spec or e.numel != numel:
+                raise ValueError("all Encoded inputs must share one spec and numel")
+        payloads = torch.stack([e.payload for e in payloads])
+    nbytes = spec.payload_bytes(numel)
+    if payloads.dtype != torch.uint8 or payloads.dim() != 2 or payloads.shape[1] != nbytes:
+        raise ValueError(
+            f"payloads must be uint8 [k, {nbytes}] for numel={numel} and {spec}; got "
+            f"{payloads.dtype=} {tuple(payloads.shape)=}"
+        )
+    if payloads.stride(1) != 1:
+        payloads = payloads.contiguous()
+    return payloads
+
+
+def decode(
+    enc: Encoded, *, out: torch.Tensor | None = None, backend: Backend = "auto"
+) -> torch.Tensor:
+    """Dequantize ``enc`` into a tensor of its original dtype and shape (or into ``out``)."""
+    if not isinstance(enc, Encoded):
+        raise TypeError(f"decode takes an Encoded, got {type(enc).__name__}")
+    shape = enc.shape if enc.shape is not None else torch.Size([enc.numel])
+    if out is None:
+        out = torch.empty(shape, dtype=enc.dtype, device=enc.payload.device)
+    _check_out(out, enc.numel, enc.payload.device)
+    _decode_into(enc.payload.reshape(1, -1), enc.numel, enc.spec, out, accumulate=False,
+                 backend=backend)
+    return out
+
+
+def decode_add(enc: Encoded, target: torch.Tensor, *, backend: Backend = "auto") -> torch.Tensor:
+    """``target += decode(enc)`` in place, added in float32 and rounded once to target's dtype."""
+    _check_float(target, "target")
+    _check_out(target, enc.numel, enc.payload.device)
+    _decode_into(enc.payload.reshape(1, -1), enc.numel, enc.spec, target, accumulate=True,
+                 backend=backend)
+    return target
+
+
+def decode_sum(
+    payloads: torch.Tensor | list[Encoded],
+    numel: int,
+    spec: QuantSpec,
+    *,
+    out: torch.Tensor | None = None,
+    accumulate: bool = False,
+    backend: Backend = "auto",
+) -> torch.Tensor:
+    """Float32 sum of ``k`` decoded chunks (stacked ``[k, payload_bytes]`` or Encoded list).
+
+    Chunks are added in row order in float32, then inverse-rotated once. With
+    ``accumulate=True`` the result is added onto ``out`` (e.g. a rank's own unquantized chunk).
+    """
+    p = _stacked(payloads, numel, spec)
+    if out is None:
+        if accumulate:
+            raise ValueError("decode_sum(accumulate=True) needs out= to add onto")
+        out = torch.empty(numel, dtype=torch.float32, device=p.device)
+    _check_out(out, numel, p.device)
+    _decode_into(p, numel, spec, out, accumulate=accumulate, backend=backend)
+    return out
+
+
+def decode_sum_encode(
+    payloads: torch.Tensor | list[Encoded],
+    numel: int,
+    in_spec: QuantSpec,
+    out_spec: QuantSpec,
+    *,
+    seed: int = 0,
+    step: int = 0,
+    stream: int = 0,
+    dtype: torch.dtype = torch.float32,
+    backend: Backend = "auto",
+) -> Encoded:
+    """Decode ``k`` chunks, sum in float32 and re-encode with ``out_spec`` in one pass.
+
+    All in the Hadamard domain: the result decodes (with the inverse rotation) to the sum. This is
+    the middle hop of SDP4Bit's two-level reduce-scatter (8-bit intra-node in, 4-bit out).
+    """
+    if in_spec.hadamard_block != out_spec.hadamard_block or (
+        in_spec.hadamard_seed != out_spec.hadamard_seed
+    ):
+        raise ValueError(
+            "decode_sum_encode keeps the Hadamard domain: in_spec and out_spec need the same "
+            f"hadamard_block and hadamard_seed; got {in_spec} and {out_spec}"
+        )
+    if in_spec.group_size != out_spec.group_size:
+        raise ValueError(
+            f"decode_sum_encode needs one group size; got {in_spec.group_size} and "
+            f"{out_spec.group_size}"
+        )
+    _check_rng(seed, step, stream)
+    p = _stacked(payloads, numel, in_spec)
+    out = torch.empty(out_spec.payload_bytes(numel), dtype=torch.uint8, device=p.device)
+    if _resolve(backend, p.device) == "triton":
+        _launch().decode_sum_encode(p, numel, in_spec, out_spec, out, seed=seed, step=step,
+                                    stream=stream)
+    else:
+        out.copy_(ref.decode_sum_encode_flat(p, numel, in_spec, out_spec, seed=seed, step=step,
+                                             stream=stream))
+    return Encoded(payload=out, numel=numel, dtype=dtype, spec=out_spec)
+
+
+def _check_out(out: torch.Tensor, numel: int, device: torch.device) -> None:
+    if out.numel() != numel or not out.is_contiguous() or out.device != device:
+        raise ValueError(
+            f"out must be a contiguous tensor of {numel} elements on {device}; got "
+            f"{tuple(out.shape)=} contiguous={out.is_contiguous()} {out.device=}"
+        )
+    _check_float(out, "out")
+
+
+def _decode_into(p, numel, spec, out, *, accumulate, backend) -> None:
+    flat = out.reshape(-1)
+    if _resolve(backend, p.device) == "triton":
+        _launch().decode(p, numel, spec, flat, accumulate=accumulate, rotate=True)
+        return
+    vals = ref.decode_sum_flat(p, numel, spec)
+    if accumulate:
+        vals = flat.float() + vals
+    flat.copy_(vals)

@@ -1,0 +1,137 @@
+"""Global-QSGD's integer quantizer: codes whose plain integer sum over ranks is exact.
+
+[Note: the level rule]
+Every rank scales a group by the same global ``M`` (the MAX all-reduce of the group's local
+max-abs) and rounds ``x * s / M`` to an integer in ``[-s, s]``. With ``s = floor(L / n)`` levels,
+where ``L`` is the largest integer the carrier sums exactly (127 for int8, 2048 for an fp16
+carrier, 2^31 - 1 for int32), any sum over ``n`` ranks stays within ``[-L, L]``, so a plain
+NCCL/gloo SUM all-reduce or reduce-scatter on the carrier never wraps. The mean is then
+``sum(q) * M / (s * n)``. With stochastic rounding every code is unbiased, so is the mean.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .philox import uniform
+from .spec import Rounding
+
+__all__ = [
+    "CARRIERS",
+    "global_int_decode",
+    "global_int_encode",
+    "global_int_levels",
+    "group_absmax",
+]
+
+#: carrier name -> (dtype, largest exactly summable integer L)
+CARRIERS: dict[str, tuple[torch.dtype, int]] = {
+    "int8": (torch.int8, 127),
+    "fp16": (torch.float16, 2048),
+    "int32": (torch.int32, 2**31 - 1),
+}
+
+
+def _carrier(carrier: str) -> tuple[torch.dtype, int]:
+    if carrier not in CARRIERS:
+        raise ValueError(f"carrier={carrier!r} must be one of {sorted(CARRIERS)}")
+    return CARRIERS[carrier]
+
+
+def global_int_levels(carrier: str, world_size: int) -> int:
+    """Levels ``s = floor(L / n)`` for ``world_size`` ranks summing on ``carrier``."""
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size={world_size!r} must be a positive int")
+    _, limit = _carrier(carrier)
+    levels = limit // world_size
+    if levels < 1:
+        raise ValueError(
+            f"carrier={carrier!r} sums at most {limit} exactly: {world_size} ranks leave no "
+            "quantization level; use carrier='fp16' (2048) or 'int32'"
+        )
+    return levels
+
+
+def group_absmax(x: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Float32 max-abs of each ``group_size`` run of flattened ``x`` (last group may be short).
+
+    All ranks MAX-all-reduce this to get the shared scale ``M``.
+    """
+    flat = x.reshape(-1).float()
+    n = flat.numel()
+    ng = -(-n // group_size)
+    padded = torch.zeros(ng * group_size, dtype=torch.float32, device=flat.device)
+    padded[:n] = flat.abs()
+    return padded.reshape(ng, group_size).amax(dim=1)
+
+
+def _per_element(scales: torch.Tensor, n: int, group_size: int) -> torch.Tensor:
+    return scales.float().repeat_interleave(group_size)[:n]
+
+
+def global_int_encode(
+    x: torch.Tensor,
+    scales: torch.Tensor,
+    levels: int,
+    *,
+    carrier: str = "int8",
+    group_size: int = 128,
+    rounding: Rounding | str = Rounding.STOCHASTIC,
+    seed: int = 0,
+    step: int = 0,
+    stream: int = 0,
+) -> torch.Tensor:
+    """Integer codes of ``x`` (flattened, in the carrier's dtype) against the global ``scales``.
+
+    Args:
+        x: the local tensor.
+        scales: float32 global max-abs per group (>= the local one; see :func:`group_absmax`).
+        levels: from :func:`global_int_levels` for the carrier and world size.
+        rounding: ``stochastic`` (unbiased, the default) or ``nearest``.
+        seed, step, stream: noise key; give each rank its own ``stream``.
+    """
+    dtype, limit = _carrier(carrier)
+    if not 1 <= levels <= limit:
+        raise ValueError(f"levels={levels} must be in [1, {limit}] for carrier={carrier!r}")
+    rounding = Rounding(rounding)
+    flat = x.reshape(-1).float()
+    n = flat.numel()
+    if scales.numel() != -(-n // group_size):
+        raise ValueError(
+            f"scales has {scales.numel()} groups; {n} elements in groups of {group_size} need "
+            f"{-(-n // group_size)}"
+        )
+    if not bool(torch.isfinite(scales).all()) or not bool(torch.isfinite(flat).all()):
+        raise ValueError(
+            f"cannot quantize: {int((~torch.isfinite(flat)).sum())} of {n} values are NaN or "
+            "Inf; fix the source before the integer all-reduce"
+        )
+    m = _per_element(scales, n, group_size)
+    inv = torch.where(m > 0, levels / m, 0.0)
+    v = flat * inv
+    if rounding is Rounding.STOCHASTIC:
+        q = torch.floor(v + uniform(n, seed=seed, step=step, stream=stream, device=flat.device))
+    else:
+        q = torch.floor(v + 0.5)
+    return q.clamp(-levels, levels).to(dtype)
+
+
+def global_int_decode(
+    summed: torch.Tensor,
+    scales: torch.Tensor,
+    levels: int,
+    *,
+    world_size: int,
+    group_size: int = 128,
+    op: str = "avg",
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Values of summed codes: ``sum(q) * M / s``, divided by ``world_size`` for ``op="avg"``."""
+    if op not in ("avg", "sum"):
+        raise ValueError(f"op={op!r} must be 'avg' or 'sum'")
+    n = summed.numel()
+    m = _per_element(scales, n, group_size)
+    vals = summed.reshape(-1).float() * (m / levels)
+    if op == "avg":
+        vals = vals / world_size
+    return vals.to(dtype)

@@ -1,0 +1,94 @@
+"""Counter-based random numbers (Philox4x32-10) in plain torch: the spec of the Triton generator.
+
+[Note: reproducible noise]
+Stochastic rounding needs noise that is (a) the same on every run, backend and device for the
+same inputs, (b) independent between ranks, steps and tensors, and (c) cheap to make inside a
+kernel without state. Philox4x32-10 (Salmon et al., SC'11) maps a 128-bit counter and a 64-bit
+key to four 32-bit words. qsdp uses
+
+    key     = seed (64 bits)
+    counter = (element_index // 4 low word, element_index // 4 high word, stream, step)
+
+and takes word ``element_index % 4``; the uniform variate is ``(word >> 8) * 2^-24`` in
+``[0, 1 - 2^-24]``, exact in float32. ``stream`` separates ranks and buffers (callers pass e.g.
+``rank`` or a hash of (rank, bucket)), ``step`` separates iterations. Here every 32-bit word is
+held in an int64 tensor and products are split into 16-bit halves so no int64 product overflows:
+the result is bit-identical to the Triton kernels' uint32 arithmetic on any device.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["philox4x32", "uniform", "random_signs"]
+
+_M0 = 0xD2511F53
+_M1 = 0xCD9E8D57
+_W0 = 0x9E3779B9
+_W1 = 0xBB67AE85
+_MASK = 0xFFFFFFFF
+_ROUNDS = 10
+
+#: Stream reserved for the shift-lattice dither (shared by all ranks, so not a rank's stream).
+LATTICE_STREAM = 0xFFFFFFFF
+#: Stream reserved for the Hadamard sign flip.
+HADAMARD_STREAM = 0xFFFFFFFE
+
+
+def _mulhilo(m: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(hi, lo) words of the 64-bit product of the 32-bit constant ``m`` and words ``x``."""
+    a = m * (x >> 16)  # < 2^48
+    b = m * (x & 0xFFFF)  # < 2^48
+    mid = ((a & 0xFFFF) << 16) + b  # < 2^49
+    lo = mid & _MASK
+    hi = ((a >> 16) + (mid >> 32)) & _MASK
+    return hi, lo
+
+
+def philox4x32(
+    counters: torch.Tensor, key: int, stream: int, step: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Philox4x32-10 on counters ``(c, c >> 32, stream, step)`` with a 64-bit ``key``.
+
+    Args:
+        counters: int64 tensor of non-negative counters (< 2^63).
+        key: 64-bit key (the seed).
+        stream, step: 32-bit words 2 and 3 of the counter.
+
+    Returns:
+        The four output words, each an int64 tensor of values in [0, 2^32).
+    """
+    c0 = counters & _MASK
+    c1 = (counters >> 32) & _MASK
+    c2 = torch.full_like(c0, stream & _MASK)
+    c3 = torch.full_like(c0, step & _MASK)
+    k0, k1 = key & _MASK, (key >> 32) & _MASK
+    for _ in range(_ROUNDS):
+        hi0, lo0 = _mulhilo(_M0, c0)
+        hi1, lo1 = _mulhilo(_M1, c2)
+        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
+        k0, k1 = (k0 + _W0) & _MASK, (k1 + _W1) & _MASK
+    return c0, c1, c2, c3
+
+
+def uniform(
+    n: int, *, seed: int, step: int, stream: int, offset: int = 0, device=None
+) -> torch.Tensor:
+    """``n`` float32 variates in [0, 1) for element indices ``offset .. offset + n - 1``."""
+    idx = torch.arange(offset, offset + n, dtype=torch.int64, device=device)
+    if n == 0:
+        return torch.empty(0, dtype=torch.float32, device=device)
+    first = offset // 4
+    last = (offset + n - 1) // 4
+    words = philox4x32(
+        torch.arange(first, last + 1, dtype=torch.int64, device=device), seed, stream, step
+    )
+    stacked = torch.stack(words, dim=1).reshape(-1)  # word e % 4 of counter e // 4
+    r = stacked[idx - 4 * first]
+    return (r >> 8).to(torch.float32) * (2.0**-24)
+
+
+def random_signs(h: int, seed: int, device=None) -> torch.Tensor:
+    """The +-1 float32 sign vector of a seeded Hadamard block (same on every rank)."""
+    u = uniform(h, seed=seed, step=0, stream=HADAMARD_STREAM, device=device)
+    return torch.where(u < 0.5, 1.0, -1.0).to(torch.float32)

@@ -1,0 +1,220 @@
+"""The quantizers in plain torch: the specification every Triton kernel is tested against.
+
+Every function works on any device. The arithmetic is float32 in a fixed order (see
+``hadamard.py`` and the per-scheme formulas below), which the Triton kernels repeat op for op, so
+the two backends agree bit for bit for nearest rounding and, given the same Philox noise, for
+stochastic rounding.
+
+Per group (``v`` is the scaled value, ``r`` the rounding: ``floor(v + 0.5)`` or ``floor(v + u)``)::
+
+    absmax         s = max|x| / qmax  (bf16 scales: rounded up)   q = clamp(r(x * (1/s)), -qmax, qmax)
+                   code = q + qmax                                 value = (code - qmax) * s
+    minmax         unit = (max - min) / (2^b - 1)                  code = clamp(r((x - min) * (1/unit)))
+                                                                   value = min + code * unit
+    shift-lattice  delta = (max - min) / (2^b - 2), xi ~ U[0,1) per group and step (shared by ranks)
+                   base = (floor(min/delta - xi) + xi) * delta     code = clamp(r((x - base) * (1/delta)))
+                                                                   value = base + code * delta
+
+A group with a NaN or Inf gets NaN as its first scale field and zero codes; the caller decides
+whether that raises (default) or propagates.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .hadamard import hadamard_forward, hadamard_inverse
+from .philox import LATTICE_STREAM, philox4x32, uniform
+from .spec import QuantSpec, Rounding, Scheme
+
+__all__ = [
+    "decode_flat",
+    "decode_sum_encode_flat",
+    "decode_sum_flat",
+    "encode_flat",
+    "pack_codes",
+    "unpack_codes",
+]
+
+
+# --- scales ---------------------------------------------------------------------------------
+def _round_up_bf16(s: torch.Tensor) -> torch.Tensor:
+    """Smallest bfloat16 >= s for s >= 0, returned as float32 (so codes never clip)."""
+    bits = s.view(torch.int32)
+    up = torch.where((bits & 0xFFFF) != 0, (bits + 0x10000) & -65536, bits)
+    return up.view(torch.float32)
+
+
+def _fields_to_bytes(fields: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
+    return fields.to(spec.scale_dtype).contiguous().view(torch.uint8).reshape(-1)
+
+
+def _bytes_to_fields(raw: torch.Tensor, groups: int, spec: QuantSpec) -> torch.Tensor:
+    # .clone(): a chunk of a stacked payload need not be aligned for a float view.
+    return raw.clone().view(spec.scale_dtype).to(torch.float32).reshape(groups, spec.scale_fields)
+
+
+# --- packing --------------------------------------------------------------------------------
+def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack int codes in [0, 2^bits) into bytes, element i at bit (i * bits) % 8."""
+    per = 8 // bits
+    n = codes.numel()
+    padded = torch.zeros(-(-n // per) * per, dtype=torch.int32, device=codes.device)
+    padded[:n] = codes.reshape(-1)
+    lanes = padded.reshape(-1, per)
+    out = torch.zeros(lanes.shape[0], dtype=torch.int32, device=codes.device)
+    for j in range(per):
+        out |= lanes[:, j] << (bits * j)
+    return out.to(torch.uint8)
+
+
+def unpack_codes(raw: torch.Tensor, numel: int, bits: int) -> torch.Tensor:
+    """Inverse of :func:`pack_codes`: int32 codes of the first ``numel`` elements."""
+    per = 8 // bits
+    b = raw.to(torch.int32).reshape(-1, 1)
+    shifts = torch.arange(per, device=raw.device, dtype=torch.int32) * bits
+    return ((b >> shifts) & ((1 << bits) - 1)).reshape(-1)[:numel]
+
+
+# --- group quantization -----------------------------------------------------------------------
+def _group_view(flat: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """[groups, G] float32 view (zero padded) and its validity mask."""
+    n, g = flat.numel(), spec.group_size
+    ng = spec.num_groups(n)
+    padded = torch.zeros(ng * g, dtype=torch.float32, device=flat.device)
+    padded[:n] = flat
+    valid = torch.zeros(ng * g, dtype=torch.bool, device=flat.device)
+    valid[:n] = True
+    return padded.reshape(ng, g), valid.reshape(ng, g)
+
+
+def _round(v: torch.Tensor, spec: QuantSpec, noise: torch.Tensor | None) -> torch.Tensor:
+    if spec.rounding is Rounding.NEAREST:
+        return torch.floor(v + 0.5)
+    return torch.floor(v + noise)
+
+
+def _quantize_groups(
+    x: torch.Tensor,
+    valid: torch.Tensor,
+    spec: QuantSpec,
+    *,
+    seed: int,
+    step: int,
+    stream: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes [groups, G] (int32, 0 outside ``valid``) and scale fields [groups, F] (float32)."""
+    ng, g = x.shape
+    bad = (~torch.isfinite(x) & valid).any(dim=1, keepdim=True)
+    x = torch.where(bad, 0.0, x)
+    noise = None
+    if spec.rounding is Rounding.STOCHASTIC:
+        noise = uniform(ng * g, seed=seed, step=step, stream=stream, device=x.device)
+        noise = noise.reshape(ng, g)
+    inf = torch.tensor(float("inf"), device=x.device)
+    if spec.scheme is Scheme.ABSMAX:
+        amax = torch.where(valid, x.abs(), 0.0).amax(dim=1, keepdim=True)
+        s = amax / spec.qmax
+        if spec.scale_dtype == torch.bfloat16:
+            s = _round_up_bf16(s)
+        inv = torch.where(s > 0, 1.0 / s, 0.0)
+        q = _round(x * inv, spec, noise).clamp(-spec.qmax, spec.qmax)
+        codes = q.to(torch.int32) + spec.qmax
+        fields = s
+    else:
+        lo = torch.where(valid, x, inf).amin(dim=1, keepdim=True)
+        hi = torch.where(valid, x, -inf).amax(dim=1, keepdim=True)
+        if spec.scheme is Scheme.MINMAX:
+            unit = (hi - lo) / spec.max_code
+            base = lo
+        else:
+            unit = (hi - lo) / (spec.max_code - 1)
+            words = philox4x32(
+                torch.arange(ng, dtype=torch.int64, device=x.device), seed, LATTICE_STREAM, step
+            )
+            xi = ((words[0] >> 8).to(torch.float32) * (2.0**-24)).reshape(ng, 1)
+            inv_u = torch.where(unit > 0, 1.0 / unit, 0.0)
+            k0 = torch.floor(lo * inv_u - xi)
+            base = torch.where(unit > 0, (k0 + xi) * unit, lo)
+        inv = torch.where(unit > 0, 1.0 / unit, 0.0)
+        q = _round((x - base) * inv, spec, noise).clamp(0, spec.max_code)
+        codes = q.to(torch.int32)
+        fields = torch.cat((base, unit), dim=1)
+    codes = torch.where(valid & ~bad, codes, 0)
+    fields = fields.clone()
+    fields[:, :1] = torch.where(bad, float("nan"), fields[:, :1])
+    return codes, fields
+
+
+def _dequantize_groups(codes: torch.Tensor, fields: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
+    if spec.scheme is Scheme.ABSMAX:
+        return (codes - spec.qmax).to(torch.float32) * fields[:, :1]
+    return fields[:, :1] + codes.to(torch.float32) * fields[:, 1:2]
+
+
+# --- flat encode / decode -----------------------------------------------------------------------
+def encode_flat(
+    flat: torch.Tensor,
+    spec: QuantSpec,
+    *,
+    seed: int = 0,
+    step: int = 0,
+    stream: int = 0,
+    rotate: bool = True,
+) -> torch.Tensor:
+    """Payload (uint8, ``spec.payload_bytes(n)``) of a float32 1-D tensor.
+
+    ``rotate=False`` skips the forward Hadamard (the input is already in the rotated domain).
+    """
+    n = flat.numel()
+    if spec.hadamard_block and rotate:
+        flat = hadamard_forward(flat, spec)
+    x, valid = _group_view(flat, spec)
+    codes, fields = _quantize_groups(x, valid, spec, seed=seed, step=step, stream=stream)
+    packed = pack_codes(codes.reshape(-1)[:n], spec.bits)
+    return torch.cat((_fields_to_bytes(fields, spec), packed))
+
+
+def _decode_rotated(payload: torch.Tensor, numel: int, spec: QuantSpec) -> torch.Tensor:
+    ng = spec.num_groups(numel)
+    sb = ng * spec.scale_bytes
+    fields = _bytes_to_fields(payload[:sb], ng, spec)
+    codes = torch.zeros(ng * spec.group_size, dtype=torch.int32, device=payload.device)
+    codes[:numel] = unpack_codes(payload[sb:], numel, spec.bits)
+    vals = _dequantize_groups(codes.reshape(ng, spec.group_size), fields, spec)
+    return vals.reshape(-1)[:numel]
+
+
+def decode_flat(
+    payload: torch.Tensor, numel: int, spec: QuantSpec, *, rotate: bool = True
+) -> torch.Tensor:
+    """Float32 values of one payload (inverse Hadamard applied unless ``rotate=False``)."""
+    return decode_sum_flat(payload.reshape(1, -1), numel, spec, rotate=rotate)
+
+
+def decode_sum_flat(
+    payloads: torch.Tensor, numel: int, spec: QuantSpec, *, rotate: bool = True
+) -> torch.Tensor:
+    """Float32 sum of ``k`` payloads stacked as ``[k, payload_bytes]``, summed in row order."""
+    acc = torch.zeros(numel, dtype=torch.float32, device=payloads.device)
+    for row in payloads:
+        acc = acc + _decode_rotated(row, numel, spec)
+    if spec.hadamard_block and rotate:
+        acc = hadamard_inverse(acc, spec)
+    return acc
+
+
+def decode_sum_encode_flat(
+    payloads: torch.Tensor,
+    numel: int,
+    in_spec: QuantSpec,
+    out_spec: QuantSpec,
+    *,
+    seed: int = 0,
+    step: int = 0,
+    stream: int = 0,
+) -> torch.Tensor:
+    """Decode ``k`` payloads, sum in float32 and re-encode with ``out_spec``, all in the rotated
+    domain (the middle hop of the two-level reduce-scatter)."""
+    acc = decode_sum_flat(payloads, numel, in_spec, rotate=False)
+    return encode_flat(acc, out_spec, seed=seed, step=step, stream=stream, rotate=False)

@@ -211,8 +211,7 @@ def _encode(x, base, spec, *, seed, step, stream, out, backend) -> Encoded:
     src = _flat(x)
     rsrc = _flat(base) if base is not None else None
     if _resolve(backend, x.device) == "triton":
-        _launch().encode(src, spec, out, ref=rsrc, seed=seed, step=step, stream=stream,
-                         rotate=True)
+        _launch().encode(src, spec, out, ref=rsrc, seed=seed, step=step, stream=stream, rotate=True)
     else:
         diff = src.float() if rsrc is None else src.float() - rsrc.float()
         out.copy_(ref.encode_flat(diff, spec, seed=seed, step=step, stream=stream))
@@ -247,8 +246,9 @@ def decode(
     if out is None:
         out = torch.empty(shape, dtype=enc.dtype, device=enc.payload.device)
     _check_out(out, enc.numel, enc.payload.device)
-    _decode_into(enc.payload.reshape(1, -1), enc.numel, enc.spec, out, accumulate=False,
-                 backend=backend)
+    _decode_into(
+        enc.payload.reshape(1, -1), enc.numel, enc.spec, out, accumulate=False, backend=backend
+    )
     return out
 
 
@@ -256,8 +256,9 @@ def decode_add(enc: Encoded, target: torch.Tensor, *, backend: Backend = "auto")
     """``target += decode(enc)`` in place, added in float32 and rounded once to target's dtype."""
     _check_float(target, "target")
     _check_out(target, enc.numel, enc.payload.device)
-    _decode_into(enc.payload.reshape(1, -1), enc.numel, enc.spec, target, accumulate=True,
-                 backend=backend)
+    _decode_into(
+        enc.payload.reshape(1, -1), enc.numel, enc.spec, target, accumulate=True, backend=backend
+    )
     return target
 
 
@@ -318,11 +319,15 @@ def decode_sum_encode(
     p = _stacked(payloads, numel, in_spec)
     out = torch.empty(out_spec.payload_bytes(numel), dtype=torch.uint8, device=p.device)
     if _resolve(backend, p.device) == "triton":
-        _launch().decode_sum_encode(p, numel, in_spec, out_spec, out, seed=seed, step=step,
-                                    stream=stream)
+        _launch().decode_sum_encode(
+            p, numel, in_spec, out_spec, out, seed=seed, step=step, stream=stream
+        )
     else:
-        out.copy_(ref.decode_sum_encode_flat(p, numel, in_spec, out_spec, seed=seed, step=step,
-                                             stream=stream))
+        out.copy_(
+            ref.decode_sum_encode_flat(
+                p, numel, in_spec, out_spec, seed=seed, step=step, stream=stream
+            )
+        )
     return Encoded(payload=out, numel=numel, dtype=dtype, spec=out_spec)
 
 

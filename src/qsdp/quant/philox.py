@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["philox4x32", "uniform", "random_signs"]
+__all__ = ["philox4x32", "philox_rounds", "random_signs", "uniform"]
 
 _M0 = 0xD2511F53
 _M1 = 0xCD9E8D57
@@ -59,10 +59,20 @@ def philox4x32(
         The four output words, each an int64 tensor of values in [0, 2^32).
     """
     c0 = counters & _MASK
-    c1 = (counters >> 32) & _MASK
-    c2 = torch.full_like(c0, stream & _MASK)
-    c3 = torch.full_like(c0, step & _MASK)
-    k0, k1 = key & _MASK, (key >> 32) & _MASK
+    return philox_rounds(
+        c0,
+        (counters >> 32) & _MASK,
+        torch.full_like(c0, stream & _MASK),
+        torch.full_like(c0, step & _MASK),
+        key & _MASK,
+        (key >> 32) & _MASK,
+    )
+
+
+def philox_rounds(
+    c0: torch.Tensor, c1: torch.Tensor, c2: torch.Tensor, c3: torch.Tensor, k0: int, k1: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The ten Philox4x32 rounds on four int64 tensors of 32-bit words and a 2-word key."""
     for _ in range(_ROUNDS):
         hi0, lo0 = _mulhilo(_M0, c0)
         hi1, lo1 = _mulhilo(_M1, c2)

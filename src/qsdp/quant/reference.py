@@ -167,6 +167,8 @@ def encode_flat(
     ``rotate=False`` skips the forward Hadamard (the input is already in the rotated domain).
     """
     n = flat.numel()
+    if n == 0:
+        return torch.empty(0, dtype=torch.uint8, device=flat.device)
     if spec.hadamard_block and rotate:
         flat = hadamard_forward(flat, spec)
     x, valid = _group_view(flat, spec)
@@ -197,6 +199,8 @@ def decode_sum_flat(
 ) -> torch.Tensor:
     """Float32 sum of ``k`` payloads stacked as ``[k, payload_bytes]``, summed in row order."""
     acc = torch.zeros(numel, dtype=torch.float32, device=payloads.device)
+    if numel == 0:
+        return acc
     for row in payloads:
         acc = acc + _decode_rotated(row, numel, spec)
     if spec.hadamard_block and rotate:

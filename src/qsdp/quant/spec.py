@@ -171,9 +171,7 @@ class QuantSpec:
 
     def __str__(self) -> str:
         had = f", hadamard={self.hadamard_block}" if self.hadamard_block else ""
-        return (
-            f"{self.scheme.value}{self.bits}/g{self.group_size}/{self.rounding.value}{had}"
-        )
+        return f"{self.scheme.value}{self.bits}/g{self.group_size}/{self.rounding.value}{had}"
 
 
 def _as_enum(cls: type[enum.Enum], value: object, name: str):

@@ -86,8 +86,18 @@ def _fwht(x, BLOCK: tl.constexpr, H: tl.constexpr, LOG_H: tl.constexpr):
 
 
 @triton.jit
-def _rotate(x, offs, numel, signs_ptr, inv_sqrt_h, INVERSE: tl.constexpr, HAS_SIGNS: tl.constexpr,
-            BLOCK: tl.constexpr, H: tl.constexpr, LOG_H: tl.constexpr):
+def _rotate(
+    x,
+    offs,
+    numel,
+    signs_ptr,
+    inv_sqrt_h,
+    INVERSE: tl.constexpr,
+    HAS_SIGNS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    H: tl.constexpr,
+    LOG_H: tl.constexpr,
+):
     """Forward (``H (d * x)``) or inverse (``d * (H y)``) rotation of whole blocks only."""
     y = x
     if HAS_SIGNS:
@@ -106,8 +116,9 @@ def _rotate(x, offs, numel, signs_ptr, inv_sqrt_h, INVERSE: tl.constexpr, HAS_SI
 
 # --- scales as bytes ----------------------------------------------------------------------------
 @triton.jit
-def _store_field(ptr, gidx, gmask, value, FIELD: tl.constexpr, FIELDS: tl.constexpr,
-                 SCALE_BF16: tl.constexpr):
+def _store_field(
+    ptr, gidx, gmask, value, FIELD: tl.constexpr, FIELDS: tl.constexpr, SCALE_BF16: tl.constexpr
+):
     bits = value.to(tl.uint32, bitcast=True)
     if SCALE_BF16:
         addr = ptr + gidx * (2 * FIELDS) + 2 * FIELD
@@ -120,8 +131,9 @@ def _store_field(ptr, gidx, gmask, value, FIELD: tl.constexpr, FIELDS: tl.conste
 
 
 @triton.jit
-def _load_field(ptr, gidx, gmask, FIELD: tl.constexpr, FIELDS: tl.constexpr,
-                SCALE_BF16: tl.constexpr):
+def _load_field(
+    ptr, gidx, gmask, FIELD: tl.constexpr, FIELDS: tl.constexpr, SCALE_BF16: tl.constexpr
+):
     if SCALE_BF16:
         addr = ptr + gidx * (2 * FIELDS) + 2 * FIELD
         bits = tl.load(addr, mask=gmask, other=0).to(tl.uint32) << 16
@@ -139,6 +151,17 @@ def _round_up_bf16(s):
     bits = s.to(tl.int32, bitcast=True)
     up = tl.where((bits & 0xFFFF) != 0, (bits + 0x10000) & -65536, bits)
     return up.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _cast_out(x, DTYPE: tl.constexpr):
+    """float32 -> DTYPE, round to nearest even (bf16 by hand: the interpreter truncates)."""
+    if DTYPE == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = tl.where(x != x, 0x7FC0, (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16)
+        return bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        return x.to(DTYPE)
 
 
 # --- code packing -------------------------------------------------------------------------------
@@ -171,10 +194,25 @@ def _unpack(raw, BLOCK: tl.constexpr, BITS: tl.constexpr):
 
 # --- quantize / dequantize one tile ---------------------------------------------------------------
 @triton.jit
-def _quantize_store(x, mask, pid, out_ptr, scale_region, n_code_bytes, n_groups,
-                    key0, key1, stream, step,
-                    BITS: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr,
-                    SCHEME: tl.constexpr, STOCHASTIC: tl.constexpr, SCALE_BF16: tl.constexpr):
+def _quantize_store(
+    x,
+    mask,
+    pid,
+    out_ptr,
+    scale_region,
+    n_code_bytes,
+    n_groups,
+    key0,
+    key1,
+    stream,
+    step,
+    BITS: tl.constexpr,
+    GROUP: tl.constexpr,
+    ROWS: tl.constexpr,
+    SCHEME: tl.constexpr,
+    STOCHASTIC: tl.constexpr,
+    SCALE_BF16: tl.constexpr,
+):
     """Quantize a [BLOCK] float32 tile (ROWS groups) and write its codes and scale bytes."""
     BLOCK: tl.constexpr = ROWS * GROUP
     QMAX: tl.constexpr = (1 << (BITS - 1)) - 1
@@ -210,8 +248,9 @@ def _quantize_store(x, mask, pid, out_ptr, scale_region, n_code_bytes, n_groups,
         else:
             unit = tl.math.div_rn(hi - lo, tl.full(lo.shape, MAXC - 1, tl.float32))
             inv = tl.where(unit > 0, tl.math.div_rn(tl.full(lo.shape, 1.0, tl.float32), unit), 0.0)
-            w0, w1, w2, w3 = _counter_words(gidx, tl.full((), 0xFFFFFFFF, tl.uint32), step,
-                                            key0, key1)
+            w0, w1, w2, w3 = _counter_words(
+                gidx, tl.full((), 0xFFFFFFFF, tl.uint32), step, key0, key1
+            )
             xi = _to_uniform(w0)
             k0 = tl.floor(lo * inv - xi)
             base = tl.where(unit > 0, (k0 + xi) * unit, lo)
@@ -234,9 +273,20 @@ def _quantize_store(x, mask, pid, out_ptr, scale_region, n_code_bytes, n_groups,
 
 
 @triton.jit
-def _decode_sum(in_ptr, chunk_stride, pid, scale_region, n_code_bytes, n_groups,
-                BITS: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr,
-                SCHEME: tl.constexpr, SCALE_BF16: tl.constexpr, K: tl.constexpr):
+def _decode_sum(
+    in_ptr,
+    chunk_stride,
+    pid,
+    scale_region,
+    n_code_bytes,
+    n_groups,
+    BITS: tl.constexpr,
+    GROUP: tl.constexpr,
+    ROWS: tl.constexpr,
+    SCHEME: tl.constexpr,
+    SCALE_BF16: tl.constexpr,
+    K: tl.constexpr,
+):
     """Float32 sum over k stacked payloads of this program's [BLOCK] values (rotated domain)."""
     BLOCK: tl.constexpr = ROWS * GROUP
     QMAX: tl.constexpr = (1 << (BITS - 1)) - 1
@@ -262,12 +312,32 @@ def _decode_sum(in_ptr, chunk_stride, pid, scale_region, n_code_bytes, n_groups,
 
 # --- kernels ------------------------------------------------------------------------------------
 @triton.jit(do_not_specialize=["numel", "key0", "key1", "stream", "step"])
-def encode_kernel(x_ptr, ref_ptr, out_ptr, signs_ptr, numel, scale_region, n_code_bytes,
-                  n_groups, key0, key1, stream, step, inv_sqrt_h,
-                  BITS: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr,
-                  SCHEME: tl.constexpr, STOCHASTIC: tl.constexpr, SCALE_BF16: tl.constexpr,
-                  HAS_REF: tl.constexpr, ROTATE: tl.constexpr, HAS_SIGNS: tl.constexpr,
-                  H: tl.constexpr, LOG_H: tl.constexpr):
+def encode_kernel(
+    x_ptr,
+    ref_ptr,
+    out_ptr,
+    signs_ptr,
+    numel,
+    scale_region,
+    n_code_bytes,
+    n_groups,
+    key0,
+    key1,
+    stream,
+    step,
+    inv_sqrt_h,
+    BITS: tl.constexpr,
+    GROUP: tl.constexpr,
+    ROWS: tl.constexpr,
+    SCHEME: tl.constexpr,
+    STOCHASTIC: tl.constexpr,
+    SCALE_BF16: tl.constexpr,
+    HAS_REF: tl.constexpr,
+    ROTATE: tl.constexpr,
+    HAS_SIGNS: tl.constexpr,
+    H: tl.constexpr,
+    LOG_H: tl.constexpr,
+):
     BLOCK: tl.constexpr = ROWS * GROUP
     pid = tl.program_id(0).to(tl.int64)
     offs = pid * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
@@ -277,45 +347,135 @@ def encode_kernel(x_ptr, ref_ptr, out_ptr, signs_ptr, numel, scale_region, n_cod
         x = x - tl.load(ref_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     if ROTATE:
         x = _rotate(x, offs, numel, signs_ptr, inv_sqrt_h, False, HAS_SIGNS, BLOCK, H, LOG_H)
-    _quantize_store(x, mask, pid, out_ptr, scale_region, n_code_bytes, n_groups,
-                    key0, key1, stream, step, BITS, GROUP, ROWS, SCHEME, STOCHASTIC, SCALE_BF16)
+    _quantize_store(
+        x,
+        mask,
+        pid,
+        out_ptr,
+        scale_region,
+        n_code_bytes,
+        n_groups,
+        key0,
+        key1,
+        stream,
+        step,
+        BITS,
+        GROUP,
+        ROWS,
+        SCHEME,
+        STOCHASTIC,
+        SCALE_BF16,
+    )
 
 
 @triton.jit(do_not_specialize=["numel"])
-def decode_kernel(in_ptr, chunk_stride, out_ptr, signs_ptr, numel, scale_region,
-                  n_code_bytes, n_groups, inv_sqrt_h,
-                  BITS: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr,
-                  SCHEME: tl.constexpr, SCALE_BF16: tl.constexpr, K: tl.constexpr,
-                  ACCUMULATE: tl.constexpr,
-                  ROTATE: tl.constexpr, HAS_SIGNS: tl.constexpr,
-                  H: tl.constexpr, LOG_H: tl.constexpr):
+def decode_kernel(
+    in_ptr,
+    chunk_stride,
+    out_ptr,
+    signs_ptr,
+    numel,
+    scale_region,
+    n_code_bytes,
+    n_groups,
+    inv_sqrt_h,
+    BITS: tl.constexpr,
+    GROUP: tl.constexpr,
+    ROWS: tl.constexpr,
+    SCHEME: tl.constexpr,
+    SCALE_BF16: tl.constexpr,
+    K: tl.constexpr,
+    ACCUMULATE: tl.constexpr,
+    ROTATE: tl.constexpr,
+    HAS_SIGNS: tl.constexpr,
+    H: tl.constexpr,
+    LOG_H: tl.constexpr,
+):
     BLOCK: tl.constexpr = ROWS * GROUP
     pid = tl.program_id(0).to(tl.int64)
     offs = pid * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
     mask = offs < numel
-    acc = _decode_sum(in_ptr, chunk_stride, pid, scale_region, n_code_bytes, n_groups,
-                      BITS, GROUP, ROWS, SCHEME, SCALE_BF16, K)
+    acc = _decode_sum(
+        in_ptr,
+        chunk_stride,
+        pid,
+        scale_region,
+        n_code_bytes,
+        n_groups,
+        BITS,
+        GROUP,
+        ROWS,
+        SCHEME,
+        SCALE_BF16,
+        K,
+    )
     if ROTATE:
         acc = _rotate(acc, offs, numel, signs_ptr, inv_sqrt_h, True, HAS_SIGNS, BLOCK, H, LOG_H)
     if ACCUMULATE:
         acc = tl.load(out_ptr + offs, mask=mask, other=0.0).to(tl.float32) + acc
-    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + offs, _cast_out(acc, out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit(do_not_specialize=["numel", "key0", "key1", "stream", "step"])
-def decode_sum_encode_kernel(in_ptr, chunk_stride, out_ptr, numel, in_scale_region,
-                             in_code_bytes, out_scale_region, out_code_bytes, n_groups,
-                             key0, key1, stream, step,
-                             IN_BITS: tl.constexpr, IN_SCHEME: tl.constexpr,
-                             IN_SCALE_BF16: tl.constexpr, BITS: tl.constexpr,
-                             GROUP: tl.constexpr, ROWS: tl.constexpr, SCHEME: tl.constexpr,
-                             STOCHASTIC: tl.constexpr, SCALE_BF16: tl.constexpr,
-                             K: tl.constexpr):
+def decode_sum_encode_kernel(
+    in_ptr,
+    chunk_stride,
+    out_ptr,
+    numel,
+    in_scale_region,
+    in_code_bytes,
+    out_scale_region,
+    out_code_bytes,
+    n_groups,
+    key0,
+    key1,
+    stream,
+    step,
+    IN_BITS: tl.constexpr,
+    IN_SCHEME: tl.constexpr,
+    IN_SCALE_BF16: tl.constexpr,
+    BITS: tl.constexpr,
+    GROUP: tl.constexpr,
+    ROWS: tl.constexpr,
+    SCHEME: tl.constexpr,
+    STOCHASTIC: tl.constexpr,
+    SCALE_BF16: tl.constexpr,
+    K: tl.constexpr,
+):
     BLOCK: tl.constexpr = ROWS * GROUP
     pid = tl.program_id(0).to(tl.int64)
     offs = pid * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
     mask = offs < numel
-    acc = _decode_sum(in_ptr, chunk_stride, pid, in_scale_region, in_code_bytes,
-                      n_groups, IN_BITS, GROUP, ROWS, IN_SCHEME, IN_SCALE_BF16, K)
-    _quantize_store(acc, mask, pid, out_ptr, out_scale_region, out_code_bytes, n_groups,
-                    key0, key1, stream, step, BITS, GROUP, ROWS, SCHEME, STOCHASTIC, SCALE_BF16)
+    acc = _decode_sum(
+        in_ptr,
+        chunk_stride,
+        pid,
+        in_scale_region,
+        in_code_bytes,
+        n_groups,
+        IN_BITS,
+        GROUP,
+        ROWS,
+        IN_SCHEME,
+        IN_SCALE_BF16,
+        K,
+    )
+    _quantize_store(
+        acc,
+        mask,
+        pid,
+        out_ptr,
+        out_scale_region,
+        out_code_bytes,
+        n_groups,
+        key0,
+        key1,
+        stream,
+        step,
+        BITS,
+        GROUP,
+        ROWS,
+        SCHEME,
+        STOCHASTIC,
+        SCALE_BF16,
+    )

@@ -1,0 +1,221 @@
+"""Shared plumbing of the collectives: groups, ops, noise streams, byte-counted torch.distributed
+calls and the work handle that runs a collective's stages.
+
+[Note: stages and async_op]
+A collective is written as a generator of stages. It encodes, issues its ``torch.distributed``
+calls with ``async_op=True`` and yields ``(works, deferrable)``: the works it must see finished
+before it can go on. :class:`CommWork` drives it. A stage with ``deferrable=False`` is waited for
+at once, so every ``torch.distributed`` call a collective makes is issued before the collective
+returns, in program order, exactly like torch's own async collectives (ranks can never issue them
+in different orders). Only the last stage is ``deferrable``: with ``async_op=True`` the handle
+returns while it is in flight, and ``wait()`` finishes it and runs the local decode.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..quant import QuantSpec
+from .stats import CommStats, comm_stats
+
+Works = Sequence[dist.Work]
+Stages = Generator[tuple[Works, bool], None, None]
+
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_MASK64 = (1 << 64) - 1
+# Philox streams 0xFFFFFFFE/0xFFFFFFFF are reserved by qsdp.quant (lattice dither, Hadamard signs).
+_STREAMS = 0xFFFFFFF0
+
+
+class CommWork:
+    """Handle of a collective started with ``async_op=True``.
+
+    ``wait()`` blocks until the communication has finished and the result is in the output
+    tensor. Every ``torch.distributed`` call of the collective was issued before the call that
+    returned this handle came back, so ranks may wait in any order.
+    """
+
+    def __init__(self, stages: Stages, *, defer: bool) -> None:
+        self._stages = stages
+        self._pending: Works | None = None
+        self._done = False
+        self._run(defer=defer)
+
+    def _run(self, *, defer: bool) -> None:
+        for works, deferrable in self._stages:
+            if defer and deferrable:
+                self._pending = works
+                return
+            for w in works:
+                w.wait()
+        self._done = True
+
+    def wait(self) -> bool:
+        """Finish the collective (wait for its last communication, decode). Returns True."""
+        if not self._done:
+            for w in self._pending or ():
+                w.wait()
+            self._pending = None
+            self._run(defer=False)
+        return True
+
+    def is_completed(self) -> bool:
+        """True when ``wait()`` would not block on communication (it may still decode)."""
+        return self._done or all(w.is_completed() for w in self._pending or ())
+
+
+def run_stages(stages: Stages, async_op: bool) -> CommWork | None:
+    """Drive a collective's stages: to the end, or up to its deferrable stage for async_op."""
+    work = CommWork(stages, defer=async_op)
+    return work if async_op else None
+
+
+# --- arguments ----------------------------------------------------------------------------------
+def group_info(group: dist.ProcessGroup | None) -> tuple[dist.ProcessGroup, int, int]:
+    """(group, its size, this process's rank in it); ``None`` is the default group."""
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "qsdp.comm collectives need torch.distributed: call dist.init_process_group first"
+        )
+    pg = group if group is not None else dist.group.WORLD
+    rank = dist.get_rank(pg)
+    if rank < 0:
+        raise ValueError("this process is not a member of the given group")
+    return pg, dist.get_world_size(pg), rank
+
+
+def parse_op(op: str | dist.ReduceOp) -> str:
+    """``"avg"`` or ``"sum"`` from a string or ``dist.ReduceOp.AVG`` / ``SUM``."""
+    if isinstance(op, str) and op.lower() in ("avg", "sum"):
+        return op.lower()
+    if not isinstance(op, str):
+        if op == dist.ReduceOp.AVG:
+            return "avg"
+        if op == dist.ReduceOp.SUM:
+            return "sum"
+    raise ValueError(
+        f"op={op!r} is not supported: qsdp reduces with 'avg' or 'sum' (ReduceOp.AVG / SUM); for "
+        "a pre-scaled sum (PREMUL_SUM) scale the input and pass op='sum'"
+    )
+
+
+def check_spec(spec: object, name: str = "spec") -> QuantSpec:
+    if not isinstance(spec, QuantSpec):
+        raise TypeError(f"{name} must be a qsdp.quant.QuantSpec, got {type(spec).__name__}")
+    return spec
+
+
+def check_float(t: object, name: str) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in _FLOAT_DTYPES:
+        raise TypeError(
+            f"{name} has dtype {t.dtype}; qsdp's collectives take float32, bfloat16 or float16"
+        )
+    return t
+
+
+def check_contiguous(t: torch.Tensor, name: str) -> None:
+    if not t.is_contiguous():
+        raise ValueError(
+            f"{name} must be contiguous (it is written in place); got {tuple(t.shape)=} "
+            f"{t.stride()=}; pass {name}.contiguous() and copy back"
+        )
+
+
+def check_same_device(a: torch.Tensor, b: torch.Tensor, names: str) -> None:
+    if a.device != b.device:
+        raise ValueError(f"{names} must be on one device; got {a.device} and {b.device}")
+
+
+def check_key(seed: int, step: int, bucket: int) -> None:
+    for name, value, bits in (("seed", seed, 64), ("step", step, 32), ("bucket", bucket, 32)):
+        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 2**bits:
+            raise ValueError(f"{name}={value!r} must be an int in [0, 2**{bits})")
+
+
+# --- noise streams ------------------------------------------------------------------------------
+def _mix64(z: int) -> int:
+    """SplitMix64's finalizer: a bijection of 64-bit words with good avalanche."""
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9 & _MASK64
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EB & _MASK64
+    return z ^ (z >> 31)
+
+
+def noise_stream(rank: int, chunk: int, *, bucket: int = 0, hop: int = 0) -> int:
+    """Philox ``stream`` word of one encode: distinct per (bucket, hop, global rank, chunk).
+
+    Stochastic rounding must draw independent noise on every rank (shared noise correlates the
+    errors and breaks the 1/n variance of the mean) and for every chunk a rank encodes (each
+    encode numbers its elements from 0). The tuple is hashed to 32 bits, avoiding the streams
+    ``qsdp.quant`` reserves.
+    """
+    z = 0
+    for word in (bucket, hop, rank, chunk):
+        z = _mix64((z + word + 0x9E3779B97F4A7C15) & _MASK64)
+    return z % _STREAMS
+
+
+# --- torch.distributed calls, counted -----------------------------------------------------------
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def all_gather(
+    out: torch.Tensor, inp: torch.Tensor, group, stats: CommStats, name: str
+) -> dist.Work:
+    """``all_gather_single`` (torch >= 2.13) or ``all_gather_into_tensor``, async, counted."""
+    stats.add_bytes(name, _nbytes(inp))
+    fn = getattr(dist, "all_gather_single", None)
+    if fn is None:
+        fn = dist.all_gather_into_tensor
+    return fn(out, inp, group=group, async_op=True)
+
+
+def reduce_scatter_sum(
+    out: torch.Tensor, inp: torch.Tensor, group, stats: CommStats, name: str
+) -> dist.Work:
+    """``reduce_scatter_single`` (torch >= 2.13) or ``reduce_scatter_tensor`` with SUM."""
+    stats.add_bytes(name, _nbytes(inp))
+    fn = getattr(dist, "reduce_scatter_single", None)
+    if fn is None:
+        fn = dist.reduce_scatter_tensor
+    return fn(out, inp, op=dist.ReduceOp.SUM, group=group, async_op=True)
+
+
+def all_to_all(
+    out: torch.Tensor,
+    inp: torch.Tensor,
+    out_splits: list[int],
+    in_splits: list[int],
+    group,
+    stats: CommStats,
+    name: str,
+) -> dist.Work:
+    """``all_to_all_single`` with explicit (possibly uneven) splits, async, counted."""
+    stats.add_bytes(name, _nbytes(inp))
+    return dist.all_to_all_single(out, inp, out_splits, in_splits, group=group, async_op=True)
+
+
+def all_reduce(t: torch.Tensor, op: dist.ReduceOp, group, stats: CommStats, name: str) -> dist.Work:
+    """``all_reduce`` in place, async, counted."""
+    stats.add_bytes(name, _nbytes(t))
+    return dist.all_reduce(t, op=op, group=group, async_op=True)
+
+
+def resolve_stats(stats: CommStats | None) -> CommStats:
+    if stats is None:
+        return comm_stats
+    if not isinstance(stats, CommStats):
+        raise TypeError(f"stats must be a qsdp.comm.CommStats or None, got {type(stats).__name__}")
+    return stats
+
+
+def finish_into(out: torch.Tensor, acc: torch.Tensor, op: str, divisor: int) -> None:
+    """Write the float32 sum ``acc`` into ``out`` (its dtype), divided for ``op='avg'``."""
+    if op == "avg":
+        acc.div_(divisor)
+    out.view(-1).copy_(acc)

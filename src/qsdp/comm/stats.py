@@ -1,0 +1,80 @@
+"""Bytes that qsdp's collectives hand to ``torch.distributed``: a small, resettable counter.
+
+Every collective in :mod:`qsdp.comm` records, per call, the ``nbytes`` of each send tensor it
+passes to a ``torch.distributed`` function (for ``all_to_all_single`` the whole input tensor, for
+``all_reduce`` the tensor) under the collective's name. Metrics code reads :data:`comm_stats`
+(the default counter) or a :class:`CommStats` of its own passed as ``stats=`` to a collective.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+__all__ = ["CollectiveCounts", "CommStats", "comm_stats"]
+
+
+@dataclass(frozen=True)
+class CollectiveCounts:
+    """Totals of one collective since the counter was last reset."""
+
+    calls: int = 0
+    """Calls of the qsdp collective."""
+    bytes: int = 0
+    """Bytes of the send tensors handed to ``torch.distributed``."""
+    dist_calls: int = 0
+    """``torch.distributed`` calls the collective made (scales all-reduce included)."""
+
+
+class CommStats:
+    """Per-collective byte and call counts, safe to share between threads.
+
+    Example::
+
+        stats = CommStats()
+        all_gather(out, shard, spec=spec, stats=stats)
+        stats["all_gather"].bytes  # == all_gather_wire_bytes(shard.numel(), spec)
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts: dict[str, CollectiveCounts] = {}
+
+    def count_call(self, collective: str) -> None:
+        """Count one call of ``collective`` (done once per qsdp collective call)."""
+        with self._lock:
+            c = self._counts.get(collective, CollectiveCounts())
+            self._counts[collective] = CollectiveCounts(c.calls + 1, c.bytes, c.dist_calls)
+
+    def add_bytes(self, collective: str, nbytes: int) -> None:
+        """Count one ``torch.distributed`` call of ``collective`` sending ``nbytes``."""
+        with self._lock:
+            c = self._counts.get(collective, CollectiveCounts())
+            self._counts[collective] = CollectiveCounts(c.calls, c.bytes + nbytes, c.dist_calls + 1)
+
+    def __getitem__(self, collective: str) -> CollectiveCounts:
+        with self._lock:
+            return self._counts.get(collective, CollectiveCounts())
+
+    def snapshot(self) -> dict[str, CollectiveCounts]:
+        """A copy of all counts, keyed by collective name."""
+        with self._lock:
+            return dict(self._counts)
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes over all collectives."""
+        with self._lock:
+            return sum(c.bytes for c in self._counts.values())
+
+    def reset(self) -> None:
+        """Forget all counts."""
+        with self._lock:
+            self._counts.clear()
+
+    def __repr__(self) -> str:
+        return f"CommStats({self.snapshot()})"
+
+
+#: The counter every collective records into unless given ``stats=``.
+comm_stats = CommStats()

@@ -1,0 +1,249 @@
+"""Run a function on real ``torch.distributed`` processes and count the bytes they send.
+
+[Note: why forkserver]
+Each test worker is a real process with its own gloo process group, rendezvoused through a
+``FileStore`` in a fresh temporary directory (no ports, nothing outside 127.0.0.1). ``spawn`` costs
+a full ``import torch`` per worker (seconds on a 2-core CI machine); ``fork`` from a pytest process
+that already ran torch ops risks copying held locks. ``forkserver`` with torch preloaded gives
+both: a clean single-threaded server imports torch once, every worker forks from it. Workers run
+with one intra-op thread (``OMP_NUM_THREADS=1``), which is what makes multi-rank tests fast on a
+small machine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import tempfile
+import traceback
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+__all__ = ["DistByteCounter", "count_dist_bytes", "run_distributed"]
+
+_PRELOAD = ["torch", "torch.distributed", "qsdp"]
+
+
+def _worker(
+    rank: int,
+    world_size: int,
+    store_path: str,
+    backend: str,
+    pg_timeout_s: float,
+    fn: Callable[..., Any],
+    args: tuple,
+    kwargs: dict,
+    results: Any,
+) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    try:
+        store = dist.FileStore(store_path, world_size)
+        dist.init_process_group(
+            backend,
+            store=store,
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=pg_timeout_s),
+        )
+        try:
+            value = fn(rank, world_size, *args, **kwargs)
+        finally:
+            dist.destroy_process_group()
+        results.put((rank, True, value))
+    except BaseException:  # noqa: B036 - every failure, KeyboardInterrupt included, must reach the parent
+        results.put((rank, False, traceback.format_exc()))
+
+
+def run_distributed(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout_s: float = 180.0,
+    pg_timeout_s: float = 60.0,
+    backend: str = "gloo",
+    start_method: str = "forkserver",
+    **kwargs: Any,
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` real processes.
+
+    Each process joins a fresh process group (``backend``, rendezvous through a ``FileStore``)
+    before ``fn`` runs and leaves it afterwards. ``fn`` must be picklable by reference (a
+    module-level function) and its return value picklable.
+
+    Args:
+        fn: the per-rank function; it may use the default process group freely.
+        world_size: number of processes (>= 1).
+        *args, **kwargs: passed on to ``fn``.
+        timeout_s: wall-clock limit for the whole run; past it the workers are killed.
+        pg_timeout_s: the process group's collective timeout, so a rank stuck waiting for a
+            failed peer gives up quickly.
+        backend: ``"gloo"`` (CPU) or ``"nccl"``.
+        start_method: ``"forkserver"`` (fast, the default), ``"spawn"`` or ``"fork"``.
+
+    Returns:
+        The per-rank return values of ``fn``, indexed by rank.
+
+    Raises:
+        RuntimeError: a worker raised (the message holds its rank and full traceback), died
+            without reporting, or the run exceeded ``timeout_s``.
+    """
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size={world_size!r} must be a positive int")
+    ctx = mp.get_context(start_method)
+    if start_method == "forkserver":
+        ctx.set_forkserver_preload(_PRELOAD)
+    results = ctx.SimpleQueue()
+    with tempfile.TemporaryDirectory(prefix="qsdp-dist-") as tmp:
+        store_path = os.path.join(tmp, "store")
+        procs = [
+            ctx.Process(
+                target=_worker,
+                args=(r, world_size, store_path, backend, pg_timeout_s, fn, args, kwargs, results),
+                daemon=True,
+            )
+            for r in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+        try:
+            return _collect(procs, results, world_size, timeout_s, fn)
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+                p.join()
+
+
+def _collect(procs, results, world_size: int, timeout_s: float, fn) -> list[Any]:
+    import time
+
+    values: dict[int, Any] = {}
+    failures: dict[int, str] = {}
+    deadline = time.monotonic() + timeout_s
+    grace_end = None
+    name = getattr(fn, "__qualname__", repr(fn))
+    while len(values) + len(failures) < world_size:
+        now = time.monotonic()
+        # After one rank fails, its peers are stuck in collectives: give them a moment to report
+        # their own errors, then stop waiting.
+        if now > deadline or (grace_end is not None and now > grace_end):
+            break
+        if results.empty():
+            if not any(p.is_alive() for p in procs) and results.empty():
+                break
+            time.sleep(0.01)
+            continue
+        rank, ok, value = results.get()
+        if ok:
+            values[rank] = value
+        else:
+            failures[rank] = value
+            grace_end = grace_end or time.monotonic() + 2.0
+    if failures:
+        first = min(failures)
+        others = sorted(set(failures) - {first})
+        raise RuntimeError(
+            f"{name} failed on rank {first} of {world_size}"
+            + (f" (ranks {others} failed too)" if others else "")
+            + f":\n{failures[first]}"
+        )
+    missing = sorted(set(range(world_size)) - set(values))
+    if missing:
+        codes = {r: procs[r].exitcode for r in missing}
+        raise RuntimeError(
+            f"{name}: ranks {missing} of {world_size} did not finish within {timeout_s} s "
+            f"(exit codes {codes}); a hang in a collective or a crashed worker"
+        )
+    return [values[r] for r in range(world_size)]
+
+
+# --- byte counting ----------------------------------------------------------------------------
+_COUNTED = {
+    "all_gather_into_tensor": "input_tensor",
+    "all_gather_single": "input_tensor",
+    "reduce_scatter_tensor": "input",
+    "reduce_scatter_single": "input",
+    "all_to_all_single": "input",
+    "all_reduce": "tensor",
+}
+_POSITION = {
+    "all_gather_into_tensor": 1,
+    "all_gather_single": 1,
+    "reduce_scatter_tensor": 1,
+    "reduce_scatter_single": 1,
+    "all_to_all_single": 1,
+    "all_reduce": 0,
+}
+
+
+@dataclass
+class DistByteCounter:
+    """Bytes of the send tensors handed to each ``torch.distributed`` collective."""
+
+    bytes: dict[str, int] = field(default_factory=dict)
+    """Function name -> sum of the send tensors' ``nbytes`` (for ``all_to_all_single`` the
+    input tensor, whatever its split sizes)."""
+    calls: dict[str, int] = field(default_factory=dict)
+    """Function name -> number of calls."""
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes over all counted functions."""
+        return sum(self.bytes.values())
+
+    @property
+    def total_calls(self) -> int:
+        """Calls over all counted functions."""
+        return sum(self.calls.values())
+
+
+@contextlib.contextmanager
+def count_dist_bytes() -> Iterator[DistByteCounter]:
+    """Patch the ``torch.distributed`` collectives to count the bytes handed to them.
+
+    Wraps ``all_gather_into_tensor``, ``all_gather_single``, ``reduce_scatter_tensor``,
+    ``reduce_scatter_single``, ``all_to_all_single`` and ``all_reduce`` (those that exist) on the
+    ``torch.distributed`` module for the duration of the block. Callers that look the functions up
+    on the module at call time are counted; the real function still runs.
+
+    Yields:
+        The :class:`DistByteCounter` that fills up while the block runs.
+    """
+    counter = DistByteCounter()
+    saved: dict[str, Callable[..., Any]] = {}
+    # torch 2.13's deprecated names call the new ones: count only the outermost call.
+    depth = [0]
+
+    def wrap(name: str, real: Callable[..., Any]) -> Callable[..., Any]:
+        key, pos = _COUNTED[name], _POSITION[name]
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            if depth[0] == 0:
+                t = kwargs[key] if key in kwargs else args[pos]
+                counter.bytes[name] = counter.bytes.get(name, 0) + t.numel() * t.element_size()
+                counter.calls[name] = counter.calls.get(name, 0) + 1
+            depth[0] += 1
+            try:
+                return real(*args, **kwargs)
+            finally:
+                depth[0] -= 1
+
+        return counted
+
+    for name in _COUNTED:
+        real = getattr(dist, name, None)
+        if real is not None:
+            saved[name] = real
+            setattr(dist, name, wrap(name, real))
+    try:
+        yield counter
+    finally:
+        for name, real in saved.items():
+            setattr(dist, name, real)

@@ -1,0 +1,61 @@
+import pytest
+import torch
+
+from qsdp.quant import NonFinite, QuantSpec, Rounding, Scheme
+
+
+def test_strings_become_enums():
+    s = QuantSpec(4, 128, "absmax", "stochastic", hadamard_block=32, nonfinite="propagate")
+    assert s.scheme is Scheme.ABSMAX
+    assert s.rounding is Rounding.STOCHASTIC
+    assert s.nonfinite is NonFinite.PROPAGATE
+    assert str(s) == "absmax4/g128/stochastic, hadamard=32"
+
+
+def test_frozen():
+    s = QuantSpec(8, 128, "absmax", "nearest")
+    with pytest.raises(AttributeError):
+        s.bits = 4
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"bits": 3}, "bits=3 must be 2, 4 or 8"),
+        ({"bits": 16}, "bits=16"),
+        ({"group_size": 100}, "group_size=100 must be a power of two"),
+        ({"group_size": 8}, "group_size=8"),
+        ({"group_size": 16384}, "group_size=16384"),
+        ({"scheme": "maxabs"}, "scheme='maxabs' must be one of"),
+        ({"rounding": "up"}, "rounding='up' must be one of"),
+        ({"hadamard_block": 24}, "hadamard_block=24"),
+        ({"hadamard_block": 512}, "hadamard_block=512"),
+        ({"group_size": 16, "hadamard_block": 32}, "must not exceed group_size=16"),
+        ({"hadamard_seed": 3}, "hadamard_seed is set but hadamard_block is None"),
+        ({"hadamard_block": 32, "hadamard_seed": -1}, "hadamard_seed=-1"),
+        ({"scale_dtype": torch.float16}, "scale_dtype=torch.float16"),
+        ({"scheme": "minmax", "scale_dtype": torch.bfloat16}, "needs scheme='absmax'"),
+        ({"nonfinite": "ignore"}, "nonfinite='ignore'"),
+    ],
+)
+def test_bad_spec_raises_with_fix(kwargs, match):
+    args = {"bits": 8, "group_size": 128, "scheme": "absmax", "rounding": "nearest"} | kwargs
+    with pytest.raises(ValueError, match=match):
+        QuantSpec(**args)
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("scheme", ["absmax", "minmax", "shift-lattice"])
+@pytest.mark.parametrize("numel", [0, 1, 127, 128, 129, 5000])
+def test_payload_bytes_formula(bits, scheme, numel):
+    s = QuantSpec(bits, 128, scheme, "nearest")
+    groups = -(-numel // 128)
+    fields = 1 if scheme == "absmax" else 2
+    assert s.num_groups(numel) == groups
+    assert s.payload_bytes(numel) == -(-numel * bits // 8) + groups * fields * 4
+
+
+def test_bf16_scales_halve_scale_bytes():
+    s = QuantSpec(4, 32, "absmax", "nearest", scale_dtype=torch.bfloat16)
+    assert s.scale_bytes == 2
+    assert s.payload_bytes(100) == 50 + 4 * 2

@@ -1,4 +1,4 @@
-"""Blockwise orthonormal Hadamard rotation (SDP4Bit's smoothing), the reference both backends follow.
+"""Blockwise orthonormal Hadamard rotation (SDP4Bit's smoothing): the reference of both backends.
 
 [Note: why butterflies]
 ``H_h / sqrt(h)`` is applied as the fast Walsh-Hadamard transform: ``log2(h)`` stages, stage

@@ -5,15 +5,15 @@ Every function works on any device. The arithmetic is float32 in a fixed order (
 the two backends agree bit for bit for nearest rounding and, given the same Philox noise, for
 stochastic rounding.
 
-Per group (``v`` is the scaled value, ``r`` the rounding: ``floor(v + 0.5)`` or ``floor(v + u)``)::
+Per group (``r`` is the rounding: ``floor(v + 0.5)`` or ``floor(v + u)``, then a clamp)::
 
-    absmax         s = max|x| / qmax  (bf16 scales: rounded up)   q = clamp(r(x * (1/s)), -qmax, qmax)
-                   code = q + qmax                                 value = (code - qmax) * s
-    minmax         unit = (max - min) / (2^b - 1)                  code = clamp(r((x - min) * (1/unit)))
-                                                                   value = min + code * unit
-    shift-lattice  delta = (max - min) / (2^b - 2), xi ~ U[0,1) per group and step (shared by ranks)
-                   base = (floor(min/delta - xi) + xi) * delta     code = clamp(r((x - base) * (1/delta)))
-                                                                   value = base + code * delta
+    absmax         s = max|x| / qmax (bf16 scales: rounded up)
+                   code = r(x * (1/s)) + qmax             value = (code - qmax) * s
+    minmax         unit = (max - min) / (2^b - 1)
+                   code = r((x - min) * (1/unit))         value = min + code * unit
+    shift-lattice  delta = (max - min) / (2^b - 2), xi ~ U[0,1) per group and step (rank-shared)
+                   base = (floor(min/delta - xi) + xi) * delta
+                   code = r((x - base) * (1/delta))       value = base + code * delta
 
 A group with a NaN or Inf gets NaN as its first scale field and zero codes; the caller decides
 whether that raises (default) or propagates.

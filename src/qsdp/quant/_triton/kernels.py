@@ -7,7 +7,8 @@ group statistic is a row reduction of a ``[ROWS, GROUP]`` tile and Hadamard bloc
 three kernels:
 
     encode            load x (- ref) -> [rotate] -> quantize -> pack codes + scale bytes
-    decode            for k chunks: unpack + dequantize, fp32 sum -> [inverse rotate] -> (+ out) -> store
+    decode            for k chunks: unpack + dequantize, fp32 sum -> [inverse rotate]
+                      -> (+ out) -> store
     decode_sum_encode for k chunks: unpack + dequantize, fp32 sum -> quantize with the out spec
 
 Scales are read and written byte by byte (little endian), so a payload may sit at any byte

@@ -130,8 +130,12 @@ def _raise_nonfinite(payload: torch.Tensor, spec: QuantSpec, src: torch.Tensor, 
     if spec.nonfinite is NonFinite.PROPAGATE or numel == 0:
         return
     ng = spec.num_groups(numel)
-    fields = ref._bytes_to_fields(payload[: ng * spec.scale_bytes], ng, spec)
-    if bool(torch.isnan(fields[:, 0]).any()):
+    raw = payload[: ng * spec.scale_bytes]
+    if raw.storage_offset() % spec.scale_dtype.itemsize == 0:
+        first = raw.view(spec.scale_dtype)[:: spec.scale_fields]  # no copy: a view of the scales
+    else:
+        first = ref._bytes_to_fields(raw, ng, spec)[:, 0]
+    if bool(torch.isnan(first).any()):
         count = int((~torch.isfinite(src)).sum())
         raise ValueError(
             f"cannot quantize: {count} of {numel} values are NaN or Inf ({spec}); fix the "

@@ -1,0 +1,1 @@
+"""Runnable jobs behind the ``qsdp`` command (nothing in the library imports this package)."""

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from ..quant import QuantSpec
-from .stats import CommStats, comm_stats
+from ._stats import CommStats, comm_stats
 
 Works = Sequence[dist.Work]
 Stages = Generator[tuple[Works, bool], None, None]
@@ -145,8 +145,8 @@ def _mix64(z: int) -> int:
     return z ^ (z >> 31)
 
 
-def noise_stream(rank: int, chunk: int, *, bucket: int = 0, hop: int = 0) -> int:
-    """Philox ``stream`` word of one encode: distinct per (bucket, hop, global rank, chunk).
+def noise_stream(rank: int, chunk: int, *, bucket: int = 0, hop: int = 0, piece: int = 0) -> int:
+    """Philox ``stream`` word of one encode: distinct per (bucket, hop, global rank, chunk, piece).
 
     Stochastic rounding must draw independent noise on every rank (shared noise correlates the
     errors and breaks the 1/n variance of the mean) and for every chunk a rank encodes (each
@@ -154,7 +154,7 @@ def noise_stream(rank: int, chunk: int, *, bucket: int = 0, hop: int = 0) -> int
     ``qsdp.quant`` reserves.
     """
     z = 0
-    for word in (bucket, hop, rank, chunk):
+    for word in (bucket, hop, rank, chunk, piece):
         z = _mix64((z + word + 0x9E3779B97F4A7C15) & _MASK64)
     return z % _STREAMS
 

@@ -25,7 +25,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["DistByteCounter", "count_dist_bytes", "run_distributed"]
+__all__ = [
+    "DistByteCounter",
+    "assert_same_on_all_ranks",
+    "count_dist_bytes",
+    "rank_tensor",
+    "run_distributed",
+]
 
 _PRELOAD = ["torch", "torch.distributed", "qsdp"]
 
@@ -247,3 +253,34 @@ def count_dist_bytes() -> Iterator[DistByteCounter]:
     finally:
         for name, real in saved.items():
             setattr(dist, name, real)
+
+
+# --- data and cross-rank checks ------------------------------------------------------------------
+def rank_tensor(
+    rank: int, numel: int, *, dtype: torch.dtype = torch.float32, seed: int = 0, outliers: int = 3
+) -> torch.Tensor:
+    """A deterministic test tensor of ``rank``: normal values plus a few large outliers.
+
+    Any process can rebuild any rank's input from ``(rank, numel, dtype, seed)``, so a test can
+    compute the exact collective and the expected bytes locally, without communication.
+    """
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + rank * 7919 + numel)
+    x = torch.randn(numel, generator=gen, dtype=torch.float64) * (1.0 + rank)
+    if numel and outliers:
+        idx = torch.randint(0, numel, (outliers,), generator=gen)
+        x[idx] *= 25.0
+    return x.to(dtype)
+
+
+def assert_same_on_all_ranks(t: torch.Tensor, group: dist.ProcessGroup | None = None) -> None:
+    """Assert ``t`` holds the same bytes on every rank of ``group`` (bit for bit)."""
+    raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
+    n = dist.get_world_size(group)
+    rows = torch.empty(n * raw.numel(), dtype=torch.uint8, device=raw.device)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(rows, raw, group=group)
+    rows = rows.view(n, -1)
+    for j in range(n):
+        if not torch.equal(rows[j], raw):
+            diff = int((rows[j] != raw).sum())
+            raise AssertionError(f"tensor differs between this rank and rank {j} in {diff} bytes")

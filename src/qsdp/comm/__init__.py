@@ -1,0 +1,38 @@
+"""Compressed collectives on ``torch.distributed`` (gloo on CPU, NCCL on GPU), one per module.
+
+Every collective quantizes with :mod:`qsdp.quant`, hands only bytes (or integer carriers) to
+``torch.distributed``, counts them in :data:`comm_stats` (or the ``stats=`` given), works for any
+world size and tensor length, and returns a :class:`CommWork` for ``async_op=True``.
+"""
+
+from ._all_gather import all_gather, all_gather_wire_bytes
+from ._common import CommWork
+from ._hierarchical import hierarchical_reduce_scatter, hierarchical_reduce_scatter_wire_bytes
+from ._integer import (
+    integer_all_reduce,
+    integer_all_reduce_wire_bytes,
+    integer_reduce_scatter,
+    integer_reduce_scatter_wire_bytes,
+)
+from ._reduce_scatter import reduce_scatter, reduce_scatter_wire_bytes
+from ._stats import CollectiveCounts, CommStats, comm_stats
+from ._two_phase import two_phase_all_reduce, two_phase_all_reduce_wire_bytes
+
+__all__ = [
+    "CollectiveCounts",
+    "CommStats",
+    "CommWork",
+    "all_gather",
+    "all_gather_wire_bytes",
+    "comm_stats",
+    "hierarchical_reduce_scatter",
+    "hierarchical_reduce_scatter_wire_bytes",
+    "integer_all_reduce",
+    "integer_all_reduce_wire_bytes",
+    "integer_reduce_scatter",
+    "integer_reduce_scatter_wire_bytes",
+    "reduce_scatter",
+    "reduce_scatter_wire_bytes",
+    "two_phase_all_reduce",
+    "two_phase_all_reduce_wire_bytes",
+]

@@ -1,0 +1,350 @@
+"""SDP4Bit's two-level quantized reduce-scatter (TLq-HS) over an (inter, intra) device mesh.
+
+[Note: two hops, one flat layout]
+``N = A * B`` ranks on ``A`` nodes of ``B`` GPUs; rank ``(a, b)`` (mesh coordinate) must end with
+chunk ``c = a * B + b`` of the input, reduced over all ``N`` ranks, exactly as a flat
+reduce-scatter would leave it. Each input chunk holds ``m`` elements. Drawn for A = B = 2::
+
+    input of rank (a, b):   | c0 | c1 | c2 | c3 |        c = a' * B + b'  is bound for (a', b')
+
+    1. intra-node all-to-all, 8 bits, Hadamard domain. To local peer b'' go the chunks of every
+       node's rank b'': {a' * B + b'' for all a'}, each encoded on its own (H then quantize).
+         (a, b) --[c(0,b''), c(1,b'')]--> (a, b'')          send [B-1, A, payload8(m)]
+
+    2. on (a, b): for each node a' the B payloads of chunk (a', b) (own encode included)
+         a' != a:  decode + fp32 sum + re-encode at 4 bits, fused, still rotated
+                   -> one partial sum of node a for chunk (a', b)
+         a' == a:  decode + sum onto the own chunk, unquantized (it stays on this rank)
+
+    3. inter-node all-to-all, 4 bits, among the ranks with local index b:
+         (a, b) --[partial of node a for (a', b)]--> (a', b)  send [A-1, payload4(m)]
+
+    4. decode the A-1 partials, sum onto step 2's result, inverse Hadamard (inside decode),
+       divide by N for AVG -> chunk a * B + b.
+
+With ``pipeline=P`` the ``m`` elements are cut into up to ``P`` pieces (whole quantizer groups)
+and the hops overlap: the intra all-to-all of piece ``p + 1`` is in flight while piece ``p`` is
+re-encoded and sent between nodes. On one node (``A == 1``) only the intra level runs, with one
+GPU a node (``B == 1``) only the inter level: both are the single-level
+:func:`~qsdp.comm.reduce_scatter` with that level's quantizer.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from ..quant import Backend, QuantSpec, decode_sum, decode_sum_encode, encode
+from . import _common as C
+from ._reduce_scatter import _reduce_scatter_stages, check_chunks, reduce_scatter_wire_bytes
+from ._stats import CommStats
+
+__all__ = ["hierarchical_reduce_scatter", "hierarchical_reduce_scatter_wire_bytes"]
+
+_NAME = "hierarchical_reduce_scatter"
+
+
+def _check_specs(intra_spec: QuantSpec, inter_spec: QuantSpec) -> None:
+    C.check_spec(intra_spec, "intra_spec")
+    C.check_spec(inter_spec, "inter_spec")
+    for field in ("group_size", "hadamard_block", "hadamard_seed"):
+        if getattr(intra_spec, field) != getattr(inter_spec, field):
+            raise ValueError(
+                f"intra_spec.{field}={getattr(intra_spec, field)!r} and inter_spec.{field}="
+                f"{getattr(inter_spec, field)!r} differ: the middle hop re-encodes in the "
+                f"Hadamard domain group by group, so both levels need one {field}; e.g. "
+                "QuantSpec(bits=8, ...) and QuantSpec(bits=4, ...) with group_size=128, "
+                "hadamard_block=32"
+            )
+
+
+def _pieces(m: int, group_size: int, pipeline: int) -> list[tuple[int, int]]:
+    """(offset, length) of up to ``pipeline`` pieces of ``m``, cut at group boundaries."""
+    if m == 0:
+        return []
+    groups = -(-m // group_size)
+    per = -(-groups // min(pipeline, groups)) * group_size
+    return [(o, min(per, m - o)) for o in range(0, m, per)]
+
+
+def hierarchical_reduce_scatter_wire_bytes(
+    numel: int,
+    inter_size: int,
+    intra_size: int,
+    intra_spec: QuantSpec,
+    inter_spec: QuantSpec,
+    *,
+    pipeline: int = 1,
+) -> int:
+    """Bytes one rank hands to ``torch.distributed`` in :func:`hierarchical_reduce_scatter`.
+
+    Args:
+        numel: elements of the input (``inter_size * intra_size * m``).
+        inter_size, intra_size: the mesh's shape ``(A, B)``.
+        intra_spec, inter_spec: the two levels' quantizers.
+        pipeline: as passed to the collective.
+
+    Returns:
+        Per piece of ``L`` elements: ``(B-1) * A * intra_spec.payload_bytes(L)`` intra-node plus
+        ``(A-1) * inter_spec.payload_bytes(L)`` inter-node; the single-level count when ``A`` or
+        ``B`` is 1.
+    """
+    a, b = inter_size, intra_size
+    if a == 1:
+        return reduce_scatter_wire_bytes(numel, b, intra_spec)
+    if b == 1:
+        return reduce_scatter_wire_bytes(numel, a, inter_spec)
+    m = numel // (a * b)
+    return sum(
+        (b - 1) * a * intra_spec.payload_bytes(n) + (a - 1) * inter_spec.payload_bytes(n)
+        for _, n in _pieces(m, intra_spec.group_size, pipeline)
+    )
+
+
+def _mesh_groups(mesh: DeviceMesh) -> tuple[dist.ProcessGroup, dist.ProcessGroup, int, int]:
+    """(inter group, intra group, a, b), checking that group ranks follow mesh coordinates."""
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(
+            f"mesh must be a 2-D DeviceMesh (inter, intra), got {type(mesh).__name__}; build it "
+            "with init_device_mesh(device, (nodes, gpus_per_node), "
+            "mesh_dim_names=('inter', 'intra'))"
+        )
+    if mesh.ndim != 2:
+        raise ValueError(
+            f"mesh has {mesh.ndim} dims ({mesh.mesh.shape=}); hierarchical_reduce_scatter needs "
+            "a 2-D mesh (inter, intra)"
+        )
+    coord = mesh.get_coordinate()
+    if coord is None:
+        raise ValueError("this process is not part of the mesh")
+    a, b = coord
+    inter, intra = mesh.get_group(0), mesh.get_group(1)
+    ranks = mesh.mesh
+    for group, expect, dim in ((inter, ranks[:, b], "inter"), (intra, ranks[a, :], "intra")):
+        if dist.get_process_group_ranks(group) != expect.tolist():
+            raise ValueError(
+                f"the mesh's {dim} dimension lists ranks {expect.tolist()} out of increasing "
+                "order; the collective's layout follows mesh coordinates, so build the mesh "
+                "with init_device_mesh (ranks laid out row-major)"
+            )
+    return inter, intra, a, b
+
+
+def hierarchical_reduce_scatter(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    *,
+    mesh: DeviceMesh,
+    intra_spec: QuantSpec,
+    inter_spec: QuantSpec,
+    op: str | dist.ReduceOp = "avg",
+    pipeline: int = 1,
+    async_op: bool = False,
+    seed: int = 0,
+    step: int = 0,
+    bucket: int = 0,
+    backend: Backend = "auto",
+    stats: CommStats | None = None,
+) -> C.CommWork | None:
+    """Two-level quantized reduce-scatter over ``mesh`` with the layout of a flat one.
+
+    Error bound (per element, against the exact float64 reduction over all ``N = A * B``
+    ranks): every other rank's contribution is quantized once by ``intra_spec`` and every other
+    node's partial sum once more by ``inter_spec``; the own contribution and the own node's
+    partial are never re-quantized. So ``|err| <= sum_{j != me} e_intra(j) + sum_{a' != a}
+    e_inter(a')``, ``e = step / 2`` for nearest rounding and ``< step`` for stochastic rounding
+    (unbiased), ``step`` being the quantization step of the element's group in that payload.
+    With Hadamard the steps are those of the rotated data and the bound holds for the rotated
+    error ``H (out - exact)``. Divide by ``N`` for AVG; add float32 summation and the rounding
+    to ``output``'s dtype.
+
+    Args:
+        output: ``m`` elements (float32/bf16/fp16, contiguous).
+        input: ``N * m`` elements; chunk ``a * B + b`` is bound for mesh coordinate ``(a, b)``
+            (its global rank for a mesh from ``init_device_mesh``). Encoded before the call
+            returns except for later pipeline pieces (leave it alone until the call returns).
+        mesh: 2-D ``DeviceMesh``, dim 0 across nodes (inter), dim 1 within a node (intra), e.g.
+            ``init_device_mesh("cuda", (nodes, gpus), mesh_dim_names=("inter", "intra"))``.
+        intra_spec: the intra-node quantizer (SDP4Bit: 8 bits, group 128, Hadamard 32).
+        inter_spec: the inter-node quantizer (SDP4Bit: 4 bits); same ``group_size``,
+            ``hadamard_block`` and ``hadamard_seed`` as ``intra_spec``.
+        op: ``"avg"`` (default) or ``"sum"``, or ``dist.ReduceOp.AVG`` / ``SUM``.
+        pipeline: cut each chunk into up to this many pieces (whole groups) so the two hops
+            overlap; 1 sends each hop in one all-to-all.
+        async_op: return a :class:`CommWork`; all pieces' intra-node hops finish before the call
+            returns, the inter-node hops are in flight until ``wait()``.
+        seed, step: key of the stochastic-rounding noise, the same on every rank; every rank,
+            hop, chunk and piece draws its own stream (from the global rank and ``bucket``).
+        bucket: separates buffers reduced in the same step.
+        backend: the quantizer backend (``"auto"``: Triton on CUDA, reference on CPU).
+        stats: the byte counter to record into (default :data:`qsdp.comm.comm_stats`).
+
+    Returns:
+        A :class:`CommWork` when ``async_op``, else None.
+    """
+    _check_specs(intra_spec, inter_spec)
+    if not isinstance(pipeline, int) or isinstance(pipeline, bool) or pipeline < 1:
+        raise ValueError(f"pipeline={pipeline!r} must be an int >= 1; try 2 or 4")
+    inter, intra, a, b = _mesh_groups(mesh)
+    na, nb = mesh.size(0), mesh.size(1)
+    stats = C.resolve_stats(stats)
+    common = dict(
+        op=op, seed=seed, step=step, bucket=bucket, hop=0, backend=backend, stats=stats, name=_NAME
+    )
+    if na == 1:
+        return C.run_stages(
+            _reduce_scatter_stages(output, input, intra, spec=intra_spec, **common), async_op
+        )
+    if nb == 1:
+        return C.run_stages(
+            _reduce_scatter_stages(output, input, inter, spec=inter_spec, **common), async_op
+        )
+    op = C.parse_op(op)
+    C.check_key(seed, step, bucket)
+    m = check_chunks(output, input, na * nb, "hierarchical_reduce_scatter")
+    stats.count_call(_NAME)
+    plan = _Plan(
+        input,
+        inter,
+        intra,
+        a,
+        b,
+        na,
+        nb,
+        m,
+        intra_spec,
+        inter_spec,
+        _pieces(m, intra_spec.group_size, pipeline),
+        seed,
+        step,
+        bucket,
+        backend,
+        stats,
+    )
+    return C.run_stages(plan.stages(output, op), async_op)
+
+
+class _Plan:
+    """Buffers and steps of one two-level reduce-scatter (one object per call)."""
+
+    def __init__(
+        self,
+        input,
+        inter,
+        intra,
+        a,
+        b,
+        na,
+        nb,
+        m,
+        intra_spec,
+        inter_spec,
+        pieces,
+        seed,
+        step,
+        bucket,
+        backend,
+        stats,
+    ) -> None:
+        self.chunks = input.reshape(na * nb, m)
+        self.inter, self.intra = inter, intra
+        self.a, self.b, self.na, self.nb = a, b, na, nb
+        self.intra_spec, self.inter_spec = intra_spec, inter_spec
+        self.pieces = pieces
+        self.key = dict(seed=seed, step=step)
+        self.bucket, self.backend, self.stats = bucket, backend, stats
+        self.me = dist.get_rank()
+        # The own chunk never travels: start the float32 sum from it, exact.
+        self.acc = torch.empty(m, dtype=torch.float32, device=input.device)
+        self.acc.copy_(self.chunks[a * nb + b])
+
+    def _stream(self, chunk: int, hop: int, piece: int) -> int:
+        return C.noise_stream(self.me, chunk, bucket=self.bucket, hop=hop, piece=piece)
+
+    def _issue_intra(self, p: int) -> tuple[torch.Tensor, dist.Work]:
+        """Encode piece ``p`` of every chunk for the local peers and start the intra hop.
+
+        Returns the ``[B, A, bytes]`` stack: rows ``0..B-2`` are the peers' payloads (filled by
+        the all-to-all), row ``B-1`` this rank's own encodes (chunks of other nodes only).
+        """
+        o, n = self.pieces[p]
+        spec, na, nb = self.intra_spec, self.na, self.nb
+        nbytes = spec.payload_bytes(n)
+        stack = torch.empty(nb, na, nbytes, dtype=torch.uint8, device=self.acc.device)
+        send = torch.empty(nb - 1, na, nbytes, dtype=torch.uint8, device=self.acc.device)
+        for dst in range(nb):
+            # Peers fill the send buffer in rank order; the own encodes go to the stack's last row.
+            rows = stack[nb - 1] if dst == self.b else send[dst - (dst > self.b)]
+            for a2 in range(na):
+                c = a2 * nb + dst
+                if dst == self.b and a2 == self.a:
+                    continue  # the own chunk: added unquantized
+                encode(
+                    self.chunks[c, o : o + n],
+                    spec,
+                    out=rows[a2],
+                    backend=self.backend,
+                    stream=self._stream(c, 0, p),
+                    **self.key,
+                )
+        splits = [0 if j == self.b else na * nbytes for j in range(nb)]
+        work = C.all_to_all(
+            stack[: nb - 1].view(-1), send.view(-1), splits, splits, self.intra, self.stats, _NAME
+        )
+        return stack, work
+
+    def _issue_inter(self, p: int, stack: torch.Tensor) -> tuple[torch.Tensor, dist.Work]:
+        """Sum piece ``p`` of the node's chunks: the own one in place, the others re-encoded at
+        the inter-node width and sent to their node."""
+        o, n = self.pieces[p]
+        a, b, na, nb = self.a, self.b, self.na, self.nb
+        decode_sum(
+            stack[: nb - 1, a],
+            n,
+            self.intra_spec,
+            out=self.acc[o : o + n],
+            accumulate=True,
+            backend=self.backend,
+        )
+        nbytes = self.inter_spec.payload_bytes(n)
+        send = torch.empty(na - 1, nbytes, dtype=torch.uint8, device=self.acc.device)
+        others = [j for j in range(na) if j != a]
+        for slot, a2 in enumerate(others):
+            c = a2 * nb + b
+            enc = decode_sum_encode(
+                stack[:, a2],
+                n,
+                self.intra_spec,
+                self.inter_spec,
+                stream=self._stream(c, 1, p),
+                backend=self.backend,
+                **self.key,
+            )
+            send[slot].copy_(enc.payload)
+        recv = torch.empty_like(send)
+        splits = [0 if j == a else nbytes for j in range(na)]
+        return recv, C.all_to_all(
+            recv.view(-1), send.view(-1), splits, splits, self.inter, self.stats, _NAME
+        )
+
+    def stages(self, output: torch.Tensor, op: str) -> C.Stages:
+        pending = self._issue_intra(0) if self.pieces else None
+        inter = []
+        for p in range(len(self.pieces)):
+            stack, work = pending
+            if p + 1 < len(self.pieces):
+                pending = self._issue_intra(p + 1)  # its encode overlaps the hop in flight
+            yield [work], False
+            inter.append(self._issue_inter(p, stack))
+        yield [w for _, w in inter], True
+        for (o, n), (recv, _) in zip(self.pieces, inter, strict=True):
+            decode_sum(
+                recv.view(self.na - 1, -1),
+                n,
+                self.inter_spec,
+                out=self.acc[o : o + n],
+                accumulate=True,
+                backend=self.backend,
+            )
+        C.finish_into(output, self.acc, op, self.na * self.nb)

@@ -1,0 +1,257 @@
+"""Global-QSGD: integer all-reduce and reduce-scatter whose plain SUM never overflows.
+
+[Note: one MAX, one SUM]
+Every rank computes the max-abs of each group of ``group_size`` elements and one MAX all-reduce
+(float32) makes it the global scale ``M``. Each rank then rounds ``x * s / M`` to an integer in
+``[-s, s]`` with ``s = floor(L / n)`` levels, ``L`` being the carrier's largest exactly summable
+integer (127 for int8, 2048 for fp16, 2^31 - 1 for int32), so the plain SUM collective on the
+carrier stays inside ``[-L, L]`` for any input and world size and is exact. No all-to-all, no
+re-quantization per hop: the ring (or tree) of the backend does the sum. A group holding NaN or
+Inf on any rank travels as an infinite scale through the MAX, so every rank raises together.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..quant import CARRIERS, Rounding, global_int_decode, global_int_encode, global_int_levels
+from ..quant import group_absmax as _group_absmax
+from . import _common as C
+from ._reduce_scatter import check_chunks
+from ._stats import CommStats
+
+__all__ = [
+    "integer_all_reduce",
+    "integer_all_reduce_wire_bytes",
+    "integer_reduce_scatter",
+    "integer_reduce_scatter_wire_bytes",
+]
+
+
+def _carrier_bytes(carrier: str) -> int:
+    if carrier not in CARRIERS:
+        raise ValueError(f"carrier={carrier!r} must be one of {sorted(CARRIERS)}; try 'int8'")
+    return CARRIERS[carrier][0].itemsize
+
+
+def _groups(numel: int, group_size: int) -> int:
+    return -(-numel // group_size)
+
+
+def integer_all_reduce_wire_bytes(
+    numel: int, *, carrier: str = "int8", group_size: int = 128
+) -> int:
+    """Bytes one rank hands to ``torch.distributed`` in :func:`integer_all_reduce`.
+
+    Returns:
+        ``4 * ceil(numel / group_size)`` (the float32 MAX of the scales) plus
+        ``numel * carrier bytes`` (the SUM).
+    """
+    return 4 * _groups(numel, group_size) + numel * _carrier_bytes(carrier)
+
+
+def integer_reduce_scatter_wire_bytes(
+    numel: int, world_size: int, *, carrier: str = "int8", group_size: int = 128
+) -> int:
+    """Bytes one rank hands to ``torch.distributed`` in :func:`integer_reduce_scatter`.
+
+    Returns:
+        ``4 * world_size * ceil(m / group_size)`` (scales, grouped per destination chunk of
+        ``m = numel / world_size`` elements) plus ``numel * carrier bytes``.
+    """
+    m = numel // world_size
+    return 4 * world_size * _groups(m, group_size) + numel * _carrier_bytes(carrier)
+
+
+def _check_options(carrier: str, group_size: int, rounding: str | Rounding) -> Rounding:
+    _carrier_bytes(carrier)
+    if not isinstance(group_size, int) or group_size < 1:
+        raise ValueError(f"group_size={group_size!r} must be a positive int; try 128")
+    try:
+        return Rounding(rounding)
+    except ValueError:
+        raise ValueError(f"rounding={rounding!r} must be 'stochastic' or 'nearest'") from None
+
+
+def _local_scales(rows: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Float32 max-abs per group of each row of ``rows`` ([k, m]); non-finite groups get +inf."""
+    scales = torch.stack([_group_absmax(row, group_size) for row in rows])
+    return torch.where(torch.isnan(scales), float("inf"), scales)
+
+
+def _check_global_scales(scales: torch.Tensor, what: str) -> None:
+    bad = int((~torch.isfinite(scales)).sum())
+    if bad:
+        raise ValueError(
+            f"{what}: {bad} groups hold NaN or Inf on at least one rank (found through the MAX "
+            "all-reduce of the scales, so every rank raises); fix the source (a diverging loss, "
+            "a missing grad clip) before reducing"
+        )
+
+
+def integer_all_reduce(
+    tensor: torch.Tensor,
+    group: dist.ProcessGroup | None = None,
+    *,
+    carrier: str = "int8",
+    op: str | dist.ReduceOp = "avg",
+    group_size: int = 128,
+    rounding: str | Rounding = "stochastic",
+    async_op: bool = False,
+    seed: int = 0,
+    step: int = 0,
+    bucket: int = 0,
+    stats: CommStats | None = None,
+) -> C.CommWork | None:
+    """Global-QSGD all-reduce of ``tensor`` in place: one MAX of scales, one integer SUM.
+
+    Error bound (per element, against the exact float64 sum): with ``M`` the global max-abs of
+    the element's group and ``s = floor(L / n)`` levels, each rank's code is off by at most
+    ``M / (2 s)`` (nearest) or ``< M / s`` (stochastic, unbiased), so the sum is within
+    ``n * M / (2 s)`` (resp. ``< n * M / s``), the mean within ``M / (2 s)`` (resp. ``M / s``),
+    plus the rounding to ``tensor``'s dtype. The integer sum itself is exact: no overflow for any
+    input, by the level rule.
+
+    Args:
+        tensor: float32/bf16/fp16, contiguous, any length; overwritten with the result.
+        group: the process group (default: the world).
+        carrier: ``"int8"`` (up to 127 ranks), ``"fp16"`` (integers exact up to 2048 ranks; NCCL
+            has no int16) or ``"int32"``.
+        op: ``"avg"`` (default) or ``"sum"``, or ``dist.ReduceOp.AVG`` / ``SUM``.
+        group_size: elements sharing one scale.
+        rounding: ``"stochastic"`` (unbiased, default) or ``"nearest"``.
+        async_op: return a :class:`CommWork`; the scales' MAX runs before the call returns, the
+            SUM is in flight until ``wait()``. Leave ``tensor`` alone until then.
+        seed, step: key of the stochastic-rounding noise, the same on every rank; each rank gets
+            its own stream (from its global rank and ``bucket``).
+        bucket: separates buffers reduced in the same step.
+        stats: the byte counter to record into (default :data:`qsdp.comm.comm_stats`).
+
+    Returns:
+        A :class:`CommWork` when ``async_op``, else None.
+
+    Raises:
+        ValueError: NaN/Inf on any rank (all ranks raise), too many ranks for the carrier.
+    """
+    rnd = _check_options(carrier, group_size, rounding)
+    op = C.parse_op(op)
+    C.check_key(seed, step, bucket)
+    C.check_float(tensor, "tensor")
+    C.check_contiguous(tensor, "tensor")
+    pg, n, _ = C.group_info(group)
+    levels = global_int_levels(carrier, n)
+    stats = C.resolve_stats(stats)
+    stats.count_call("integer_all_reduce")
+    stages = _all_reduce_stages(
+        tensor, pg, n, carrier, op, group_size, rnd, levels, seed, step, bucket, stats
+    )
+    return C.run_stages(stages, async_op)
+
+
+def _all_reduce_stages(
+    tensor, pg, n, carrier, op, group_size, rnd, levels, seed, step, bucket, stats
+) -> C.Stages:
+    name = "integer_all_reduce"
+    flat = tensor.view(-1)
+    if flat.numel() == 0:
+        return
+    scales = _local_scales(flat.reshape(1, -1), group_size)[0]
+    yield [C.all_reduce(scales, dist.ReduceOp.MAX, pg, stats, name)], False
+    _check_global_scales(scales, name)
+    q = global_int_encode(
+        flat,
+        scales,
+        levels,
+        carrier=carrier,
+        group_size=group_size,
+        rounding=rnd,
+        seed=seed,
+        step=step,
+        stream=C.noise_stream(dist.get_rank(), 0, bucket=bucket),
+    )
+    yield [C.all_reduce(q, dist.ReduceOp.SUM, pg, stats, name)], True
+    flat.copy_(global_int_decode(q, scales, levels, world_size=n, group_size=group_size, op=op))
+
+
+def integer_reduce_scatter(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    group: dist.ProcessGroup | None = None,
+    *,
+    carrier: str = "int8",
+    op: str | dist.ReduceOp = "avg",
+    group_size: int = 128,
+    rounding: str | Rounding = "stochastic",
+    async_op: bool = False,
+    seed: int = 0,
+    step: int = 0,
+    bucket: int = 0,
+    stats: CommStats | None = None,
+) -> C.CommWork | None:
+    """Global-QSGD reduce-scatter: MAX of scales, then the plain SUM reduce-scatter on integers.
+
+    Groups are laid per destination chunk (``m = input.numel() / world_size`` elements, the last
+    group of a chunk may be short), so a chunk's scales are its own. Error bound as in
+    :func:`integer_all_reduce` (every rank's chunk is quantized, the own one included: the
+    carrier sum needs every addend on the same grid).
+
+    Args:
+        output: ``m`` elements, float32/bf16/fp16, contiguous.
+        input: ``world_size * m`` elements; chunk ``j`` is bound for rank ``j`` (the layout of
+            ``dist.reduce_scatter_tensor``). Encoded before the call returns.
+        group, carrier, op, group_size, rounding, async_op, seed, step, bucket, stats: as in
+            :func:`integer_all_reduce`.
+
+    Returns:
+        A :class:`CommWork` when ``async_op``, else None.
+
+    Raises:
+        ValueError: NaN/Inf on any rank (all ranks raise), too many ranks for the carrier,
+            ``input.numel()`` not divisible by the world size.
+    """
+    rnd = _check_options(carrier, group_size, rounding)
+    op = C.parse_op(op)
+    C.check_key(seed, step, bucket)
+    pg, n, _ = C.group_info(group)
+    m = check_chunks(output, input, n, "integer_reduce_scatter")
+    levels = global_int_levels(carrier, n)
+    stats = C.resolve_stats(stats)
+    stats.count_call("integer_reduce_scatter")
+    stages = _reduce_scatter_stages(
+        output, input, pg, n, m, carrier, op, group_size, rnd, levels, seed, step, bucket, stats
+    )
+    return C.run_stages(stages, async_op)
+
+
+def _reduce_scatter_stages(
+    output, input, pg, n, m, carrier, op, group_size, rnd, levels, seed, step, bucket, stats
+) -> C.Stages:
+    name = "integer_reduce_scatter"
+    if m == 0:
+        return
+    chunks = input.reshape(n, m)
+    scales = _local_scales(chunks, group_size)
+    yield [C.all_reduce(scales, dist.ReduceOp.MAX, pg, stats, name)], False
+    _check_global_scales(scales, name)
+    dtype = CARRIERS[carrier][0]
+    q = torch.empty(n, m, dtype=dtype, device=input.device)
+    me = dist.get_rank()
+    for j in range(n):
+        q[j] = global_int_encode(
+            chunks[j],
+            scales[j],
+            levels,
+            carrier=carrier,
+            group_size=group_size,
+            rounding=rnd,
+            seed=seed,
+            step=step,
+            stream=C.noise_stream(me, j, bucket=bucket),
+        )
+    summed = torch.empty(m, dtype=dtype, device=input.device)
+    yield [C.reduce_scatter_sum(summed, q.view(-1), pg, stats, name)], True
+    r = dist.get_rank(pg)
+    output.view(-1).copy_(
+        global_int_decode(summed, scales[r], levels, world_size=n, group_size=group_size, op=op)
+    )

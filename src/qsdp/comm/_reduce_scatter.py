@@ -1,0 +1,168 @@
+"""Single-level quantized reduce-scatter (QSDP, CGX) through one byte ``all_to_all_single``.
+
+Rank ``r`` splits its input into ``n`` destination chunks of ``m`` elements, encodes the
+``n - 1`` chunks bound for its peers straight into the send buffer, and one all-to-all (the split
+towards itself is empty) moves them. The receiver decodes the ``n - 1`` payloads it got, sums them
+in float32 onto its own chunk, which never left the rank and stays exact, and divides for AVG.
+The layout is that of ``dist.reduce_scatter_tensor``: rank ``r`` receives chunk ``r``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..quant import Backend, QuantSpec, decode_sum, encode
+from . import _common as C
+from ._stats import CommStats
+
+__all__ = ["reduce_scatter", "reduce_scatter_wire_bytes"]
+
+_NAME = "reduce_scatter"
+
+
+def reduce_scatter_wire_bytes(numel: int, world_size: int, spec: QuantSpec) -> int:
+    """Bytes one rank hands to ``torch.distributed`` in :func:`reduce_scatter`.
+
+    Args:
+        numel: elements of the input (``world_size * m``).
+        world_size: ranks in the group.
+        spec: the quantizer.
+
+    Returns:
+        ``(world_size - 1) * spec.payload_bytes(m)`` (the uncompressed reduce-scatter hands over
+        the whole input, ``numel * element_size``).
+    """
+    return (world_size - 1) * spec.payload_bytes(numel // world_size)
+
+
+def reduce_scatter(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    group: dist.ProcessGroup | None = None,
+    *,
+    spec: QuantSpec,
+    op: str | dist.ReduceOp = "avg",
+    async_op: bool = False,
+    seed: int = 0,
+    step: int = 0,
+    bucket: int = 0,
+    backend: Backend = "auto",
+    stats: CommStats | None = None,
+) -> C.CommWork | None:
+    """Quantized ``dist.reduce_scatter_tensor``: rank ``r`` gets the sum (or mean) of chunk ``r``.
+
+    Error bound (per element, against the exact float64 reduction): with ``step_j`` the
+    quantization step of the element's group in the chunk rank ``j`` sent, nearest rounding gives
+    ``|out - exact| <= sum_{j != r} step_j / 2``, stochastic ``< sum_{j != r} step_j`` and
+    unbiased; divide the bound by ``n`` for ``op="avg"``. Add float32 summation and the rounding
+    to ``output``'s dtype. With Hadamard the per-rank bound holds in the rotated domain (per
+    block, in L2). The own chunk adds no error.
+
+    Args:
+        output: tensor of ``m`` elements (float32/bf16/fp16, contiguous), ``m = input.numel() /
+            world_size``.
+        input: ``world_size * m`` elements, chunk ``j`` = ``input.view(-1)[j * m:(j + 1) * m]``
+            is bound for rank ``j``. Encoded (and the own chunk copied) before the call returns.
+        group: the process group (default: the world).
+        spec: the quantizer, the same on every rank.
+        op: ``"avg"`` (default) or ``"sum"``, or ``dist.ReduceOp.AVG`` / ``SUM``.
+        async_op: return a :class:`CommWork` whose ``wait()`` finishes the exchange and decodes.
+        seed, step: key of the stochastic-rounding noise, the same on every rank; each rank and
+            destination chunk gets its own noise stream (from the global rank and ``bucket``).
+        bucket: separates buffers reduced in the same step.
+        backend: the quantizer backend (``"auto"``: Triton on CUDA, reference on CPU).
+        stats: the byte counter to record into (default :data:`qsdp.comm.comm_stats`).
+
+    Returns:
+        A :class:`CommWork` when ``async_op``, else None.
+    """
+    stages = _reduce_scatter_stages(
+        output,
+        input,
+        group,
+        spec=spec,
+        op=op,
+        seed=seed,
+        step=step,
+        bucket=bucket,
+        hop=0,
+        backend=backend,
+        stats=C.resolve_stats(stats),
+        name=_NAME,
+    )
+    return C.run_stages(stages, async_op)
+
+
+def check_chunks(output: torch.Tensor, input: torch.Tensor, n: int, what: str) -> int:
+    """Validate a reduce-scatter's shapes; returns the chunk length ``m``."""
+    C.check_float(input, "input")
+    C.check_float(output, "output")
+    C.check_contiguous(output, "output")
+    C.check_same_device(output, input, "output and input")
+    numel = input.numel()
+    if numel % n:
+        raise ValueError(
+            f"{what}: input has {numel} elements, not divisible by the {n} destination ranks; "
+            f"pad it to {-(-numel // n) * n} elements (the layout of dist.reduce_scatter_tensor)"
+        )
+    m = numel // n
+    if output.numel() != m:
+        raise ValueError(
+            f"{what}: output has {output.numel()} elements; expected {numel} / {n} = {m}"
+        )
+    return m
+
+
+def _reduce_scatter_stages(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    group: dist.ProcessGroup | None,
+    *,
+    spec: QuantSpec,
+    op: str | dist.ReduceOp,
+    seed: int,
+    step: int,
+    bucket: int,
+    hop: int,
+    backend: Backend,
+    stats: CommStats,
+    name: str,
+    count_call: bool = True,
+) -> C.Stages:
+    """Validate, copy the own chunk and encode now; return the stage generator."""
+    C.check_spec(spec)
+    op = C.parse_op(op)
+    C.check_key(seed, step, bucket)
+    pg, n, r = C.group_info(group)
+    m = check_chunks(output, input, n, "reduce_scatter")
+    if count_call:
+        stats.count_call(name)
+    chunks = input.reshape(n, m)
+    acc = torch.empty(m, dtype=torch.float32, device=input.device)
+    acc.copy_(chunks[r])
+    nbytes = spec.payload_bytes(m)
+    send = torch.empty((n - 1) * nbytes, dtype=torch.uint8, device=input.device)
+    peers = [j for j in range(n) if j != r]
+    me = dist.get_rank()
+    for slot, j in enumerate(peers):
+        encode(
+            chunks[j],
+            spec,
+            seed=seed,
+            step=step,
+            out=send[slot * nbytes : (slot + 1) * nbytes],
+            stream=C.noise_stream(me, j, bucket=bucket, hop=hop),
+            backend=backend,
+        )
+    return _exchange_decode(output, acc, send, pg, n, r, m, spec, op, backend, stats, name)
+
+
+def _exchange_decode(output, acc, send, pg, n, r, m, spec, op, backend, stats, name) -> C.Stages:
+    if n > 1 and m > 0:
+        nbytes = spec.payload_bytes(m)
+        recv = torch.empty_like(send)
+        splits = [0 if j == r else nbytes for j in range(n)]
+        yield [C.all_to_all(recv, send, splits, splits, pg, stats, name)], True
+        decode_sum(recv.view(n - 1, nbytes), m, spec, out=acc, accumulate=True, backend=backend)
+    C.finish_into(output, acc, op, n)

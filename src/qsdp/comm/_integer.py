@@ -35,6 +35,16 @@ def _carrier_bytes(carrier: str) -> int:
     return CARRIERS[carrier][0].itemsize
 
 
+# qsdp.quant rounds codes in float32, where integers are exact only up to 2^24: an int32 carrier's
+# floor((2^31 - 1) / n) levels would round up to 2^31 and wrap. Fewer levels keep the sum exact.
+_FLOAT32_EXACT = 2**24
+
+
+def levels_for(carrier: str, world_size: int) -> int:
+    """Levels ``s`` the collectives use: ``floor(L / n)``, at most 2^24 (exact in float32)."""
+    return min(global_int_levels(carrier, world_size), _FLOAT32_EXACT)
+
+
 def _groups(numel: int, group_size: int) -> int:
     return -(-numel // group_size)
 
@@ -110,7 +120,8 @@ def integer_all_reduce(
     the element's group and ``s = floor(L / n)`` levels, each rank's code is off by at most
     ``M / (2 s)`` (nearest) or ``< M / s`` (stochastic, unbiased), so the sum is within
     ``n * M / (2 s)`` (resp. ``< n * M / s``), the mean within ``M / (2 s)`` (resp. ``M / s``),
-    plus the rounding to ``tensor``'s dtype. The integer sum itself is exact: no overflow for any
+    plus the rounding to ``tensor``'s dtype and float32 scaling (a few ``M * 2^-24`` per rank,
+    visible only with the int32 carrier, whose levels are capped at 2^24). The integer sum itself is exact: no overflow for any
     input, by the level rule.
 
     Args:
@@ -140,7 +151,7 @@ def integer_all_reduce(
     C.check_float(tensor, "tensor")
     C.check_contiguous(tensor, "tensor")
     pg, n, _ = C.group_info(group)
-    levels = global_int_levels(carrier, n)
+    levels = levels_for(carrier, n)
     stats = C.resolve_stats(stats)
     stats.count_call("integer_all_reduce")
     stages = _all_reduce_stages(
@@ -215,7 +226,7 @@ def integer_reduce_scatter(
     C.check_key(seed, step, bucket)
     pg, n, _ = C.group_info(group)
     m = check_chunks(output, input, n, "integer_reduce_scatter")
-    levels = global_int_levels(carrier, n)
+    levels = levels_for(carrier, n)
     stats = C.resolve_stats(stats)
     stats.count_call("integer_reduce_scatter")
     stages = _reduce_scatter_stages(

@@ -58,13 +58,14 @@ def _worker(
             world_size=world_size,
             timeout=datetime.timedelta(seconds=pg_timeout_s),
         )
-        try:
-            value = fn(rank, world_size, *args, **kwargs)
-        finally:
-            dist.destroy_process_group()
-        results.put((rank, True, value))
+        results.put((rank, True, fn(rank, world_size, *args, **kwargs)))
     except BaseException:  # noqa: B036 - every failure, KeyboardInterrupt included, must reach the parent
+        # Report before leaving the group: leaving makes the peers fail too, and the parent
+        # names the first report as the cause.
         results.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def run_distributed(
@@ -153,12 +154,13 @@ def _collect(procs, results, world_size: int, timeout_s: float, fn) -> list[Any]
             failures[rank] = value
             grace_end = grace_end or time.monotonic() + 2.0
     if failures:
-        first = min(failures)
-        others = sorted(set(failures) - {first})
+        # The first failure to arrive is the cause; peers then fail in their collectives.
+        first, *others = failures
+        tail = "".join(
+            f"\nrank {r} failed after it: {failures[r].strip().splitlines()[-1]}" for r in others
+        )
         raise RuntimeError(
-            f"{name} failed on rank {first} of {world_size}"
-            + (f" (ranks {others} failed too)" if others else "")
-            + f":\n{failures[first]}"
+            f"{name} failed on rank {first} of {world_size}:\n{failures[first]}{tail}"
         )
     missing = sorted(set(range(world_size)) - set(values))
     if missing:

@@ -1,0 +1,193 @@
+"""Argument checks of the collectives, the byte counter, and the multi-process test helpers."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+import qsdp.comm as qc
+from qsdp.comm import CommStats
+from qsdp.quant import QuantSpec
+from qsdp.testing import count_dist_bytes, run_distributed
+
+S8 = QuantSpec(bits=8, group_size=32, scheme="absmax", rounding="nearest")
+S4 = QuantSpec(bits=4, group_size=32, scheme="absmax", rounding="nearest")
+
+
+def _bad_arguments(rank, ws):
+    x, out = torch.randn(10), torch.empty(10 * ws)
+    cases = [
+        (TypeError, "QuantSpec", lambda: qc.all_gather(out, x, spec="int8")),
+        (TypeError, "dtype", lambda: qc.all_gather(out, x.long(), spec=S8)),
+        (ValueError, "world_size", lambda: qc.all_gather(torch.empty(7), x, spec=S8)),
+        (
+            ValueError,
+            "contiguous",
+            lambda: qc.all_gather(torch.empty(10 * ws, 2)[:, 0], x, spec=S8),
+        ),
+        (ValueError, "seed", lambda: qc.all_gather(out, x, spec=S8, seed=-1)),
+        (ValueError, "bucket", lambda: qc.all_gather(out, x, spec=S8, bucket=2**32)),
+        (
+            ValueError,
+            "pad it",
+            lambda: qc.reduce_scatter(torch.empty(1), torch.randn(ws * 3 + 1), spec=S8),
+        ),
+        (
+            ValueError,
+            "output has",
+            lambda: qc.reduce_scatter(torch.empty(4), torch.randn(ws * 3), spec=S8),
+        ),
+        (
+            ValueError,
+            "PREMUL_SUM",
+            lambda: qc.reduce_scatter(
+                torch.empty(3), torch.randn(ws * 3), spec=S8, op=dist.ReduceOp.MAX
+            ),
+        ),
+        (ValueError, "op='max'", lambda: qc.two_phase_all_reduce(x, spec=S8, op="max")),
+        (ValueError, "carrier", lambda: qc.integer_all_reduce(x, carrier="int16")),
+        (ValueError, "rounding", lambda: qc.integer_all_reduce(x, rounding="up")),
+        (TypeError, "CommStats", lambda: qc.all_gather(out, x, spec=S8, stats={})),
+    ]
+    mesh = init_device_mesh("cpu", (1, ws), mesh_dim_names=("inter", "intra"))
+    had8 = QuantSpec(bits=8, group_size=64, scheme="absmax", rounding="nearest", hadamard_block=32)
+    cases += [
+        (
+            ValueError,
+            "group_size",
+            lambda: qc.hierarchical_reduce_scatter(
+                torch.empty(3),
+                torch.randn(3 * ws),
+                mesh=mesh,
+                intra_spec=S8,
+                inter_spec=QuantSpec(bits=4, group_size=64, scheme="absmax", rounding="nearest"),
+            ),
+        ),
+        (
+            ValueError,
+            "hadamard_block",
+            lambda: qc.hierarchical_reduce_scatter(
+                torch.empty(3),
+                torch.randn(3 * ws),
+                mesh=mesh,
+                intra_spec=had8,
+                inter_spec=QuantSpec(bits=4, group_size=64, scheme="absmax", rounding="nearest"),
+            ),
+        ),
+        (
+            ValueError,
+            "pipeline",
+            lambda: qc.hierarchical_reduce_scatter(
+                torch.empty(3),
+                torch.randn(3 * ws),
+                mesh=mesh,
+                intra_spec=S8,
+                inter_spec=S4,
+                pipeline=0,
+            ),
+        ),
+        (
+            TypeError,
+            "DeviceMesh",
+            lambda: qc.hierarchical_reduce_scatter(
+                torch.empty(3), torch.randn(3 * ws), mesh=None, intra_spec=S8, inter_spec=S4
+            ),
+        ),
+        (
+            ValueError,
+            "2-D",
+            lambda: qc.hierarchical_reduce_scatter(
+                torch.empty(3),
+                torch.randn(3 * ws),
+                mesh=init_device_mesh("cpu", (ws,)),
+                intra_spec=S8,
+                inter_spec=S4,
+            ),
+        ),
+    ]
+    stats = CommStats()
+    with count_dist_bytes() as sent:
+        for exc, match, call in cases:
+            with pytest.raises(exc, match=match):
+                call()
+    # A rejected call sends nothing and counts nothing.
+    assert sent.total_calls == 0 and stats.snapshot() == {}
+    # Nor does a NaN: encode raises before anything reaches torch.distributed.
+    with count_dist_bytes() as sent, pytest.raises(ValueError, match="NaN"):
+        qc.all_gather(out, torch.full((10,), float("nan")), spec=S8)
+    assert sent.total_calls == 0
+
+
+def test_bad_arguments_raise_before_any_communication():
+    run_distributed(_bad_arguments, 2)
+
+
+def test_stats_counter():
+    stats = CommStats()
+    stats.count_call("x")
+    stats.add_bytes("x", 10)
+    stats.add_bytes("x", 5)
+    stats.add_bytes("y", 1)
+    assert stats["x"] == qc.CollectiveCounts(calls=1, bytes=15, dist_calls=2)
+    assert stats["missing"] == qc.CollectiveCounts()
+    assert stats.total_bytes == 16
+    stats.reset()
+    assert stats.snapshot() == {} and stats.total_bytes == 0
+
+
+def test_noise_streams_are_distinct():
+    from qsdp.comm._common import noise_stream
+
+    keys = [(r, c, h, p) for r in range(16) for c in range(16) for h in (0, 1) for p in range(4)]
+    streams = {noise_stream(r, c, hop=h, piece=p) for r, c, h, p in keys}
+    assert len(streams) == len(keys)
+    assert max(streams) < 0xFFFFFFF0  # the quantizer's reserved streams stay free
+
+
+def _fails_on_rank_one(rank, ws):
+    if rank == 1:
+        raise KeyError("deliberate failure on rank one")
+    dist.all_reduce(torch.ones(1))  # rank 0 waits here for a peer that is gone
+    return rank
+
+
+def test_run_distributed_propagates_worker_tracebacks():
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="rank 1 of 2") as info:
+        run_distributed(_fails_on_rank_one, 2, pg_timeout_s=60)
+    assert "deliberate failure on rank one" in str(info.value)
+    assert "_fails_on_rank_one" in str(info.value)  # the worker's own traceback
+    assert time.monotonic() - start < 30  # the stuck peer is killed, not waited for
+
+
+def _returns(rank, ws, offset):
+    return rank * 10 + ws + offset
+
+
+def test_run_distributed_returns_per_rank_values():
+    assert run_distributed(_returns, 3, 5) == [8, 18, 28]
+
+
+def _counts_bytes(rank, ws):
+    with count_dist_bytes() as sent:
+        dist.all_reduce(torch.ones(3))
+        dist.all_to_all_single(
+            torch.empty(2 * ws, dtype=torch.uint8), torch.zeros(2 * ws, dtype=torch.uint8)
+        )
+        dist.all_gather_into_tensor(
+            torch.empty(ws * 5, dtype=torch.int8), torch.zeros(5, dtype=torch.int8)
+        )
+    assert sent.bytes == {
+        "all_reduce": 12,
+        "all_to_all_single": 2 * ws,
+        "all_gather_into_tensor": 5,
+    }  # its inner all_gather_single not again
+    assert dist.all_reduce is not None and sent.total_calls == 3
+
+
+def test_count_dist_bytes():
+    run_distributed(_counts_bytes, 2)

@@ -1,0 +1,153 @@
+"""CGX's two-phase all-reduce: quantized reduce-scatter + all-gather, identical on every rank."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from qsdp.comm import CommStats, two_phase_all_reduce, two_phase_all_reduce_wire_bytes
+from qsdp.comm._common import noise_stream
+from qsdp.quant import QuantSpec, decode_sum, encode
+from qsdp.testing import (
+    assert_same_on_all_ranks,
+    assert_within,
+    count_dist_bytes,
+    dtype_slack,
+    rank_tensor,
+    rounding_bound,
+    run_distributed,
+)
+
+from .test_all_gather import mean_error_ok
+
+SPECS = [
+    QuantSpec(bits=8, group_size=64, scheme="minmax", rounding="stochastic"),
+    QuantSpec(bits=4, group_size=32, scheme="absmax", rounding="nearest"),
+    QuantSpec(
+        bits=4,
+        group_size=64,
+        scheme="absmax",
+        rounding="stochastic",
+        hadamard_block=32,
+        hadamard_seed=1,
+    ),
+]
+LENGTHS = [0, 1, 5, 301, 1000]  # any length: padded to world_size * ceil(n / world_size) inside
+SEED, STEP = 8, 2
+
+
+def emulate(xs, spec, op, *, step):
+    """Expected result from the bytes of both phases, and the per-element error bound."""
+    n, numel = len(xs), xs[0].numel()
+    m = -(-numel // n)
+    pad = [torch.cat((x, x.new_zeros(n * m - numel))) for x in xs]
+    out = torch.empty(n * m, dtype=torch.float64)
+    bound = torch.empty(n * m, dtype=torch.float64)
+    for c in range(n):
+        parts = [p[c * m : (c + 1) * m] for p in pad]
+        acc = parts[c].to(torch.float32, copy=True)
+        rows = [
+            encode(parts[j], spec, seed=SEED, step=step, stream=noise_stream(j, c)).payload
+            for j in range(n)
+            if j != c
+        ]
+        if rows and m:
+            decode_sum(torch.stack(rows), m, spec, out=acc, accumulate=True)
+        rs_bound = sum(
+            (rounding_bound(parts[j], spec) for j in range(n) if j != c),
+            torch.zeros(m, dtype=torch.float64),
+        )
+        if op == "avg":
+            acc /= n
+            rs_bound /= n
+        payload = encode(acc, spec, seed=SEED, step=step, stream=noise_stream(c, 0, hop=1))
+        out[c * m : (c + 1) * m] = decode_sum(payload.payload.view(1, -1), m, spec).double()
+        # The all-gather re-quantizes the reduced chunk; the bound adds in the quantizer domain.
+        bound[c * m : (c + 1) * m] = rs_bound + rounding_bound(acc, spec)
+    return out[:numel], bound
+
+
+def check_two_phase(rank, ws, spec, numel, dtype, op, *, step=STEP):
+    xs = [rank_tensor(j, numel, dtype=dtype, seed=step) for j in range(ws)]
+    t = xs[rank].clone()
+    stats = CommStats()
+    with count_dist_bytes() as sent:
+        two_phase_all_reduce(t, spec=spec, op=op, seed=SEED, step=step, stats=stats)
+    wire = two_phase_all_reduce_wire_bytes(numel, ws, spec)
+    assert sent.total_bytes == stats["two_phase_all_reduce"].bytes == wire
+    assert_same_on_all_ranks(t)
+    expect, bound = emulate(xs, spec, op, step=step)
+    assert torch.equal(t, expect.to(dtype)), "output differs from the two phases' bytes"
+    exact = sum(x.double() for x in xs)
+    mag = sum(x.double().abs() for x in xs)
+    if op == "avg":
+        exact, mag = exact / ws, mag / ws
+    m = -(-numel // ws)
+    # Each chunk is rotated from its own start: check chunk by chunk, the zero pad included.
+    err = _pad(t.double() - exact, ws * m)
+    slack = _pad(dtype_slack(mag, dtype, spec), ws * m) * 2
+    for c in range(ws):
+        sl = slice(c * m, (c + 1) * m)
+        assert_within(
+            err[sl],
+            bound[sl],
+            spec,
+            slack=slack[sl],
+            what=f"two_phase {spec} n={numel} {dtype} op={op} chunk {c}",
+        )
+    return t
+
+
+def _pad(v: torch.Tensor, n: int) -> torch.Tensor:
+    return torch.cat((v, v.new_zeros(n - v.numel())))
+
+
+def _worker(rank, ws):
+    for spec in SPECS:
+        for numel in LENGTHS:
+            check_two_phase(rank, ws, spec, numel, torch.float32, "avg")
+        check_two_phase(rank, ws, spec, 301, torch.bfloat16, "avg")
+        check_two_phase(rank, ws, spec, 301, torch.float32, "sum")
+    # async: the reduce-scatter completes before the call returns, the all-gather on wait().
+    sync = check_two_phase(rank, ws, SPECS[0], 400, torch.float32, "avg")
+    t = rank_tensor(rank, 400, seed=STEP)
+    work = two_phase_all_reduce(t, spec=SPECS[0], seed=SEED, step=STEP, async_op=True)
+    work.wait()
+    assert work.is_completed() and torch.equal(t, sync)
+    _check_bytes_ratio(rank, ws)
+    _check_unbiased(rank, ws)
+
+
+def _check_bytes_ratio(rank, ws):
+    numel = 64 * 1024
+    with count_dist_bytes() as plain:
+        dist.all_reduce(rank_tensor(rank, numel))
+    for spec in SPECS:
+        with count_dist_bytes() as quant:
+            two_phase_all_reduce(rank_tensor(rank, numel), spec=spec)
+        factor = (spec.bits / 8 + spec.scale_bytes / spec.group_size) / 4
+        # numel / ws elements a chunk, padded up to whole chunks: one group of slack per chunk.
+        slack = ws * (spec.scale_bytes + math.ceil(spec.bits / 8))
+        assert quant.total_bytes <= plain.total_bytes * factor + slack, spec
+
+
+def _check_unbiased(rank, ws):
+    m, k = 160, 48
+    spec = SPECS[0]
+    xs = [rank_tensor(j, m) for j in range(ws)]
+    exact = sum(x.double() for x in xs) / ws
+    errs = torch.empty(k, m, dtype=torch.float64)
+    for s in range(k):
+        t = xs[rank].clone()
+        two_phase_all_reduce(t, spec=spec, step=s)
+        errs[s] = t.double() - exact
+    _, bound = emulate(xs, spec, "avg", step=0)
+    assert mean_error_ok(errs, bound[:m])
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_two_phase_all_reduce(world_size):
+    run_distributed(_worker, world_size)

@@ -140,6 +140,9 @@ def _check_unbiased(rank, ws):
             out = torch.empty(ws * m)
             all_gather(out, x, spec=spec, step=s)
             errs[s] = out.double() - x.double().repeat(ws)
+        if spec.rounding is Rounding.STOCHASTIC:  # same shard everywhere, independent noise
+            shards = errs.view(k, ws, m)
+            assert all(not torch.equal(shards[:, 0], shards[:, j]) for j in range(1, ws))
         stochastic = spec.rounding is Rounding.STOCHASTIC
         assert mean_error_ok(errs, quant_steps(x, spec).repeat(ws)) == stochastic, spec
 

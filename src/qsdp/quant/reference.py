@@ -88,6 +88,18 @@ def _group_view(flat: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, torc
     return padded.reshape(ng, g), valid.reshape(ng, g)
 
 
+def _div(a: torch.Tensor | float, b: torch.Tensor | float) -> torch.Tensor:
+    """IEEE float32 division on every device.
+
+    Both operands become float32 tensors of one shape: CUDA torch turns ``tensor / scalar`` into
+    a multiply by the reciprocal, which rounds differently from the kernels' ``div_rn``.
+    """
+    like = a if isinstance(a, torch.Tensor) else b
+    a = a if isinstance(a, torch.Tensor) else torch.full_like(like, a)
+    b = b if isinstance(b, torch.Tensor) else torch.full_like(like, b)
+    return torch.div(a, b)
+
+
 def _round(v: torch.Tensor, spec: QuantSpec, noise: torch.Tensor | None) -> torch.Tensor:
     if spec.rounding is Rounding.NEAREST:
         return torch.floor(v + 0.5)
@@ -114,10 +126,10 @@ def _quantize_groups(
     inf = torch.tensor(float("inf"), device=x.device)
     if spec.scheme is Scheme.ABSMAX:
         amax = torch.where(valid, x.abs(), 0.0).amax(dim=1, keepdim=True)
-        s = amax / spec.qmax
+        s = _div(amax, spec.qmax)
         if spec.scale_dtype == torch.bfloat16:
             s = _round_up_bf16(s)
-        inv = torch.where(s > 0, 1.0 / s, 0.0)
+        inv = torch.where(s > 0, _div(1.0, s), 0.0)
         q = _round(x * inv, spec, noise).clamp(-spec.qmax, spec.qmax)
         codes = q.to(torch.int32) + spec.qmax
         fields = s
@@ -125,18 +137,18 @@ def _quantize_groups(
         lo = torch.where(valid, x, inf).amin(dim=1, keepdim=True)
         hi = torch.where(valid, x, -inf).amax(dim=1, keepdim=True)
         if spec.scheme is Scheme.MINMAX:
-            unit = (hi - lo) / spec.max_code
+            unit = _div(hi - lo, spec.max_code)
             base = lo
         else:
-            unit = (hi - lo) / (spec.max_code - 1)
+            unit = _div(hi - lo, spec.max_code - 1)
             words = philox4x32(
                 torch.arange(ng, dtype=torch.int64, device=x.device), seed, LATTICE_STREAM, step
             )
             xi = ((words[0] >> 8).to(torch.float32) * (2.0**-24)).reshape(ng, 1)
-            inv_u = torch.where(unit > 0, 1.0 / unit, 0.0)
+            inv_u = torch.where(unit > 0, _div(1.0, unit), 0.0)
             k0 = torch.floor(lo * inv_u - xi)
             base = torch.where(unit > 0, (k0 + xi) * unit, lo)
-        inv = torch.where(unit > 0, 1.0 / unit, 0.0)
+        inv = torch.where(unit > 0, _div(1.0, unit), 0.0)
         q = _round((x - base) * inv, spec, noise).clamp(0, spec.max_code)
         codes = q.to(torch.int32)
         fields = torch.cat((base, unit), dim=1)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
@@ -43,6 +44,24 @@ def _grid(spec: QuantSpec, numel: int) -> tuple[int]:
 
 def triton_cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def _big(*sizes: int) -> bool:
+    """Whether an offset can reach 2^31 (then the kernels index with int64)."""
+    return max(sizes) + _BLOCK >= 2**31
+
+
+def _interpret() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _big(*sizes: int) -> bool:
+    """Whether an offset can reach 2^31 (then the kernels index with int64)."""
+    return max(sizes) + _BLOCK >= 2**31
+
+
+def _interpret() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _key(seed: int) -> tuple[int, int]:
@@ -91,6 +110,7 @@ def encode(
         HAS_SIGNS=had["HAS_SIGNS"],
         H=had["H"],
         LOG_H=had["LOG_H"],
+        BIG=_big(numel, out.numel()),
         num_warps=_NUM_WARPS,
         enable_fp_fusion=False,
     )
@@ -130,6 +150,8 @@ def decode(
         HAS_SIGNS=had["HAS_SIGNS"],
         H=had["H"],
         LOG_H=had["LOG_H"],
+        BIG=_big(numel, payloads.numel()),
+        INTERPRET=_interpret(),
         num_warps=_NUM_WARPS,
         enable_fp_fusion=False,
     )
@@ -175,6 +197,7 @@ def decode_sum_encode(
         STOCHASTIC=out_spec.rounding is Rounding.STOCHASTIC,
         SCALE_BF16=out_spec.scale_dtype == torch.bfloat16,
         K=payloads.shape[0],
+        BIG=_big(numel, payloads.numel(), out.numel()),
         num_warps=_NUM_WARPS,
         enable_fp_fusion=False,
     )

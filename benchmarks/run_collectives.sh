@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# On a 4-GPU host: qsdp's compressed collectives beside NCCL in the three regimes of docs/gpu.md.
+#   bash benchmarks/run_collectives.sh [extra bench_collectives.py args, e.g. --sizes-mib 16 256]
+# Writes benchmarks/results/collectives_<regime>_<gpu>_<date>.json, one file per regime.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH=src PYTHONUNBUFFERED=1
+# NVLink multicast off in every multi-GPU command: it can take the shared host's GPUs out of service.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+
+gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1 | tr -c 'A-Za-z0-9\n' '_')
+day=$(date -u +%Y-%m-%d)
+run() {  # run <regime> [VAR=value ...]: torchrun under the regime's extra environment
+  local regime=$1
+  shift
+  echo "== regime $regime"
+  env "$@" torchrun --standalone --nproc-per-node 4 benchmarks/bench_collectives.py \
+    --regime "$regime" --out "benchmarks/results/collectives_${regime}_${gpu}_${day}.json" \
+    ${ARGS[@]+"${ARGS[@]}"}
+}
+ARGS=("$@")
+
+run nvlink
+run socket NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_IB_DISABLE=1 NCCL_NET=Socket \
+  NCCL_SOCKET_IFNAME=lo
+# 2 nodes x 2 GPUs: bench_collectives.py sets NCCL_HOSTID=node{LOCAL_RANK // 2} in each process
+# before init_process_group (it differs per process, so it cannot be set here).
+run 2x2 NCCL_IB_DISABLE=1 NCCL_SOCKET_IFNAME=lo

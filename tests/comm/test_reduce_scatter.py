@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 import qsdp.comm._reduce_scatter as rs_mod
 from qsdp.comm import CommStats, reduce_scatter, reduce_scatter_wire_bytes
-from qsdp.comm._common import noise_stream
+from qsdp.comm._common import dist_reduce_scatter, noise_stream
 from qsdp.quant import QuantSpec, Rounding, decode_sum, encode
 from qsdp.testing import (
     assert_within,
@@ -137,7 +137,7 @@ def _check_bytes_ratio(rank, ws):
     m = 4096
     x = rank_tensor(rank, ws * m)
     with count_dist_bytes() as plain:
-        dist.reduce_scatter_tensor(torch.empty(m), x.clone())
+        dist_reduce_scatter()(torch.empty(m), x.clone())
     for spec in SPECS:
         with count_dist_bytes() as quant:
             reduce_scatter(torch.empty(m), x, spec=spec)

@@ -13,7 +13,7 @@ returns while it is in flight, and ``wait()`` finishes it and runs the local dec
 
 from __future__ import annotations
 
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -160,6 +160,18 @@ def noise_stream(rank: int, chunk: int, *, bucket: int = 0, hop: int = 0, piece:
 
 
 # --- torch.distributed calls, counted -----------------------------------------------------------
+def dist_all_gather() -> Callable[..., dist.Work | None]:
+    """torch's all-gather into one tensor: ``all_gather_single`` (torch >= 2.13, where the old
+    name is deprecated) or ``all_gather_into_tensor`` (torch 2.11). Looked up at call time."""
+    return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def dist_reduce_scatter() -> Callable[..., dist.Work | None]:
+    """torch's reduce-scatter of one tensor: ``reduce_scatter_single`` (torch >= 2.13) or
+    ``reduce_scatter_tensor`` (torch 2.11). Looked up at call time."""
+    return getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -169,10 +181,7 @@ def all_gather(
 ) -> dist.Work:
     """``all_gather_single`` (torch >= 2.13) or ``all_gather_into_tensor``, async, counted."""
     stats.add_bytes(name, _nbytes(inp))
-    fn = getattr(dist, "all_gather_single", None)
-    if fn is None:
-        fn = dist.all_gather_into_tensor
-    return fn(out, inp, group=group, async_op=True)
+    return dist_all_gather()(out, inp, group=group, async_op=True)
 
 
 def reduce_scatter_sum(
@@ -180,10 +189,7 @@ def reduce_scatter_sum(
 ) -> dist.Work:
     """``reduce_scatter_single`` (torch >= 2.13) or ``reduce_scatter_tensor`` with SUM."""
     stats.add_bytes(name, _nbytes(inp))
-    fn = getattr(dist, "reduce_scatter_single", None)
-    if fn is None:
-        fn = dist.reduce_scatter_tensor
-    return fn(out, inp, op=dist.ReduceOp.SUM, group=group, async_op=True)
+    return dist_reduce_scatter()(out, inp, op=dist.ReduceOp.SUM, group=group, async_op=True)
 
 
 def all_to_all(

@@ -121,8 +121,8 @@ def integer_all_reduce(
     ``M / (2 s)`` (nearest) or ``< M / s`` (stochastic, unbiased), so the sum is within
     ``n * M / (2 s)`` (resp. ``< n * M / s``), the mean within ``M / (2 s)`` (resp. ``M / s``),
     plus the rounding to ``tensor``'s dtype and float32 scaling (a few ``M * 2^-24`` per rank,
-    visible only with the int32 carrier, whose levels are capped at 2^24). The integer sum itself is exact: no overflow for any
-    input, by the level rule.
+    visible only with the int32 carrier, whose levels are capped at 2^24). The integer sum
+    itself is exact: no overflow for any input, by the level rule.
 
     Args:
         tensor: float32/bf16/fp16, contiguous, any length; overwritten with the result.

@@ -25,6 +25,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from ..comm._common import dist_all_gather
+
 __all__ = [
     "DistByteCounter",
     "assert_same_on_all_ranks",
@@ -279,8 +281,7 @@ def assert_same_on_all_ranks(t: torch.Tensor, group: dist.ProcessGroup | None = 
     raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
     n = dist.get_world_size(group)
     rows = torch.empty(n * raw.numel(), dtype=torch.uint8, device=raw.device)
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(rows, raw, group=group)
+    dist_all_gather()(rows, raw, group=group)
     rows = rows.view(n, -1)
     for j in range(n):
         if not torch.equal(rows[j], raw):

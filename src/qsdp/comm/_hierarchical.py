@@ -31,6 +31,8 @@ GPU a node (``B == 1``) only the inter level: both are the single-level
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
@@ -162,8 +164,8 @@ def hierarchical_reduce_scatter(
     Args:
         output: ``m`` elements (float32/bf16/fp16, contiguous).
         input: ``N * m`` elements; chunk ``a * B + b`` is bound for mesh coordinate ``(a, b)``
-            (its global rank for a mesh from ``init_device_mesh``). Encoded before the call
-            returns except for later pipeline pieces (leave it alone until the call returns).
+            (its global rank for a mesh from ``init_device_mesh``). Encoded, every pipeline
+            piece, before the call returns.
         mesh: 2-D ``DeviceMesh``, dim 0 across nodes (inter), dim 1 within a node (intra), e.g.
             ``init_device_mesh("cuda", (nodes, gpus), mesh_dim_names=("inter", "intra"))``.
         intra_spec: the intra-node quantizer (SDP4Bit: 8 bits, group 128, Hadamard 32).
@@ -205,59 +207,50 @@ def hierarchical_reduce_scatter(
     m = check_chunks(output, input, na * nb, "hierarchical_reduce_scatter")
     stats.count_call(_NAME)
     plan = _Plan(
-        input,
-        inter,
-        intra,
-        a,
-        b,
-        na,
-        nb,
-        m,
-        intra_spec,
-        inter_spec,
-        _pieces(m, intra_spec.group_size, pipeline),
-        seed,
-        step,
-        bucket,
-        backend,
-        stats,
+        chunks=input.reshape(na * nb, m),
+        inter=inter,
+        intra=intra,
+        coord=(a, b),
+        shape=(na, nb),
+        intra_spec=intra_spec,
+        inter_spec=inter_spec,
+        pieces=_pieces(m, intra_spec.group_size, pipeline),
+        key=dict(seed=seed, step=step),
+        bucket=bucket,
+        backend=backend,
+        stats=stats,
     )
     return C.run_stages(plan.stages(output, op), async_op)
 
 
+@dataclass(kw_only=True)
 class _Plan:
     """Buffers and steps of one two-level reduce-scatter (one object per call)."""
 
-    def __init__(
-        self,
-        input,
-        inter,
-        intra,
-        a,
-        b,
-        na,
-        nb,
-        m,
-        intra_spec,
-        inter_spec,
-        pieces,
-        seed,
-        step,
-        bucket,
-        backend,
-        stats,
-    ) -> None:
-        self.chunks = input.reshape(na * nb, m)
-        self.inter, self.intra = inter, intra
-        self.a, self.b, self.na, self.nb = a, b, na, nb
-        self.intra_spec, self.inter_spec = intra_spec, inter_spec
-        self.pieces = pieces
-        self.key = dict(seed=seed, step=step)
-        self.bucket, self.backend, self.stats = bucket, backend, stats
+    chunks: torch.Tensor
+    """The input as ``[N, m]``: row ``a * B + b`` is bound for mesh coordinate ``(a, b)``."""
+    inter: dist.ProcessGroup
+    intra: dist.ProcessGroup
+    coord: tuple[int, int]
+    """This rank's mesh coordinate ``(a, b)``."""
+    shape: tuple[int, int]
+    """The mesh's ``(A, B)``."""
+    intra_spec: QuantSpec
+    inter_spec: QuantSpec
+    pieces: list[tuple[int, int]]
+    key: dict[str, int]
+    """``seed`` and ``step`` of the noise."""
+    bucket: int
+    backend: Backend
+    stats: CommStats
+
+    def __post_init__(self) -> None:
+        self.a, self.b = self.coord
+        self.na, self.nb = self.shape
         self.me = dist.get_rank()
         # The own chunk never travels: start the float32 sum from it, exact.
-        self.acc = torch.empty(m, dtype=torch.float32, device=input.device)
-        self.acc.copy_(self.chunks[a * nb + b])
+        self.acc = torch.empty(self.chunks.shape[1], dtype=torch.float32, device=self.chunks.device)
+        self.acc.copy_(self.chunks[self.a * self.nb + self.b])
 
     def _stream(self, chunk: int, hop: int, piece: int) -> int:
         return C.noise_stream(self.me, chunk, bucket=self.bucket, hop=hop, piece=piece)

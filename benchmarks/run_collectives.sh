@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # On a 4-GPU host: qsdp's compressed collectives beside NCCL in the three regimes of docs/gpu.md.
 #   bash benchmarks/run_collectives.sh [extra bench_collectives.py args, e.g. --sizes-mib 16 256]
-# Writes benchmarks/results/collectives_<regime>_<gpu>_<date>.json, one file per regime.
+# Writes $RESULTS_DIR/collectives_<regime>_<gpu>_<date>.json (default benchmarks/results), one
+# file per regime.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=src PYTHONUNBUFFERED=1
@@ -10,12 +11,13 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1 | tr -c 'A-Za-z0-9\n' '_')
 day=$(date -u +%Y-%m-%d)
+RESULTS_DIR=${RESULTS_DIR:-benchmarks/results}
 run() {  # run <regime> [VAR=value ...]: torchrun under the regime's extra environment
   local regime=$1
   shift
   echo "== regime $regime"
   env "$@" torchrun --standalone --nproc-per-node 4 benchmarks/bench_collectives.py \
-    --regime "$regime" --out "benchmarks/results/collectives_${regime}_${gpu}_${day}.json" \
+    --regime "$regime" --out "${RESULTS_DIR}/collectives_${regime}_${gpu}_${day}.json" \
     ${ARGS[@]+"${ARGS[@]}"}
 }
 ARGS=("$@")

@@ -52,6 +52,10 @@ def _worker(
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     try:
+        options = {}
+        if backend == "nccl":  # one GPU per rank, bound before the group is made
+            options["device_id"] = torch.device("cuda", rank % torch.cuda.device_count())
+            torch.cuda.set_device(options["device_id"])
         store = dist.FileStore(store_path, world_size)
         dist.init_process_group(
             backend,
@@ -59,6 +63,7 @@ def _worker(
             rank=rank,
             world_size=world_size,
             timeout=datetime.timedelta(seconds=pg_timeout_s),
+            **options,
         )
         results.put((rank, True, fn(rank, world_size, *args, **kwargs)))
     except BaseException:  # noqa: B036 - every failure, KeyboardInterrupt included, must reach the parent
@@ -93,7 +98,7 @@ def run_distributed(
         timeout_s: wall-clock limit for the whole run; past it the workers are killed.
         pg_timeout_s: the process group's collective timeout, so a rank stuck waiting for a
             failed peer gives up quickly.
-        backend: ``"gloo"`` (CPU) or ``"nccl"``.
+        backend: ``"gloo"`` (CPU) or ``"nccl"`` (rank ``r`` on GPU ``r % device_count``).
         start_method: ``"forkserver"`` (fast, the default), ``"spawn"`` or ``"fork"``.
 
     Returns:

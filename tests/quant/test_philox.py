@@ -31,7 +31,11 @@ def test_uniform_is_a_pure_function_of_the_index():
     full = uniform(1001, seed=3, step=4, stream=5)
     assert torch.equal(uniform(1001, seed=3, step=4, stream=5), full)
     assert torch.equal(uniform(500, seed=3, step=4, stream=5, offset=333), full[333:833])
-    assert float(full.min()) >= 0.0 and float(full.max()) < 1.0
+    assert float(full.min()) > 0.0 and float(full.max()) < 1.0
+    # 16-bit bin centres: (h + 0.5) / 2^16, exact in float32
+    h = full * 2**16 - 0.5
+    assert torch.equal(h, h.round())
+    assert torch.equal(uniform(3, seed=3, step=4, stream=5, offset=998), full[998:1001])
 
 
 def test_uniform_statistics_and_independence_of_keys():

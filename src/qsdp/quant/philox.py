@@ -7,11 +7,11 @@ kernel without state. Philox4x32-10 (Salmon et al., SC'11) maps a 128-bit counte
 key to four 32-bit words. qsdp uses
 
     key     = seed (64 bits)
-    counter = (element_index // 4 low word, element_index // 4 high word, stream, step)
+    counter = (element_index // 8 low word, element_index // 8 high word, stream, step)
 
-and takes word ``element_index % 4``; the uniform variate is ``(word >> 8) * 2^-24`` in
-``[0, 1 - 2^-24]``, exact in float32. ``stream`` separates ranks and buffers (callers pass e.g.
-``rank`` or a hash of (rank, bucket)), ``step`` separates iterations. Here every 32-bit word is
+and feeds eight elements from one call (16 bits each, see :func:`uniform`; exact in float32).
+``stream`` separates ranks and buffers (callers pass e.g. ``rank`` or a hash of (rank, bucket)),
+``step`` separates iterations. Here every 32-bit word is
 held in an int64 tensor and products are split into 16-bit halves so no int64 product overflows:
 the result is bit-identical to the Triton kernels' uint32 arithmetic on any device.
 """
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["philox4x32", "philox_rounds", "random_signs", "uniform"]
+__all__ = ["group_uniform", "philox4x32", "philox_rounds", "random_signs", "uniform"]
 
 _M0 = 0xD2511F53
 _M1 = 0xCD9E8D57
@@ -84,21 +84,38 @@ def philox_rounds(
 def uniform(
     n: int, *, seed: int, step: int, stream: int, offset: int = 0, device=None
 ) -> torch.Tensor:
-    """``n`` float32 variates in [0, 1) for element indices ``offset .. offset + n - 1``."""
-    idx = torch.arange(offset, offset + n, dtype=torch.int64, device=device)
+    """``n`` float32 variates in (0, 1) for element indices ``offset .. offset + n - 1``.
+
+    Element ``e`` takes the 16-bit half ``e % 2`` (low half first) of word ``(e % 8) // 2`` of
+    counter ``e // 8`` and maps it to the bin centre ``(h + 0.5) / 2^16``: one Philox call feeds
+    eight elements, and stochastic rounding with it is unbiased to within 2^-17 of a step.
+    """
     if n == 0:
         return torch.empty(0, dtype=torch.float32, device=device)
-    first = offset // 4
-    last = (offset + n - 1) // 4
+    first = offset // 8
+    last = (offset + n - 1) // 8
     words = philox4x32(
         torch.arange(first, last + 1, dtype=torch.int64, device=device), seed, stream, step
     )
-    stacked = torch.stack(words, dim=1).reshape(-1)  # word e % 4 of counter e // 4
-    r = stacked[idx - 4 * first]
-    return (r >> 8).to(torch.float32) * (2.0**-24)
+    w = torch.stack(words, dim=1)  # [counters, 4]
+    halves = torch.stack((w & 0xFFFF, w >> 16), dim=2).reshape(-1)  # element order
+    idx = torch.arange(offset - 8 * first, offset - 8 * first + n, device=device)
+    return (halves[idx].to(torch.float32) + 0.5) * (2.0**-16)
+
+
+def group_uniform(n: int, *, seed: int, step: int, device=None) -> torch.Tensor:
+    """One float32 U[0, 1) per group ``0 .. n-1`` (24 bits; the shift-lattice dither).
+
+    Word 0 of counter ``g`` on the reserved stream :data:`LATTICE_STREAM`: the same for every
+    rank, so all ranks share the step's lattice.
+    """
+    words = philox4x32(
+        torch.arange(n, dtype=torch.int64, device=device), seed, LATTICE_STREAM, step
+    )
+    return (words[0] >> 8).to(torch.float32) * (2.0**-24)
 
 
 def random_signs(h: int, seed: int, device=None) -> torch.Tensor:
     """The +-1 float32 sign vector of a seeded Hadamard block (same on every rank)."""
-    u = uniform(h, seed=seed, step=0, stream=HADAMARD_STREAM, device=device)
-    return torch.where(u < 0.5, 1.0, -1.0).to(torch.float32)
+    words = philox4x32(torch.arange(h, dtype=torch.int64, device=device), seed, HADAMARD_STREAM, 0)
+    return torch.where((words[0] & 1) == 0, 1.0, -1.0).to(torch.float32)

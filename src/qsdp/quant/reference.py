@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from .hadamard import hadamard_forward, hadamard_inverse
-from .philox import LATTICE_STREAM, philox4x32, uniform
+from .philox import group_uniform, uniform
 from .spec import QuantSpec, Rounding, Scheme
 
 __all__ = [
@@ -141,10 +141,7 @@ def _quantize_groups(
             base = lo
         else:
             unit = _div(hi - lo, spec.max_code - 1)
-            words = philox4x32(
-                torch.arange(ng, dtype=torch.int64, device=x.device), seed, LATTICE_STREAM, step
-            )
-            xi = ((words[0] >> 8).to(torch.float32) * (2.0**-24)).reshape(ng, 1)
+            xi = group_uniform(ng, seed=seed, step=step, device=x.device).reshape(ng, 1)
             inv_u = torch.where(unit > 0, _div(1.0, unit), 0.0)
             k0 = torch.floor(lo * inv_u - xi)
             base = torch.where(unit > 0, (k0 + xi) * unit, lo)

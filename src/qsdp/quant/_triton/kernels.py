@@ -1,9 +1,12 @@
 """Fused Triton kernels for the quantizers; ``qsdp.quant.reference`` is their specification.
 
 [Note: one tile, three kernels]
-A program owns ``ROWS`` whole groups as a ``[ROWS, GROUP]`` tile (row = group), so every group
-statistic is a row reduction and Hadamard blocks (which divide ``GROUP``) never straddle
-programs. The building blocks are ``@triton.jit`` helpers shared by the three kernels:
+A program owns ``ROWS`` whole groups as a ``[ROWS, GPB, HB]`` tile: row = group, and each group
+is ``GPB`` runs of ``HB`` elements (``HB`` is the Hadamard block when the kernel rotates, else
+the whole group and ``GPB == 1``). Group statistics are reductions over the last two axes;
+butterflies act along the last axis only, which keeps them in registers (reshaping a
+``[ROWS, GROUP]`` tile into blocks costs a layout conversion per stage). Helpers shared by the
+three kernels:
 
     encode            load x (- ref) -> [rotate] -> quantize -> pack codes + scale bytes
     decode            for k chunks: unpack + dequantize, fp32 sum -> [inverse rotate]
@@ -46,11 +49,6 @@ def _philox(c0, c1, c2, c3, k0, k1):
 
 
 @triton.jit
-def _to_uniform(w):
-    return (w >> 8).to(tl.float32) * 5.9604644775390625e-08
-
-
-@triton.jit
 def _counter_words(ctr, stream, step, key0, key1):
     """Philox words for integer counters ``ctr`` with counter words (lo, hi, stream, step)."""
     c64 = ctr.to(tl.int64)
@@ -68,54 +66,64 @@ def _counter_words(ctr, stream, step, key0, key1):
 
 
 @triton.jit
-def _element_noise(gidx, key0, key1, stream, step, ROWS: tl.constexpr, GROUP: tl.constexpr):
-    """U[0,1) for the [ROWS, GROUP] tile: element e uses word e % 4 of counter e // 4."""
-    ctr = gidx[:, None] * (GROUP // 4) + tl.arange(0, GROUP // 4)[None, :]
+def _element_noise(
+    gidx, key0, key1, stream, step, ROWS: tl.constexpr, GPB: tl.constexpr, HB: tl.constexpr
+):
+    """U(0,1) for the tile: element e is half e % 2 of word (e % 8) // 2 of counter e // 8."""
+    GROUP: tl.constexpr = GPB * HB
+    ctr = (
+        gidx[:, None, None] * (GROUP // 8)
+        + (tl.arange(0, GPB) * (HB // 8))[None, :, None]
+        + tl.arange(0, HB // 8)[None, None, :]
+    )
     w0, w1, w2, w3 = _counter_words(ctr, stream, step, key0, key1)
-    w = tl.join(tl.join(w0, w2), tl.join(w1, w3))
-    return _to_uniform(tl.reshape(w, (ROWS, GROUP)))
+    w = tl.reshape(tl.join(tl.join(w0, w2), tl.join(w1, w3)), (ROWS, GPB, HB // 8, 4))
+    halves = tl.reshape(tl.join(w & 0xFFFF, w >> 16), (ROWS, GPB, HB))
+    return (halves.to(tl.float32) + 0.5) * 1.52587890625e-05
+
+
+@triton.jit
+def _group_uniform(gidx, key0, key1, step):
+    """One U[0,1) per group (the shift-lattice dither): word 0 of counter g, stream 2^32-1."""
+    w0, w1, w2, w3 = _counter_words(gidx, tl.full((), 0xFFFFFFFF, tl.uint32), step, key0, key1)
+    return (w0 >> 8).to(tl.float32) * 5.9604644775390625e-08
 
 
 # --- Hadamard -----------------------------------------------------------------------------------
 @triton.jit
-def _fwht(y, M: tl.constexpr, H: tl.constexpr, LOG_H: tl.constexpr):
-    """Unnormalized Walsh-Hadamard butterflies on each row of an [M, H] tile."""
+def _fwht(y, ROWS: tl.constexpr, GPB: tl.constexpr, H: tl.constexpr, LOG_H: tl.constexpr):
+    """Unnormalized Walsh-Hadamard butterflies along the last axis of a [ROWS, GPB, H] tile."""
     for i in tl.static_range(LOG_H):
-        v = tl.reshape(y, (M, H // (2 << i), 2, 1 << i))
+        v = tl.reshape(y, (ROWS * GPB, H // (2 << i), 2, 1 << i))
         v = tl.permute(v, (0, 1, 3, 2))
         a, b = tl.split(v)
         v = tl.permute(tl.join(a + b, a - b), (0, 1, 3, 2))
-        y = tl.reshape(v, (M, H))
+        y = tl.reshape(v, (ROWS, GPB, H))
     return y
 
 
 @triton.jit
-def _block_tile(pid, ROWS: tl.constexpr, GROUP: tl.constexpr, H: tl.constexpr,
-                BIG: tl.constexpr):
-    """Element offsets of this program's tile viewed as [ROWS * GROUP // H, H] blocks.
-
-    Butterflies on a tile loaded in this shape stay cheap; reshaping a [ROWS, GROUP] tile into
-    it costs a layout conversion per stage.
-    """
-    M: tl.constexpr = ROWS * GROUP // H
-    if BIG:
-        start = pid.to(tl.int64) * (ROWS * GROUP)
-    else:
-        start = pid * (ROWS * GROUP)
-    return start + tl.arange(0, M)[:, None] * H + tl.arange(0, H)[None, :]
-
-
-@triton.jit
-def _rotate(x, offs, numel, signs_ptr, inv_sqrt_h, INVERSE: tl.constexpr,
-            HAS_SIGNS: tl.constexpr, M: tl.constexpr, H: tl.constexpr, LOG_H: tl.constexpr):
-    """Forward (``H (d * x)``) or inverse (``d * (H y)``) rotation of an [M, H] tile's whole
-    blocks (``offs`` are its element offsets; a block past ``numel`` stays as it is)."""
+def _rotate(
+    x,
+    offs,
+    numel,
+    signs_ptr,
+    inv_sqrt_h,
+    INVERSE: tl.constexpr,
+    HAS_SIGNS: tl.constexpr,
+    ROWS: tl.constexpr,
+    GPB: tl.constexpr,
+    H: tl.constexpr,
+    LOG_H: tl.constexpr,
+):
+    """Forward (``H (d * x)``) or inverse (``d * (H y)``) rotation of the tile's whole blocks
+    (``offs`` are its element offsets; a block past ``numel`` stays as it is)."""
     y = x
     if HAS_SIGNS:
-        d = tl.load(signs_ptr + tl.arange(0, H))[None, :]
+        d = tl.load(signs_ptr + tl.arange(0, H))[None, None, :]
     if HAS_SIGNS and not INVERSE:
         y = y * d
-    y = _fwht(y, M, H, LOG_H) * inv_sqrt_h
+    y = _fwht(y, ROWS, GPB, H, LOG_H) * inv_sqrt_h
     if HAS_SIGNS and INVERSE:
         y = y * d
     full = (offs - offs % H + H) <= numel
@@ -124,8 +132,9 @@ def _rotate(x, offs, numel, signs_ptr, inv_sqrt_h, INVERSE: tl.constexpr,
 
 # --- scales as bytes ----------------------------------------------------------------------------
 @triton.jit
-def _store_field(ptr, gidx, gmask, value, FIELD: tl.constexpr, FIELDS: tl.constexpr,
-                 SCALE_BF16: tl.constexpr):
+def _store_field(
+    ptr, gidx, gmask, value, FIELD: tl.constexpr, FIELDS: tl.constexpr, SCALE_BF16: tl.constexpr
+):
     bits = value.to(tl.uint32, bitcast=True)
     if SCALE_BF16:
         addr = ptr + gidx * (2 * FIELDS) + 2 * FIELD
@@ -138,8 +147,9 @@ def _store_field(ptr, gidx, gmask, value, FIELD: tl.constexpr, FIELDS: tl.conste
 
 
 @triton.jit
-def _load_field(ptr, gidx, gmask, FIELD: tl.constexpr, FIELDS: tl.constexpr,
-                SCALE_BF16: tl.constexpr):
+def _load_field(
+    ptr, gidx, gmask, FIELD: tl.constexpr, FIELDS: tl.constexpr, SCALE_BF16: tl.constexpr
+):
     if SCALE_BF16:
         addr = ptr + gidx * (2 * FIELDS) + 2 * FIELD
         bits = tl.load(addr, mask=gmask, other=0).to(tl.uint32) << 16
@@ -161,7 +171,7 @@ def _round_up_bf16(s):
 
 @triton.jit
 def _cast_out(x, DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
-    """float32 -> DTYPE, round to nearest even (bf16 by hand in the interpreter, which truncates)."""
+    """float32 -> DTYPE rounding to nearest even (bf16 by hand where the interpreter truncates)."""
     if INTERPRET and DTYPE == tl.bfloat16:
         bits = x.to(tl.uint32, bitcast=True)
         rne = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
@@ -171,77 +181,117 @@ def _cast_out(x, DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
         return x.to(DTYPE)
 
 
-# --- code packing -------------------------------------------------------------------------------
+# --- tiles and code packing -----------------------------------------------------------------------
 @triton.jit
-def _pack(codes, ROWS: tl.constexpr, GROUP: tl.constexpr, BITS: tl.constexpr):
-    """[ROWS, GROUP] codes -> [ROWS, GROUP * BITS // 8] bytes, low bits first."""
+def _tile(pid, ROWS: tl.constexpr, GPB: tl.constexpr, HB: tl.constexpr, BIG: tl.constexpr):
+    """Group indices [ROWS] and element offsets [ROWS, GPB, HB] of this program."""
+    rows = tl.arange(0, ROWS)
+    if BIG:
+        gidx = pid.to(tl.int64) * ROWS + rows
+    else:
+        gidx = pid * ROWS + rows
+    inner = (tl.arange(0, GPB) * HB)[None, :, None] + tl.arange(0, HB)[None, None, :]
+    return gidx, gidx[:, None, None] * (GPB * HB) + inner
+
+
+@triton.jit
+def _byte_offsets(gidx, GPB: tl.constexpr, HB: tl.constexpr, BITS: tl.constexpr):
+    NB: tl.constexpr = HB * BITS // 8
+    inner = (tl.arange(0, GPB) * NB)[None, :, None] + tl.arange(0, NB)[None, None, :]
+    return gidx[:, None, None] * (GPB * NB) + inner
+
+
+@triton.jit
+def _pack(codes, ROWS: tl.constexpr, GPB: tl.constexpr, HB: tl.constexpr, BITS: tl.constexpr):
+    """[ROWS, GPB, HB] codes -> [ROWS, GPB, HB * BITS // 8] bytes, low bits first."""
     if BITS == 8:
         out = codes
     elif BITS == 4:
-        lo, hi = tl.split(tl.reshape(codes, (ROWS, GROUP // 2, 2)))
+        lo, hi = tl.split(tl.reshape(codes, (ROWS, GPB, HB // 2, 2)))
         out = lo | (hi << 4)
     else:
-        a, b = tl.split(tl.reshape(codes, (ROWS, GROUP // 4, 2, 2)))
+        a, b = tl.split(tl.reshape(codes, (ROWS, GPB, HB // 4, 2, 2)))
         p0, p1 = tl.split(a | (b << 2))
         out = p0 | (p1 << 4)
     return out.to(tl.uint8)
 
 
 @triton.jit
-def _unpack(raw, ROWS: tl.constexpr, GROUP: tl.constexpr, BITS: tl.constexpr):
+def _unpack(raw, ROWS: tl.constexpr, GPB: tl.constexpr, HB: tl.constexpr, BITS: tl.constexpr):
     b = raw.to(tl.int32)
     if BITS == 8:
         codes = b
     elif BITS == 4:
-        codes = tl.reshape(tl.join(b & 15, b >> 4), (ROWS, GROUP))
+        codes = tl.reshape(tl.join(b & 15, b >> 4), (ROWS, GPB, HB))
     else:
         pair = tl.join(b & 15, b >> 4)
-        codes = tl.reshape(tl.join(pair & 3, pair >> 2), (ROWS, GROUP))
+        codes = tl.reshape(tl.join(pair & 3, pair >> 2), (ROWS, GPB, HB))
     return codes
 
 
 @triton.jit
-def _tile(pid, ROWS: tl.constexpr, GROUP: tl.constexpr, BIG: tl.constexpr):
-    """Group indices [ROWS] and element offsets [ROWS, GROUP] of this program."""
-    rows = tl.arange(0, ROWS)
-    if BIG:
-        gidx = pid.to(tl.int64) * ROWS + rows
-    else:
-        gidx = pid * ROWS + rows
-    return gidx, gidx[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+def _row_max(v):
+    return tl.max(tl.max(v, axis=2), axis=1)
+
+
+@triton.jit
+def _row_min(v):
+    return tl.min(tl.min(v, axis=2), axis=1)
 
 
 # --- quantize / dequantize one tile ---------------------------------------------------------------
 @triton.jit
-def _quantize_store(x, mask, gidx, out_ptr, scale_region, n_code_bytes, n_groups,
-                    key0, key1, stream, step,
-                    BITS: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr,
-                    SCHEME: tl.constexpr, STOCHASTIC: tl.constexpr, SCALE_BF16: tl.constexpr):
-    """Quantize a [ROWS, GROUP] float32 tile and write its codes and scale bytes."""
+def _quantize_store(
+    x,
+    mask,
+    gidx,
+    out_ptr,
+    scale_region,
+    n_code_bytes,
+    n_groups,
+    key0,
+    key1,
+    stream,
+    step,
+    BITS: tl.constexpr,
+    ROWS: tl.constexpr,
+    GPB: tl.constexpr,
+    HB: tl.constexpr,
+    SCHEME: tl.constexpr,
+    STOCHASTIC: tl.constexpr,
+    SCALE_BF16: tl.constexpr,
+):
+    """Quantize a float32 tile and write its codes and scale bytes."""
     QMAX: tl.constexpr = (1 << (BITS - 1)) - 1
     MAXC: tl.constexpr = (1 << BITS) - 1
-    nonfinite = ((x != x) | (tl.abs(x) == float("inf"))) & mask
-    bad = tl.max(nonfinite.to(tl.int32), axis=1) > 0
-    x = tl.where(bad[:, None], 0.0, x)
+    INF: tl.constexpr = float("inf")
+    # x * 0 is 0 for finite x and NaN for NaN/Inf: one test flags both
+    nonfinite = (x * 0.0 != 0.0) & mask
+    x = tl.where(nonfinite, 0.0, x)
     if STOCHASTIC:
-        u = _element_noise(gidx, key0, key1, stream, step, ROWS, GROUP)
+        u = _element_noise(gidx, key0, key1, stream, step, ROWS, GPB, HB)
     else:
         u = 0.5
     one = tl.full((ROWS,), 1.0, tl.float32)
     if SCHEME == _ABSMAX:
-        amax = tl.max(tl.where(mask, tl.abs(x), 0.0), axis=1)
+        # the non-finite flag rides on the max: +inf wins over any finite |x|
+        amax = _row_max(tl.where(mask, tl.where(nonfinite, INF, tl.abs(x)), 0.0))
+        bad = amax == INF
+        amax = tl.where(bad, 0.0, amax)
         s = tl.math.div_rn(amax, one * QMAX)
         if SCALE_BF16:
             s = _round_up_bf16(s)
         inv = tl.where(s > 0, tl.math.div_rn(one, s), 0.0)
-        q = tl.floor(x * inv[:, None] + u)
+        q = tl.floor(x * inv[:, None, None] + u)
         q = tl.minimum(tl.maximum(q, -QMAX), QMAX)
         codes = q.to(tl.int32) + QMAX
         f0 = s
         f1 = s
     else:
-        lo = tl.min(tl.where(mask, x, float("inf")), axis=1)
-        hi = tl.max(tl.where(mask, x, -float("inf")), axis=1)
+        lo = _row_min(tl.where(mask, x, INF))
+        hi = _row_max(tl.where(mask, tl.where(nonfinite, INF, x), -INF))
+        bad = hi == INF
+        hi = tl.where(bad, lo, hi)
         if SCHEME == _MINMAX:
             unit = tl.math.div_rn(hi - lo, one * MAXC)
             inv = tl.where(unit > 0, tl.math.div_rn(one, unit), 0.0)
@@ -249,22 +299,18 @@ def _quantize_store(x, mask, gidx, out_ptr, scale_region, n_code_bytes, n_groups
         else:
             unit = tl.math.div_rn(hi - lo, one * (MAXC - 1))
             inv = tl.where(unit > 0, tl.math.div_rn(one, unit), 0.0)
-            w0, w1, w2, w3 = _counter_words(
-                gidx, tl.full((), 0xFFFFFFFF, tl.uint32), step, key0, key1
-            )
-            xi = _to_uniform(w0)
+            xi = _group_uniform(gidx, key0, key1, step)
             k0 = tl.floor(lo * inv - xi)
             base = tl.where(unit > 0, (k0 + xi) * unit, lo)
-        q = tl.floor((x - base[:, None]) * inv[:, None] + u)
+        q = tl.floor((x - base[:, None, None]) * inv[:, None, None] + u)
         q = tl.minimum(tl.maximum(q, 0.0), MAXC)
         codes = q.to(tl.int32)
         f0 = base
         f1 = unit
-    codes = tl.where(mask & ~bad[:, None], codes, 0)
+    codes = tl.where(mask & ~bad[:, None, None], codes, 0)
     f0 = tl.where(bad, float("nan"), f0)
-    NBG: tl.constexpr = GROUP * BITS // 8
-    boffs = gidx[:, None] * NBG + tl.arange(0, NBG)[None, :]
-    packed = _pack(codes, ROWS, GROUP, BITS)
+    boffs = _byte_offsets(gidx, GPB, HB, BITS)
+    packed = _pack(codes, ROWS, GPB, HB, BITS)
     tl.store(out_ptr + scale_region + boffs, packed, mask=boffs < n_code_bytes)
     gmask = gidx < n_groups
     FIELDS: tl.constexpr = 1 if SCHEME == _ABSMAX else 2
@@ -274,93 +320,213 @@ def _quantize_store(x, mask, gidx, out_ptr, scale_region, n_code_bytes, n_groups
 
 
 @triton.jit
-def _decode_sum(in_ptr, chunk_stride, gidx, scale_region, n_code_bytes, n_groups,
-                BITS: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr,
-                SCHEME: tl.constexpr, SCALE_BF16: tl.constexpr, K: tl.constexpr):
-    """Float32 [ROWS, GROUP] sum over K stacked payloads (rotated domain)."""
+def _decode_sum(
+    in_ptr,
+    chunk_stride,
+    gidx,
+    scale_region,
+    n_code_bytes,
+    n_groups,
+    BITS: tl.constexpr,
+    ROWS: tl.constexpr,
+    GPB: tl.constexpr,
+    HB: tl.constexpr,
+    SCHEME: tl.constexpr,
+    SCALE_BF16: tl.constexpr,
+    K: tl.constexpr,
+):
+    """Float32 sum over K stacked payloads of the tile's values (rotated domain)."""
     QMAX: tl.constexpr = (1 << (BITS - 1)) - 1
     FIELDS: tl.constexpr = 1 if SCHEME == _ABSMAX else 2
-    NBG: tl.constexpr = GROUP * BITS // 8
-    boffs = gidx[:, None] * NBG + tl.arange(0, NBG)[None, :]
+    boffs = _byte_offsets(gidx, GPB, HB, BITS)
     bmask = boffs < n_code_bytes
     gmask = gidx < n_groups
-    acc = tl.zeros((ROWS, GROUP), tl.float32)
+    acc = tl.zeros((ROWS, GPB, HB), tl.float32)
     for k in tl.static_range(K):
         base_ptr = in_ptr + k * chunk_stride
         raw = tl.load(base_ptr + scale_region + boffs, mask=bmask, other=0)
-        codes = _unpack(raw, ROWS, GROUP, BITS)
+        codes = _unpack(raw, ROWS, GPB, HB, BITS)
         f0 = _load_field(base_ptr, gidx, gmask, 0, FIELDS, SCALE_BF16)
         if SCHEME == _ABSMAX:
-            vals = (codes - QMAX).to(tl.float32) * f0[:, None]
+            vals = (codes - QMAX).to(tl.float32) * f0[:, None, None]
         else:
             f1 = _load_field(base_ptr, gidx, gmask, 1, FIELDS, SCALE_BF16)
-            vals = f0[:, None] + codes.to(tl.float32) * f1[:, None]
+            vals = f0[:, None, None] + codes.to(tl.float32) * f1[:, None, None]
         acc = acc + vals
     return acc
 
 
 # --- kernels ------------------------------------------------------------------------------------
 @triton.jit(do_not_specialize=["key0", "key1", "stream", "step"])
-def encode_kernel(x_ptr, ref_ptr, out_ptr, signs_ptr, numel, scale_region, n_code_bytes,
-                  n_groups, key0, key1, stream, step, inv_sqrt_h,
-                  BITS: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr,
-                  SCHEME: tl.constexpr, STOCHASTIC: tl.constexpr, SCALE_BF16: tl.constexpr,
-                  HAS_REF: tl.constexpr, ROTATE: tl.constexpr, HAS_SIGNS: tl.constexpr,
-                  H: tl.constexpr, LOG_H: tl.constexpr, BIG: tl.constexpr):
-    pid = tl.program_id(0)
-    gidx, offs = _tile(pid, ROWS, GROUP, BIG)
+def encode_kernel(
+    x_ptr,
+    ref_ptr,
+    out_ptr,
+    signs_ptr,
+    numel,
+    scale_region,
+    n_code_bytes,
+    n_groups,
+    key0,
+    key1,
+    stream,
+    step,
+    inv_sqrt_h,
+    BITS: tl.constexpr,
+    ROWS: tl.constexpr,
+    GPB: tl.constexpr,
+    HB: tl.constexpr,
+    SCHEME: tl.constexpr,
+    STOCHASTIC: tl.constexpr,
+    SCALE_BF16: tl.constexpr,
+    HAS_REF: tl.constexpr,
+    ROTATE: tl.constexpr,
+    HAS_SIGNS: tl.constexpr,
+    LOG_H: tl.constexpr,
+    BIG: tl.constexpr,
+):
+    gidx, offs = _tile(tl.program_id(0), ROWS, GPB, HB, BIG)
     mask = offs < numel
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_REF:
+        x = x - tl.load(ref_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     if ROTATE:
-        boffs = _block_tile(pid, ROWS, GROUP, H, BIG)
-        bmask = boffs < numel
-        x = tl.load(x_ptr + boffs, mask=bmask, other=0.0).to(tl.float32)
-        if HAS_REF:
-            x = x - tl.load(ref_ptr + boffs, mask=bmask, other=0.0).to(tl.float32)
-        x = _rotate(x, boffs, numel, signs_ptr, inv_sqrt_h, False, HAS_SIGNS,
-                    ROWS * GROUP // H, H, LOG_H)
-        x = tl.reshape(x, (ROWS, GROUP))
-    else:
-        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        if HAS_REF:
-            x = x - tl.load(ref_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    _quantize_store(x, mask, gidx, out_ptr, scale_region, n_code_bytes, n_groups,
-                    key0, key1, stream, step, BITS, GROUP, ROWS, SCHEME, STOCHASTIC, SCALE_BF16)
+        x = _rotate(x, offs, numel, signs_ptr, inv_sqrt_h, False, HAS_SIGNS, ROWS, GPB, HB, LOG_H)
+    _quantize_store(
+        x,
+        mask,
+        gidx,
+        out_ptr,
+        scale_region,
+        n_code_bytes,
+        n_groups,
+        key0,
+        key1,
+        stream,
+        step,
+        BITS,
+        ROWS,
+        GPB,
+        HB,
+        SCHEME,
+        STOCHASTIC,
+        SCALE_BF16,
+    )
 
 
 @triton.jit
-def decode_kernel(in_ptr, chunk_stride, out_ptr, signs_ptr, numel, scale_region,
-                  n_code_bytes, n_groups, inv_sqrt_h,
-                  BITS: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr,
-                  SCHEME: tl.constexpr, SCALE_BF16: tl.constexpr, K: tl.constexpr,
-                  ACCUMULATE: tl.constexpr, ROTATE: tl.constexpr, HAS_SIGNS: tl.constexpr,
-                  H: tl.constexpr, LOG_H: tl.constexpr, BIG: tl.constexpr,
-                  INTERPRET: tl.constexpr):
-    gidx, offs = _tile(tl.program_id(0), ROWS, GROUP, BIG)
+def decode_kernel(
+    in_ptr,
+    chunk_stride,
+    out_ptr,
+    signs_ptr,
+    numel,
+    scale_region,
+    n_code_bytes,
+    n_groups,
+    inv_sqrt_h,
+    BITS: tl.constexpr,
+    ROWS: tl.constexpr,
+    GPB: tl.constexpr,
+    HB: tl.constexpr,
+    SCHEME: tl.constexpr,
+    SCALE_BF16: tl.constexpr,
+    K: tl.constexpr,
+    ACCUMULATE: tl.constexpr,
+    ROTATE: tl.constexpr,
+    HAS_SIGNS: tl.constexpr,
+    LOG_H: tl.constexpr,
+    BIG: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    gidx, offs = _tile(tl.program_id(0), ROWS, GPB, HB, BIG)
     mask = offs < numel
-    acc = _decode_sum(in_ptr, chunk_stride, gidx, scale_region, n_code_bytes, n_groups,
-                      BITS, GROUP, ROWS, SCHEME, SCALE_BF16, K)
+    acc = _decode_sum(
+        in_ptr,
+        chunk_stride,
+        gidx,
+        scale_region,
+        n_code_bytes,
+        n_groups,
+        BITS,
+        ROWS,
+        GPB,
+        HB,
+        SCHEME,
+        SCALE_BF16,
+        K,
+    )
     if ROTATE:
-        offs = _block_tile(tl.program_id(0), ROWS, GROUP, H, BIG)
-        mask = offs < numel
-        acc = _rotate(tl.reshape(acc, (ROWS * GROUP // H, H)), offs, numel, signs_ptr,
-                      inv_sqrt_h, True, HAS_SIGNS, ROWS * GROUP // H, H, LOG_H)
+        acc = _rotate(
+            acc, offs, numel, signs_ptr, inv_sqrt_h, True, HAS_SIGNS, ROWS, GPB, HB, LOG_H
+        )
     if ACCUMULATE:
         acc = tl.load(out_ptr + offs, mask=mask, other=0.0).to(tl.float32) + acc
     tl.store(out_ptr + offs, _cast_out(acc, out_ptr.dtype.element_ty, INTERPRET), mask=mask)
 
 
 @triton.jit(do_not_specialize=["key0", "key1", "stream", "step"])
-def decode_sum_encode_kernel(in_ptr, chunk_stride, out_ptr, numel, in_scale_region,
-                             in_code_bytes, out_scale_region, out_code_bytes, n_groups,
-                             key0, key1, stream, step,
-                             IN_BITS: tl.constexpr, IN_SCHEME: tl.constexpr,
-                             IN_SCALE_BF16: tl.constexpr, BITS: tl.constexpr,
-                             GROUP: tl.constexpr, ROWS: tl.constexpr, SCHEME: tl.constexpr,
-                             STOCHASTIC: tl.constexpr, SCALE_BF16: tl.constexpr,
-                             K: tl.constexpr, BIG: tl.constexpr):
-    gidx, offs = _tile(tl.program_id(0), ROWS, GROUP, BIG)
+def decode_sum_encode_kernel(
+    in_ptr,
+    chunk_stride,
+    out_ptr,
+    numel,
+    in_scale_region,
+    in_code_bytes,
+    out_scale_region,
+    out_code_bytes,
+    n_groups,
+    key0,
+    key1,
+    stream,
+    step,
+    IN_BITS: tl.constexpr,
+    IN_SCHEME: tl.constexpr,
+    IN_SCALE_BF16: tl.constexpr,
+    BITS: tl.constexpr,
+    ROWS: tl.constexpr,
+    GPB: tl.constexpr,
+    HB: tl.constexpr,
+    SCHEME: tl.constexpr,
+    STOCHASTIC: tl.constexpr,
+    SCALE_BF16: tl.constexpr,
+    K: tl.constexpr,
+    BIG: tl.constexpr,
+):
+    gidx, offs = _tile(tl.program_id(0), ROWS, GPB, HB, BIG)
     mask = offs < numel
-    acc = _decode_sum(in_ptr, chunk_stride, gidx, in_scale_region, in_code_bytes, n_groups,
-                      IN_BITS, GROUP, ROWS, IN_SCHEME, IN_SCALE_BF16, K)
-    _quantize_store(acc, mask, gidx, out_ptr, out_scale_region, out_code_bytes, n_groups,
-                    key0, key1, stream, step, BITS, GROUP, ROWS, SCHEME, STOCHASTIC, SCALE_BF16)
+    acc = _decode_sum(
+        in_ptr,
+        chunk_stride,
+        gidx,
+        in_scale_region,
+        in_code_bytes,
+        n_groups,
+        IN_BITS,
+        ROWS,
+        GPB,
+        HB,
+        IN_SCHEME,
+        IN_SCALE_BF16,
+        K,
+    )
+    _quantize_store(
+        acc,
+        mask,
+        gidx,
+        out_ptr,
+        out_scale_region,
+        out_code_bytes,
+        n_groups,
+        key0,
+        key1,
+        stream,
+        step,
+        BITS,
+        ROWS,
+        GPB,
+        HB,
+        SCHEME,
+        STOCHASTIC,
+        SCALE_BF16,
+    )

@@ -38,6 +38,11 @@ def _had_args(spec: QuantSpec, device: torch.device) -> dict:
     }
 
 
+def _hb(spec: QuantSpec, rotate: bool) -> int:
+    """Innermost tile length: the Hadamard block when the kernel rotates, else the group."""
+    return spec.hadamard_block if spec.hadamard_block and rotate else spec.group_size
+
+
 def _grid(spec: QuantSpec, numel: int) -> tuple[int]:
     return (triton_cdiv(spec.num_groups(numel), _rows(spec)),)
 
@@ -100,15 +105,15 @@ def encode(
         step,
         had["inv_sqrt_h"],
         BITS=spec.bits,
-        GROUP=spec.group_size,
         ROWS=_rows(spec),
+        GPB=spec.group_size // _hb(spec, rotate),
+        HB=_hb(spec, rotate),
         SCHEME=_SCHEME_ID[spec.scheme],
         STOCHASTIC=spec.rounding is Rounding.STOCHASTIC,
         SCALE_BF16=spec.scale_dtype == torch.bfloat16,
         HAS_REF=ref is not None,
         ROTATE=bool(spec.hadamard_block) and rotate,
         HAS_SIGNS=had["HAS_SIGNS"],
-        H=had["H"],
         LOG_H=had["LOG_H"],
         BIG=_big(numel, out.numel()),
         num_warps=_NUM_WARPS,
@@ -140,15 +145,15 @@ def decode(
         spec.num_groups(numel),
         had["inv_sqrt_h"],
         BITS=spec.bits,
-        GROUP=spec.group_size,
         ROWS=_rows(spec),
+        GPB=spec.group_size // _hb(spec, rotate),
+        HB=_hb(spec, rotate),
         SCHEME=_SCHEME_ID[spec.scheme],
         SCALE_BF16=spec.scale_dtype == torch.bfloat16,
         K=payloads.shape[0],
         ACCUMULATE=accumulate,
         ROTATE=bool(spec.hadamard_block) and rotate,
         HAS_SIGNS=had["HAS_SIGNS"],
-        H=had["H"],
         LOG_H=had["LOG_H"],
         BIG=_big(numel, payloads.numel()),
         INTERPRET=_interpret(),
@@ -191,8 +196,9 @@ def decode_sum_encode(
         IN_SCHEME=_SCHEME_ID[in_spec.scheme],
         IN_SCALE_BF16=in_spec.scale_dtype == torch.bfloat16,
         BITS=out_spec.bits,
-        GROUP=out_spec.group_size,
         ROWS=_rows(out_spec),
+        GPB=1,
+        HB=out_spec.group_size,
         SCHEME=_SCHEME_ID[out_spec.scheme],
         STOCHASTIC=out_spec.rounding is Rounding.STOCHASTIC,
         SCALE_BF16=out_spec.scale_dtype == torch.bfloat16,

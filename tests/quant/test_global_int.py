@@ -83,6 +83,15 @@ def test_adversarial_sums_are_exact(carrier, n):
             assert int(wide.min()) == n * levels  # the extreme really is reached
 
 
+def test_int32_carrier_codes_stay_exact():
+    # 2^31 - 1 levels would round to 2^31 in float32 and wrap to -2^31 on the cast.
+    x = torch.tensor([-3.0, 3.0, 1.5])
+    scales = group_absmax(x, 64)
+    levels = global_int_levels("int32", 1)
+    c = global_int_encode(x, scales, levels, carrier="int32", group_size=64, rounding="nearest")
+    assert c.tolist() == [-(2**24), 2**24, 2**23]
+
+
 def test_the_overflow_check_can_fail():
     # Without the level rule (127 levels for 3 ranks) the int8 sum wraps: the test would see it.
     x = torch.full((64,), 1.0)

@@ -35,14 +35,9 @@ def _carrier_bytes(carrier: str) -> int:
     return CARRIERS[carrier][0].itemsize
 
 
-# qsdp.quant rounds codes in float32, where integers are exact only up to 2^24: an int32 carrier's
-# floor((2^31 - 1) / n) levels would round up to 2^31 and wrap. Fewer levels keep the sum exact.
-_FLOAT32_EXACT = 2**24
-
-
 def levels_for(carrier: str, world_size: int) -> int:
-    """Levels ``s`` the collectives use: ``floor(L / n)``, at most 2^24 (exact in float32)."""
-    return min(global_int_levels(carrier, world_size), _FLOAT32_EXACT)
+    """Levels ``s`` the collectives use (:func:`qsdp.quant.global_int_levels`)."""
+    return global_int_levels(carrier, world_size)
 
 
 def _groups(numel: int, group_size: int) -> int:

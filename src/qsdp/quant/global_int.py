@@ -38,12 +38,17 @@ def _carrier(carrier: str) -> tuple[torch.dtype, int]:
     return CARRIERS[carrier]
 
 
+#: Codes are rounded in float32, exact for integers up to 2^24: more levels would round up and
+#: wrap the carrier (an int32 carrier with few ranks), so the level count is capped there.
+FLOAT32_EXACT = 2**24
+
+
 def global_int_levels(carrier: str, world_size: int) -> int:
-    """Levels ``s = floor(L / n)`` for ``world_size`` ranks summing on ``carrier``."""
+    """Levels ``s = min(floor(L / n), 2^24)`` for ``world_size`` ranks summing on ``carrier``."""
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size={world_size!r} must be a positive int")
     _, limit = _carrier(carrier)
-    levels = limit // world_size
+    levels = min(limit // world_size, FLOAT32_EXACT)
     if levels < 1:
         raise ValueError(
             f"carrier={carrier!r} sums at most {limit} exactly: {world_size} ranks leave no "

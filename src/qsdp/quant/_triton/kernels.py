@@ -13,8 +13,9 @@ three kernels:
                       -> (+ out) -> store
     decode_sum_encode for k chunks: unpack + dequantize, fp32 sum -> quantize with the out spec
 
-Scales are read and written byte by byte (little endian), so a payload may sit at any byte
-offset of a larger buffer (all-to-all chunks are not 4-byte aligned). Float operations follow the
+Scales are read and written as whole words when the launcher sees them aligned (``ALIGNED``),
+else byte by byte (little endian), so a payload may sit at any byte offset of a larger buffer
+(all-to-all chunks are not 4-byte aligned). Float operations follow the
 reference in order and kind: IEEE division (``div_rn``), no FMA contraction (launch with
 ``enable_fp_fusion=False``), ``floor(v + 0.5)`` for nearest rounding, butterflies for Hadamard.
 Offsets are int32 unless the launcher sets ``BIG`` (tensors of 2^31 elements or bytes and more).
@@ -133,13 +134,27 @@ def _rotate(
 # --- scales as bytes ----------------------------------------------------------------------------
 @triton.jit
 def _store_field(
-    ptr, gidx, gmask, value, FIELD: tl.constexpr, FIELDS: tl.constexpr, SCALE_BF16: tl.constexpr
+    ptr,
+    gidx,
+    gmask,
+    value,
+    FIELD: tl.constexpr,
+    FIELDS: tl.constexpr,
+    SCALE_BF16: tl.constexpr,
+    ALIGNED: tl.constexpr,
 ):
     bits = value.to(tl.uint32, bitcast=True)
     if SCALE_BF16:
-        addr = ptr + gidx * (2 * FIELDS) + 2 * FIELD
-        tl.store(addr, ((bits >> 16) & 0xFF).to(tl.uint8), mask=gmask)
-        tl.store(addr + 1, (bits >> 24).to(tl.uint8), mask=gmask)
+        if ALIGNED:
+            wide = ptr.to(tl.pointer_type(tl.uint16))
+            tl.store(wide + gidx * FIELDS + FIELD, (bits >> 16).to(tl.uint16), mask=gmask)
+        else:
+            addr = ptr + gidx * (2 * FIELDS) + 2 * FIELD
+            tl.store(addr, ((bits >> 16) & 0xFF).to(tl.uint8), mask=gmask)
+            tl.store(addr + 1, (bits >> 24).to(tl.uint8), mask=gmask)
+    elif ALIGNED:
+        wide = ptr.to(tl.pointer_type(tl.uint32))
+        tl.store(wide + gidx * FIELDS + FIELD, bits, mask=gmask)
     else:
         addr = ptr + gidx * (4 * FIELDS) + 4 * FIELD
         for j in tl.static_range(4):
@@ -148,12 +163,25 @@ def _store_field(
 
 @triton.jit
 def _load_field(
-    ptr, gidx, gmask, FIELD: tl.constexpr, FIELDS: tl.constexpr, SCALE_BF16: tl.constexpr
+    ptr,
+    gidx,
+    gmask,
+    FIELD: tl.constexpr,
+    FIELDS: tl.constexpr,
+    SCALE_BF16: tl.constexpr,
+    ALIGNED: tl.constexpr,
 ):
     if SCALE_BF16:
-        addr = ptr + gidx * (2 * FIELDS) + 2 * FIELD
-        bits = tl.load(addr, mask=gmask, other=0).to(tl.uint32) << 16
-        bits = bits | (tl.load(addr + 1, mask=gmask, other=0).to(tl.uint32) << 24)
+        if ALIGNED:
+            wide = ptr.to(tl.pointer_type(tl.uint16))
+            bits = tl.load(wide + gidx * FIELDS + FIELD, mask=gmask, other=0).to(tl.uint32) << 16
+        else:
+            addr = ptr + gidx * (2 * FIELDS) + 2 * FIELD
+            bits = tl.load(addr, mask=gmask, other=0).to(tl.uint32) << 16
+            bits = bits | (tl.load(addr + 1, mask=gmask, other=0).to(tl.uint32) << 24)
+    elif ALIGNED:
+        wide = ptr.to(tl.pointer_type(tl.uint32))
+        bits = tl.load(wide + gidx * FIELDS + FIELD, mask=gmask, other=0)
     else:
         addr = ptr + gidx * (4 * FIELDS) + 4 * FIELD
         bits = tl.load(addr, mask=gmask, other=0).to(tl.uint32)
@@ -260,14 +288,16 @@ def _quantize_store(
     SCHEME: tl.constexpr,
     STOCHASTIC: tl.constexpr,
     SCALE_BF16: tl.constexpr,
+    ALIGNED: tl.constexpr,
 ):
     """Quantize a float32 tile and write its codes and scale bytes."""
     QMAX: tl.constexpr = (1 << (BITS - 1)) - 1
     MAXC: tl.constexpr = (1 << BITS) - 1
     INF: tl.constexpr = float("inf")
-    # x * 0 is 0 for finite x and NaN for NaN/Inf: one test flags both
-    nonfinite = (x * 0.0 != 0.0) & mask
-    x = tl.where(nonfinite, 0.0, x)
+    # Non-finite inputs are flagged through the row max (+inf beats any finite value); their
+    # lanes' codes are garbage and zeroed below with the rest of a bad group.
+    ax = tl.abs(x)
+    nonfinite = (ax != ax) | (ax == INF)
     if STOCHASTIC:
         u = _element_noise(gidx, key0, key1, stream, step, ROWS, GPB, HB)
     else:
@@ -275,7 +305,7 @@ def _quantize_store(
     one = tl.full((ROWS,), 1.0, tl.float32)
     if SCHEME == _ABSMAX:
         # the non-finite flag rides on the max: +inf wins over any finite |x|
-        amax = _row_max(tl.where(mask, tl.where(nonfinite, INF, tl.abs(x)), 0.0))
+        amax = _row_max(tl.where(mask, tl.where(nonfinite, INF, ax), 0.0))
         bad = amax == INF
         amax = tl.where(bad, 0.0, amax)
         s = tl.math.div_rn(amax, one * QMAX)
@@ -314,9 +344,9 @@ def _quantize_store(
     tl.store(out_ptr + scale_region + boffs, packed, mask=boffs < n_code_bytes)
     gmask = gidx < n_groups
     FIELDS: tl.constexpr = 1 if SCHEME == _ABSMAX else 2
-    _store_field(out_ptr, gidx, gmask, f0, 0, FIELDS, SCALE_BF16)
+    _store_field(out_ptr, gidx, gmask, f0, 0, FIELDS, SCALE_BF16, ALIGNED)
     if FIELDS == 2:
-        _store_field(out_ptr, gidx, gmask, f1, 1, FIELDS, SCALE_BF16)
+        _store_field(out_ptr, gidx, gmask, f1, 1, FIELDS, SCALE_BF16, ALIGNED)
 
 
 @triton.jit
@@ -334,6 +364,7 @@ def _decode_sum(
     SCHEME: tl.constexpr,
     SCALE_BF16: tl.constexpr,
     K: tl.constexpr,
+    ALIGNED: tl.constexpr,
 ):
     """Float32 sum over K stacked payloads of the tile's values (rotated domain)."""
     QMAX: tl.constexpr = (1 << (BITS - 1)) - 1
@@ -346,11 +377,11 @@ def _decode_sum(
         base_ptr = in_ptr + k * chunk_stride
         raw = tl.load(base_ptr + scale_region + boffs, mask=bmask, other=0)
         codes = _unpack(raw, ROWS, GPB, HB, BITS)
-        f0 = _load_field(base_ptr, gidx, gmask, 0, FIELDS, SCALE_BF16)
+        f0 = _load_field(base_ptr, gidx, gmask, 0, FIELDS, SCALE_BF16, ALIGNED)
         if SCHEME == _ABSMAX:
             vals = (codes - QMAX).to(tl.float32) * f0[:, None, None]
         else:
-            f1 = _load_field(base_ptr, gidx, gmask, 1, FIELDS, SCALE_BF16)
+            f1 = _load_field(base_ptr, gidx, gmask, 1, FIELDS, SCALE_BF16, ALIGNED)
             vals = f0[:, None, None] + codes.to(tl.float32) * f1[:, None, None]
         acc = acc + vals
     return acc
@@ -384,6 +415,7 @@ def encode_kernel(
     HAS_SIGNS: tl.constexpr,
     LOG_H: tl.constexpr,
     BIG: tl.constexpr,
+    ALIGNED: tl.constexpr,
 ):
     gidx, offs = _tile(tl.program_id(0), ROWS, GPB, HB, BIG)
     mask = offs < numel
@@ -411,6 +443,7 @@ def encode_kernel(
         SCHEME,
         STOCHASTIC,
         SCALE_BF16,
+        ALIGNED,
     )
 
 
@@ -438,6 +471,7 @@ def decode_kernel(
     LOG_H: tl.constexpr,
     BIG: tl.constexpr,
     INTERPRET: tl.constexpr,
+    ALIGNED: tl.constexpr,
 ):
     gidx, offs = _tile(tl.program_id(0), ROWS, GPB, HB, BIG)
     mask = offs < numel
@@ -455,6 +489,7 @@ def decode_kernel(
         SCHEME,
         SCALE_BF16,
         K,
+        ALIGNED,
     )
     if ROTATE:
         acc = _rotate(
@@ -492,6 +527,8 @@ def decode_sum_encode_kernel(
     SCALE_BF16: tl.constexpr,
     K: tl.constexpr,
     BIG: tl.constexpr,
+    IN_ALIGNED: tl.constexpr,
+    ALIGNED: tl.constexpr,
 ):
     gidx, offs = _tile(tl.program_id(0), ROWS, GPB, HB, BIG)
     mask = offs < numel
@@ -509,6 +546,7 @@ def decode_sum_encode_kernel(
         IN_SCHEME,
         IN_SCALE_BF16,
         K,
+        IN_ALIGNED,
     )
     _quantize_store(
         acc,
@@ -529,4 +567,5 @@ def decode_sum_encode_kernel(
         SCHEME,
         STOCHASTIC,
         SCALE_BF16,
+        ALIGNED,
     )

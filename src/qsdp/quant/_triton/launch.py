@@ -14,7 +14,7 @@ from . import kernels as K
 _SCHEME_ID = {Scheme.ABSMAX: 0, Scheme.MINMAX: 1, Scheme.SHIFT_LATTICE: 2}
 #: Elements per program; a program always holds whole groups.
 _BLOCK = 4096
-_NUM_WARPS = 8
+_NUM_WARPS = 4
 
 
 def _rows(spec: QuantSpec) -> int:
@@ -56,6 +56,12 @@ def _big(*sizes: int) -> bool:
     return max(sizes) + _BLOCK >= 2**31
 
 
+def _aligned(t: torch.Tensor, spec: QuantSpec, *strides: int) -> bool:
+    """Whether every payload of ``t`` (rows ``strides`` apart) starts on a scale-word boundary."""
+    size = spec.scale_dtype.itemsize
+    return t.data_ptr() % size == 0 and all(s % size == 0 for s in strides)
+
+
 def _interpret() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -63,6 +69,12 @@ def _interpret() -> bool:
 def _big(*sizes: int) -> bool:
     """Whether an offset can reach 2^31 (then the kernels index with int64)."""
     return max(sizes) + _BLOCK >= 2**31
+
+
+def _aligned(t: torch.Tensor, spec: QuantSpec, *strides: int) -> bool:
+    """Whether every payload of ``t`` (rows ``strides`` apart) starts on a scale-word boundary."""
+    size = spec.scale_dtype.itemsize
+    return t.data_ptr() % size == 0 and all(s % size == 0 for s in strides)
 
 
 def _interpret() -> bool:
@@ -116,6 +128,7 @@ def encode(
         HAS_SIGNS=had["HAS_SIGNS"],
         LOG_H=had["LOG_H"],
         BIG=_big(numel, out.numel()),
+        ALIGNED=_aligned(out, spec),
         num_warps=_NUM_WARPS,
         enable_fp_fusion=False,
     )
@@ -157,6 +170,7 @@ def decode(
         LOG_H=had["LOG_H"],
         BIG=_big(numel, payloads.numel()),
         INTERPRET=_interpret(),
+        ALIGNED=_aligned(payloads, spec, payloads.stride(0)),
         num_warps=_NUM_WARPS,
         enable_fp_fusion=False,
     )
@@ -204,6 +218,8 @@ def decode_sum_encode(
         SCALE_BF16=out_spec.scale_dtype == torch.bfloat16,
         K=payloads.shape[0],
         BIG=_big(numel, payloads.numel(), out.numel()),
+        IN_ALIGNED=_aligned(payloads, in_spec, payloads.stride(0)),
+        ALIGNED=_aligned(out, out_spec),
         num_warps=_NUM_WARPS,
         enable_fp_fusion=False,
     )

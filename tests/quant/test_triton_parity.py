@@ -72,6 +72,13 @@ def test_group_sizes(group):
     _parity(spec, heavy_tailed(3 * group + 5, seed=group))
 
 
+@pytest.mark.parametrize("had", [(None, None), (32, 1)], ids=["plain", "h32"])
+def test_whole_tiles_without_tail(had):
+    # 2 x 4096 elements fill the main grid exactly: no masked tail program runs
+    spec = _spec(4, "minmax", "stochastic", had)
+    _parity(spec, heavy_tailed(2 * 4096, seed=6))
+
+
 def test_bf16_scales_bit_exact():
     spec = _spec(4, "absmax", "nearest", (32, None), scale_dtype=torch.bfloat16)
     _parity(spec, heavy_tailed(2000, seed=9))

@@ -19,6 +19,8 @@ else byte by byte (little endian), so a payload may sit at any byte offset of a 
 reference in order and kind: IEEE division (``div_rn``), no FMA contraction (launch with
 ``enable_fp_fusion=False``), ``floor(v + 0.5)`` for nearest rounding, butterflies for Hadamard.
 Offsets are int32 unless the launcher sets ``BIG`` (tensors of 2^31 elements or bytes and more).
+Each op is two launches: the main grid over whole tiles, compiled without masks, and one ``TAIL``
+program for the last partial tile (its masks and tail-block checks cost the main grid nothing).
 """
 
 from __future__ import annotations
@@ -116,6 +118,7 @@ def _rotate(
     GPB: tl.constexpr,
     H: tl.constexpr,
     LOG_H: tl.constexpr,
+    TAIL: tl.constexpr,
 ):
     """Forward (``H (d * x)``) or inverse (``d * (H y)``) rotation of the tile's whole blocks
     (``offs`` are its element offsets; a block past ``numel`` stays as it is)."""
@@ -127,8 +130,9 @@ def _rotate(
     y = _fwht(y, ROWS, GPB, H, LOG_H) * inv_sqrt_h
     if HAS_SIGNS and INVERSE:
         y = y * d
-    full = (offs - offs % H + H) <= numel
-    return tl.where(full, y, x)
+    if TAIL:
+        return tl.where((offs - offs % H + H) <= numel, y, x)
+    return y
 
 
 # --- scales as bytes ----------------------------------------------------------------------------
@@ -258,6 +262,14 @@ def _unpack(raw, ROWS: tl.constexpr, GPB: tl.constexpr, HB: tl.constexpr, BITS: 
 
 
 @triton.jit
+def _load(ptr, mask, TAIL: tl.constexpr):
+    """Float32 load; only the tail program masks (the main grid holds whole tiles)."""
+    if TAIL:
+        return tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
+    return tl.load(ptr).to(tl.float32)
+
+
+@triton.jit
 def _row_max(v):
     return tl.max(tl.max(v, axis=2), axis=1)
 
@@ -289,8 +301,9 @@ def _quantize_store(
     STOCHASTIC: tl.constexpr,
     SCALE_BF16: tl.constexpr,
     ALIGNED: tl.constexpr,
+    TAIL: tl.constexpr,
 ):
-    """Quantize a float32 tile and write its codes and scale bytes."""
+    """Quantize a float32 tile and write its codes and scale bytes (``mask`` only with TAIL)."""
     QMAX: tl.constexpr = (1 << (BITS - 1)) - 1
     MAXC: tl.constexpr = (1 << BITS) - 1
     INF: tl.constexpr = float("inf")
@@ -305,7 +318,10 @@ def _quantize_store(
     one = tl.full((ROWS,), 1.0, tl.float32)
     if SCHEME == _ABSMAX:
         # the non-finite flag rides on the max: +inf wins over any finite |x|
-        amax = _row_max(tl.where(mask, tl.where(nonfinite, INF, ax), 0.0))
+        flagged = tl.where(nonfinite, INF, ax)
+        if TAIL:
+            flagged = tl.where(mask, flagged, 0.0)
+        amax = _row_max(flagged)
         bad = amax == INF
         amax = tl.where(bad, 0.0, amax)
         s = tl.math.div_rn(amax, one * QMAX)
@@ -318,8 +334,13 @@ def _quantize_store(
         f0 = s
         f1 = s
     else:
-        lo = _row_min(tl.where(mask, x, INF))
-        hi = _row_max(tl.where(mask, tl.where(nonfinite, INF, x), -INF))
+        low = x
+        high = tl.where(nonfinite, INF, x)
+        if TAIL:
+            low = tl.where(mask, low, INF)
+            high = tl.where(mask, high, -INF)
+        lo = _row_min(low)
+        hi = _row_max(high)
         bad = hi == INF
         hi = tl.where(bad, lo, hi)
         if SCHEME == _MINMAX:
@@ -337,11 +358,17 @@ def _quantize_store(
         codes = q.to(tl.int32)
         f0 = base
         f1 = unit
-    codes = tl.where(mask & ~bad[:, None, None], codes, 0)
+    if TAIL:
+        codes = tl.where(mask & ~bad[:, None, None], codes, 0)
+    else:
+        codes = tl.where(bad[:, None, None], 0, codes)
     f0 = tl.where(bad, float("nan"), f0)
     boffs = _byte_offsets(gidx, GPB, HB, BITS)
     packed = _pack(codes, ROWS, GPB, HB, BITS)
-    tl.store(out_ptr + scale_region + boffs, packed, mask=boffs < n_code_bytes)
+    if TAIL:
+        tl.store(out_ptr + scale_region + boffs, packed, mask=boffs < n_code_bytes)
+    else:
+        tl.store(out_ptr + scale_region + boffs, packed)
     gmask = gidx < n_groups
     FIELDS: tl.constexpr = 1 if SCHEME == _ABSMAX else 2
     _store_field(out_ptr, gidx, gmask, f0, 0, FIELDS, SCALE_BF16, ALIGNED)
@@ -365,6 +392,7 @@ def _decode_sum(
     SCALE_BF16: tl.constexpr,
     K: tl.constexpr,
     ALIGNED: tl.constexpr,
+    TAIL: tl.constexpr,
 ):
     """Float32 sum over K stacked payloads of the tile's values (rotated domain)."""
     QMAX: tl.constexpr = (1 << (BITS - 1)) - 1
@@ -375,7 +403,10 @@ def _decode_sum(
     acc = tl.zeros((ROWS, GPB, HB), tl.float32)
     for k in tl.static_range(K):
         base_ptr = in_ptr + k * chunk_stride
-        raw = tl.load(base_ptr + scale_region + boffs, mask=bmask, other=0)
+        if TAIL:
+            raw = tl.load(base_ptr + scale_region + boffs, mask=bmask, other=0)
+        else:
+            raw = tl.load(base_ptr + scale_region + boffs)
         codes = _unpack(raw, ROWS, GPB, HB, BITS)
         f0 = _load_field(base_ptr, gidx, gmask, 0, FIELDS, SCALE_BF16, ALIGNED)
         if SCHEME == _ABSMAX:
@@ -403,6 +434,7 @@ def encode_kernel(
     stream,
     step,
     inv_sqrt_h,
+    pid_base,
     BITS: tl.constexpr,
     ROWS: tl.constexpr,
     GPB: tl.constexpr,
@@ -416,14 +448,17 @@ def encode_kernel(
     LOG_H: tl.constexpr,
     BIG: tl.constexpr,
     ALIGNED: tl.constexpr,
+    TAIL: tl.constexpr,
 ):
-    gidx, offs = _tile(tl.program_id(0), ROWS, GPB, HB, BIG)
+    gidx, offs = _tile(tl.program_id(0) + pid_base, ROWS, GPB, HB, BIG)
     mask = offs < numel
-    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    x = _load(x_ptr + offs, mask, TAIL)
     if HAS_REF:
-        x = x - tl.load(ref_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        x = x - _load(ref_ptr + offs, mask, TAIL)
     if ROTATE:
-        x = _rotate(x, offs, numel, signs_ptr, inv_sqrt_h, False, HAS_SIGNS, ROWS, GPB, HB, LOG_H)
+        x = _rotate(
+            x, offs, numel, signs_ptr, inv_sqrt_h, False, HAS_SIGNS, ROWS, GPB, HB, LOG_H, TAIL
+        )
     _quantize_store(
         x,
         mask,
@@ -444,6 +479,7 @@ def encode_kernel(
         STOCHASTIC,
         SCALE_BF16,
         ALIGNED,
+        TAIL,
     )
 
 
@@ -458,6 +494,7 @@ def decode_kernel(
     n_code_bytes,
     n_groups,
     inv_sqrt_h,
+    pid_base,
     BITS: tl.constexpr,
     ROWS: tl.constexpr,
     GPB: tl.constexpr,
@@ -472,8 +509,9 @@ def decode_kernel(
     BIG: tl.constexpr,
     INTERPRET: tl.constexpr,
     ALIGNED: tl.constexpr,
+    TAIL: tl.constexpr,
 ):
-    gidx, offs = _tile(tl.program_id(0), ROWS, GPB, HB, BIG)
+    gidx, offs = _tile(tl.program_id(0) + pid_base, ROWS, GPB, HB, BIG)
     mask = offs < numel
     acc = _decode_sum(
         in_ptr,
@@ -490,14 +528,19 @@ def decode_kernel(
         SCALE_BF16,
         K,
         ALIGNED,
+        TAIL,
     )
     if ROTATE:
         acc = _rotate(
-            acc, offs, numel, signs_ptr, inv_sqrt_h, True, HAS_SIGNS, ROWS, GPB, HB, LOG_H
+            acc, offs, numel, signs_ptr, inv_sqrt_h, True, HAS_SIGNS, ROWS, GPB, HB, LOG_H, TAIL
         )
     if ACCUMULATE:
-        acc = tl.load(out_ptr + offs, mask=mask, other=0.0).to(tl.float32) + acc
-    tl.store(out_ptr + offs, _cast_out(acc, out_ptr.dtype.element_ty, INTERPRET), mask=mask)
+        acc = _load(out_ptr + offs, mask, TAIL) + acc
+    acc = _cast_out(acc, out_ptr.dtype.element_ty, INTERPRET)
+    if TAIL:
+        tl.store(out_ptr + offs, acc, mask=mask)
+    else:
+        tl.store(out_ptr + offs, acc)
 
 
 @triton.jit(do_not_specialize=["key0", "key1", "stream", "step"])
@@ -515,6 +558,7 @@ def decode_sum_encode_kernel(
     key1,
     stream,
     step,
+    pid_base,
     IN_BITS: tl.constexpr,
     IN_SCHEME: tl.constexpr,
     IN_SCALE_BF16: tl.constexpr,
@@ -529,8 +573,9 @@ def decode_sum_encode_kernel(
     BIG: tl.constexpr,
     IN_ALIGNED: tl.constexpr,
     ALIGNED: tl.constexpr,
+    TAIL: tl.constexpr,
 ):
-    gidx, offs = _tile(tl.program_id(0), ROWS, GPB, HB, BIG)
+    gidx, offs = _tile(tl.program_id(0) + pid_base, ROWS, GPB, HB, BIG)
     mask = offs < numel
     acc = _decode_sum(
         in_ptr,
@@ -547,6 +592,7 @@ def decode_sum_encode_kernel(
         IN_SCALE_BF16,
         K,
         IN_ALIGNED,
+        TAIL,
     )
     _quantize_store(
         acc,
@@ -568,4 +614,5 @@ def decode_sum_encode_kernel(
         STOCHASTIC,
         SCALE_BF16,
         ALIGNED,
+        TAIL,
     )

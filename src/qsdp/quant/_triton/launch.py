@@ -43,12 +43,14 @@ def _hb(spec: QuantSpec, rotate: bool) -> int:
     return spec.hadamard_block if spec.hadamard_block and rotate else spec.group_size
 
 
-def _grid(spec: QuantSpec, numel: int) -> tuple[int]:
-    return (triton_cdiv(spec.num_groups(numel), _rows(spec)),)
-
-
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+def _launch(kernel, spec: QuantSpec, numel: int, *args, **meta) -> None:
+    """Launch the mask-free main grid over whole tiles, then one TAIL program for the rest."""
+    tile = _rows(spec) * spec.group_size
+    whole, rest = divmod(numel, tile)
+    if whole:
+        kernel[(whole,)](*args, 0, TAIL=False, **meta)
+    if rest:
+        kernel[(1,)](*args, whole, TAIL=True, **meta)
 
 
 def _big(*sizes: int) -> bool:
@@ -102,7 +104,10 @@ def encode(
         return
     had = _had_args(spec, src.device)
     key0, key1 = _key(seed)
-    K.encode_kernel[_grid(spec, numel)](
+    _launch(
+        K.encode_kernel,
+        spec,
+        numel,
         src,
         ref if ref is not None else src,
         out,
@@ -147,7 +152,10 @@ def decode(
     if numel == 0:
         return
     had = _had_args(spec, out.device)
-    K.decode_kernel[_grid(spec, numel)](
+    _launch(
+        K.decode_kernel,
+        spec,
+        numel,
         payloads,
         payloads.stride(0),
         out,
@@ -192,7 +200,10 @@ def decode_sum_encode(
         return
     key0, key1 = _key(seed)
     ng = out_spec.num_groups(numel)
-    K.decode_sum_encode_kernel[_grid(out_spec, numel)](
+    _launch(
+        K.decode_sum_encode_kernel,
+        out_spec,
+        numel,
         payloads,
         payloads.stride(0),
         out,

@@ -130,7 +130,10 @@ def _rotate(
     y = _fwht(y, ROWS, GPB, H, LOG_H) * inv_sqrt_h
     if HAS_SIGNS and INVERSE:
         y = y * d
-    if TAIL:
+    if TAIL or not INVERSE:
+        # Forward, the select also pays for itself on whole tiles: it brings the butterflies'
+        # output back to the load's layout before the group reductions (H200, 256 MiB bf16,
+        # 8-bit: 0.22 ms with it, 0.31 ms without).
         return tl.where((offs - offs % H + H) <= numel, y, x)
     return y
 
@@ -235,16 +238,17 @@ def _byte_offsets(gidx, GPB: tl.constexpr, HB: tl.constexpr, BITS: tl.constexpr)
 
 @triton.jit
 def _pack(codes, ROWS: tl.constexpr, GPB: tl.constexpr, HB: tl.constexpr, BITS: tl.constexpr):
-    """[ROWS, GPB, HB] codes -> [ROWS, GPB, HB * BITS // 8] bytes, low bits first."""
+    """[ROWS, GPB, HB] codes -> [ROWS, GPB, HB * BITS // 8] bytes, low bits first.
+
+    A byte is the weighted sum of its codes (weights 1, 2^b, 2^2b, ...; the codes are below 2^b
+    so the sum is the bitwise OR).
+    """
     if BITS == 8:
         out = codes
-    elif BITS == 4:
-        lo, hi = tl.split(tl.reshape(codes, (ROWS, GPB, HB // 2, 2)))
-        out = lo | (hi << 4)
     else:
-        a, b = tl.split(tl.reshape(codes, (ROWS, GPB, HB // 4, 2, 2)))
-        p0, p1 = tl.split(a | (b << 2))
-        out = p0 | (p1 << 4)
+        PER: tl.constexpr = 8 // BITS
+        weights = (1 << (tl.arange(0, PER) * BITS))[None, None, None, :]
+        out = tl.sum(tl.reshape(codes, (ROWS, GPB, HB // PER, PER)) * weights, axis=3)
     return out.to(tl.uint8)
 
 

@@ -110,6 +110,11 @@ def test_multi_chunk_kernels_bit_exact():
     r = decode_sum_encode(stacked, n, spec, out_spec, seed=3, step=1, stream=2, backend="reference")
     t = decode_sum_encode(stacked, n, spec, out_spec, seed=3, step=1, stream=2, backend="triton")
     _same(r.payload, t.payload)
+    buf = torch.zeros(1 + out_spec.payload_bytes(n), dtype=torch.uint8)  # unaligned out=
+    decode_sum_encode(
+        stacked, n, spec, out_spec, seed=3, step=1, stream=2, out=buf[1:], backend="triton"
+    )
+    _same(buf[1:], r.payload)
 
 
 @pytest.mark.parametrize("scheme", ["absmax", "minmax"])

@@ -305,16 +305,16 @@ class _Plan:
         others = [j for j in range(na) if j != a]
         for slot, a2 in enumerate(others):
             c = a2 * nb + b
-            enc = decode_sum_encode(
+            decode_sum_encode(
                 stack[:, a2],
                 n,
                 self.intra_spec,
                 self.inter_spec,
                 stream=self._stream(c, 1, p),
+                out=send[slot],
                 backend=self.backend,
                 **self.key,
             )
-            send[slot].copy_(enc.payload)
         recv = torch.empty_like(send)
         splits = [0 if j == a else nbytes for j in range(na)]
         return recv, C.all_to_all(

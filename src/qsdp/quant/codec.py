@@ -202,16 +202,7 @@ def _encode(x, base, spec, *, seed, step, stream, out, backend) -> Encoded:
         raise TypeError(f"spec must be a QuantSpec, got {type(spec).__name__}")
     _check_rng(seed, step, stream)
     numel = x.numel()
-    nbytes = spec.payload_bytes(numel)
-    if out is None:
-        out = torch.empty(nbytes, dtype=torch.uint8, device=x.device)
-    elif out.dtype != torch.uint8 or out.dim() != 1 or out.numel() != nbytes:
-        raise ValueError(
-            f"out must be 1-D uint8 of {nbytes} bytes for {numel} elements and {spec}; got "
-            f"{out.dtype=} {tuple(out.shape)=}"
-        )
-    elif not out.is_contiguous() or out.device != x.device:
-        raise ValueError(f"out must be contiguous and on {x.device}")
+    out = _payload_out(out, numel, spec, x.device)
     src = _flat(x)
     rsrc = _flat(base) if base is not None else None
     if _resolve(backend, x.device) == "triton":
@@ -221,6 +212,21 @@ def _encode(x, base, spec, *, seed, step, stream, out, backend) -> Encoded:
         out.copy_(ref.encode_flat(diff, spec, seed=seed, step=step, stream=stream))
     _raise_nonfinite(out, spec, src if rsrc is None else src.float() - rsrc.float(), numel)
     return Encoded(payload=out, numel=numel, dtype=x.dtype, spec=spec, shape=x.shape)
+
+
+def _payload_out(out: torch.Tensor | None, numel: int, spec: QuantSpec, device) -> torch.Tensor:
+    """A payload buffer for ``numel`` elements: ``out`` checked, or a new one."""
+    nbytes = spec.payload_bytes(numel)
+    if out is None:
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
+    if out.dtype != torch.uint8 or out.dim() != 1 or out.numel() != nbytes:
+        raise ValueError(
+            f"out must be 1-D uint8 of {nbytes} bytes for {numel} elements and {spec}; got "
+            f"{out.dtype=} {tuple(out.shape)=}"
+        )
+    if not out.is_contiguous() or out.device != device:
+        raise ValueError(f"out must be contiguous and on {device}")
+    return out
 
 
 def _stacked(payloads: torch.Tensor | list[Encoded], numel: int, spec: QuantSpec):
@@ -300,6 +306,7 @@ def decode_sum_encode(
     step: int = 0,
     stream: int = 0,
     dtype: torch.dtype = torch.float32,
+    out: torch.Tensor | None = None,
     backend: Backend = "auto",
 ) -> Encoded:
     """Decode ``k`` chunks, sum in float32 and re-encode with ``out_spec`` in one pass.
@@ -321,7 +328,7 @@ def decode_sum_encode(
         )
     _check_rng(seed, step, stream)
     p = _stacked(payloads, numel, in_spec)
-    out = torch.empty(out_spec.payload_bytes(numel), dtype=torch.uint8, device=p.device)
+    out = _payload_out(out, numel, out_spec, p.device)
     if _resolve(backend, p.device) == "triton":
         _launch().decode_sum_encode(
             p, numel, in_spec, out_spec, out, seed=seed, step=step, stream=stream

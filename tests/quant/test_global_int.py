@@ -131,9 +131,44 @@ def test_bad_inputs():
     with pytest.raises(ValueError, match="scales has 1 groups"):
         global_int_encode(x, torch.ones(1), 10, group_size=64)
     x[3] = float("nan")
-    with pytest.raises(ValueError, match="1 of 100 values are NaN or Inf"):
-        global_int_encode(x, torch.ones(2), 10, group_size=64)
+    scales = group_absmax(x, 64)
+    assert scales[0] == float("inf")  # NaN becomes +inf, which survives a MAX all-reduce
+    with pytest.raises(ValueError, match="1 of 2 groups hold NaN or Inf"):
+        global_int_encode(x, scales, 10, group_size=64)
+    with pytest.raises(ValueError, match="out must be a contiguous torch.int8 tensor of 10"):
+        global_int_encode(torch.randn(10), torch.ones(1), 5, group_size=64, out=torch.empty(10))
+    with pytest.raises(ValueError, match="group_size=100: the Triton kernel needs a power of two"):
+        global_int_encode(torch.randn(10), torch.ones(1), 5, group_size=100, backend="triton")
     with pytest.raises(ValueError, match="levels=200 must be in"):
         global_int_encode(torch.randn(10), torch.ones(1), 200, carrier="int8", group_size=64)
     with pytest.raises(ValueError, match="op='max'"):
         global_int_decode(torch.zeros(10), torch.ones(1), 10, world_size=2, op="max")
+
+
+@pytest.mark.parametrize("carrier", ["int8", "fp16", "int32"])
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+@pytest.mark.parametrize("numel", [1, 1000, 2 * 4096, 4096 + 13])
+def test_triton_kernel_bit_exact(carrier, rounding, numel):
+    x = torch.randn(numel) * 3
+    x[:5] = torch.tensor([3.0, -3.0, 0.0, 1e-30, -1e-30])[: min(5, numel)]
+    scales = group_absmax(x, 128) * 1.5  # a global max above the local one
+    levels = global_int_levels(carrier, 3)
+    kw = dict(carrier=carrier, group_size=128, rounding=rounding, seed=7, step=2, stream=5)
+    a = global_int_encode(x, scales, levels, backend="reference", **kw)
+    b = global_int_encode(x.to(torch.bfloat16).float(), scales, levels, backend="reference", **kw)
+    t = global_int_encode(x, scales, levels, backend="triton", **kw)
+    assert t.dtype == a.dtype and torch.equal(t, a)
+    tb = global_int_encode(x.to(torch.bfloat16), scales, levels, backend="triton", **kw)
+    assert torch.equal(tb, b)
+    assert int(a.to(torch.int64).abs().max()) <= levels
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("carrier", ["int8", "fp16", "int32"])
+def test_gpu_kernel_bit_exact(carrier):
+    x = torch.randn((1 << 20) + 7, device="cuda")
+    scales = group_absmax(x, 128)
+    levels = global_int_levels(carrier, 4)
+    kw = dict(carrier=carrier, group_size=128, seed=1, stream=3)
+    a = global_int_encode(x, scales, levels, backend="reference", **kw)
+    assert torch.equal(a, global_int_encode(x, scales, levels, backend="triton", **kw))

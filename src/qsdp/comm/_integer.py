@@ -244,7 +244,7 @@ def _reduce_scatter_stages(
     q = torch.empty(n, m, dtype=dtype, device=input.device)
     me = dist.get_rank()
     for j in range(n):
-        q[j] = global_int_encode(
+        global_int_encode(
             chunks[j],
             scales[j],
             levels,
@@ -254,6 +254,7 @@ def _reduce_scatter_stages(
             seed=seed,
             step=step,
             stream=C.noise_stream(me, j, bucket=bucket),
+            out=q[j],
         )
     summed = torch.empty(m, dtype=dtype, device=input.device)
     yield [C.reduce_scatter_sum(summed, q.view(-1), pg, stats, name)], True

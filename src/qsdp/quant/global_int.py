@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import torch
 
+from .codec import Backend, _resolve
 from .philox import uniform
+from .reference import _div
 from .spec import Rounding
 
 __all__ = [
@@ -60,14 +62,17 @@ def global_int_levels(carrier: str, world_size: int) -> int:
 def group_absmax(x: torch.Tensor, group_size: int) -> torch.Tensor:
     """Float32 max-abs of each ``group_size`` run of flattened ``x`` (last group may be short).
 
-    All ranks MAX-all-reduce this to get the shared scale ``M``.
+    All ranks MAX-all-reduce this to get the shared scale ``M``. A group holding NaN or Inf gets
+    ``+inf``, which survives the MAX on every backend, so every rank sees it and raises in
+    :func:`global_int_encode`.
     """
     flat = x.reshape(-1).float()
     n = flat.numel()
     ng = -(-n // group_size)
     padded = torch.zeros(ng * group_size, dtype=torch.float32, device=flat.device)
     padded[:n] = flat.abs()
-    return padded.reshape(ng, group_size).amax(dim=1)
+    amax = padded.reshape(ng, group_size).amax(dim=1)
+    return torch.where(torch.isnan(amax), float("inf"), amax)
 
 
 def _per_element(scales: torch.Tensor, n: int, group_size: int) -> torch.Tensor:
@@ -85,40 +90,85 @@ def global_int_encode(
     seed: int = 0,
     step: int = 0,
     stream: int = 0,
+    out: torch.Tensor | None = None,
+    backend: Backend = "auto",
 ) -> torch.Tensor:
     """Integer codes of ``x`` (flattened, in the carrier's dtype) against the global ``scales``.
 
+    ``q = clamp(r(x * (levels / M)), -levels, levels)`` per element, ``r`` the rounding
+    (``floor(v + u)`` with the noise of :func:`qsdp.quant.philox.uniform`, or ``floor(v + 0.5)``).
+
     Args:
-        x: the local tensor.
-        scales: float32 global max-abs per group (>= the local one; see :func:`group_absmax`).
+        x: the local tensor (float32, bfloat16 or float16).
+        scales: float32 global max-abs per group, at least the local one (the MAX all-reduce of
+            :func:`group_absmax`): then a NaN/Inf in ``x`` shows as a non-finite scale.
         levels: from :func:`global_int_levels` for the carrier and world size.
         rounding: ``stochastic`` (unbiased, the default) or ``nearest``.
         seed, step, stream: noise key; give each rank its own ``stream``.
+        out: optional contiguous tensor of the carrier's dtype and ``x.numel()`` elements.
+        backend: ``"auto"`` (Triton on CUDA), ``"reference"`` or ``"triton"``; the Triton kernel
+            needs a power-of-two ``group_size`` from 16 to 8192.
+
+    Raises:
+        ValueError: a non-finite scale (NaN/Inf in some rank's group), bad levels or shapes.
     """
     dtype, limit = _carrier(carrier)
     if not 1 <= levels <= limit:
         raise ValueError(f"levels={levels} must be in [1, {limit}] for carrier={carrier!r}")
     rounding = Rounding(rounding)
-    flat = x.reshape(-1).float()
-    n = flat.numel()
-    if scales.numel() != -(-n // group_size):
+    n = x.numel()
+    ng = -(-n // group_size)
+    if scales.numel() != ng:
         raise ValueError(
-            f"scales has {scales.numel()} groups; {n} elements in groups of {group_size} need "
-            f"{-(-n // group_size)}"
+            f"scales has {scales.numel()} groups; {n} elements in groups of {group_size} need {ng}"
         )
-    if not bool(torch.isfinite(scales).all()) or not bool(torch.isfinite(flat).all()):
+    if out is None:
+        out = torch.empty(n, dtype=dtype, device=x.device)
+    elif out.dtype != dtype or out.numel() != n or not out.is_contiguous():
         raise ValueError(
-            f"cannot quantize: {int((~torch.isfinite(flat)).sum())} of {n} values are NaN or "
-            "Inf; fix the source before the integer all-reduce"
+            f"out must be a contiguous {dtype} tensor of {n} elements; got {out.dtype=} "
+            f"{tuple(out.shape)=}"
         )
+    bad = int((~torch.isfinite(scales)).sum())
+    if bad:
+        raise ValueError(
+            f"cannot quantize: {bad} of {ng} groups hold NaN or Inf (a non-finite scale); fix the "
+            "source (a diverging loss, a missing grad clip) before the integer all-reduce"
+        )
+    if n == 0:
+        return out
+    flat = x.reshape(-1)
+    scales = scales.reshape(-1).float().contiguous()
+    if _resolve(backend, x.device) == "triton":
+        g = group_size
+        if g < 16 or g > 8192 or g & (g - 1):
+            raise ValueError(
+                f"group_size={g}: the Triton kernel needs a power of two from 16 to 8192; use "
+                "128, or backend='reference'"
+            )
+        from ._triton import launch
+
+        launch.global_int_encode(
+            flat.contiguous(),
+            scales,
+            out.view(-1),
+            levels,
+            group_size=g,
+            stochastic=rounding is Rounding.STOCHASTIC,
+            seed=seed,
+            step=step,
+            stream=stream,
+        )
+        return out
     m = _per_element(scales, n, group_size)
-    inv = torch.where(m > 0, levels / m, 0.0)
-    v = flat * inv
+    inv = torch.where(m > 0, _div(float(levels), m), 0.0)
+    v = flat.float() * inv
     if rounding is Rounding.STOCHASTIC:
         q = torch.floor(v + uniform(n, seed=seed, step=step, stream=stream, device=flat.device))
     else:
         q = torch.floor(v + 0.5)
-    return q.clamp(-levels, levels).to(dtype)
+    out.view(-1).copy_(q.clamp(-levels, levels).to(dtype))
+    return out
 
 
 def global_int_decode(

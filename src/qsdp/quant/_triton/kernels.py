@@ -620,3 +620,42 @@ def decode_sum_encode_kernel(
         ALIGNED,
         TAIL,
     )
+
+
+@triton.jit(do_not_specialize=["key0", "key1", "stream", "step"])
+def global_int_encode_kernel(
+    x_ptr,
+    scale_ptr,
+    out_ptr,
+    numel,
+    n_groups,
+    levels,
+    key0,
+    key1,
+    stream,
+    step,
+    pid_base,
+    ROWS: tl.constexpr,
+    GROUP: tl.constexpr,
+    STOCHASTIC: tl.constexpr,
+    BIG: tl.constexpr,
+    TAIL: tl.constexpr,
+):
+    """Global-QSGD codes ``clamp(r(x * (levels / M)), -levels, levels)`` in the carrier dtype."""
+    gidx, offs = _tile(tl.program_id(0) + pid_base, ROWS, 1, GROUP, BIG)
+    mask = offs < numel
+    x = _load(x_ptr + offs, mask, TAIL)
+    m = tl.load(scale_ptr + gidx, mask=gidx < n_groups, other=0.0)
+    lv = tl.full((ROWS,), 1.0, tl.float32) * levels
+    inv = tl.where(m > 0, tl.math.div_rn(lv, m), 0.0)
+    if STOCHASTIC:
+        u = _element_noise(gidx, key0, key1, stream, step, ROWS, 1, GROUP)
+    else:
+        u = 0.5
+    q = tl.floor(x * inv[:, None, None] + u)
+    q = tl.minimum(tl.maximum(q, -lv[:, None, None]), lv[:, None, None])
+    q = q.to(out_ptr.dtype.element_ty)
+    if TAIL:
+        tl.store(out_ptr + offs, q, mask=mask)
+    else:
+        tl.store(out_ptr + offs, q)

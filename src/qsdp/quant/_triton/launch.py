@@ -234,3 +234,36 @@ def decode_sum_encode(
         num_warps=_NUM_WARPS,
         enable_fp_fusion=False,
     )
+
+
+def global_int_encode(
+    src: torch.Tensor,
+    scales: torch.Tensor,
+    out: torch.Tensor,
+    levels: int,
+    *,
+    group_size: int,
+    stochastic: bool,
+    seed: int,
+    step: int,
+    stream: int,
+) -> None:
+    """Global-QSGD codes of the contiguous 1-D ``src`` into ``out`` (the carrier dtype)."""
+    numel = src.numel()
+    rows = max(1, _BLOCK // group_size)
+    key0, key1 = _key(seed)
+    tile = rows * group_size
+    whole, rest = divmod(numel, tile)
+    args = (src, scales, out, numel, scales.numel(), levels, key0, key1, stream, step)
+    meta = dict(
+        ROWS=rows,
+        GROUP=group_size,
+        STOCHASTIC=stochastic,
+        BIG=_big(numel),
+        num_warps=_NUM_WARPS,
+        enable_fp_fusion=False,
+    )
+    if whole:
+        K.global_int_encode_kernel[(whole,)](*args, 0, TAIL=False, **meta)
+    if rest:
+        K.global_int_encode_kernel[(1,)](*args, whole, TAIL=True, **meta)

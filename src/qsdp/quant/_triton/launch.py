@@ -17,8 +17,9 @@ _BLOCK = 4096
 _NUM_WARPS = 4
 
 
-def _rows(spec: QuantSpec) -> int:
-    return max(1, _BLOCK // spec.group_size)
+def _rows(group_size: int) -> int:
+    """Groups per program: whole groups filling about ``_BLOCK`` elements."""
+    return max(1, _BLOCK // group_size)
 
 
 @functools.lru_cache(maxsize=64)
@@ -43,29 +44,14 @@ def _hb(spec: QuantSpec, rotate: bool) -> int:
     return spec.hadamard_block if spec.hadamard_block and rotate else spec.group_size
 
 
-def _launch(kernel, spec: QuantSpec, numel: int, *args, **meta) -> None:
+def _launch(kernel, group_size: int, numel: int, *args, **meta) -> None:
     """Launch the mask-free main grid over whole tiles, then one TAIL program for the rest."""
-    tile = _rows(spec) * spec.group_size
+    tile = _rows(group_size) * group_size
     whole, rest = divmod(numel, tile)
     if whole:
         kernel[(whole,)](*args, 0, TAIL=False, **meta)
     if rest:
         kernel[(1,)](*args, whole, TAIL=True, **meta)
-
-
-def _big(*sizes: int) -> bool:
-    """Whether an offset can reach 2^31 (then the kernels index with int64)."""
-    return max(sizes) + _BLOCK >= 2**31
-
-
-def _aligned(t: torch.Tensor, spec: QuantSpec, *strides: int) -> bool:
-    """Whether every payload of ``t`` (rows ``strides`` apart) starts on a scale-word boundary."""
-    size = spec.scale_dtype.itemsize
-    return t.data_ptr() % size == 0 and all(s % size == 0 for s in strides)
-
-
-def _interpret() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _big(*sizes: int) -> bool:
@@ -106,7 +92,7 @@ def encode(
     key0, key1 = _key(seed)
     _launch(
         K.encode_kernel,
-        spec,
+        spec.group_size,
         numel,
         src,
         ref if ref is not None else src,
@@ -122,7 +108,7 @@ def encode(
         step,
         had["inv_sqrt_h"],
         BITS=spec.bits,
-        ROWS=_rows(spec),
+        ROWS=_rows(spec.group_size),
         GPB=spec.group_size // _hb(spec, rotate),
         HB=_hb(spec, rotate),
         SCHEME=_SCHEME_ID[spec.scheme],
@@ -154,7 +140,7 @@ def decode(
     had = _had_args(spec, out.device)
     _launch(
         K.decode_kernel,
-        spec,
+        spec.group_size,
         numel,
         payloads,
         payloads.stride(0),
@@ -166,7 +152,7 @@ def decode(
         spec.num_groups(numel),
         had["inv_sqrt_h"],
         BITS=spec.bits,
-        ROWS=_rows(spec),
+        ROWS=_rows(spec.group_size),
         GPB=spec.group_size // _hb(spec, rotate),
         HB=_hb(spec, rotate),
         SCHEME=_SCHEME_ID[spec.scheme],
@@ -202,7 +188,7 @@ def decode_sum_encode(
     ng = out_spec.num_groups(numel)
     _launch(
         K.decode_sum_encode_kernel,
-        out_spec,
+        out_spec.group_size,
         numel,
         payloads,
         payloads.stride(0),
@@ -221,7 +207,7 @@ def decode_sum_encode(
         IN_SCHEME=_SCHEME_ID[in_spec.scheme],
         IN_SCALE_BF16=in_spec.scale_dtype == torch.bfloat16,
         BITS=out_spec.bits,
-        ROWS=_rows(out_spec),
+        ROWS=_rows(out_spec.group_size),
         GPB=1,
         HB=out_spec.group_size,
         SCHEME=_SCHEME_ID[out_spec.scheme],
@@ -250,20 +236,25 @@ def global_int_encode(
 ) -> None:
     """Global-QSGD codes of the contiguous 1-D ``src`` into ``out`` (the carrier dtype)."""
     numel = src.numel()
-    rows = max(1, _BLOCK // group_size)
     key0, key1 = _key(seed)
-    tile = rows * group_size
-    whole, rest = divmod(numel, tile)
-    args = (src, scales, out, numel, scales.numel(), levels, key0, key1, stream, step)
-    meta = dict(
-        ROWS=rows,
+    _launch(
+        K.global_int_encode_kernel,
+        group_size,
+        numel,
+        src,
+        scales,
+        out,
+        numel,
+        scales.numel(),
+        levels,
+        key0,
+        key1,
+        stream,
+        step,
+        ROWS=_rows(group_size),
         GROUP=group_size,
         STOCHASTIC=stochastic,
         BIG=_big(numel),
         num_warps=_NUM_WARPS,
         enable_fp_fusion=False,
     )
-    if whole:
-        K.global_int_encode_kernel[(whole,)](*args, 0, TAIL=False, **meta)
-    if rest:
-        K.global_int_encode_kernel[(1,)](*args, whole, TAIL=True, **meta)

@@ -1,0 +1,255 @@
+"""FSDP2 training step time: plain FSDP2 beside qsdp's recipes, on the GPUs of one host.
+
+    torchrun --nproc-per-node 4 benchmarks/bench_fsdp_step.py --regime socket --out r.json
+
+(``benchmarks/run_fsdp_step.sh`` runs the regimes of ``docs/gpu.md``.) The model is the GPT of
+``docs/gpu.md``: a pre-norm decoder, 24 layers, d 2048, 16 heads, sequence 1024, vocabulary
+50304 (1.42 B parameters), micro-batch 8 per GPU, fp32 master weights with bf16 compute
+(``MixedPrecisionPolicy(param_dtype=bf16)``), AdamW, every block ``fully_shard``-ed. Variants,
+side by side in one run on the same data: ``fsdp2-fp32-reduce`` (torchtitan's default),
+``fsdp2-bf16-reduce``, and each ``--recipes`` entry through ``qsdp.compress_fsdp`` (bf16
+gradients into the compressed reduce-scatter). Rows: median seconds per step, tokens/s, ratio
+to both baselines, peak memory, first and last loss (all variants start from the same weights
+and see the same batches). ``--device cpu`` runs a gloo smoke test with a tiny model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+import qsdp  # noqa: E402
+
+REGIMES = {
+    "nvlink": {},
+    "socket": {
+        "NCCL_P2P_DISABLE": "1",
+        "NCCL_SHM_DISABLE": "1",
+        "NCCL_IB_DISABLE": "1",
+        "NCCL_NET": "Socket",
+        "NCCL_SOCKET_IFNAME": "lo",
+    },
+    "2x2": {"NCCL_IB_DISABLE": "1", "NCCL_SOCKET_IFNAME": "lo"},
+}
+ALWAYS = {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+}
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    layers: int = 24
+    d: int = 2048
+    heads: int = 16
+    seq: int = 1024
+    vocab: int = 50304
+
+
+class Block(nn.Module):
+    def __init__(self, c: GPTConfig):
+        super().__init__()
+        self.heads = c.heads
+        self.ln1, self.ln2 = nn.LayerNorm(c.d), nn.LayerNorm(c.d)
+        self.qkv = nn.Linear(c.d, 3 * c.d, bias=False)
+        self.proj = nn.Linear(c.d, c.d, bias=False)
+        self.up = nn.Linear(c.d, 4 * c.d, bias=False)
+        self.down = nn.Linear(4 * c.d, c.d, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).unbind(2)
+        y = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+        )
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, d))
+        return x + self.down(F.gelu(self.up(self.ln2(x))))
+
+
+class GPT(nn.Module):
+    def __init__(self, c: GPTConfig):
+        super().__init__()
+        self.emb = nn.Embedding(c.vocab, c.d)
+        self.pos = nn.Parameter(torch.zeros(c.seq, c.d))
+        self.blocks = nn.ModuleList(Block(c) for _ in range(c.layers))
+        self.ln = nn.LayerNorm(c.d)
+        self.head = nn.Linear(c.d, c.vocab, bias=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        h = self.emb(idx) + self.pos[: idx.shape[1]]
+        for block in self.blocks:
+            h = block(h)
+        return self.head(self.ln(h))
+
+
+def param_count(c: GPTConfig) -> int:
+    """Parameters of :class:`GPT` (1.42 B for the default config), without building it."""
+    block = 2 * 2 * c.d + 3 * c.d * c.d + c.d * c.d + 2 * 4 * c.d * c.d
+    return 2 * c.vocab * c.d + c.seq * c.d + c.layers * block + 2 * c.d
+
+
+@dataclass
+class Row:
+    variant: str
+    s_per_step: float
+    tokens_per_s: float
+    ratio_vs_fp32_reduce: float
+    ratio_vs_bf16_reduce: float
+    peak_mem_gib: float
+    first_loss: float
+    last_loss: float
+    steps: int
+
+
+def build(c: GPTConfig, device: torch.device, reduce_dtype, recipe: str | None, compute_dtype):
+    torch.manual_seed(0)
+    with device:
+        model = GPT(c)
+    mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=reduce_dtype)
+    for block in model.blocks:
+        fully_shard(block, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
+    if recipe is not None:
+        qsdp.compress_fsdp(model, recipe)
+    return model
+
+
+def run_variant(name, c, args, device, recipe, reduce_dtype, compute_dtype) -> tuple[list, float]:
+    model = build(c, device, reduce_dtype, recipe, compute_dtype)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    g = torch.Generator(device=device).manual_seed(100 + dist.get_rank())
+    times, losses = [], []
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    for i in range(args.warmup + args.steps):
+        batch = torch.randint(0, c.vocab, (args.batch, c.seq + 1), device=device, generator=g)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        dist.barrier()
+        t0 = time.perf_counter()
+        logits = model(batch[:, :-1])
+        loss = F.cross_entropy(logits.float().reshape(-1, c.vocab), batch[:, 1:].reshape(-1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        elapsed = time.perf_counter() - t0
+        slowest = torch.tensor([elapsed], device=device, dtype=torch.float64)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        if i >= args.warmup:
+            times.append(float(slowest))
+        losses.append(float(loss.detach()))
+        if dist.get_rank() == 0:
+            print(f"  {name} step {i}: {float(slowest):.3f} s loss {losses[-1]:.4f}", flush=True)
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
+    del model, opt
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return [statistics.median(times), losses, peak]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--regime", choices=sorted(REGIMES), required=True)
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--recipes", nargs="*", default=["qsdp-w8g8", "global-qsgd"])
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    p.add_argument("--tiny", action="store_true", help="a 2-layer d-128 model (smoke tests)")
+    a = p.parse_args()
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    env = dict(ALWAYS) | REGIMES[a.regime]
+    if a.regime == "2x2":
+        env["NCCL_HOSTID"] = f"node{local_rank // 2}"
+    for k, v in env.items():
+        if os.environ.get(k, v) != v:
+            raise SystemExit(
+                f"regime {a.regime!r} needs {k}={v}, the environment has {os.environ[k]}"
+            )
+        os.environ[k] = v
+    if a.device == "cuda":
+        if not torch.cuda.is_available():
+            raise SystemExit("bench_fsdp_step.py needs CUDA GPUs (or --device cpu)")
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+        name = torch.cuda.get_device_name(device)
+        compute = torch.bfloat16
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
+        name = "cpu"
+        compute = torch.float32  # gloo has no bf16 reduce for the baselines
+    c = GPTConfig(layers=2, d=128, heads=4, seq=64, vocab=512) if a.tiny else GPTConfig()
+    ws = dist.get_world_size()
+    variants = [("fsdp2-fp32-reduce", None, torch.float32), ("fsdp2-bf16-reduce", None, compute)]
+    variants += [(r, r, compute) for r in a.recipes]
+    results = {}
+    for vname, recipe, reduce_dtype in variants:
+        results[vname] = run_variant(vname, c, a, device, recipe, reduce_dtype, compute)
+    tokens = a.batch * c.seq * ws
+    base32, base16 = results["fsdp2-fp32-reduce"][0], results["fsdp2-bf16-reduce"][0]
+    rows = [
+        Row(
+            v,
+            round(t, 4),
+            round(tokens / t, 1),
+            round(base32 / t, 3),
+            round(base16 / t, 3),
+            round(peak, 2),
+            round(losses[0], 4),
+            round(losses[-1], 4),
+            a.steps,
+        )
+        for v, (t, losses, peak) in results.items()
+    ]
+    if dist.get_rank() == 0:
+        for r in rows:
+            print(
+                f"{a.regime:<7} {r.variant:<20} {r.s_per_step:8.3f} s/step "
+                f"{r.tokens_per_s:10.0f} tok/s  x{r.ratio_vs_fp32_reduce:.2f} vs fp32-reduce "
+                f"x{r.ratio_vs_bf16_reduce:.2f} vs bf16-reduce  peak {r.peak_mem_gib:.1f} GiB "
+                f"loss {r.first_loss:.3f}->{r.last_loss:.3f}",
+                flush=True,
+            )
+        meta = {
+            "benchmark": "bench_fsdp_step",
+            "device": name,
+            "world_size": ws,
+            "torch": torch.__version__,
+            "regime": a.regime,
+            "env": env,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "model": asdict(c),
+            "micro_batch": a.batch,
+            "compute_dtype": str(compute),
+            "params": params or None,
+            "rows": [asdict(r) for r in rows],
+        }
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        a.out.write_text(json.dumps(meta, indent=2))
+        print(f"wrote {a.out}")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

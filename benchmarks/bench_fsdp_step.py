@@ -242,7 +242,7 @@ def main() -> None:
             "model": asdict(c),
             "micro_batch": a.batch,
             "compute_dtype": str(compute),
-            "params": params or None,
+            "params": param_count(c),
             "rows": [asdict(r) for r in rows],
         }
         a.out.parent.mkdir(parents=True, exist_ok=True)

@@ -91,6 +91,41 @@ def collectives_table(paths: list[Path], size_mib: float, dtype: str) -> str:
     return "\n".join(out)
 
 
+def fsdp_table(paths: list[Path]) -> str:
+    runs = {}
+    meta = None
+    for p in paths:
+        d = json.loads(p.read_text())
+        meta = d
+        runs[d["regime"]] = {r["variant"]: r for r in d["rows"]}
+    regimes = [r for r in ("socket", "2x2", "nvlink") if r in runs]
+    m = meta["model"]
+    head = (
+        f"FSDP2 training step, {meta['world_size']}x {meta['device']}, torch {meta['torch']}, "
+        f"{meta['date'][:10]}: GPT {meta['params'] / 1e9:.2f} B ({m['layers']} layers, d "
+        f"{m['d']}, seq {m['seq']}), micro-batch {meta['micro_batch']}, bf16 compute, AdamW; "
+        "median seconds per step (x speed-up vs FSDP2 fp32-reduce / bf16-reduce), peak memory.\n"
+    )
+    out = [
+        head,
+        "| variant | " + " | ".join(regimes) + " | peak GiB |",
+        "|---" * (2 + len(regimes)) + "|",
+    ]
+    for name in runs[regimes[0]]:
+        cells = []
+        for reg in regimes:
+            r = runs[reg].get(name)
+            cells.append(
+                f"{r['s_per_step']:.3f} s (x{r['ratio_vs_fp32_reduce']:.2f} / "
+                f"x{r['ratio_vs_bf16_reduce']:.2f})"
+                if r
+                else ""
+            )
+        peak = runs[regimes[0]][name]["peak_mem_gib"]
+        out.append(f"| {name} | " + " | ".join(cells) + f" | {peak:.1f} |")
+    return "\n".join(out)
+
+
 def main() -> None:
     quant = sorted(RESULTS.glob("quant_*.json"))
     coll = sorted(RESULTS.glob("collectives_*.json"))
@@ -98,6 +133,9 @@ def main() -> None:
         sys.exit(f"no results under {RESULTS}")
     for q in quant:
         print(quant_table(q), end="\n\n")
+    fsdp = sorted(RESULTS.glob("fsdp_step_*.json"))
+    if fsdp:
+        print(fsdp_table(fsdp), end="\n\n")
     if coll:
         for size, dtype in ((1024, "bfloat16"), (256, "bfloat16"), (1024, "float32")):
             print(collectives_table(coll, size, dtype), end="\n\n")

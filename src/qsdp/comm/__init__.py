@@ -17,12 +17,14 @@ from ._integer import (
 from ._reduce_scatter import reduce_scatter, reduce_scatter_wire_bytes
 from ._stats import CollectiveCounts, CommStats, comm_stats
 from ._two_phase import two_phase_all_reduce, two_phase_all_reduce_wire_bytes
+from ._weight_diff import all_gather_diff
 
 __all__ = [
     "CollectiveCounts",
     "CommStats",
     "CommWork",
     "all_gather",
+    "all_gather_diff",
     "all_gather_wire_bytes",
     "comm_stats",
     "hierarchical_reduce_scatter",

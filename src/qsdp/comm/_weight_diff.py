@@ -1,0 +1,105 @@
+"""SDP4Bit's weight-difference all-gather (qWD): send what changed, keep a shared reconstruction.
+
+[Note: error feedback through the reconstruction]
+Every rank holds the same reconstruction ``recon`` of the gathered tensor (``world_size`` shards
+in the all-gather layout). Rank ``r`` encodes ``d = x_r - recon[r]`` (fused, one pass), one byte
+all-gather moves the ``n`` payloads, and every rank, the sender included, adds every decoded
+difference to its copy: ``recon[j] += decode(d_j)`` (in float32, rounded once to ``recon``'s
+dtype). The next difference is taken against the updated reconstruction, so a quantization
+error is sent again at the next call instead of accumulating: ``recon`` tracks ``x`` within one
+step of the quantizer of the latest difference. With ``exact=True`` the shards travel
+uncompressed and overwrite ``recon`` (the first gather, a resync). ``output`` receives
+``recon``; all ranks hold bit-identical values.
+
+    x_r -> d_r = x_r - recon[r] -> encode -> all-gather bytes -> recon[j] += decode(d_j) -> output
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..quant import Backend, QuantSpec, decode_add, encode_diff
+from ..quant.codec import Encoded
+from . import _common as C
+from ._stats import CommStats
+
+__all__ = ["all_gather_diff"]
+
+_NAME = "all_gather_diff"
+
+
+def all_gather_diff(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    recon: torch.Tensor,
+    group: dist.ProcessGroup | None = None,
+    *,
+    spec: QuantSpec,
+    exact: bool = False,
+    seed: int = 0,
+    step: int = 0,
+    bucket: int = 0,
+    backend: Backend = "auto",
+    stats: CommStats | None = None,
+) -> None:
+    """All-gather of weight differences against ``recon``, which it updates in place.
+
+    Error bound: after the call ``|recon - exact all-gather|`` is within one quantization step of
+    ``spec`` on that call's differences (half a step with nearest rounding), plus the rounding to
+    ``recon``'s dtype; the error of earlier calls is fed back, never summed.
+
+    Args:
+        output: ``world_size * input.numel()`` elements, the all-gather layout; receives
+            ``recon``. It may share memory with ``input`` (FSDP's in-place layout).
+        input: this rank's new shard (float32/bf16/fp16).
+        recon: the reconstruction, same shape and dtype as ``output``; identical on all ranks
+            (the state of the caller, who keeps it between calls). Read only with ``exact=True``.
+        group: the process group (default: the world).
+        spec: quantizer of the differences (SDP4Bit: 4-bit absmax, groups of 2048, stochastic).
+        exact: send the shards uncompressed and reset ``recon`` to them.
+        seed, step, bucket: noise key (give each call its own ``step``).
+        backend: quantizer backend.
+        stats: byte counter (default :data:`qsdp.comm.comm_stats`).
+    """
+    C.check_spec(spec)
+    for t, name in ((output, "output"), (input, "input"), (recon, "recon")):
+        C.check_float(t, name)
+    C.check_contiguous(output, "output")
+    C.check_contiguous(recon, "recon")
+    C.check_key(seed, step, bucket)
+    pg, n, r = C.group_info(group)
+    m = input.numel()
+    if output.numel() != n * m or recon.shape != output.shape or recon.dtype != output.dtype:
+        raise ValueError(
+            f"all_gather_diff needs output and recon of {n} x {m} elements and one dtype; got "
+            f"{tuple(output.shape)=} {tuple(recon.shape)=} {output.dtype=} {recon.dtype=}"
+        )
+    stats = C.resolve_stats(stats)
+    stats.count_call(_NAME)
+    if m == 0:
+        return
+    if exact:
+        shard = input.reshape(-1).to(recon.dtype).contiguous()
+        C.all_gather(recon.view(-1), shard, pg, stats, _NAME).wait()
+        output.view(-1).copy_(recon.view(-1))
+        return
+    rows = recon.view(n, m)
+    nbytes = spec.payload_bytes(m)
+    send = torch.empty(nbytes, dtype=torch.uint8, device=input.device)
+    encode_diff(
+        input.reshape(-1),
+        rows[r],
+        spec,
+        seed=seed,
+        step=step,
+        stream=C.noise_stream(dist.get_rank(), 0, bucket=bucket),
+        out=send,
+        backend=backend,
+    )
+    recv = torch.empty(n * nbytes, dtype=torch.uint8, device=input.device)
+    C.all_gather(recv, send, pg, stats, _NAME).wait()
+    for j, payload in enumerate(recv.view(n, nbytes)):
+        enc = Encoded(payload=payload, numel=m, dtype=recon.dtype, spec=spec)
+        decode_add(enc, rows[j], backend=backend)
+    output.view(-1).copy_(recon.view(-1))

@@ -8,8 +8,9 @@
 (``MixedPrecisionPolicy(param_dtype=bf16)``), AdamW, every block ``fully_shard``-ed. Variants,
 side by side in one run on the same data: ``fsdp2-fp32-reduce`` (torchtitan's default),
 ``fsdp2-bf16-reduce``, and each ``--recipes`` entry through ``qsdp.compress_fsdp`` (bf16
-gradients into the compressed reduce-scatter). Rows: median seconds per step, tokens/s, ratio
-to both baselines, peak memory, first and last loss (all variants start from the same weights
+gradients into the compressed reduce-scatter; two-level recipes get the regime's (inter, intra)
+mesh: 2x2 on ``2x2``, 1x4 on ``nvlink``, none on ``socket`` where every GPU is a node).
+Rows: median seconds per step, tokens/s, ratio to both baselines, peak memory, first and last loss (all variants start from the same weights
 and see the same batches). ``--device cpu`` runs a gloo smoke test with a tiny model.
 """
 
@@ -29,6 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
@@ -117,7 +119,19 @@ class Row:
     steps: int
 
 
-def build(c: GPTConfig, device: torch.device, reduce_dtype, recipe: str | None, compute_dtype):
+def two_level_mesh(regime: str, device: torch.device):
+    """The (inter, intra) mesh of the regime for two-level recipes: 2 nodes x 2 GPUs on 2x2,
+    one node on NVLink; None on sockets, where every GPU is its own node (inter level only)."""
+    ws = dist.get_world_size()
+    shape = {"2x2": (2, ws // 2), "nvlink": (1, ws)}.get(regime)
+    if shape is None:
+        return None
+    return init_device_mesh(device.type, shape, mesh_dim_names=("inter", "intra"))
+
+
+def build(
+    c: GPTConfig, device: torch.device, reduce_dtype, recipe: str | None, compute_dtype, mesh=None
+):
     torch.manual_seed(0)
     with device:
         model = GPT(c)
@@ -126,12 +140,14 @@ def build(c: GPTConfig, device: torch.device, reduce_dtype, recipe: str | None, 
         fully_shard(block, mp_policy=mp)
     fully_shard(model, mp_policy=mp)
     if recipe is not None:
-        qsdp.compress_fsdp(model, recipe)
+        two_level = qsdp.recipe(recipe).grads_inter is not None
+        qsdp.compress_fsdp(model, recipe, mesh=mesh if two_level else None)
     return model
 
 
 def run_variant(name, c, args, device, recipe, reduce_dtype, compute_dtype) -> tuple[list, float]:
-    model = build(c, device, reduce_dtype, recipe, compute_dtype)
+    mesh = two_level_mesh(args.regime, device)
+    model = build(c, device, reduce_dtype, recipe, compute_dtype, mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     g = torch.Generator(device=device).manual_seed(100 + dist.get_rank())
     times, losses = [], []
@@ -169,7 +185,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--regime", choices=sorted(REGIMES), required=True)
     p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--recipes", nargs="*", default=["qsdp-w8g8", "global-qsgd"])
+    p.add_argument("--recipes", nargs="*", default=["qsdp-w8g8", "global-qsgd", "sdp4bit"])
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--batch", type=int, default=8)

@@ -21,13 +21,25 @@ class CompressionConfig:
     grad_carrier: str | None = None
     """Global-QSGD integer reduce-scatter on this carrier (``int8``, ``fp16``, ``int32``);
     exclusive with ``grads``."""
+    grads_inter: QuantSpec | None = None
+    """Inter-node quantizer of SDP4Bit's two-level reduce-scatter (``grads`` is then the
+    intra-node one); without a 2-D mesh every peer counts as remote and only this one runs."""
     grad_group_size: int = 128
     """Elements sharing one scale in the integer reduce-scatter."""
+    weight_diffs: bool = False
+    """SDP4Bit's qWD: ``weights`` quantizes the change since the last gather, against a
+    reconstruction every rank keeps (param dtype, e.g. 2 bytes per parameter for bf16)."""
+    weight_resync_every: int = 0
+    """With ``weight_diffs``: every this many difference gathers send full precision (0: only the
+    first gather and after ``load_state_dict`` / :func:`qsdp.fsdp.resync`)."""
+    check_replicas: bool = False
+    """With ``weight_diffs``: compare a checksum of the reconstructions across ranks after every
+    gather and raise on divergence (one small all-reduce per gather)."""
     seed: int = 0
     """Key of the stochastic-rounding noise, the same on every rank (streams differ by rank)."""
 
     def __post_init__(self) -> None:
-        for name in ("weights", "grads"):
+        for name in ("weights", "grads", "grads_inter"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, QuantSpec):
                 raise TypeError(f"CompressionConfig.{name} must be a QuantSpec or None")
@@ -35,6 +47,18 @@ class CompressionConfig:
             raise ValueError(
                 "CompressionConfig: set grads (quantized reduce-scatter) or grad_carrier "
                 "(Global-QSGD integer reduce-scatter), not both"
+            )
+        if self.grads_inter is not None and self.grads is None:
+            raise ValueError(
+                "CompressionConfig.grads_inter (two-level gradients) needs grads, the intra-node "
+                "quantizer"
+            )
+        if self.weight_diffs and self.weights is None:
+            raise ValueError("CompressionConfig.weight_diffs needs weights, their quantizer")
+        if not isinstance(self.weight_resync_every, int) or self.weight_resync_every < 0:
+            raise ValueError(
+                f"CompressionConfig.weight_resync_every={self.weight_resync_every!r} must be an "
+                "int >= 0"
             )
         if self.grad_carrier is not None and self.grad_carrier not in CARRIERS:
             raise ValueError(
@@ -65,19 +89,54 @@ def _global_qsgd() -> CompressionConfig:
     return CompressionConfig(grad_carrier="int8")
 
 
-def _w4_direct() -> CompressionConfig:
-    # SDP4Bit's ablation: weights quantized directly to 4 bits on every gather (no differences).
-    return CompressionConfig(
-        weights=QuantSpec(bits=4, group_size=128, scheme="absmax", rounding="stochastic"),
+# SDP4Bit's quantizers: 4-bit weight differences in groups of 2048; gradients 8-bit intra-node
+# and 4-bit inter-node in groups of 128, Hadamard-smoothed in blocks of 32.
+_W4 = QuantSpec(bits=4, group_size=2048, scheme="absmax", rounding="stochastic")
+
+
+def _tlq(hadamard: bool) -> dict:
+    h = 32 if hadamard else None
+    return dict(
+        grads=QuantSpec(
+            bits=8, group_size=128, scheme="absmax", rounding="stochastic", hadamard_block=h
+        ),
+        grads_inter=QuantSpec(
+            bits=4, group_size=128, scheme="absmax", rounding="stochastic", hadamard_block=h
+        ),
     )
 
 
-#: Named recipes. The SDP4Bit family (weight differences, two-level gradients) is not built yet.
+def _w4_direct() -> CompressionConfig:
+    # SDP4Bit's ablation: the same 4-bit quantizer applied to the weights themselves.
+    return CompressionConfig(weights=_W4)
+
+
+def _qwd_only() -> CompressionConfig:
+    return CompressionConfig(weights=_W4, weight_diffs=True)
+
+
+def _tlq_hs_only() -> CompressionConfig:
+    return CompressionConfig(**_tlq(hadamard=True))
+
+
+def _tlq_no_hadamard() -> CompressionConfig:
+    return CompressionConfig(**_tlq(hadamard=False))
+
+
+def _sdp4bit() -> CompressionConfig:
+    return CompressionConfig(weights=_W4, weight_diffs=True, **_tlq(hadamard=True))
+
+
+#: Named recipes (the quantized-master recipe of QSDP's theory is not built yet).
 RECIPES: dict[str, Callable[[], CompressionConfig]] = {
     "bf16": _bf16,
     "qsdp-w8g8": _qsdp_w8g8,
     "global-qsgd": _global_qsgd,
+    "sdp4bit": _sdp4bit,
     "w4-direct": _w4_direct,
+    "qwd-only": _qwd_only,
+    "tlq-hs-only": _tlq_hs_only,
+    "tlq-no-hadamard": _tlq_no_hadamard,
 }
 
 

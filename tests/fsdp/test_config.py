@@ -17,7 +17,23 @@ def test_recipes_are_typed_configs():
     assert w8g8.grads.rounding.value == "stochastic"  # unbiased gradients
     assert recipe("global-qsgd").grad_carrier == "int8"
     assert recipe("w4-direct").weights.bits == 4 and recipe("w4-direct").grads is None
-    assert set(qsdp.RECIPES) >= {"bf16", "qsdp-w8g8", "global-qsgd", "w4-direct"}
+    assert set(qsdp.RECIPES) >= {
+        "bf16",
+        "qsdp-w8g8",
+        "global-qsgd",
+        "sdp4bit",
+        "w4-direct",
+        "qwd-only",
+        "tlq-hs-only",
+        "tlq-no-hadamard",
+    }
+    sdp = recipe("sdp4bit")
+    assert sdp.weight_diffs and sdp.weights.bits == 4 and sdp.weights.group_size == 2048
+    assert sdp.grads.bits == 8 and sdp.grads_inter.bits == 4
+    assert sdp.grads.hadamard_block == sdp.grads_inter.hadamard_block == 32
+    assert recipe("tlq-no-hadamard").grads_inter.hadamard_block is None
+    assert recipe("qwd-only").grads is None and recipe("tlq-hs-only").weights is None
+    assert recipe("w4-direct").weights == sdp.weights and not recipe("w4-direct").weight_diffs
 
 
 @pytest.mark.parametrize(
@@ -28,6 +44,9 @@ def test_recipes_are_typed_configs():
         ({"grad_group_size": 0}, ValueError, "grad_group_size=0"),
         ({"seed": -1}, ValueError, "seed=-1"),
         ({"weights": "w8"}, TypeError, "weights must be a QuantSpec"),
+        ({"grads_inter": G8}, ValueError, "grads_inter .* needs grads"),
+        ({"weight_diffs": True}, ValueError, "weight_diffs needs weights"),
+        ({"weights": G8, "weight_resync_every": -1}, ValueError, "weight_resync_every=-1"),
     ],
 )
 def test_bad_config(kwargs, error, match):
@@ -49,10 +68,14 @@ def test_compress_fsdp_rejects_bad_input():
         qsdp.compress_fsdp(nn.Linear(2, 2), {"weights": None})
     with pytest.raises(ValueError, match="found no FSDPModule.*fully_shard"):
         qsdp.compress_fsdp(nn.Linear(2, 2), "qsdp-w8g8")
-    with pytest.raises(NotImplementedError, match="two-level gradients"):
+    with pytest.raises(ValueError, match="is for two-level gradients"):
         qsdp.compress_fsdp(nn.Linear(2, 2), "qsdp-w8g8", mesh=object())
+    with pytest.raises(ValueError, match="mesh must be a 2-D DeviceMesh"):
+        qsdp.compress_fsdp(nn.Linear(2, 2), "sdp4bit", mesh=object())
     with pytest.raises(ValueError, match="was not passed to qsdp.compress_fsdp"):
         qsdp.fsdp_comm_stats(nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="was not passed to qsdp.compress_fsdp"):
+        qsdp.fsdp.resync(nn.Linear(2, 2))
 
 
 def test_quantized_reduce_scatter_needs_one_source():

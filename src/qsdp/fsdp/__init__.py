@@ -1,6 +1,14 @@
 """FSDP2 integration: qsdp's collectives behind ``fully_shard``'s custom-comm hooks."""
 
-from .api import compress_fsdp, fsdp_comm_stats
-from .comms import QuantizedAllGather, QuantizedReduceScatter
+from .api import compress_fsdp, fsdp_comm_stats, resync
+from .comms import QuantizedAllGather, QuantizedReduceScatter, StepClock, WeightDiffAllGather
 
-__all__ = ["QuantizedAllGather", "QuantizedReduceScatter", "compress_fsdp", "fsdp_comm_stats"]
+__all__ = [
+    "QuantizedAllGather",
+    "QuantizedReduceScatter",
+    "StepClock",
+    "WeightDiffAllGather",
+    "compress_fsdp",
+    "fsdp_comm_stats",
+    "resync",
+]

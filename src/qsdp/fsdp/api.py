@@ -3,21 +3,31 @@
 from __future__ import annotations
 
 import weakref
+from dataclasses import dataclass
 
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 
 from ..comm import CommStats
 from ..config import CompressionConfig, recipe
-from .comms import QuantizedAllGather, QuantizedReduceScatter
+from .comms import QuantizedAllGather, QuantizedReduceScatter, StepClock, WeightDiffAllGather
 
-__all__ = ["compress_fsdp", "fsdp_comm_stats"]
+__all__ = ["compress_fsdp", "fsdp_comm_stats", "resync"]
 
-_STATS: weakref.WeakKeyDictionary[nn.Module, CommStats] = weakref.WeakKeyDictionary()
+
+@dataclass
+class _Installed:
+    stats: CommStats
+    clock: StepClock | None
+    gathers: list[WeightDiffAllGather]
+
+
+_INSTALLED: weakref.WeakKeyDictionary[nn.Module, _Installed] = weakref.WeakKeyDictionary()
 
 
 def compress_fsdp(
-    model: nn.Module, config: CompressionConfig | str, *, mesh: object | None = None
+    model: nn.Module, config: CompressionConfig | str, *, mesh: DeviceMesh | None = None
 ) -> nn.Module:
     """Route every ``FSDPModule`` of ``model`` through qsdp's compressed collectives.
 
@@ -25,17 +35,19 @@ def compress_fsdp(
     training loop stay as they are; only what FSDP2 sends changes.
 
     Args:
-        model: a model whose modules were wrapped by ``torch.distributed.fsdp.fully_shard``.
+        model: a model whose modules were wrapped by ``torch.distributed.fsdp.fully_shard``; it
+            must be the root module (its forward starts a training step).
         config: a :class:`qsdp.CompressionConfig` or a recipe name (``"qsdp-w8g8"``, ...).
-        mesh: reserved for the two-level (inter, intra) gradient path; only ``None`` (each
-            module's own FSDP group, one level) is supported yet.
+        mesh: for two-level gradient recipes (``grads_inter`` set, e.g. ``"sdp4bit"``): a 2-D
+            ``DeviceMesh`` (inter-node, intra-node) over the ranks FSDP shards on, in row-major
+            rank order. ``None`` treats every peer as remote (only the inter-node quantizer).
 
     Returns:
         ``model``, modified in place. :func:`fsdp_comm_stats` gives its byte counter.
 
     Raises:
-        ValueError: no FSDPModule in ``model``, an unknown recipe.
-        NotImplementedError: a ``mesh`` (two-level gradients are not built yet).
+        ValueError: no FSDPModule in ``model``, an unknown recipe, a mesh that is not 2-D or
+            given to a one-level recipe.
     """
     if isinstance(config, str):
         config = recipe(config)
@@ -44,10 +56,15 @@ def compress_fsdp(
             f"config must be a qsdp.CompressionConfig or a recipe name, got {type(config).__name__}"
         )
     if mesh is not None:
-        raise NotImplementedError(
-            "compress_fsdp(mesh=...) is for SDP4Bit's two-level gradients, which are not built "
-            "yet; pass mesh=None to compress over each module's FSDP group"
-        )
+        if config.grads_inter is None:
+            raise ValueError(
+                "compress_fsdp(mesh=...) is for two-level gradients (a config with grads_inter, "
+                "e.g. 'sdp4bit'); this config reduces over FSDP's own group: drop the mesh"
+            )
+        if getattr(mesh, "ndim", None) != 2:
+            raise ValueError(
+                f"mesh must be a 2-D DeviceMesh (inter-node, intra-node); got {mesh!r}"
+            )
     modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
     if not modules:
         raise ValueError(
@@ -55,28 +72,65 @@ def compress_fsdp(
             "torch.distributed.fsdp.fully_shard on its blocks and its root first"
         )
     stats = CommStats()
+    clock = None
+    gathers: list[WeightDiffAllGather] = []
+    if config.weight_diffs:
+        clock = StepClock()
+        # before FSDP's own pre-forward (and its all-gathers): a new step begins
+        model.register_forward_pre_hook(clock.tick, prepend=True)
+        model.register_load_state_dict_post_hook(clock.request_resync)
     for i, module in enumerate(modules):
-        if config.weights is not None:
-            module.set_custom_all_gather(
-                QuantizedAllGather(config.weights, seed=config.seed, bucket=2 * i, stats=stats)
-            )
-        if config.grads is not None or config.grad_carrier is not None:
-            module.set_custom_reduce_scatter(
-                QuantizedReduceScatter(
-                    spec=config.grads,
-                    carrier=config.grad_carrier,
-                    group_size=config.grad_group_size,
-                    seed=config.seed,
-                    bucket=2 * i + 1,
-                    stats=stats,
+        key = dict(seed=config.seed, stats=stats)
+        if config.weight_diffs:
+            gathers.append(
+                WeightDiffAllGather(
+                    config.weights,
+                    bucket=2 * i,
+                    clock=clock,
+                    resync_every=config.weight_resync_every,
+                    check_replicas=config.check_replicas,
+                    **key,
                 )
             )
-    _STATS[model] = stats
+            module.set_custom_all_gather(gathers[-1])
+        elif config.weights is not None:
+            module.set_custom_all_gather(QuantizedAllGather(config.weights, bucket=2 * i, **key))
+        if config.grads is not None or config.grad_carrier is not None:
+            two_level = config.grads_inter is not None
+            module.set_custom_reduce_scatter(
+                QuantizedReduceScatter(
+                    # without a mesh, a two-level recipe runs its inter-node quantizer alone
+                    spec=config.grads_inter if two_level and mesh is None else config.grads,
+                    inter_spec=config.grads_inter if mesh is not None else None,
+                    mesh=mesh,
+                    carrier=config.grad_carrier,
+                    group_size=config.grad_group_size,
+                    bucket=2 * i + 1,
+                    **key,
+                )
+            )
+    _INSTALLED[model] = _Installed(stats, clock, gathers)
     return model
+
+
+def _installed(model: nn.Module) -> _Installed:
+    if model not in _INSTALLED:
+        raise ValueError("this model was not passed to qsdp.compress_fsdp")
+    return _INSTALLED[model]
 
 
 def fsdp_comm_stats(model: nn.Module) -> CommStats:
     """The byte counter of the collectives :func:`compress_fsdp` installed on ``model``."""
-    if model not in _STATS:
-        raise ValueError("this model was not passed to qsdp.compress_fsdp")
-    return _STATS[model]
+    return _installed(model).stats
+
+
+def resync(model: nn.Module) -> None:
+    """Make the next all-gather of every weight-difference group send full precision.
+
+    ``load_state_dict`` (and ``torch.distributed.checkpoint`` loads, which call it) does this by
+    itself. Call it on every rank.
+    """
+    clock = _installed(model).clock
+    if clock is None:
+        raise ValueError("this model's recipe has no weight differences to resync")
+    clock.request_resync()

@@ -24,9 +24,37 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatt
 from .. import comm as qc
 from ..quant import QuantSpec
 
-__all__ = ["QuantizedAllGather", "QuantizedReduceScatter"]
+__all__ = ["QuantizedAllGather", "QuantizedReduceScatter", "StepClock", "WeightDiffAllGather"]
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _check_gather_dtype(t: torch.Tensor) -> None:
+    if t.dtype not in _FLOAT_DTYPES:
+        raise TypeError(
+            f"qsdp cannot quantize an all-gather of {t.dtype}: FSDP gathers raw bytes when a "
+            "module's parameters mix dtypes; give them one dtype, or leave that module "
+            "uncompressed"
+        )
+
+
+class StepClock:
+    """Training steps as FSDP2 sees them, shared by a model's weight-difference all-gathers.
+
+    ``tick`` runs before the root module's forward (a forward pre-hook): a gather in the same
+    epoch as the last one (FSDP's backward re-gather) sees unchanged weights. ``request_resync``
+    (after ``load_state_dict``, or by hand) makes every gather's next call exact.
+    """
+
+    def __init__(self) -> None:
+        self.epoch = 0
+        self.generation = 0
+
+    def tick(self, *_: object) -> None:
+        self.epoch += 1
+
+    def request_resync(self, *_: object) -> None:
+        self.generation += 1
 
 
 class _Counter:
@@ -59,24 +87,22 @@ class QuantizedAllGather(AllGather):
         input_tensor: torch.Tensor,
         group: dist.ProcessGroup,
         async_op: bool = False,
-    ) -> qc.CommWork | None:
-        if input_tensor.dtype not in _FLOAT_DTYPES:
-            raise TypeError(
-                f"qsdp cannot quantize an all-gather of {input_tensor.dtype}: FSDP gathers raw "
-                "bytes when a module's parameters mix dtypes; give them one dtype, or leave "
-                "that module uncompressed"
-            )
-        return qc.all_gather(
+    ) -> None:
+        _check_gather_dtype(input_tensor)
+        # Always complete before returning: FSDP2 waits only on c10d ``Work`` objects, so a
+        # returned qsdp handle would never be waited for. On CUDA "complete" means enqueued on
+        # FSDP's all-gather stream, which keeps the overlap with compute.
+        qc.all_gather(
             output_tensor,
             input_tensor,
             group,
             spec=self.spec,
-            async_op=async_op,
             seed=self.seed,
             step=self._steps.next(),
             bucket=self.bucket,
             stats=self.stats,
         )
+        return None
 
 
 class QuantizedReduceScatter(ReduceScatter):
@@ -92,10 +118,15 @@ class QuantizedReduceScatter(ReduceScatter):
         seed: int,
         bucket: int,
         stats: qc.CommStats,
+        inter_spec: QuantSpec | None = None,
+        mesh: object | None = None,
     ) -> None:
         if (spec is None) == (carrier is None):
             raise ValueError("QuantizedReduceScatter needs exactly one of spec and carrier")
+        if mesh is not None and inter_spec is None:
+            raise ValueError("QuantizedReduceScatter(mesh=...) needs the inter-node inter_spec")
         self.spec, self.carrier, self.group_size = spec, carrier, group_size
+        self.inter_spec, self.mesh = inter_spec, mesh
         self.seed, self.bucket, self.stats = seed, bucket, stats
         self._steps = _Counter()
 
@@ -124,6 +155,108 @@ class QuantizedReduceScatter(ReduceScatter):
                 group_size=self.group_size,
                 **key,
             )
+        elif self.mesh is not None:
+            if group.size() != self.mesh.size():
+                raise ValueError(
+                    f"the two-level mesh has {self.mesh.size()} ranks but FSDP reduces over "
+                    f"{group.size()}: shard the model over the same ranks as the mesh"
+                )
+            qc.hierarchical_reduce_scatter(
+                output_tensor,
+                input_tensor,
+                mesh=self.mesh,
+                intra_spec=self.spec,
+                inter_spec=self.inter_spec,
+                op=op,
+                **key,
+            )
         else:
             qc.reduce_scatter(output_tensor, input_tensor, group, spec=self.spec, op=op, **key)
         return None
+
+
+class WeightDiffAllGather(AllGather):
+    """FSDP2 all-gather of SDP4Bit weight differences (:func:`qsdp.comm.all_gather_diff`).
+
+    Keeps the reconstruction of the group's gathered weights (param dtype: 2 bytes per parameter
+    for bf16). The first gather, the first after a resync request and every
+    ``resync_every``-th difference gather send full precision; FSDP's re-gather in backward
+    (same :class:`StepClock` epoch) is served from the reconstruction without communication.
+    """
+
+    def __init__(
+        self,
+        spec: QuantSpec,
+        *,
+        seed: int,
+        bucket: int,
+        stats: qc.CommStats,
+        clock: StepClock,
+        resync_every: int = 0,
+        check_replicas: bool = False,
+    ) -> None:
+        self.spec, self.seed, self.bucket, self.stats = spec, seed, bucket, stats
+        self.clock, self.resync_every, self.check_replicas = clock, resync_every, check_replicas
+        self.recon: torch.Tensor | None = None
+        self._epoch = -1
+        self._generation = -1
+        self._diffs = 0
+        self._steps = _Counter()
+        self.cached_gathers = 0
+        """Gathers served from the reconstruction without communication (FSDP's re-gathers)."""
+
+    def allocate(
+        self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        async_op: bool = False,
+    ) -> None:
+        _check_gather_dtype(input_tensor)
+        fresh = self.recon is None or self.recon.shape != output_tensor.shape
+        if not fresh and self.clock.epoch == self._epoch:
+            output_tensor.copy_(self.recon)  # weights unchanged since the last gather
+            self.cached_gathers += 1
+            return None
+        exact = (
+            fresh
+            or self._generation != self.clock.generation
+            or (self.resync_every > 0 and self._diffs >= self.resync_every)
+        )
+        if fresh or self.recon.dtype != output_tensor.dtype:
+            self.recon = torch.empty_like(output_tensor)
+        qc.all_gather_diff(
+            output_tensor,
+            input_tensor,
+            self.recon,
+            group,
+            spec=self.spec,
+            exact=exact,
+            seed=self.seed,
+            step=self._steps.next(),
+            bucket=self.bucket,
+            stats=self.stats,
+        )
+        self._diffs = 0 if exact else self._diffs + 1
+        self._epoch, self._generation = self.clock.epoch, self.clock.generation
+        if self.check_replicas:
+            _check_replicas(self.recon, group)
+        return None
+
+
+def _check_replicas(recon: torch.Tensor, group: dist.ProcessGroup) -> None:
+    """Raise if the ranks' reconstructions differ (a float64 checksum compared by MAX/-MAX)."""
+    weights = torch.arange(1, recon.numel() + 1, device=recon.device, dtype=torch.float64)
+    c = (recon.reshape(-1).double() * weights.remainder(97)).sum()
+    both = torch.stack((c, -c))
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+    if float(both[0]) != -float(both[1]):
+        raise RuntimeError(
+            "qsdp weight-difference reconstructions diverged across ranks (checksums "
+            f"{float(-both[1])} .. {float(both[0])}); call qsdp.fsdp.resync(model) and report it"
+        )

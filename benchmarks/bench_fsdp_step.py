@@ -10,8 +10,9 @@ side by side in one run on the same data: ``fsdp2-fp32-reduce`` (torchtitan's de
 ``fsdp2-bf16-reduce``, and each ``--recipes`` entry through ``qsdp.compress_fsdp`` (bf16
 gradients into the compressed reduce-scatter; two-level recipes get the regime's (inter, intra)
 mesh: 2x2 on ``2x2``, 1x4 on ``nvlink``, none on ``socket`` where every GPU is a node).
-Rows: median seconds per step, tokens/s, ratio to both baselines, peak memory, first and last loss (all variants start from the same weights
-and see the same batches). ``--device cpu`` runs a gloo smoke test with a tiny model.
+Rows: median seconds per step, tokens/s, ratio to both baselines, peak memory, first and last
+loss (all variants start from the same weights and see the same batches). ``--device cpu``
+runs a gloo smoke test with a tiny model.
 """
 
 from __future__ import annotations

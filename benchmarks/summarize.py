@@ -92,26 +92,31 @@ def collectives_table(paths: list[Path], size_mib: float, dtype: str) -> str:
 
 
 def fsdp_table(paths: list[Path]) -> str:
-    runs = {}
+    runs, stamps = {}, {}
     meta = None
     for p in paths:
         d = json.loads(p.read_text())
         meta = d
         runs[d["regime"]] = {r["variant"]: r for r in d["rows"]}
+        stamps[d["regime"]] = d["date"][:16].replace("T", " ")
     regimes = [r for r in ("socket", "2x2", "nvlink") if r in runs]
     m = meta["model"]
     head = (
         f"FSDP2 training step, {meta['world_size']}x {meta['device']}, torch {meta['torch']}, "
         f"{meta['date'][:10]}: GPT {meta['params'] / 1e9:.2f} B ({m['layers']} layers, d "
         f"{m['d']}, seq {m['seq']}), micro-batch {meta['micro_batch']}, bf16 compute, AdamW; "
-        "median seconds per step (x speed-up vs FSDP2 fp32-reduce / bf16-reduce), peak memory.\n"
+        "median seconds per step (x speed-up vs FSDP2 fp32-reduce / bf16-reduce), peak memory. "
+        "Each regime is one run, its baselines measured in it: "
+        + ", ".join(f"{r} {stamps[r]}" for r in regimes)
+        + " (UTC).\n"
     )
     out = [
         head,
         "| variant | " + " | ".join(regimes) + " | peak GiB |",
         "|---" * (2 + len(regimes)) + "|",
     ]
-    for name in runs[regimes[0]]:
+    names = list(dict.fromkeys(n for reg in regimes for n in runs[reg]))
+    for name in names:
         cells = []
         for reg in regimes:
             r = runs[reg].get(name)
@@ -121,7 +126,7 @@ def fsdp_table(paths: list[Path]) -> str:
                 if r
                 else ""
             )
-        peak = runs[regimes[0]][name]["peak_mem_gib"]
+        peak = next(runs[reg][name]["peak_mem_gib"] for reg in regimes if name in runs[reg])
         out.append(f"| {name} | " + " | ".join(cells) + f" | {peak:.1f} |")
     return "\n".join(out)
 

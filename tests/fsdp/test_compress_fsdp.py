@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import qsdp
 from qsdp.fsdp.api import _installed
@@ -241,3 +241,43 @@ def test_sdp4bit_two_level_on_a_2x2_mesh():
     base = run_distributed(_train, 4, "bf16")[0]["losses"]
     sdp = run_distributed(_train, 4, "sdp4bit", (2, 2))[0]["losses"]
     assert abs(sum(sdp[-5:]) - sum(base[-5:])) / 5 < 0.005 * sum(base[-5:]) / 5
+
+
+def _train_accumulate(rank: int, world: int, recipe: str, clip: bool) -> list[float]:
+    """bf16 compute with fp32 reduce, two micro-batches per step, optional grad clipping."""
+    torch.manual_seed(0)
+    model = TinyGPT()
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for block in model.blocks:
+        fully_shard(block, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
+    if recipe != "bf16":
+        qsdp.compress_fsdp(model, recipe)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    batches = _batches(rank, world)
+    for _ in range(STEPS // 2):
+        for micro in range(2):
+            model.set_requires_gradient_sync(micro == 1)  # reduce on the last micro-batch
+            batch = next(batches)
+            logits = model(batch[:, :-1])
+            loss = nn.functional.cross_entropy(
+                logits.float().reshape(-1, 256), batch[:, 1:].reshape(-1)
+            )
+            (loss / 2).backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        losses.append(float(mean) / world)
+    return losses
+
+
+@pytest.mark.parametrize("recipe", ["qsdp-w8g8", "sdp4bit"])
+def test_accumulation_mixed_precision_and_clipping(recipe):
+    base = run_distributed(_train_accumulate, 2, "bf16", True)[0]
+    got = run_distributed(_train_accumulate, 2, recipe, True)[0]
+    assert base[-1] < base[0] - 0.5
+    assert abs(sum(got[-4:]) - sum(base[-4:])) / 4 < 0.005 * sum(base[-4:]) / 4, (got, base)

@@ -32,6 +32,10 @@ class CompressionConfig:
     weight_resync_every: int = 0
     """With ``weight_diffs``: every this many difference gathers send full precision (0: only the
     first gather and after ``load_state_dict`` / :func:`qsdp.fsdp.resync`)."""
+    grad_nonfinite: str = "raise"
+    """NaN/Inf in a gradient about to be reduced: ``raise`` (every rank raises, naming the
+    parameters; one small all-reduce per reduce-scatter), ``zero`` (that group's reduced gradient
+    is zeroed for the step and counted), or ``propagate`` (no check: NaN groups travel as NaN)."""
     check_replicas: bool = False
     """With ``weight_diffs``: compare a checksum of the reconstructions across ranks after every
     gather and raise on divergence (one small all-reduce per gather)."""
@@ -59,6 +63,11 @@ class CompressionConfig:
             raise ValueError(
                 f"CompressionConfig.weight_resync_every={self.weight_resync_every!r} must be an "
                 "int >= 0"
+            )
+        if self.grad_nonfinite not in ("raise", "zero", "propagate"):
+            raise ValueError(
+                f"CompressionConfig.grad_nonfinite={self.grad_nonfinite!r} must be 'raise', "
+                "'zero' or 'propagate'"
             )
         if self.grad_carrier is not None and self.grad_carrier not in CARRIERS:
             raise ValueError(

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 import qsdp
 from qsdp.fsdp.api import _installed
@@ -281,3 +283,45 @@ def test_accumulation_mixed_precision_and_clipping(recipe):
     got = run_distributed(_train_accumulate, 2, recipe, True)[0]
     assert base[-1] < base[0] - 0.5
     assert abs(sum(got[-4:]) - sum(base[-4:])) / 4 < 0.005 * sum(base[-4:]) / 4, (got, base)
+
+
+def _nan_grad(rank: int, world: int, mode: str) -> dict:
+    config = dataclasses.replace(qsdp.recipe("qsdp-w8g8"), grad_nonfinite=mode)
+    model = _build(config)
+    target = model.blocks[1].linear2
+
+    def poison(module, args):  # rank 1 only: NaN in this one parameter's gradient
+        module.weight.register_hook(lambda g: g * float("nan"))
+
+    if rank == 1:
+        target.register_forward_pre_hook(poison)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    try:
+        _step(model, next(_batches(rank, world)))
+    except ValueError as e:
+        return {"error": str(e)}
+    opt.step()
+    finite = all(bool(torch.isfinite(p.full_tensor()).all()) for p in model.parameters())
+    zeroed = sum(
+        m._get_fsdp_state()._fsdp_param_group._reduce_scatter_comm.zeroed
+        for m in model.modules()
+        if isinstance(m, FSDPModule)
+    )
+    return {"error": None, "finite": finite, "zeroed": zeroed}
+
+
+def test_nan_gradient_raises_on_every_rank_naming_the_parameter():
+    res = run_distributed(_nan_grad, 2, "raise", pg_timeout_s=20)
+    for r in res:
+        assert r["error"] is not None
+        assert (
+            "non-finite gradient (NaN/Inf) on at least one rank in blocks.1.linear2.weight;"
+            in (r["error"])
+        )
+
+
+def test_nan_gradient_zeroed_when_asked_and_weights_stay_finite():
+    res = run_distributed(_nan_grad, 2, "zero", pg_timeout_s=20)
+    for r in res:
+        assert r["error"] is None and r["finite"]
+        assert r["zeroed"] == 1  # the one group holding the parameter, on every rank

@@ -45,6 +45,7 @@ def test_recipes_are_typed_configs():
         ({"seed": -1}, ValueError, "seed=-1"),
         ({"weights": "w8"}, TypeError, "weights must be a QuantSpec"),
         ({"grads_inter": G8}, ValueError, "grads_inter .* needs grads"),
+        ({"grad_nonfinite": "skip"}, ValueError, "grad_nonfinite='skip' must be"),
         ({"weight_diffs": True}, ValueError, "weight_diffs needs weights"),
         ({"weights": G8, "weight_resync_every": -1}, ValueError, "weight_resync_every=-1"),
     ],

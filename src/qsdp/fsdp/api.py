@@ -71,6 +71,7 @@ def compress_fsdp(
             "compress_fsdp found no FSDPModule in the model: call "
             "torch.distributed.fsdp.fully_shard on its blocks and its root first"
         )
+    names = {m: name for name, m in model.named_modules()}
     stats = CommStats()
     clock = None
     gathers: list[WeightDiffAllGather] = []
@@ -106,11 +107,40 @@ def compress_fsdp(
                     carrier=config.grad_carrier,
                     group_size=config.grad_group_size,
                     bucket=2 * i + 1,
+                    nonfinite=config.grad_nonfinite,
+                    layout=_grad_layout(module, names.get(module, "")),
+                    module_name=names.get(module, ""),
                     **key,
                 )
             )
     _INSTALLED[model] = _Installed(stats, clock, gathers)
     return model
+
+
+def _grad_layout(module: FSDPModule, prefix: str) -> list[tuple[str, int]] | None:
+    """(name, elements per rank) of each parameter in the module's reduce-scatter chunk.
+
+    [Note: what compress_fsdp reads of FSDP2]
+    FSDP2's reduce-scatter hands over one rank-major buffer per parameter group, each rank's
+    chunk the concatenation of the parameters' padded shards in the group's order. To name the
+    parameter that holds a NaN, this reads the group's ``fsdp_params`` (their module, name and
+    ``padded_sharded_param_size``) through ``_get_fsdp_state()._fsdp_param_group``, which no
+    public API exposes. Where that is missing (another torch version) or the sizes do not add up
+    to the chunk (parameters without gradients this step), errors name the module instead.
+    """
+    try:
+        params = module._get_fsdp_state()._fsdp_param_group.fsdp_params
+        layout = []
+        for p in params:
+            if not p.sharded_param.requires_grad:
+                continue
+            info = p._module_info
+            mod = next((n for n, m in module.named_modules() if m is info.module), "")
+            name = ".".join(x for x in (prefix, mod, info.param_name) if x)
+            layout.append((name, p.padded_sharded_param_size.numel()))
+        return layout
+    except AttributeError:
+        return None
 
 
 def _installed(model: nn.Module) -> _Installed:

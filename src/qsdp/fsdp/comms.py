@@ -16,6 +16,7 @@ use only these documented hooks; nothing of FSDP's internals is read or patched.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -120,13 +121,24 @@ class QuantizedReduceScatter(ReduceScatter):
         stats: qc.CommStats,
         inter_spec: QuantSpec | None = None,
         mesh: object | None = None,
+        nonfinite: str = "raise",
+        layout: list[tuple[str, int]] | None = None,
+        module_name: str = "",
     ) -> None:
         if (spec is None) == (carrier is None):
             raise ValueError("QuantizedReduceScatter needs exactly one of spec and carrier")
         if mesh is not None and inter_spec is None:
             raise ValueError("QuantizedReduceScatter(mesh=...) needs the inter-node inter_spec")
-        self.spec, self.carrier, self.group_size = spec, carrier, group_size
-        self.inter_spec, self.mesh = inter_spec, mesh
+        # The check below (or "propagate") decides about NaN/Inf: the encoders must not raise
+        # on one rank alone (its peers would wait for it until the timeout).
+        self.spec = replace(spec, nonfinite="propagate") if spec is not None else None
+        self.inter_spec = (
+            replace(inter_spec, nonfinite="propagate") if inter_spec is not None else None
+        )
+        self.carrier, self.group_size, self.mesh = carrier, group_size, mesh
+        self.nonfinite, self.layout, self.module_name = nonfinite, layout, module_name
+        self.zeroed = 0
+        """Reduce-scatters whose gradient was zeroed for NaN/Inf (``nonfinite="zero"``)."""
         self.seed, self.bucket, self.stats = seed, bucket, stats
         self._steps = _Counter()
 
@@ -143,6 +155,10 @@ class QuantizedReduceScatter(ReduceScatter):
         op: dist.ReduceOp,
         async_op: bool = False,
     ) -> None:
+        if self.nonfinite != "propagate" and self._nonfinite(input_tensor, group):
+            output_tensor.zero_()
+            self.zeroed += 1
+            return None
         # AVG or SUM as FSDP asks; a PREMUL_SUM (set_gradient_divide_factor) raises with a fix.
         key = dict(seed=self.seed, step=self._steps.next(), bucket=self.bucket, stats=self.stats)
         if self.carrier is not None:
@@ -173,6 +189,27 @@ class QuantizedReduceScatter(ReduceScatter):
         else:
             qc.reduce_scatter(output_tensor, input_tensor, group, spec=self.spec, op=op, **key)
         return None
+
+    def _nonfinite(self, input_tensor: torch.Tensor, group: dist.ProcessGroup) -> bool:
+        """Agree across ranks whether a gradient of the group holds NaN/Inf: raise naming the
+        parameters, or (``nonfinite="zero"``) return True so the caller zeroes the result."""
+        flags = _nonfinite_flags(input_tensor.reshape(group.size(), -1), self.layout)
+        self.stats.add_bytes("nonfinite_check", flags.numel() * flags.element_size())
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+        bad = flags.nonzero().reshape(-1).tolist()
+        if not bad:
+            return False
+        if self.nonfinite == "zero":
+            return True
+        if self.layout is not None and len(self.layout) == flags.numel():
+            where = ", ".join(self.layout[i][0] for i in bad)
+        else:
+            where = f"the parameters of FSDP module {self.module_name or '<root>'}"
+        raise ValueError(
+            f"non-finite gradient (NaN/Inf) on at least one rank in {where}; fix the source (a "
+            "diverging loss, a missing grad clip or loss scale), or build the CompressionConfig "
+            "with grad_nonfinite='zero' to zero these gradients for the step (counted)"
+        )
 
 
 class WeightDiffAllGather(AllGather):
@@ -260,3 +297,13 @@ def _check_replicas(recon: torch.Tensor, group: dist.ProcessGroup) -> None:
             "qsdp weight-difference reconstructions diverged across ranks (checksums "
             f"{float(-both[1])} .. {float(both[0])}); call qsdp.fsdp.resync(model) and report it"
         )
+
+
+def _nonfinite_flags(chunks: torch.Tensor, layout: list[tuple[str, int]] | None) -> torch.Tensor:
+    """Per-parameter flags (int32) of NaN/Inf in the rank-major ``[world, M]`` gradient input
+    (one flag for the whole group when the layout does not match)."""
+    bad = (~torch.isfinite(chunks)).any(dim=0)
+    if layout is None or sum(n for _, n in layout) != bad.numel():
+        return bad.any().reshape(1).to(torch.int32)
+    segments = torch.split(bad, [n for _, n in layout])
+    return torch.stack([seg.any() for seg in segments]).to(torch.int32)

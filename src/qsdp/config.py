@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from .policy import ParamPolicy
 from .quant import CARRIERS, QuantSpec
 
 __all__ = ["RECIPES", "CompressionConfig", "recipe"]
@@ -39,6 +40,10 @@ class CompressionConfig:
     check_replicas: bool = False
     """With ``weight_diffs``: compare a checksum of the reconstructions across ranks after every
     gather and raise on divergence (one small all-reduce per gather)."""
+    policy: ParamPolicy | None = ParamPolicy()
+    """Parameters sent uncompressed (default: 1-D and under 1024 elements); ``None`` quantizes
+    everything. Applies to quantized weights and gradients, not to weight differences (whose
+    error feedback keeps small tensors accurate)."""
     seed: int = 0
     """Key of the stochastic-rounding noise, the same on every rank (streams differ by rank)."""
 
@@ -74,6 +79,8 @@ class CompressionConfig:
                 f"CompressionConfig.grad_carrier={self.grad_carrier!r} must be one of "
                 f"{sorted(CARRIERS)}"
             )
+        if self.policy is not None and not isinstance(self.policy, ParamPolicy):
+            raise TypeError("CompressionConfig.policy must be a qsdp.policy.ParamPolicy or None")
         g = self.grad_group_size
         if not isinstance(g, int) or g < 1:
             raise ValueError(f"CompressionConfig.grad_group_size={g!r} must be a positive int")

@@ -13,7 +13,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.utils.checkpoint import checkpoint
 
 import qsdp
-from qsdp.fsdp.api import _installed
+from qsdp.fsdp.api import _installed, _layout
 from qsdp.testing import assert_same_on_all_ranks, count_dist_bytes, run_distributed
 from qsdp.train.quant_demo import corpus
 
@@ -145,8 +145,11 @@ def test_odd_world_size_uneven_shards():
     assert abs(sum(w8g8[-5:]) - sum(base[-5:])) / 5 < 0.005 * sum(base[-5:]) / 5
 
 
-def _one_step_bytes(rank: int, world: int, recipe: str) -> dict:
-    model = _build(recipe)
+def _one_step_bytes(rank: int, world: int, recipe: str, policy: bool = True) -> dict:
+    config = qsdp.recipe(recipe)
+    if not policy:
+        config = dataclasses.replace(config, policy=None)
+    model = _build(config)
     batch = next(_batches(rank, world))
     with count_dist_bytes() as counter:
         logits = model(batch[:, :-1])
@@ -154,29 +157,51 @@ def _one_step_bytes(rank: int, world: int, recipe: str) -> dict:
         loss.backward()
     out = {"bytes": dict(counter.bytes), "calls": dict(counter.calls)}
     if recipe != "bf16":
-        out["stats"] = qsdp.fsdp_comm_stats(model).total_bytes
+        stats = qsdp.fsdp_comm_stats(model)
+        out["stats"] = {k: v.bytes for k, v in stats.snapshot().items()}
+        # what the quantizer specs predict from each group's split (compressed / raw elements)
+        expect_ag = expect_raw = 0
+        raw_names = set()
+        for m in model.modules():
+            if isinstance(m, FSDPModule):
+                ag = m._get_fsdp_state()._fsdp_param_group._all_gather_comm
+                chunk = sum(n for _, n, _ in _layout(m, "", grads_only=False))
+                n_comp, n_raw = (len(ag.split.comp), len(ag.split.raw)) if ag.split else (chunk, 0)
+                raw_names.update(ag.split.raw_names if ag.split else ())
+                expect_ag += ag._steps.calls * config.weights.payload_bytes(n_comp)
+                expect_raw += ag._steps.calls * n_raw * 4
+        out["expect_ag"], out["expect_raw"], out["raw_names"] = expect_ag, expect_raw, raw_names
     return out
 
 
 def test_bytes_on_the_wire_per_step():
     world = 2
     plain = run_distributed(_one_step_bytes, world, "bf16")[0]
+    flat = run_distributed(_one_step_bytes, world, "qsdp-w8g8", False)[0]
     w8g8 = run_distributed(_one_step_bytes, world, "qsdp-w8g8")[0]
-    ag0 = plain["bytes"].get("all_gather_single", 0) + plain["bytes"].get(
-        "all_gather_into_tensor", 0
-    )
+
+    def gathered(r):
+        return r["bytes"].get("all_gather_single", 0) + r["bytes"].get("all_gather_into_tensor", 0)
+
+    ag0 = gathered(plain)
     rs0 = plain["bytes"].get("reduce_scatter_single", 0) + plain["bytes"].get(
         "reduce_scatter_tensor", 0
     )
-    ag1 = w8g8["bytes"].get("all_gather_single", 0) + w8g8["bytes"].get("all_gather_into_tensor", 0)
-    rs1 = w8g8["bytes"]["all_to_all_single"]
     assert ag0 > 0 and rs0 > 0
-    # every byte qsdp hands to torch.distributed is counted by its own stats too
-    assert w8g8["stats"] == sum(w8g8["bytes"].values())
-    # fp32 weights -> 8-bit codes + one fp32 scale per 128 (8.25 bits), group padding aside
-    assert 8.25 / 32 <= ag1 / ag0 < 8.25 / 32 * 1.05
+    for r in (flat, w8g8):  # every byte qsdp hands to torch.distributed is in its own stats
+        assert sum(r["stats"].values()) == sum(r["bytes"].values())
+    # no policy: fp32 weights -> 8-bit codes + one fp32 scale per 128 (8.25 bits)
+    assert 8.25 / 32 <= gathered(flat) / ag0 < 8.25 / 32 * 1.05
     # gradients: only the peer's half travels, 8-bit min-max (8.5 bits) instead of fp32
-    assert rs1 / rs0 == pytest.approx((world - 1) / world * 8.5 / 32, rel=0.05)
+    assert flat["bytes"]["all_to_all_single"] / rs0 == pytest.approx(
+        (world - 1) / world * 8.5 / 32, rel=0.05
+    )
+    # default policy: biases, norms and small tensors travel raw, exactly as the split says
+    assert w8g8["raw_names"] >= {"blocks.0.norm1.weight", "blocks.1.linear2.bias", "head.bias"}
+    assert not any(n.endswith(("linear1.weight", "in_proj_weight")) for n in w8g8["raw_names"])
+    assert w8g8["stats"]["all_gather"] == w8g8["expect_ag"]
+    assert w8g8["stats"]["all_gather_raw"] == w8g8["expect_raw"] > 0
+    assert gathered(flat) < gathered(w8g8) < 0.3 * ag0
 
 
 def _step(model, batch) -> None:

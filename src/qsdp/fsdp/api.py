@@ -11,6 +11,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from ..comm import CommStats
 from ..config import CompressionConfig, recipe
+from ._split import build_split
 from .comms import QuantizedAllGather, QuantizedReduceScatter, StepClock, WeightDiffAllGather
 
 __all__ = ["compress_fsdp", "fsdp_comm_stats", "resync"]
@@ -82,6 +83,7 @@ def compress_fsdp(
         model.register_load_state_dict_post_hook(clock.request_resync)
     for i, module in enumerate(modules):
         key = dict(seed=config.seed, stats=stats)
+        prefix = names.get(module, "")
         if config.weight_diffs:
             gathers.append(
                 WeightDiffAllGather(
@@ -95,8 +97,12 @@ def compress_fsdp(
             )
             module.set_custom_all_gather(gathers[-1])
         elif config.weights is not None:
-            module.set_custom_all_gather(QuantizedAllGather(config.weights, bucket=2 * i, **key))
+            split = build_split(_layout(module, prefix, grads_only=False), config.policy)
+            module.set_custom_all_gather(
+                QuantizedAllGather(config.weights, bucket=2 * i, split=split, **key)
+            )
         if config.grads is not None or config.grad_carrier is not None:
+            grad_layout = _layout(module, prefix, grads_only=True)
             two_level = config.grads_inter is not None
             module.set_custom_reduce_scatter(
                 QuantizedReduceScatter(
@@ -108,8 +114,9 @@ def compress_fsdp(
                     group_size=config.grad_group_size,
                     bucket=2 * i + 1,
                     nonfinite=config.grad_nonfinite,
-                    layout=_grad_layout(module, names.get(module, "")),
-                    module_name=names.get(module, ""),
+                    layout=[(n, k) for n, k, _ in grad_layout] if grad_layout else None,
+                    split=build_split(grad_layout, config.policy),
+                    module_name=prefix,
                     **key,
                 )
             )
@@ -117,27 +124,31 @@ def compress_fsdp(
     return model
 
 
-def _grad_layout(module: FSDPModule, prefix: str) -> list[tuple[str, int]] | None:
-    """(name, elements per rank) of each parameter in the module's reduce-scatter chunk.
+def _layout(
+    module: FSDPModule, prefix: str, *, grads_only: bool
+) -> list[tuple[str, int, tuple[int, ...]]] | None:
+    """(name, elements per rank, full shape) of each parameter in the module's flat chunk.
 
     [Note: what compress_fsdp reads of FSDP2]
-    FSDP2's reduce-scatter hands over one rank-major buffer per parameter group, each rank's
-    chunk the concatenation of the parameters' padded shards in the group's order. To name the
-    parameter that holds a NaN, this reads the group's ``fsdp_params`` (their module, name and
-    ``padded_sharded_param_size``) through ``_get_fsdp_state()._fsdp_param_group``, which no
-    public API exposes. Where that is missing (another torch version) or the sizes do not add up
-    to the chunk (parameters without gradients this step), errors name the module instead.
+    FSDP2's all-gather and reduce-scatter hand over one flat buffer per parameter group, each
+    rank's chunk the concatenation of the parameters' padded shards in the group's order (for
+    the reduce-scatter only those with gradients). To apply a per-parameter policy and to name
+    the parameter that holds a NaN, this reads the group's ``fsdp_params`` (module, name,
+    ``padded_sharded_param_size``, original size) through ``_get_fsdp_state()._fsdp_param_group``,
+    which no public API exposes. Where that is missing (another torch version) the policy is not
+    applied (everything is quantized, as the config's byte counter shows: no raw bytes) and
+    errors name the module instead.
     """
     try:
         params = module._get_fsdp_state()._fsdp_param_group.fsdp_params
         layout = []
         for p in params:
-            if not p.sharded_param.requires_grad:
+            if grads_only and not p.sharded_param.requires_grad:
                 continue
             info = p._module_info
             mod = next((n for n, m in module.named_modules() if m is info.module), "")
             name = ".".join(x for x in (prefix, mod, info.param_name) if x)
-            layout.append((name, p.padded_sharded_param_size.numel()))
+            layout.append((name, p.padded_sharded_param_size.numel(), tuple(p._orig_size)))
         return layout
     except AttributeError:
         return None

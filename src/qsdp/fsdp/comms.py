@@ -23,11 +23,25 @@ import torch.distributed as dist
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
 from .. import comm as qc
+from ..comm._common import all_gather as counted_all_gather
+from ..comm._common import parse_op as qc_parse_op
+from ..comm._common import reduce_scatter_sum as counted_reduce_scatter_sum
 from ..quant import QuantSpec
+from ._split import Split
 
 __all__ = ["QuantizedAllGather", "QuantizedReduceScatter", "StepClock", "WeightDiffAllGather"]
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _usable(split: Split | None, chunk: int, stats: qc.CommStats) -> Split | None:
+    """``split`` if it fits a chunk of ``chunk`` elements; else None, counted (see _split.py)."""
+    if split is None:
+        return None
+    if split.chunk != chunk:
+        stats.count_call("policy_skipped")
+        return None
+    return split
 
 
 def _check_gather_dtype(t: torch.Tensor) -> None:
@@ -73,8 +87,17 @@ class _Counter:
 class QuantizedAllGather(AllGather):
     """FSDP2 all-gather through :func:`qsdp.comm.all_gather`."""
 
-    def __init__(self, spec: QuantSpec, *, seed: int, bucket: int, stats: qc.CommStats) -> None:
+    def __init__(
+        self,
+        spec: QuantSpec,
+        *,
+        seed: int,
+        bucket: int,
+        stats: qc.CommStats,
+        split: Split | None = None,
+    ) -> None:
         self.spec, self.seed, self.bucket, self.stats = spec, seed, bucket, stats
+        self.split = split
         self._steps = _Counter()
 
     def allocate(
@@ -93,16 +116,24 @@ class QuantizedAllGather(AllGather):
         # Always complete before returning: FSDP2 waits only on c10d ``Work`` objects, so a
         # returned qsdp handle would never be waited for. On CUDA "complete" means enqueued on
         # FSDP's all-gather stream, which keeps the overlap with compute.
-        qc.all_gather(
-            output_tensor,
-            input_tensor,
-            group,
-            spec=self.spec,
-            seed=self.seed,
-            step=self._steps.next(),
-            bucket=self.bucket,
-            stats=self.stats,
-        )
+        key = dict(seed=self.seed, step=self._steps.next(), bucket=self.bucket, stats=self.stats)
+        split = _usable(self.split, input_tensor.numel(), self.stats)
+        if split is None:
+            qc.all_gather(output_tensor, input_tensor, group, spec=self.spec, **key)
+            return None
+        n = group.size()
+        comp_idx, raw_idx = split.indices(input_tensor.device)
+        comp = input_tensor.index_select(0, comp_idx)  # copies: input aliases output
+        raw = input_tensor.index_select(0, raw_idx)
+        comp_out = torch.empty(n * comp.numel(), dtype=comp.dtype, device=comp.device)
+        raw_out = torch.empty(n * raw.numel(), dtype=raw.dtype, device=raw.device)
+        if comp.numel():
+            qc.all_gather(comp_out, comp, group, spec=self.spec, **key)
+        if raw.numel():
+            counted_all_gather(raw_out, raw, group, self.stats, "all_gather_raw").wait()
+        rows = output_tensor.view(n, -1)
+        rows.index_copy_(1, comp_idx, comp_out.view(n, -1))
+        rows.index_copy_(1, raw_idx, raw_out.view(n, -1))
         return None
 
 
@@ -123,6 +154,7 @@ class QuantizedReduceScatter(ReduceScatter):
         mesh: object | None = None,
         nonfinite: str = "raise",
         layout: list[tuple[str, int]] | None = None,
+        split: Split | None = None,
         module_name: str = "",
     ) -> None:
         if (spec is None) == (carrier is None):
@@ -137,6 +169,7 @@ class QuantizedReduceScatter(ReduceScatter):
         )
         self.carrier, self.group_size, self.mesh = carrier, group_size, mesh
         self.nonfinite, self.layout, self.module_name = nonfinite, layout, module_name
+        self.split = split
         self.zeroed = 0
         """Reduce-scatters whose gradient was zeroed for NaN/Inf (``nonfinite="zero"``)."""
         self.seed, self.bucket, self.stats = seed, bucket, stats
@@ -159,6 +192,34 @@ class QuantizedReduceScatter(ReduceScatter):
             output_tensor.zero_()
             self.zeroed += 1
             return None
+        n = group.size()
+        split = _usable(self.split, input_tensor.numel() // n, self.stats)
+        if split is None:
+            self._reduce(output_tensor, input_tensor, group, op)
+            return None
+        comp_idx, raw_idx = split.indices(input_tensor.device)
+        rows = input_tensor.view(n, -1)
+        comp = rows.index_select(1, comp_idx).reshape(-1)
+        raw = rows.index_select(1, raw_idx).reshape(-1)
+        comp_out = torch.empty(comp.numel() // n, dtype=comp.dtype, device=comp.device)
+        raw_out = torch.empty(raw.numel() // n, dtype=raw.dtype, device=raw.device)
+        if comp.numel():
+            self._reduce(comp_out, comp, group, op)
+        if raw.numel():
+            counted_reduce_scatter_sum(raw_out, raw, group, self.stats, "reduce_scatter_raw").wait()
+            if qc_parse_op(op) == "avg":
+                raw_out.div_(n)
+        output_tensor.index_copy_(0, comp_idx, comp_out)
+        output_tensor.index_copy_(0, raw_idx, raw_out)
+        return None
+
+    def _reduce(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        op: dist.ReduceOp,
+    ) -> None:
         # AVG or SUM as FSDP asks; a PREMUL_SUM (set_gradient_divide_factor) raises with a fix.
         key = dict(seed=self.seed, step=self._steps.next(), bucket=self.bucket, stats=self.stats)
         if self.carrier is not None:

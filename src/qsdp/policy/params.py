@@ -1,0 +1,45 @@
+"""Per-parameter compression filter (QSDP and CGX keep small and 1-D tensors exact)."""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+__all__ = ["ParamPolicy"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParamPolicy:
+    """Parameters that travel uncompressed inside FSDP's flat buffers; the rest are quantized.
+
+    The defaults are QSDP's and CGX's: biases and norms (1-D) and tensors under 1024 elements
+    carry little traffic and much sensitivity.
+    """
+
+    min_numel: int = 1024
+    """Parameters with fewer elements travel uncompressed."""
+    keep_1d: bool = True
+    """1-D parameters (biases, norm weights) travel uncompressed."""
+    uncompressed: tuple[str, ...] = ()
+    """``fnmatch`` patterns of parameter names (as ``model.named_parameters()`` gives them)
+    that travel uncompressed, e.g. ``("*.embed.weight",)``."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.min_numel, int) or self.min_numel < 0:
+            raise ValueError(f"ParamPolicy.min_numel={self.min_numel!r} must be an int >= 0")
+        if isinstance(self.uncompressed, str) or not all(
+            isinstance(p, str) for p in self.uncompressed
+        ):
+            raise TypeError(
+                f"ParamPolicy.uncompressed={self.uncompressed!r} must be a tuple of name patterns"
+            )
+
+    def compresses(self, name: str, shape: Sequence[int]) -> bool:
+        """Whether the parameter ``name`` of the full (unsharded) ``shape`` is quantized."""
+        numel = 1
+        for s in shape:
+            numel *= int(s)
+        if numel < self.min_numel or (self.keep_1d and len(shape) <= 1):
+            return False
+        return not any(fnmatch.fnmatchcase(name, p) for p in self.uncompressed)

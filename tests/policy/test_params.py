@@ -1,0 +1,40 @@
+import pytest
+import torch
+
+from qsdp.fsdp._split import build_split
+from qsdp.policy import ParamPolicy
+
+
+def test_defaults_keep_small_and_1d_tensors_exact():
+    p = ParamPolicy()
+    assert not p.compresses("ln.weight", (4096,))  # 1-D
+    assert not p.compresses("tiny.weight", (16, 32))  # 512 < 1024 elements
+    assert p.compresses("fc.weight", (32, 32))  # 1024 elements, 2-D
+    assert ParamPolicy(keep_1d=False, min_numel=0).compresses("ln.weight", (8,))
+    named = ParamPolicy(uncompressed=("emb.*", "*.head.weight"))
+    assert not named.compresses("emb.weight", (50304, 2048))
+    assert not named.compresses("model.head.weight", (64, 64))
+    assert named.compresses("blocks.0.fc.weight", (64, 64))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error"),
+    [({"min_numel": -1}, ValueError), ({"uncompressed": "emb.*"}, TypeError)],
+)
+def test_bad_policy(kwargs, error):
+    with pytest.raises(error):
+        ParamPolicy(**kwargs)
+
+
+def test_split_positions_follow_the_flat_layout():
+    layout = [("a.weight", 6, (12, 8)), ("a.bias", 2, (4,)), ("b.weight", 5, (10, 200))]
+    s = build_split(layout, ParamPolicy(min_numel=0))
+    assert s.chunk == 13
+    assert s.comp.tolist() == [0, 1, 2, 3, 4, 5, 8, 9, 10, 11, 12]
+    assert s.raw.tolist() == [6, 7] and s.raw_names == ("a.bias",)
+    assert build_split(layout, None) is None
+    assert build_split([("w", 4, (64, 64))], ParamPolicy()) is None  # all compressed: no split
+    only_raw = build_split([("b", 3, (3,))], ParamPolicy())
+    assert only_raw.comp.numel() == 0 and only_raw.raw.tolist() == [0, 1, 2]
+    comp, raw = s.indices(torch.device("cpu"))
+    assert torch.equal(torch.sort(torch.cat((comp, raw))).values, torch.arange(13))

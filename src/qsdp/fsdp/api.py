@@ -5,6 +5,7 @@ from __future__ import annotations
 import weakref
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
@@ -14,7 +15,7 @@ from ..config import CompressionConfig, recipe
 from ._split import build_split
 from .comms import QuantizedAllGather, QuantizedReduceScatter, StepClock, WeightDiffAllGather
 
-__all__ = ["compress_fsdp", "fsdp_comm_stats", "resync"]
+__all__ = ["CommState", "comm_state", "compress_fsdp", "fsdp_comm_stats", "resync"]
 
 
 @dataclass
@@ -22,6 +23,8 @@ class _Installed:
     stats: CommStats
     clock: StepClock | None
     gathers: list[WeightDiffAllGather]
+    hooks: list[object]
+    """Every installed all-gather and reduce-scatter, in installation order."""
 
 
 _INSTALLED: weakref.WeakKeyDictionary[nn.Module, _Installed] = weakref.WeakKeyDictionary()
@@ -76,6 +79,7 @@ def compress_fsdp(
     stats = CommStats()
     clock = None
     gathers: list[WeightDiffAllGather] = []
+    hooks: list[object] = []
     if config.weight_diffs:
         clock = StepClock()
         # before FSDP's own pre-forward (and its all-gathers): a new step begins
@@ -96,15 +100,15 @@ def compress_fsdp(
                 )
             )
             module.set_custom_all_gather(gathers[-1])
+            hooks.append(gathers[-1])
         elif config.weights is not None:
             split = build_split(_layout(module, prefix, grads_only=False), config.policy)
-            module.set_custom_all_gather(
-                QuantizedAllGather(config.weights, bucket=2 * i, split=split, **key)
-            )
+            hooks.append(QuantizedAllGather(config.weights, bucket=2 * i, split=split, **key))
+            module.set_custom_all_gather(hooks[-1])
         if config.grads is not None or config.grad_carrier is not None:
             grad_layout = _layout(module, prefix, grads_only=True)
             two_level = config.grads_inter is not None
-            module.set_custom_reduce_scatter(
+            hooks.append(
                 QuantizedReduceScatter(
                     # without a mesh, a two-level recipe runs its inter-node quantizer alone
                     spec=config.grads_inter if two_level and mesh is None else config.grads,
@@ -120,7 +124,8 @@ def compress_fsdp(
                     **key,
                 )
             )
-    _INSTALLED[model] = _Installed(stats, clock, gathers)
+            module.set_custom_reduce_scatter(hooks[-1])
+    _INSTALLED[model] = _Installed(stats, clock, gathers, hooks)
     return model
 
 
@@ -175,3 +180,47 @@ def resync(model: nn.Module) -> None:
     if clock is None:
         raise ValueError("this model's recipe has no weight differences to resync")
     clock.request_resync()
+
+
+class CommState:
+    """The state of a model's compressed collectives, as a ``torch.distributed.checkpoint``
+    ``Stateful``: the noise counters of every hook and the step clock.
+
+    Save it beside the model and optimizer, e.g.
+    ``dcp.save({"model": ..., "optim": ..., "qsdp": qsdp.fsdp.comm_state(model)}, ...)``, and
+    load it the same way: the resumed run then draws the same stochastic-rounding noise as an
+    uninterrupted one. Weight-difference reconstructions are not saved; loading makes their next
+    gather full precision (as loading the model's state dict does).
+    """
+
+    def __init__(self, installed: _Installed) -> None:
+        self._installed = installed
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        inst = self._installed
+        clock = inst.clock
+        return {
+            "calls": torch.tensor([h._steps.calls for h in inst.hooks], dtype=torch.int64),
+            "clock": torch.tensor(
+                [clock.epoch, clock.generation] if clock else [0, 0], dtype=torch.int64
+            ),
+        }
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        inst = self._installed
+        calls = state["calls"].tolist()
+        if len(calls) != len(inst.hooks):
+            raise ValueError(
+                f"this qsdp state has {len(calls)} hooks, the model {len(inst.hooks)}: it was "
+                "saved from another model or recipe"
+            )
+        for hook, n in zip(inst.hooks, calls, strict=True):
+            hook._steps.calls = int(n)
+        if inst.clock is not None:
+            inst.clock.epoch = int(state["clock"][0])
+            inst.clock.request_resync()
+
+
+def comm_state(model: nn.Module) -> CommState:
+    """The checkpointable state of the collectives :func:`compress_fsdp` installed on ``model``."""
+    return CommState(_installed(model))

@@ -426,3 +426,37 @@ def test_checkpoint_resume_with_weight_differences(tmp_path):
     for r in res:
         for a, b in zip(r["resumed"], r["straight"], strict=True):
             assert abs(a - b) < 1e-3 * b
+
+
+def _rank_dies(rank: int, world: int, recipe: str, report: str, how: str = "exit") -> None:
+    import os
+    import time
+
+    model, opt = _fresh(recipe)
+    batches = _batches(rank, world)
+    _train_steps(model, opt, batches, 1)
+    if rank == 1:
+        if how == "hang":  # alive but stuck (a wedged node): peers must give up on time
+            time.sleep(25)
+        os._exit(3)  # a node lost mid-run: no error report, no goodbye
+    start = time.monotonic()
+    try:
+        _train_steps(model, opt, batches, 1)
+        outcome = "no error"
+    except Exception as e:  # noqa: BLE001 - the test inspects whatever surfaced
+        outcome = f"{type(e).__name__}: {e}"
+    with open(report, "w") as f:
+        f.write(f"{time.monotonic() - start:.2f}\n{outcome}")
+
+
+@pytest.mark.parametrize(
+    ("recipe", "how"), [("qsdp-w8g8", "exit"), ("sdp4bit", "exit"), ("sdp4bit", "hang")]
+)
+def test_a_dead_rank_fails_the_others_within_the_timeout(recipe, how, tmp_path):
+    report = tmp_path / "rank0.txt"
+    with pytest.raises(RuntimeError, match=r"exit codes \{1: 3\}"):
+        run_distributed(_rank_dies, 2, recipe, str(report), how, pg_timeout_s=5, timeout_s=60)
+    elapsed, outcome = report.read_text().split("\n", 1)
+    assert float(elapsed) < 5 + 5  # the process group's timeout, never a hang past it
+    assert outcome.startswith("RuntimeError: qsdp "), outcome  # names what qsdp was doing
+    assert "FSDP module" in outcome

@@ -96,6 +96,7 @@ def compress_fsdp(
                     clock=clock,
                     resync_every=config.weight_resync_every,
                     check_replicas=config.check_replicas,
+                    module_name=prefix,
                     **key,
                 )
             )
@@ -103,7 +104,11 @@ def compress_fsdp(
             hooks.append(gathers[-1])
         elif config.weights is not None:
             split = build_split(_layout(module, prefix, grads_only=False), config.policy)
-            hooks.append(QuantizedAllGather(config.weights, bucket=2 * i, split=split, **key))
+            hooks.append(
+                QuantizedAllGather(
+                    config.weights, bucket=2 * i, split=split, module_name=prefix, **key
+                )
+            )
             module.set_custom_all_gather(hooks[-1])
         if config.grads is not None or config.grad_carrier is not None:
             grad_layout = _layout(module, prefix, grads_only=True)

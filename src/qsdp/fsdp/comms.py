@@ -34,6 +34,26 @@ __all__ = ["QuantizedAllGather", "QuantizedReduceScatter", "StepClock", "WeightD
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
+class _Context:
+    """Re-raise a ``torch.distributed`` failure (a peer gone, a timeout) with what qsdp was
+    doing: which collective of which FSDP module."""
+
+    def __init__(self, what: str, module: str) -> None:
+        self.what, self.module = what, module
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind, err, tb) -> bool:
+        if kind is not None and issubclass(kind, RuntimeError) and not str(err).startswith("qsdp"):
+            raise RuntimeError(
+                f"qsdp {self.what} of FSDP module '{self.module or '<root>'}' failed in "
+                f"torch.distributed (a peer rank died, hung past the process group's timeout, or "
+                f"the network failed): {err}"
+            ) from err
+        return False
+
+
 def _usable(split: Split | None, chunk: int, stats: qc.CommStats) -> Split | None:
     """``split`` if it fits a chunk of ``chunk`` elements; else None, counted (see _split.py)."""
     if split is None:
@@ -95,9 +115,10 @@ class QuantizedAllGather(AllGather):
         bucket: int,
         stats: qc.CommStats,
         split: Split | None = None,
+        module_name: str = "",
     ) -> None:
         self.spec, self.seed, self.bucket, self.stats = spec, seed, bucket, stats
-        self.split = split
+        self.split, self.module_name = split, module_name
         self._steps = _Counter()
 
     def allocate(
@@ -111,6 +132,12 @@ class QuantizedAllGather(AllGather):
         input_tensor: torch.Tensor,
         group: dist.ProcessGroup,
         async_op: bool = False,
+    ) -> None:
+        with _Context("all-gather", self.module_name):
+            return self._call(output_tensor, input_tensor, group)
+
+    def _call(
+        self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup
     ) -> None:
         _check_gather_dtype(input_tensor)
         # Always complete before returning: FSDP2 waits only on c10d ``Work`` objects, so a
@@ -187,6 +214,16 @@ class QuantizedReduceScatter(ReduceScatter):
         group: dist.ProcessGroup,
         op: dist.ReduceOp,
         async_op: bool = False,
+    ) -> None:
+        with _Context("reduce-scatter", self.module_name):
+            return self._call(output_tensor, input_tensor, group, op)
+
+    def _call(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        op: dist.ReduceOp,
     ) -> None:
         if self.nonfinite != "propagate" and self._nonfinite(input_tensor, group):
             output_tensor.zero_()
@@ -292,8 +329,10 @@ class WeightDiffAllGather(AllGather):
         clock: StepClock,
         resync_every: int = 0,
         check_replicas: bool = False,
+        module_name: str = "",
     ) -> None:
         self.spec, self.seed, self.bucket, self.stats = spec, seed, bucket, stats
+        self.module_name = module_name
         self.clock, self.resync_every, self.check_replicas = clock, resync_every, check_replicas
         self.recon: torch.Tensor | None = None
         self._epoch = -1
@@ -314,6 +353,12 @@ class WeightDiffAllGather(AllGather):
         input_tensor: torch.Tensor,
         group: dist.ProcessGroup,
         async_op: bool = False,
+    ) -> None:
+        with _Context("all-gather", self.module_name):
+            return self._call(output_tensor, input_tensor, group)
+
+    def _call(
+        self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup
     ) -> None:
         _check_gather_dtype(input_tensor)
         fresh = self.recon is None or self.recon.shape != output_tensor.shape

@@ -30,6 +30,10 @@ class CompressionConfig:
     weight_diffs: bool = False
     """SDP4Bit's qWD: ``weights`` quantizes the change since the last gather, against a
     reconstruction every rank keeps (param dtype, e.g. 2 bytes per parameter for bf16)."""
+    quantized_master: bool = False
+    """QSDP's theory setting: at each step's first gather the fp32 master shard is projected
+    onto ``weights``' shift-lattice grid (stochastic rounding), so the all-gather is lossless
+    with respect to the master: ``x_{t+1} = Q_w(x_t - lr * Q_g(g_t))``."""
     weight_resync_every: int = 0
     """With ``weight_diffs``: every this many difference gathers send full precision (0: only the
     first gather and after ``load_state_dict`` / :func:`qsdp.fsdp.resync`)."""
@@ -64,6 +68,14 @@ class CompressionConfig:
             )
         if self.weight_diffs and self.weights is None:
             raise ValueError("CompressionConfig.weight_diffs needs weights, their quantizer")
+        if self.quantized_master:
+            if self.weights is None or self.weights.scheme.value != "shift-lattice":
+                raise ValueError(
+                    "CompressionConfig.quantized_master needs weights with scheme='shift-lattice' "
+                    "(the grid the master lives on)"
+                )
+            if self.weight_diffs:
+                raise ValueError("quantized_master and weight_diffs exclude each other")
         if not isinstance(self.weight_resync_every, int) or self.weight_resync_every < 0:
             raise ValueError(
                 f"CompressionConfig.weight_resync_every={self.weight_resync_every!r} must be an "
@@ -98,6 +110,16 @@ def _qsdp_w8g8() -> CompressionConfig:
     return CompressionConfig(
         weights=QuantSpec(bits=8, group_size=128, scheme="absmax", rounding="nearest"),
         grads=QuantSpec(bits=8, group_size=128, scheme="minmax", rounding="stochastic"),
+    )
+
+
+def _qsdp_quantized_master() -> CompressionConfig:
+    # QSDP's convergence theorem: the master weights live on an 8-bit randomly shifted lattice.
+    base = _qsdp_w8g8()
+    return CompressionConfig(
+        weights=QuantSpec(bits=8, group_size=128, scheme="shift-lattice", rounding="stochastic"),
+        grads=base.grads,
+        quantized_master=True,
     )
 
 
@@ -143,10 +165,11 @@ def _sdp4bit() -> CompressionConfig:
     return CompressionConfig(weights=_W4, weight_diffs=True, **_tlq(hadamard=True))
 
 
-#: Named recipes (the quantized-master recipe of QSDP's theory is not built yet).
+#: Named recipes.
 RECIPES: dict[str, Callable[[], CompressionConfig]] = {
     "bf16": _bf16,
     "qsdp-w8g8": _qsdp_w8g8,
+    "qsdp-quantized-master": _qsdp_quantized_master,
     "global-qsgd": _global_qsgd,
     "sdp4bit": _sdp4bit,
     "w4-direct": _w4_direct,

@@ -460,3 +460,37 @@ def test_a_dead_rank_fails_the_others_within_the_timeout(recipe, how, tmp_path):
     assert float(elapsed) < 5 + 5  # the process group's timeout, never a hang past it
     assert outcome.startswith("RuntimeError: qsdp "), outcome  # names what qsdp was doing
     assert "FSDP module" in outcome
+
+
+def _master(rank: int, world: int) -> dict:
+    model = _build("qsdp-quantized-master")
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    seen = {}
+    block = model.blocks[0]
+
+    def capture(module, args):  # the unsharded weight the forward computes with
+        seen["w"] = module.linear1.weight.detach().clone()
+
+    block.register_forward_pre_hook(capture)
+    batches = _batches(rank, world)
+    lossless = []
+    for _ in range(3):
+        _step(model, next(batches))
+        master = block.linear1.weight.full_tensor()  # after the projection of this step
+        lossless.append(bool(torch.equal(master, seen["w"])))
+        opt.step()
+        opt.zero_grad()
+    cached = sum(getattr(h, "cached_gathers", 0) for h in _installed(model).hooks)
+    return {"lossless": lossless, "cached": cached}
+
+
+def test_quantized_master_is_what_every_rank_computes_with():
+    for r in run_distributed(_master, 2):
+        assert r["lossless"] == [True, True, True]  # the master lives on the gathered grid
+        assert r["cached"] > 0  # backward re-gathers decode the kept payloads
+
+
+def test_quantized_master_trains():
+    base = run_distributed(_train, 2, "bf16")[0]["losses"]
+    qm = run_distributed(_train, 2, "qsdp-quantized-master")[0]["losses"]
+    assert abs(sum(qm[-5:]) - sum(base[-5:])) / 5 < 0.005 * sum(base[-5:]) / 5

@@ -46,6 +46,8 @@ def test_recipes_are_typed_configs():
         ({"weights": "w8"}, TypeError, "weights must be a QuantSpec"),
         ({"grads_inter": G8}, ValueError, "grads_inter .* needs grads"),
         ({"grad_nonfinite": "skip"}, ValueError, "grad_nonfinite='skip' must be"),
+        ({"weights": G8, "quantized_master": True}, ValueError, "scheme='shift-lattice'"),
+        ({"quantized_master": True}, ValueError, "scheme='shift-lattice'"),
         ({"weight_diffs": True}, ValueError, "weight_diffs needs weights"),
         ({"weights": G8, "weight_resync_every": -1}, ValueError, "weight_resync_every=-1"),
     ],

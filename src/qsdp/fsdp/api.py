@@ -13,7 +13,13 @@ from torch.distributed.fsdp import FSDPModule
 from ..comm import CommStats
 from ..config import CompressionConfig, recipe
 from ._split import build_split
-from .comms import QuantizedAllGather, QuantizedReduceScatter, StepClock, WeightDiffAllGather
+from .comms import (
+    QuantizedAllGather,
+    QuantizedMasterAllGather,
+    QuantizedReduceScatter,
+    StepClock,
+    WeightDiffAllGather,
+)
 
 __all__ = ["CommState", "comm_state", "compress_fsdp", "fsdp_comm_stats", "resync"]
 
@@ -80,7 +86,7 @@ def compress_fsdp(
     clock = None
     gathers: list[WeightDiffAllGather] = []
     hooks: list[object] = []
-    if config.weight_diffs:
+    if config.weight_diffs or config.quantized_master:
         clock = StepClock()
         # before FSDP's own pre-forward (and its all-gathers): a new step begins
         model.register_forward_pre_hook(clock.tick, prepend=True)
@@ -102,6 +108,18 @@ def compress_fsdp(
             )
             module.set_custom_all_gather(gathers[-1])
             hooks.append(gathers[-1])
+        elif config.quantized_master:
+            hooks.append(
+                QuantizedMasterAllGather(
+                    config.weights,
+                    bucket=2 * i,
+                    clock=clock,
+                    params=_master_params(model, module, prefix),
+                    module_name=prefix,
+                    **key,
+                )
+            )
+            module.set_custom_all_gather(hooks[-1])
         elif config.weights is not None:
             split = build_split(_layout(module, prefix, grads_only=False), config.policy)
             hooks.append(
@@ -162,6 +180,19 @@ def _layout(
         return layout
     except AttributeError:
         return None
+
+
+def _master_params(
+    model: nn.Module, module: FSDPModule, prefix: str
+) -> list[tuple[nn.Parameter, int]]:
+    """(parameter, padded elements per rank) of the module's group, in all-gather order."""
+    layout = _layout(module, prefix, grads_only=False)
+    if layout is None:
+        raise ValueError(
+            "the quantized-master recipe needs FSDP2's parameter layout, which this torch "
+            "version does not expose where qsdp reads it; use 'qsdp-w8g8'"
+        )
+    return [(model.get_parameter(name), n) for name, n, _ in layout]
 
 
 def _installed(model: nn.Module) -> _Installed:

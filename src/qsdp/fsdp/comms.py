@@ -24,12 +24,22 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatt
 
 from .. import comm as qc
 from ..comm._common import all_gather as counted_all_gather
+from ..comm._common import noise_stream as qc_noise_stream
 from ..comm._common import parse_op as qc_parse_op
 from ..comm._common import reduce_scatter_sum as counted_reduce_scatter_sum
 from ..quant import QuantSpec
+from ..quant import decode as qc_decode
+from ..quant import decode_sum as qc_decode_sum
+from ..quant import encode as qc_encode
 from ._split import Split
 
-__all__ = ["QuantizedAllGather", "QuantizedReduceScatter", "StepClock", "WeightDiffAllGather"]
+__all__ = [
+    "QuantizedAllGather",
+    "QuantizedMasterAllGather",
+    "QuantizedReduceScatter",
+    "StepClock",
+    "WeightDiffAllGather",
+]
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -413,3 +423,92 @@ def _nonfinite_flags(chunks: torch.Tensor, layout: list[tuple[str, int]] | None)
         return bad.any().reshape(1).to(torch.int32)
     segments = torch.split(bad, [n for _, n in layout])
     return torch.stack([seg.any() for seg in segments]).to(torch.int32)
+
+
+class QuantizedMasterAllGather(AllGather):
+    """QSDP's quantized-master all-gather: project the master shard onto the weight lattice,
+    then gather its codes (lossless with respect to the master).
+
+    At a step's first gather the shard (FSDP's all-gather input: the group's fp32 master shards,
+    padded, in order) is encoded with the shift-lattice quantizer (stochastic rounding, the
+    step's dither shared by all ranks), the decoded values are written back into the master
+    parameters, and the payloads are all-gathered and decoded. Later gathers of the same step
+    decode the kept payloads again without communication (1 byte per parameter for 8 bits).
+    """
+
+    def __init__(
+        self,
+        spec: QuantSpec,
+        *,
+        seed: int,
+        bucket: int,
+        stats: qc.CommStats,
+        clock: StepClock,
+        params: list[tuple[torch.nn.Parameter, int]],
+        module_name: str = "",
+    ) -> None:
+        self.spec, self.seed, self.bucket, self.stats = spec, seed, bucket, stats
+        self.clock, self.params, self.module_name = clock, params, module_name
+        self._epoch = -1
+        self._recv: torch.Tensor | None = None
+        self._steps = _Counter()
+        self.cached_gathers = 0
+
+    def allocate(
+        self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        async_op: bool = False,
+    ) -> None:
+        with _Context("all-gather", self.module_name):
+            return self._call(output_tensor, input_tensor, group)
+
+    def _call(
+        self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup
+    ) -> None:
+        n, m = group.size(), input_tensor.numel()
+        nbytes = self.spec.payload_bytes(m)
+        if self._recv is None or self._epoch != self.clock.epoch:
+            if input_tensor.dtype != torch.float32 or any(
+                p.dtype != torch.float32 for p, _ in self.params
+            ):
+                raise ValueError(
+                    "the quantized-master recipe gathers the fp32 master itself: drop "
+                    "MixedPrecisionPolicy(param_dtype=...) for these modules"
+                )
+            step = self._steps.next()
+            send = torch.empty(nbytes, dtype=torch.uint8, device=input_tensor.device)
+            enc = qc_encode(
+                input_tensor,
+                self.spec,
+                seed=self.seed,
+                step=step,
+                stream=qc_noise_stream(dist.get_rank(), 0, bucket=self.bucket),
+                out=send,
+            )
+            self._write_master(qc_decode(enc))
+            self._recv = torch.empty(n * nbytes, dtype=torch.uint8, device=send.device)
+            counted_all_gather(self._recv, send, group, self.stats, "all_gather_master").wait()
+            self._epoch = self.clock.epoch
+        else:
+            self.cached_gathers += 1
+        rows = self._recv.view(n, nbytes)
+        flat = output_tensor.view(n, m)
+        for j in range(n):
+            qc_decode_sum(rows[j : j + 1], m, self.spec, out=flat[j])
+        return None
+
+    @torch.no_grad()
+    def _write_master(self, values: torch.Tensor) -> None:
+        """Copy the projected shard into the master parameters (their padded segments)."""
+        offset = 0
+        for p, padded in self.params:
+            local = p.to_local().view(-1)
+            local.copy_(values[offset : offset + local.numel()])
+            offset += padded

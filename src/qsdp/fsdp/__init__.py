@@ -1,11 +1,14 @@
 """FSDP2 integration: qsdp's collectives behind ``fully_shard``'s custom-comm hooks."""
 
+from ._gathers import QuantizedAllGather, QuantizedMasterAllGather, WeightDiffAllGather
+from ._hooks import StepClock
+from ._reduce import QuantizedReduceScatter
 from .api import CommState, comm_state, compress_fsdp, fsdp_comm_stats, resync
-from .comms import QuantizedAllGather, QuantizedReduceScatter, StepClock, WeightDiffAllGather
 
 __all__ = [
     "CommState",
     "QuantizedAllGather",
+    "QuantizedMasterAllGather",
     "QuantizedReduceScatter",
     "StepClock",
     "WeightDiffAllGather",

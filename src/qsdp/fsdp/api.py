@@ -12,14 +12,10 @@ from torch.distributed.fsdp import FSDPModule
 
 from ..comm import CommStats
 from ..config import CompressionConfig, recipe
+from ._gathers import QuantizedAllGather, QuantizedMasterAllGather, WeightDiffAllGather
+from ._hooks import StepClock
+from ._reduce import QuantizedReduceScatter
 from ._split import build_split
-from .comms import (
-    QuantizedAllGather,
-    QuantizedMasterAllGather,
-    QuantizedReduceScatter,
-    StepClock,
-    WeightDiffAllGather,
-)
 
 __all__ = ["CommState", "comm_state", "compress_fsdp", "fsdp_comm_stats", "resync"]
 

@@ -1,0 +1,213 @@
+"""The FSDP2 all-gathers: quantized weights, weight differences (SDP4Bit), quantized master
+(QSDP's theory setting). See ``_hooks.py`` for what FSDP2 hands them."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .. import comm as qc
+from ..comm._common import all_gather as counted_all_gather
+from ..comm._common import noise_stream as qc_noise_stream
+from ..quant import QuantSpec
+from ..quant import decode as qc_decode
+from ..quant import decode_sum as qc_decode_sum
+from ..quant import encode as qc_encode
+from ._hooks import StepClock, _Counter, _Gather, _usable
+from ._split import Split
+
+__all__ = ["QuantizedAllGather", "QuantizedMasterAllGather", "WeightDiffAllGather"]
+
+
+class QuantizedAllGather(_Gather):
+    """FSDP2 all-gather through :func:`qsdp.comm.all_gather`."""
+
+    def __init__(
+        self,
+        spec: QuantSpec,
+        *,
+        seed: int,
+        bucket: int,
+        stats: qc.CommStats,
+        split: Split | None = None,
+        module_name: str = "",
+    ) -> None:
+        self.spec, self.seed, self.bucket, self.stats = spec, seed, bucket, stats
+        self.split, self.module_name = split, module_name
+        self._steps = _Counter()
+
+    def _call(
+        self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup
+    ) -> None:
+        key = dict(seed=self.seed, step=self._steps.next(), bucket=self.bucket, stats=self.stats)
+        split = _usable(self.split, input_tensor.numel(), self.stats)
+        if split is None:
+            qc.all_gather(output_tensor, input_tensor, group, spec=self.spec, **key)
+            return None
+        n = group.size()
+        comp_idx, raw_idx = split.indices(input_tensor.device)
+        comp = input_tensor.index_select(0, comp_idx)  # copies: input aliases output
+        raw = input_tensor.index_select(0, raw_idx)
+        comp_out = torch.empty(n * comp.numel(), dtype=comp.dtype, device=comp.device)
+        raw_out = torch.empty(n * raw.numel(), dtype=raw.dtype, device=raw.device)
+        if comp.numel():
+            qc.all_gather(comp_out, comp, group, spec=self.spec, **key)
+        if raw.numel():
+            counted_all_gather(raw_out, raw, group, self.stats, "all_gather_raw").wait()
+        rows = output_tensor.view(n, -1)
+        rows.index_copy_(1, comp_idx, comp_out.view(n, -1))
+        rows.index_copy_(1, raw_idx, raw_out.view(n, -1))
+        return None
+
+
+class WeightDiffAllGather(_Gather):
+    """FSDP2 all-gather of SDP4Bit weight differences (:func:`qsdp.comm.all_gather_diff`).
+
+    Keeps the reconstruction of the group's gathered weights (param dtype: 2 bytes per parameter
+    for bf16). The first gather, the first after a resync request and every
+    ``resync_every``-th difference gather send full precision; FSDP's re-gather in backward
+    (same :class:`StepClock` epoch) is served from the reconstruction without communication.
+    """
+
+    def __init__(
+        self,
+        spec: QuantSpec,
+        *,
+        seed: int,
+        bucket: int,
+        stats: qc.CommStats,
+        clock: StepClock,
+        resync_every: int = 0,
+        check_replicas: bool = False,
+        module_name: str = "",
+    ) -> None:
+        self.spec, self.seed, self.bucket, self.stats = spec, seed, bucket, stats
+        self.module_name = module_name
+        self.clock, self.resync_every, self.check_replicas = clock, resync_every, check_replicas
+        self.recon: torch.Tensor | None = None
+        self._epoch = -1
+        self._generation = -1
+        self._diffs = 0
+        self._steps = _Counter()
+        self.cached_gathers = 0
+        """Gathers served from the reconstruction without communication (FSDP's re-gathers)."""
+
+    def _call(
+        self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup
+    ) -> None:
+        fresh = self.recon is None or self.recon.shape != output_tensor.shape
+        if not fresh and self.clock.epoch == self._epoch:
+            output_tensor.copy_(self.recon)  # weights unchanged since the last gather
+            self.cached_gathers += 1
+            return None
+        exact = (
+            fresh
+            or self._generation != self.clock.generation
+            or (self.resync_every > 0 and self._diffs >= self.resync_every)
+        )
+        if fresh or self.recon.dtype != output_tensor.dtype:
+            self.recon = torch.empty_like(output_tensor)
+        qc.all_gather_diff(
+            output_tensor,
+            input_tensor,
+            self.recon,
+            group,
+            spec=self.spec,
+            exact=exact,
+            seed=self.seed,
+            step=self._steps.next(),
+            bucket=self.bucket,
+            stats=self.stats,
+        )
+        self._diffs = 0 if exact else self._diffs + 1
+        self._epoch, self._generation = self.clock.epoch, self.clock.generation
+        if self.check_replicas:
+            _check_replicas(self.recon, group)
+        return None
+
+
+def _check_replicas(recon: torch.Tensor, group: dist.ProcessGroup) -> None:
+    """Raise if the ranks' reconstructions differ (a float64 checksum compared by MAX/-MAX)."""
+    weights = torch.arange(1, recon.numel() + 1, device=recon.device, dtype=torch.float64)
+    c = (recon.reshape(-1).double() * weights.remainder(97)).sum()
+    both = torch.stack((c, -c))
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+    if float(both[0]) != -float(both[1]):
+        raise RuntimeError(
+            "qsdp weight-difference reconstructions diverged across ranks (checksums "
+            f"{float(-both[1])} .. {float(both[0])}); call qsdp.fsdp.resync(model) and report it"
+        )
+
+
+class QuantizedMasterAllGather(_Gather):
+    """QSDP's quantized-master all-gather: project the master shard onto the weight lattice,
+    then gather its codes (lossless with respect to the master).
+
+    At a step's first gather the shard (FSDP's all-gather input: the group's fp32 master shards,
+    padded, in order) is encoded with the shift-lattice quantizer (stochastic rounding, the
+    step's dither shared by all ranks), the decoded values are written back into the master
+    parameters, and the payloads are all-gathered and decoded. Later gathers of the same step
+    decode the kept payloads again without communication (1 byte per parameter for 8 bits).
+    """
+
+    def __init__(
+        self,
+        spec: QuantSpec,
+        *,
+        seed: int,
+        bucket: int,
+        stats: qc.CommStats,
+        clock: StepClock,
+        params: list[tuple[torch.nn.Parameter, int]],
+        module_name: str = "",
+    ) -> None:
+        self.spec, self.seed, self.bucket, self.stats = spec, seed, bucket, stats
+        self.clock, self.params, self.module_name = clock, params, module_name
+        self._epoch = -1
+        self._recv: torch.Tensor | None = None
+        self._steps = _Counter()
+        self.cached_gathers = 0
+
+    def _call(
+        self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup
+    ) -> None:
+        n, m = group.size(), input_tensor.numel()
+        nbytes = self.spec.payload_bytes(m)
+        if self._recv is None or self._epoch != self.clock.epoch:
+            if input_tensor.dtype != torch.float32 or any(
+                p.dtype != torch.float32 for p, _ in self.params
+            ):
+                raise ValueError(
+                    "the quantized-master recipe gathers the fp32 master itself: drop "
+                    "MixedPrecisionPolicy(param_dtype=...) for these modules"
+                )
+            step = self._steps.next()
+            send = torch.empty(nbytes, dtype=torch.uint8, device=input_tensor.device)
+            enc = qc_encode(
+                input_tensor,
+                self.spec,
+                seed=self.seed,
+                step=step,
+                stream=qc_noise_stream(dist.get_rank(), 0, bucket=self.bucket),
+                out=send,
+            )
+            self._write_master(qc_decode(enc))
+            self._recv = torch.empty(n * nbytes, dtype=torch.uint8, device=send.device)
+            counted_all_gather(self._recv, send, group, self.stats, "all_gather_master").wait()
+            self._epoch = self.clock.epoch
+        else:
+            self.cached_gathers += 1
+        rows = self._recv.view(n, nbytes)
+        flat = output_tensor.view(n, m)
+        for j in range(n):
+            qc_decode_sum(rows[j : j + 1], m, self.spec, out=flat[j])
+        return None
+
+    @torch.no_grad()
+    def _write_master(self, values: torch.Tensor) -> None:
+        """Copy the projected shard into the master parameters (their padded segments)."""
+        offset = 0
+        for p, padded in self.params:
+            local = p.to_local().view(-1)
+            local.copy_(values[offset : offset + local.numel()])
+            offset += padded

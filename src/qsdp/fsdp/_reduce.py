@@ -1,0 +1,170 @@
+"""The FSDP2 gradient reduce-scatter: quantized (one or two levels) or Global-QSGD integers,
+with the per-parameter split and the cross-rank NaN/Inf check. See ``_hooks.py``."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+
+from .. import comm as qc
+from ..comm._common import parse_op as qc_parse_op
+from ..comm._common import reduce_scatter_sum as counted_reduce_scatter_sum
+from ..quant import QuantSpec
+from ._hooks import _Context, _Counter, _Hook, _usable
+from ._split import Split
+
+__all__ = ["QuantizedReduceScatter"]
+
+
+class QuantizedReduceScatter(_Hook, ReduceScatter):
+    """FSDP2 gradient reduce-scatter through :func:`qsdp.comm.reduce_scatter` (a spec) or
+    :func:`qsdp.comm.integer_reduce_scatter` (a Global-QSGD carrier)."""
+
+    def __init__(
+        self,
+        *,
+        spec: QuantSpec | None,
+        carrier: str | None,
+        group_size: int,
+        seed: int,
+        bucket: int,
+        stats: qc.CommStats,
+        inter_spec: QuantSpec | None = None,
+        mesh: object | None = None,
+        nonfinite: str = "raise",
+        layout: list[tuple[str, int]] | None = None,
+        split: Split | None = None,
+        module_name: str = "",
+    ) -> None:
+        if (spec is None) == (carrier is None):
+            raise ValueError("QuantizedReduceScatter needs exactly one of spec and carrier")
+        if mesh is not None and inter_spec is None:
+            raise ValueError("QuantizedReduceScatter(mesh=...) needs the inter-node inter_spec")
+        # The check below (or "propagate") decides about NaN/Inf: the encoders must not raise
+        # on one rank alone (its peers would wait for it until the timeout).
+        self.spec = replace(spec, nonfinite="propagate") if spec is not None else None
+        self.inter_spec = (
+            replace(inter_spec, nonfinite="propagate") if inter_spec is not None else None
+        )
+        self.carrier, self.group_size, self.mesh = carrier, group_size, mesh
+        self.nonfinite, self.layout, self.module_name = nonfinite, layout, module_name
+        self.split = split
+        self.zeroed = 0
+        """Reduce-scatters whose gradient was zeroed for NaN/Inf (``nonfinite="zero"``)."""
+        self.seed, self.bucket, self.stats = seed, bucket, stats
+        self._steps = _Counter()
+
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        op: dist.ReduceOp,
+        async_op: bool = False,
+    ) -> None:
+        with _Context("reduce-scatter", self.module_name):
+            return self._call(output_tensor, input_tensor, group, op)
+
+    def _call(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        op: dist.ReduceOp,
+    ) -> None:
+        if self.nonfinite != "propagate" and self._nonfinite(input_tensor, group):
+            output_tensor.zero_()
+            self.zeroed += 1
+            return None
+        n = group.size()
+        split = _usable(self.split, input_tensor.numel() // n, self.stats)
+        if split is None:
+            self._reduce(output_tensor, input_tensor, group, op)
+            return None
+        comp_idx, raw_idx = split.indices(input_tensor.device)
+        rows = input_tensor.view(n, -1)
+        comp = rows.index_select(1, comp_idx).reshape(-1)
+        raw = rows.index_select(1, raw_idx).reshape(-1)
+        comp_out = torch.empty(comp.numel() // n, dtype=comp.dtype, device=comp.device)
+        raw_out = torch.empty(raw.numel() // n, dtype=raw.dtype, device=raw.device)
+        if comp.numel():
+            self._reduce(comp_out, comp, group, op)
+        if raw.numel():
+            counted_reduce_scatter_sum(raw_out, raw, group, self.stats, "reduce_scatter_raw").wait()
+            if qc_parse_op(op) == "avg":
+                raw_out.div_(n)
+        output_tensor.index_copy_(0, comp_idx, comp_out)
+        output_tensor.index_copy_(0, raw_idx, raw_out)
+        return None
+
+    def _reduce(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        op: dist.ReduceOp,
+    ) -> None:
+        # AVG or SUM as FSDP asks; a PREMUL_SUM (set_gradient_divide_factor) raises with a fix.
+        key = dict(seed=self.seed, step=self._steps.next(), bucket=self.bucket, stats=self.stats)
+        if self.carrier is not None:
+            qc.integer_reduce_scatter(
+                output_tensor,
+                input_tensor,
+                group,
+                carrier=self.carrier,
+                op=op,
+                group_size=self.group_size,
+                **key,
+            )
+        elif self.mesh is not None:
+            if group.size() != self.mesh.size():
+                raise ValueError(
+                    f"the two-level mesh has {self.mesh.size()} ranks but FSDP reduces over "
+                    f"{group.size()}: shard the model over the same ranks as the mesh"
+                )
+            qc.hierarchical_reduce_scatter(
+                output_tensor,
+                input_tensor,
+                mesh=self.mesh,
+                intra_spec=self.spec,
+                inter_spec=self.inter_spec,
+                op=op,
+                **key,
+            )
+        else:
+            qc.reduce_scatter(output_tensor, input_tensor, group, spec=self.spec, op=op, **key)
+        return None
+
+    def _nonfinite(self, input_tensor: torch.Tensor, group: dist.ProcessGroup) -> bool:
+        """Agree across ranks whether a gradient of the group holds NaN/Inf: raise naming the
+        parameters, or (``nonfinite="zero"``) return True so the caller zeroes the result."""
+        flags = _nonfinite_flags(input_tensor.reshape(group.size(), -1), self.layout)
+        self.stats.add_bytes("nonfinite_check", flags.numel() * flags.element_size())
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+        bad = flags.nonzero().reshape(-1).tolist()
+        if not bad:
+            return False
+        if self.nonfinite == "zero":
+            return True
+        if self.layout is not None and len(self.layout) == flags.numel():
+            where = ", ".join(self.layout[i][0] for i in bad)
+        else:
+            where = f"the parameters of FSDP module {self.module_name or '<root>'}"
+        raise ValueError(
+            f"non-finite gradient (NaN/Inf) on at least one rank in {where}; fix the source (a "
+            "diverging loss, a missing grad clip or loss scale), or build the CompressionConfig "
+            "with grad_nonfinite='zero' to zero these gradients for the step (counted)"
+        )
+
+
+def _nonfinite_flags(chunks: torch.Tensor, layout: list[tuple[str, int]] | None) -> torch.Tensor:
+    """Per-parameter flags (int32) of NaN/Inf in the rank-major ``[world, M]`` gradient input
+    (one flag for the whole group when the layout does not match)."""
+    bad = (~torch.isfinite(chunks)).any(dim=0)
+    if layout is None or sum(n for _, n in layout) != bad.numel():
+        return bad.any().reshape(1).to(torch.int32)
+    segments = torch.split(bad, [n for _, n in layout])
+    return torch.stack([seg.any() for seg in segments]).to(torch.int32)

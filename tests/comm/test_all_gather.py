@@ -11,7 +11,7 @@ import torch
 import qsdp.comm._all_gather as ag_mod
 from qsdp.comm import CommStats, all_gather, all_gather_wire_bytes, comm_stats
 from qsdp.comm._common import dist_all_gather, noise_stream
-from qsdp.quant import QuantSpec, Rounding, decode_sum, encode
+from qsdp.quant import QuantSpec, Rounding, decode_rows, decode_sum, encode
 from qsdp.testing import (
     assert_same_on_all_ranks,
     assert_within,
@@ -148,13 +148,13 @@ def _check_unbiased(rank, ws):
 
 def _broken_decode_worker(rank, ws):
     """The checks catch a decode that is 1% off."""
-    real = decode_sum
+    real = decode_rows
 
     def off(*args, **kwargs):
         out = real(*args, **kwargs)
         return out.mul_(1.01)
 
-    with mock.patch.object(ag_mod, "decode_sum", off):
+    with mock.patch.object(ag_mod, "decode_rows", off):
         with pytest.raises(AssertionError):
             check_all_gather(rank, ws, SPECS[0], 200, torch.float32)
 

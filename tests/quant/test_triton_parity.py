@@ -13,6 +13,7 @@ from qsdp.quant import (
     QuantSpec,
     decode,
     decode_add,
+    decode_rows,
     decode_sum,
     decode_sum_encode,
     encode,
@@ -198,3 +199,27 @@ def test_gpu_multi_chunk_and_difference_kernels():
     decode_add(a, ta, backend="reference")
     decode_add(a, tb, backend="triton")
     _same(ta, tb)
+
+
+@pytest.mark.parametrize("had", HADAMARD, ids=["plain", "h16", "h32-signs"])
+@pytest.mark.parametrize("n", [1, 333, 4096 + 13])
+def test_decode_rows_bit_exact(had, n):
+    spec = _spec(4, "minmax", "stochastic", had)
+    nbytes = spec.payload_bytes(n)
+    buf = torch.zeros(1 + 3 * nbytes, dtype=torch.uint8)  # rows at odd byte offsets
+    rows = buf[1:].view(3, nbytes)
+    for i in range(3):
+        encode(heavy_tailed(n, seed=i), spec, stream=i, out=rows[i], backend="reference")
+    ref = decode_rows(rows, n, spec, backend="reference")
+    tri = torch.full((3, n), float("nan"), dtype=torch.bfloat16)
+    decode_rows(rows, n, spec, out=tri, backend="triton")
+    _same(ref.to(torch.bfloat16), tri)
+    for i in range(3):  # each row is the plain decode of its payload
+        _same(ref[i], decode_sum(rows[i : i + 1], n, spec, backend="reference"))
+
+
+def test_decode_rows_checks_out():
+    spec = _spec(8, "absmax", "nearest")
+    rows = torch.stack([encode(torch.randn(100), spec).payload for _ in range(2)])
+    with pytest.raises(ValueError, match=r"out must be \[2, 100\]"):
+        decode_rows(rows, 100, spec, out=torch.empty(2, 99))

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..quant import Backend, QuantSpec, decode_sum, encode
+from ..quant import Backend, QuantSpec, decode_rows, encode
 from . import _common as C
 from ._stats import CommStats
 
@@ -141,7 +141,4 @@ def _gather_decode(output, send, pg, n, m, spec, backend, stats, name) -> C.Stag
     nbytes = send.numel()
     recv = torch.empty(n * nbytes, dtype=torch.uint8, device=send.device)
     yield [C.all_gather(recv, send, pg, stats, name)], True
-    rows = recv.view(n, nbytes)
-    flat = output.view(-1)
-    for j in range(n):
-        decode_sum(rows[j : j + 1], m, spec, out=flat[j * m : (j + 1) * m], backend=backend)
+    decode_rows(recv.view(n, nbytes), m, spec, out=output.view(n, m), backend=backend)

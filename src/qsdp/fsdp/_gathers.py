@@ -11,7 +11,7 @@ from ..comm._common import all_gather as counted_all_gather
 from ..comm._common import noise_stream as qc_noise_stream
 from ..quant import QuantSpec
 from ..quant import decode as qc_decode
-from ..quant import decode_sum as qc_decode_sum
+from ..quant import decode_rows as qc_decode_rows
 from ..quant import encode as qc_encode
 from ._hooks import StepClock, _Counter, _Gather, _usable
 from ._split import Split
@@ -197,10 +197,7 @@ class QuantizedMasterAllGather(_Gather):
             self._epoch = self.clock.epoch
         else:
             self.cached_gathers += 1
-        rows = self._recv.view(n, nbytes)
-        flat = output_tensor.view(n, m)
-        for j in range(n):
-            qc_decode_sum(rows[j : j + 1], m, self.spec, out=flat[j])
+        qc_decode_rows(self._recv.view(n, nbytes), m, self.spec, out=output_tensor.view(n, m))
         return None
 
     @torch.no_grad()

@@ -21,6 +21,7 @@ __all__ = [
     "Encoded",
     "decode",
     "decode_add",
+    "decode_rows",
     "decode_sum",
     "decode_sum_encode",
     "encode",
@@ -293,6 +294,42 @@ def decode_sum(
         out = torch.empty(numel, dtype=torch.float32, device=p.device)
     _check_out(out, numel, p.device)
     _decode_into(p, numel, spec, out, accumulate=accumulate, backend=backend)
+    return out
+
+
+def decode_rows(
+    payloads: torch.Tensor | list[Encoded],
+    numel: int,
+    spec: QuantSpec,
+    *,
+    out: torch.Tensor | None = None,
+    backend: Backend = "auto",
+) -> torch.Tensor:
+    """Decode ``k`` payloads (stacked ``[k, payload_bytes]``) into the ``k`` rows of ``out``.
+
+    One launch for all rows (the all-gather's receive side): row ``j`` of ``out`` equals
+    ``decode`` of payload ``j``. ``out`` defaults to float32 ``[k, numel]``; any float dtype and
+    any row stride work (e.g. ``output.view(k, numel)``).
+    """
+    p = _stacked(payloads, numel, spec)
+    k = p.shape[0]
+    if out is None:
+        out = torch.empty(k, numel, dtype=torch.float32, device=p.device)
+    _check_float(out, "out")
+    if out.dim() != 2 or tuple(out.shape) != (k, numel) or (numel and out.stride(1) != 1):
+        raise ValueError(
+            f"out must be [{k}, {numel}] with contiguous rows; got {tuple(out.shape)=} "
+            f"{out.stride()=}"
+        )
+    if out.device != p.device:
+        raise ValueError(f"out must be on {p.device}, got {out.device}")
+    if k == 0 or numel == 0:
+        return out
+    if _resolve(backend, p.device) == "triton":
+        _launch().decode(p, numel, spec, out, accumulate=False, rotate=True, separate=True)
+        return out
+    for j in range(k):
+        out[j].copy_(ref.decode_sum_flat(p[j : j + 1], numel, spec))
     return out
 
 

@@ -498,6 +498,8 @@ def decode_kernel(
     n_code_bytes,
     n_groups,
     inv_sqrt_h,
+    row_stride,
+    out_row_stride,
     pid_base,
     BITS: tl.constexpr,
     ROWS: tl.constexpr,
@@ -515,6 +517,10 @@ def decode_kernel(
     ALIGNED: tl.constexpr,
     TAIL: tl.constexpr,
 ):
+    # grid axis 1: independent rows (decode_rows), each its own payload and output
+    row = tl.program_id(1).to(tl.int64)
+    in_ptr = in_ptr + row * row_stride
+    out_ptr = out_ptr + row * out_row_stride
     gidx, offs = _tile(tl.program_id(0) + pid_base, ROWS, GPB, HB, BIG)
     mask = offs < numel
     acc = _decode_sum(

@@ -44,14 +44,15 @@ def _hb(spec: QuantSpec, rotate: bool) -> int:
     return spec.hadamard_block if spec.hadamard_block and rotate else spec.group_size
 
 
-def _launch(kernel, group_size: int, numel: int, *args, **meta) -> None:
-    """Launch the mask-free main grid over whole tiles, then one TAIL program for the rest."""
+def _launch(kernel, group_size: int, numel: int, *args, rows: int = 1, **meta) -> None:
+    """Launch the mask-free main grid over whole tiles, then one TAIL program for the rest
+    (``rows`` independent rows on grid axis 1, for the kernels that take them)."""
     tile = _rows(group_size) * group_size
     whole, rest = divmod(numel, tile)
     if whole:
-        kernel[(whole,)](*args, 0, TAIL=False, **meta)
+        kernel[(whole, rows)](*args, 0, TAIL=False, **meta)
     if rest:
-        kernel[(1,)](*args, whole, TAIL=True, **meta)
+        kernel[(1, rows)](*args, whole, TAIL=True, **meta)
 
 
 def _big(*sizes: int) -> bool:
@@ -133,11 +134,15 @@ def decode(
     *,
     accumulate: bool,
     rotate: bool,
+    separate: bool = False,
 ) -> None:
-    """Sum of the decoded rows of ``payloads`` ([k, bytes] uint8) into (or onto) ``out``."""
+    """Sum of the decoded rows of ``payloads`` ([k, bytes] uint8) into (or onto) ``out``;
+    with ``separate`` each row decodes into its own row of ``out`` ([k, numel]), one launch."""
     if numel == 0:
         return
     had = _had_args(spec, out.device)
+    k = payloads.shape[0]
+    rows = k if separate else 1
     _launch(
         K.decode_kernel,
         spec.group_size,
@@ -151,18 +156,21 @@ def decode(
         spec.code_bytes(numel),
         spec.num_groups(numel),
         had["inv_sqrt_h"],
+        payloads.stride(0) if separate else 0,
+        out.stride(0) if separate else 0,
+        rows=rows,
         BITS=spec.bits,
         ROWS=_rows(spec.group_size),
         GPB=spec.group_size // _hb(spec, rotate),
         HB=_hb(spec, rotate),
         SCHEME=_SCHEME_ID[spec.scheme],
         SCALE_BF16=spec.scale_dtype == torch.bfloat16,
-        K=payloads.shape[0],
+        K=1 if separate else k,
         ACCUMULATE=accumulate,
         ROTATE=bool(spec.hadamard_block) and rotate,
         HAS_SIGNS=had["HAS_SIGNS"],
         LOG_H=had["LOG_H"],
-        BIG=_big(numel, payloads.numel()),
+        BIG=_big(numel, payloads.numel(), out.numel()),
         INTERPRET=_interpret(),
         ALIGNED=_aligned(payloads, spec, payloads.stride(0)),
         num_warps=_NUM_WARPS,

@@ -494,3 +494,22 @@ def test_quantized_master_trains():
     base = run_distributed(_train, 2, "bf16")[0]["losses"]
     qm = run_distributed(_train, 2, "qsdp-quantized-master")[0]["losses"]
     assert abs(sum(qm[-5:]) - sum(base[-5:])) / 5 < 0.005 * sum(base[-5:]) / 5
+
+
+def _nan_weight(rank: int, world: int) -> str:
+    model = _build("qsdp-w8g8")
+    if rank == 1:  # a corrupted master shard on one rank only
+        with torch.no_grad():
+            model.blocks[0].linear1.weight.to_local().view(-1)[:3] = float("nan")
+    try:
+        _step(model, next(_batches(rank, world)))
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_nan_weights_on_one_rank_surface_on_every_rank():
+    # the quantized all-gather sends the NaN group to everyone (no lone raise, no hang); the
+    # NaN gradients then stop every rank at the reduce-scatter check
+    for msg in run_distributed(_nan_weight, 2, pg_timeout_s=20):
+        assert msg.startswith("non-finite gradient (NaN/Inf) on at least one rank in"), msg

@@ -40,24 +40,8 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import qsdp.comm as qc  # noqa: E402
+import regimes  # noqa: E402  (benchmarks/, the script's own folder)
 from qsdp.quant import QuantSpec  # noqa: E402
-
-ALWAYS = {
-    "NCCL_NVLS_ENABLE": "0",
-    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-    "NVSHMEM_DISABLE_NVLS": "1",
-}
-REGIMES = {
-    "nvlink": {},
-    "socket": {
-        "NCCL_P2P_DISABLE": "1",
-        "NCCL_SHM_DISABLE": "1",
-        "NCCL_IB_DISABLE": "1",
-        "NCCL_NET": "Socket",
-        "NCCL_SOCKET_IFNAME": "lo",
-    },
-    "2x2": {"NCCL_IB_DISABLE": "1", "NCCL_SOCKET_IFNAME": "lo"},
-}
 
 W8 = QuantSpec(bits=8, group_size=128, scheme="absmax", rounding="nearest")
 W4 = QuantSpec(bits=4, group_size=128, scheme="absmax", rounding="stochastic", hadamard_block=32)
@@ -266,24 +250,9 @@ def check(v: Variant, numel: int, ws: int, dtype, device, rank: int) -> float:
 
 
 # --- main -------------------------------------------------------------------------------------
-def set_regime_env(regime: str, local_rank: int, device: str) -> dict[str, str]:
-    """Enforce the regime's NCCL variables (set when absent, refuse a conflicting value)."""
-    want = dict(ALWAYS) | REGIMES[regime]
-    if regime == "2x2":
-        want["NCCL_HOSTID"] = f"node{local_rank // 2}"
-    for k, v in want.items():
-        have = os.environ.get(k)
-        if have is not None and have != v:
-            raise SystemExit(f"regime {regime!r} needs {k}={v}, but the environment has {have!r}")
-        os.environ[k] = v
-    if regime != "socket" and os.environ.get("NCCL_P2P_DISABLE") == "1" and device == "cuda":
-        raise SystemExit(f"NCCL_P2P_DISABLE=1 is set: that is the 'socket' regime, not {regime!r}")
-    return want
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--regime", choices=sorted(REGIMES), required=True)
+    p.add_argument("--regime", choices=sorted(regimes.REGIMES), required=True)
     p.add_argument("--out", type=Path, required=True, help="results file (.json or .csv)")
     p.add_argument("--sizes-mib", type=float, nargs="+", default=[16, 256, 1024])
     p.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
@@ -294,7 +263,7 @@ def main() -> None:
     a = p.parse_args()
 
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    env = set_regime_env(a.regime, local_rank, a.device)
+    env = regimes.apply(a.regime, local_rank, a.device)
     if a.device == "cuda":
         if not torch.cuda.is_available():
             raise SystemExit(

@@ -37,23 +37,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import qsdp  # noqa: E402
-
-REGIMES = {
-    "nvlink": {},
-    "socket": {
-        "NCCL_P2P_DISABLE": "1",
-        "NCCL_SHM_DISABLE": "1",
-        "NCCL_IB_DISABLE": "1",
-        "NCCL_NET": "Socket",
-        "NCCL_SOCKET_IFNAME": "lo",
-    },
-    "2x2": {"NCCL_IB_DISABLE": "1", "NCCL_SOCKET_IFNAME": "lo"},
-}
-ALWAYS = {
-    "NCCL_NVLS_ENABLE": "0",
-    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-    "NVSHMEM_DISABLE_NVLS": "1",
-}
+import regimes  # noqa: E402  (benchmarks/, the script's own folder)
 
 
 @dataclass(frozen=True)
@@ -184,7 +168,7 @@ def run_variant(name, c, args, device, recipe, reduce_dtype, compute_dtype) -> t
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--regime", choices=sorted(REGIMES), required=True)
+    p.add_argument("--regime", choices=sorted(regimes.REGIMES), required=True)
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--recipes", nargs="*", default=["qsdp-w8g8", "global-qsgd", "sdp4bit"])
     p.add_argument("--steps", type=int, default=5)
@@ -194,15 +178,7 @@ def main() -> None:
     p.add_argument("--tiny", action="store_true", help="a 2-layer d-128 model (smoke tests)")
     a = p.parse_args()
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    env = dict(ALWAYS) | REGIMES[a.regime]
-    if a.regime == "2x2":
-        env["NCCL_HOSTID"] = f"node{local_rank // 2}"
-    for k, v in env.items():
-        if os.environ.get(k, v) != v:
-            raise SystemExit(
-                f"regime {a.regime!r} needs {k}={v}, the environment has {os.environ[k]}"
-            )
-        os.environ[k] = v
+    env = regimes.apply(a.regime, local_rank, a.device)
     if a.device == "cuda":
         if not torch.cuda.is_available():
             raise SystemExit("bench_fsdp_step.py needs CUDA GPUs (or --device cpu)")

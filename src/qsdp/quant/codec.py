@@ -126,8 +126,15 @@ def _flat(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1) if x.is_contiguous() else x.contiguous().reshape(-1)
 
 
-def _raise_nonfinite(payload: torch.Tensor, spec: QuantSpec, src: torch.Tensor, numel: int):
-    """Raise if any group was flagged non-finite (its first scale field is NaN)."""
+def _raise_nonfinite(
+    payload: torch.Tensor,
+    spec: QuantSpec,
+    src: torch.Tensor,
+    base: torch.Tensor | None,
+    numel: int,
+) -> None:
+    """Raise if any group was flagged non-finite (its first scale field is NaN); the count of
+    bad values in ``src`` (minus ``base``) is computed only then."""
     if spec.nonfinite is NonFinite.PROPAGATE or numel == 0:
         return
     ng = spec.num_groups(numel)
@@ -137,7 +144,8 @@ def _raise_nonfinite(payload: torch.Tensor, spec: QuantSpec, src: torch.Tensor, 
     else:
         first = ref._bytes_to_fields(raw, ng, spec)[:, 0]
     if bool(torch.isnan(first).any()):
-        count = int((~torch.isfinite(src)).sum())
+        bad = src.float() if base is None else src.float() - base.float()
+        count = int((~torch.isfinite(bad)).sum())
         raise ValueError(
             f"cannot quantize: {count} of {numel} values are NaN or Inf ({spec}); fix the "
             "source (a diverging loss, a missing grad clip), or build the QuantSpec with "
@@ -211,7 +219,7 @@ def _encode(x, base, spec, *, seed, step, stream, out, backend) -> Encoded:
     else:
         diff = src.float() if rsrc is None else src.float() - rsrc.float()
         out.copy_(ref.encode_flat(diff, spec, seed=seed, step=step, stream=stream))
-    _raise_nonfinite(out, spec, src if rsrc is None else src.float() - rsrc.float(), numel)
+    _raise_nonfinite(out, spec, src, rsrc, numel)
     return Encoded(payload=out, numel=numel, dtype=x.dtype, spec=spec, shape=x.shape)
 
 

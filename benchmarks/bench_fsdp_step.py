@@ -95,6 +95,7 @@ def param_count(c: GPTConfig) -> int:
 class Row:
     variant: str
     s_per_step: float
+    cpu_s_per_step: float
     tokens_per_s: float
     ratio_vs_fp32_reduce: float
     ratio_vs_bf16_reduce: float
@@ -135,35 +136,100 @@ def run_variant(name, c, args, device, recipe, reduce_dtype, compute_dtype) -> t
     model = build(c, device, reduce_dtype, recipe, compute_dtype, mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     g = torch.Generator(device=device).manual_seed(100 + dist.get_rank())
-    times, losses = [], []
+    times, cpu_times, losses = [], [], []
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    for i in range(args.warmup + args.steps):
+    for i in range(args.warmup + args.steps + (1 if args.profile else 0)):
+        profiling = args.profile is not None and i == args.warmup + args.steps
+        if i == args.warmup + args.steps:  # before the profiled step resets the counter
+            peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
+        prof = _profiler(device) if profiling else None
+        if prof is not None:
+            prof.__enter__()
         batch = torch.randint(0, c.vocab, (args.batch, c.seq + 1), device=device, generator=g)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         dist.barrier()
         t0 = time.perf_counter()
+        phases = _Phases(device, profiling)
         logits = model(batch[:, :-1])
         loss = F.cross_entropy(logits.float().reshape(-1, c.vocab), batch[:, 1:].reshape(-1))
+        phases.mark("forward")
         loss.backward()
+        phases.mark("backward")
         opt.step()
         opt.zero_grad(set_to_none=True)
+        phases.mark("optimizer")
+        cpu_elapsed = time.perf_counter() - t0  # the host's launch time; < elapsed: GPU-bound
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         elapsed = time.perf_counter() - t0
+        if prof is not None:
+            prof.__exit__(None, None, None)
+            if dist.get_rank() == 0:
+                path = args.profile / f"{args.regime}_{name}.txt"
+                _write_profile(prof, path, elapsed, phases.report())
+            continue
         slowest = torch.tensor([elapsed], device=device, dtype=torch.float64)
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
         if i >= args.warmup:
             times.append(float(slowest))
+            cpu_times.append(cpu_elapsed)
         losses.append(float(loss.detach()))
         if dist.get_rank() == 0:
             print(f"  {name} step {i}: {float(slowest):.3f} s loss {losses[-1]:.4f}", flush=True)
-    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
+    if not args.profile:
+        peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
     del model, opt
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return [statistics.median(times), losses, peak]
+    return [statistics.median(times), statistics.median(cpu_times), losses, peak]
+
+
+def _profiler(device: torch.device):
+    acts = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        acts.append(torch.profiler.ProfilerActivity.CUDA)
+    return torch.profiler.profile(activities=acts)
+
+
+class _Phases:
+    """Peak memory of a step's forward, backward and optimizer (CUDA, when asked)."""
+
+    def __init__(self, device: torch.device, on: bool) -> None:
+        self.on = on and device.type == "cuda"
+        self.device, self.rows = device, []
+        if self.on:
+            torch.cuda.synchronize(device)
+            self.rows.append(("start", torch.cuda.memory_allocated(device), 0))
+            torch.cuda.reset_peak_memory_stats(device)
+
+    def mark(self, name: str) -> None:
+        if self.on:
+            torch.cuda.synchronize(self.device)
+            d = self.device
+            self.rows.append(
+                (name, torch.cuda.memory_allocated(d), torch.cuda.max_memory_allocated(d))
+            )
+            torch.cuda.reset_peak_memory_stats(d)
+
+    def report(self) -> str:
+        return "\n".join(
+            f"memory {n:<10} allocated after {a / 2**30:6.2f} GiB, peak during {p / 2**30:6.2f} GiB"
+            for n, a, p in self.rows
+        )
+
+
+def _write_profile(prof, path: Path, elapsed: float, memory: str) -> None:
+    """Rank 0's profile of one step: the top ops by host time and by device time."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    ka = prof.key_averages()
+    dev_key = "self_device_time_total" if hasattr(ka[0], "self_device_time_total") else None
+    parts = [f"step wall {elapsed * 1e3:.1f} ms (profiled, includes profiler overhead)", memory]
+    parts.append(ka.table(sort_by="self_cpu_time_total", row_limit=40))
+    if dev_key is not None:
+        parts.append(ka.table(sort_by=dev_key, row_limit=40))
+    path.write_text("\n\n".join(parts))
 
 
 def main() -> None:
@@ -176,6 +242,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--tiny", action="store_true", help="a 2-layer d-128 model (smoke tests)")
+    p.add_argument("--profile", type=Path, help="profile one extra step per variant into DIR")
     a = p.parse_args()
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     env = regimes.apply(a.regime, local_rank, a.device)
@@ -205,6 +272,7 @@ def main() -> None:
         Row(
             v,
             round(t, 4),
+            round(cpu_t, 4),
             round(tokens / t, 1),
             round(base32 / t, 3),
             round(base16 / t, 3),
@@ -213,12 +281,13 @@ def main() -> None:
             round(losses[-1], 4),
             a.steps,
         )
-        for v, (t, losses, peak) in results.items()
+        for v, (t, cpu_t, losses, peak) in results.items()
     ]
     if dist.get_rank() == 0:
         for r in rows:
             print(
                 f"{a.regime:<7} {r.variant:<20} {r.s_per_step:8.3f} s/step "
+                f"(host {r.cpu_s_per_step:.3f}) "
                 f"{r.tokens_per_s:10.0f} tok/s  x{r.ratio_vs_fp32_reduce:.2f} vs fp32-reduce "
                 f"x{r.ratio_vs_bf16_reduce:.2f} vs bf16-reduce  peak {r.peak_mem_gib:.1f} GiB "
                 f"loss {r.first_loss:.3f}->{r.last_loss:.3f}",

@@ -11,6 +11,7 @@ ALWAYS = {
     "NVSHMEM_DISABLE_NVLS": "1",
 }
 #: regime -> NCCL variables (2x2 also sets NCCL_HOSTID per process, see :func:`apply`).
+#: Each regime runs at any world size; "2x2" means 2 nodes of world_size / 2 GPUs.
 REGIMES = {
     "nvlink": {},
     "socket": {  # every GPU its own node over TCP on loopback (~25 GbE)
@@ -20,7 +21,8 @@ REGIMES = {
         "NCCL_NET": "Socket",
         "NCCL_SOCKET_IFNAME": "lo",
     },
-    "2x2": {"NCCL_IB_DISABLE": "1", "NCCL_SOCKET_IFNAME": "lo"},  # 2 nodes x 2 GPUs
+    # 2 nodes of world_size / 2 GPUs each (2 x 2 on 4 GPUs; 2 x 1 on 2)
+    "2x2": {"NCCL_IB_DISABLE": "1", "NCCL_SOCKET_IFNAME": "lo"},
 }
 
 
@@ -29,7 +31,8 @@ def apply(regime: str, local_rank: int, device: str) -> dict[str, str]:
     when absent, refuse a conflicting value. Returns what the regime asks for."""
     want = dict(ALWAYS) | REGIMES[regime]
     if regime == "2x2":
-        want["NCCL_HOSTID"] = f"node{local_rank // 2}"
+        per_node = max(1, int(os.environ.get("WORLD_SIZE", "4")) // 2)
+        want["NCCL_HOSTID"] = f"node{local_rank // per_node}"
     for k, v in want.items():
         have = os.environ.get(k)
         if have is not None and have != v:

@@ -43,7 +43,7 @@ class TinyGPT(nn.Module):
             if self.checkpointed:  # activation checkpointing: the block reruns in backward
                 h = checkpoint(block, h, self.mask, None, True, use_reentrant=False)
             else:
-                h = block(h, src_mask=self.mask, is_causal=True)
+                h = block(h, src_mask=self.mask.to(h.dtype), is_causal=True)
         return self.head(h)
 
 
@@ -355,6 +355,29 @@ def test_nan_gradient_zeroed_when_asked_and_weights_stay_finite():
     for r in res:
         assert r["error"] is None and r["finite"]
         assert r["zeroed"] == 1  # the one group holding the parameter, on every rank
+
+
+def _decisions(rank: int, world: int) -> list[int]:
+    from qsdp.fsdp._nonfinite import NonfiniteCheck
+
+    calls = []
+    real = NonfiniteCheck.decide
+
+    def counted(self):
+        calls.append(len(self._pending))
+        return real(self)
+
+    NonfiniteCheck.decide = counted
+    model = _build("qsdp-w8g8")
+    for batch in list(_batches(rank, world))[:3]:
+        _step(model, batch)
+    return calls
+
+
+def test_nan_check_decides_once_per_backward_for_all_groups():
+    # one host read of the flags when the backward ends, not one per FSDP group
+    for calls in run_distributed(_decisions, 2):
+        assert calls == [3, 3, 3], calls  # 3 groups: two blocks and the root
 
 
 def test_activation_checkpointing_with_weight_differences():

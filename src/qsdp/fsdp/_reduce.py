@@ -14,6 +14,7 @@ from ..comm._common import parse_op as qc_parse_op
 from ..comm._common import reduce_scatter_sum as counted_reduce_scatter_sum
 from ..quant import QuantSpec
 from ._hooks import _Context, _Counter, _Hook, _usable
+from ._nonfinite import NonfiniteCheck, nonfinite_flags
 from ._split import Split
 
 __all__ = ["QuantizedReduceScatter"]
@@ -35,6 +36,7 @@ class QuantizedReduceScatter(_Hook, ReduceScatter):
         inter_spec: QuantSpec | None = None,
         mesh: object | None = None,
         nonfinite: str = "raise",
+        check: NonfiniteCheck | None = None,
         layout: list[tuple[str, int]] | None = None,
         split: Split | None = None,
         module_name: str = "",
@@ -50,10 +52,14 @@ class QuantizedReduceScatter(_Hook, ReduceScatter):
             replace(inter_spec, nonfinite="propagate") if inter_spec is not None else None
         )
         self.carrier, self.group_size, self.mesh = carrier, group_size, mesh
+        if (nonfinite == "propagate") != (check is None):
+            raise ValueError("QuantizedReduceScatter needs a NonfiniteCheck unless 'propagate'")
         self.nonfinite, self.layout, self.module_name = nonfinite, layout, module_name
+        self.check = check
         self.split = split
         self.zeroed = 0
-        """Reduce-scatters whose gradient was zeroed for NaN/Inf (``nonfinite="zero"``)."""
+        """Reduce-scatters whose output was zeroed for NaN/Inf (counted when the backward
+        ends, see ``_nonfinite.py``)."""
         self.seed, self.bucket, self.stats = seed, bucket, stats
         self._steps = _Counter()
 
@@ -75,10 +81,25 @@ class QuantizedReduceScatter(_Hook, ReduceScatter):
         group: dist.ProcessGroup,
         op: dist.ReduceOp,
     ) -> None:
-        if self.nonfinite != "propagate" and self._nonfinite(input_tensor, group):
-            output_tensor.zero_()
-            self.zeroed += 1
-            return None
+        bad = None
+        if self.check is not None:
+            flags = nonfinite_flags(input_tensor.reshape(group.size(), -1), self.layout)
+            self.stats.add_bytes("nonfinite_check", flags.numel() * flags.element_size())
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+            self.check.add(self, flags)
+            bad = flags.any()
+        self._reduce_split(output_tensor, input_tensor, group, op)
+        if bad is not None:  # on the device: no host sync, a NaN never reaches the optimizer
+            output_tensor.masked_fill_(bad, 0)
+        return None
+
+    def _reduce_split(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        op: dist.ReduceOp,
+    ) -> None:
         n = group.size()
         split = _usable(self.split, input_tensor.numel() // n, self.stats)
         if split is None:
@@ -137,34 +158,3 @@ class QuantizedReduceScatter(_Hook, ReduceScatter):
         else:
             qc.reduce_scatter(output_tensor, input_tensor, group, spec=self.spec, op=op, **key)
         return None
-
-    def _nonfinite(self, input_tensor: torch.Tensor, group: dist.ProcessGroup) -> bool:
-        """Agree across ranks whether a gradient of the group holds NaN/Inf: raise naming the
-        parameters, or (``nonfinite="zero"``) return True so the caller zeroes the result."""
-        flags = _nonfinite_flags(input_tensor.reshape(group.size(), -1), self.layout)
-        self.stats.add_bytes("nonfinite_check", flags.numel() * flags.element_size())
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
-        bad = flags.nonzero().reshape(-1).tolist()
-        if not bad:
-            return False
-        if self.nonfinite == "zero":
-            return True
-        if self.layout is not None and len(self.layout) == flags.numel():
-            where = ", ".join(self.layout[i][0] for i in bad)
-        else:
-            where = f"the parameters of FSDP module {self.module_name or '<root>'}"
-        raise ValueError(
-            f"non-finite gradient (NaN/Inf) on at least one rank in {where}; fix the source (a "
-            "diverging loss, a missing grad clip or loss scale), or build the CompressionConfig "
-            "with grad_nonfinite='zero' to zero these gradients for the step (counted)"
-        )
-
-
-def _nonfinite_flags(chunks: torch.Tensor, layout: list[tuple[str, int]] | None) -> torch.Tensor:
-    """Per-parameter flags (int32) of NaN/Inf in the rank-major ``[world, M]`` gradient input
-    (one flag for the whole group when the layout does not match)."""
-    bad = (~torch.isfinite(chunks)).any(dim=0)
-    if layout is None or sum(n for _, n in layout) != bad.numel():
-        return bad.any().reshape(1).to(torch.int32)
-    segments = torch.split(bad, [n for _, n in layout])
-    return torch.stack([seg.any() for seg in segments]).to(torch.int32)

@@ -14,6 +14,7 @@ from ..comm import CommStats
 from ..config import CompressionConfig, recipe
 from ._gathers import QuantizedAllGather, QuantizedMasterAllGather, WeightDiffAllGather
 from ._hooks import StepClock
+from ._nonfinite import NonfiniteCheck
 from ._reduce import QuantizedReduceScatter
 from ._split import build_split
 
@@ -82,6 +83,7 @@ def compress_fsdp(
     clock = None
     gathers: list[WeightDiffAllGather] = []
     hooks: list[object] = []
+    check = None if config.grad_nonfinite == "propagate" else NonfiniteCheck(config.grad_nonfinite)
     if config.weight_diffs or config.quantized_master:
         clock = StepClock()
         # before FSDP's own pre-forward (and its all-gathers): a new step begins
@@ -137,6 +139,7 @@ def compress_fsdp(
                     group_size=config.grad_group_size,
                     bucket=2 * i + 1,
                     nonfinite=config.grad_nonfinite,
+                    check=check,
                     layout=[(n, k) for n, k, _ in grad_layout] if grad_layout else None,
                     split=build_split(grad_layout, config.policy),
                     module_name=prefix,

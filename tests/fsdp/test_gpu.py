@@ -1,0 +1,114 @@
+"""GPU tier: FSDP2 training through qsdp's hooks on NCCL with the Triton kernels (bf16 compute),
+against plain FSDP2 on the same GPUs."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+import qsdp
+from qsdp.testing import assert_same_on_all_ranks, run_distributed
+
+from .test_compress_fsdp import TinyGPT, _batches
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 or more GPUs"),
+]
+
+RECIPES = ("qsdp-w8g8", "global-qsgd", "sdp4bit", "qsdp-quantized-master")
+
+
+def _build(recipe: str | None, ws: int, reduce_dtype: torch.dtype, config=None):
+    torch.manual_seed(0)
+    dev = torch.device("cuda", torch.cuda.current_device())
+    with dev:
+        model = TinyGPT(d=256)
+    master = recipe == "qsdp-quantized-master"  # gathers the fp32 master itself
+    mp = MixedPrecisionPolicy(
+        param_dtype=None if master else torch.bfloat16, reduce_dtype=reduce_dtype
+    )
+    for block in model.blocks:
+        fully_shard(block, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
+    mesh = None
+    if recipe is not None and qsdp.recipe(recipe).grads_inter is not None:
+        shape = (2, ws // 2) if ws % 2 == 0 else (1, ws)
+        mesh = init_device_mesh("cuda", shape, mesh_dim_names=("inter", "intra"))
+    if config is not None or recipe is not None:
+        qsdp.compress_fsdp(model, config or recipe, mesh=mesh)
+    return model, dev
+
+
+def _train(rank: int, ws: int, recipe: str | None, reduce_dtype=torch.float32) -> list[float]:
+    model, dev = _build(recipe, ws, reduce_dtype)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    for batch in _batches(rank, ws):
+        batch = batch.to(dev)
+        logits = model(batch[:, :-1])
+        loss = nn.functional.cross_entropy(
+            logits.float().reshape(-1, 256), batch[:, 1:].reshape(-1)
+        )
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean, op=dist.ReduceOp.AVG)
+        losses.append(float(mean))
+    probe = next(_batches(0, 1))[:, :-1].to(dev)
+    with torch.no_grad():
+        assert_same_on_all_ranks(model(probe).float())  # replicas agree
+    return losses
+
+
+def _all_recipes(rank: int, ws: int) -> dict[str, list[float]]:
+    out = {"bf16-fp32-reduce": _train(rank, ws, None)}
+    out["bf16-bf16-reduce"] = _train(rank, ws, None, torch.bfloat16)
+    for r in RECIPES:
+        out[r] = _train(rank, ws, r, torch.bfloat16)
+    return out
+
+
+def test_recipes_train_like_fsdp2_on_nccl():
+    ws = min(4, torch.cuda.device_count())
+    runs = run_distributed(_all_recipes, ws, backend="nccl", timeout_s=900)[0]
+    base = sum(runs["bf16-fp32-reduce"][-5:]) / 5
+    assert runs["bf16-fp32-reduce"][-1] < runs["bf16-fp32-reduce"][0] - 1.0
+    for name, losses in runs.items():
+        final = sum(losses[-5:]) / 5
+        print(f"{name}: {final:.4f} vs {base:.4f}")
+        assert abs(final - base) < 0.01 * base, (name, final, base)
+
+
+def _nan(rank: int, ws: int, mode: str) -> dict:
+    config = dataclasses.replace(qsdp.recipe("qsdp-w8g8"), grad_nonfinite=mode)
+    model, dev = _build(None, ws, torch.bfloat16, config=config)
+    if rank == ws - 1:
+        model.blocks[1].linear2.weight.register_hook(lambda g: g * float("nan"))
+    batch = next(_batches(rank, ws)).to(dev)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    loss = nn.functional.cross_entropy(
+        model(batch[:, :-1]).float().reshape(-1, 256), batch[:, 1:].reshape(-1)
+    )
+    try:
+        loss.backward()
+    except ValueError as e:
+        return {"error": str(e)}
+    opt.step()
+    finite = all(bool(torch.isfinite(p.full_tensor()).all()) for p in model.parameters())
+    return {"error": None, "finite": finite}
+
+
+def test_nan_gradient_on_one_rank_raises_everywhere_or_is_zeroed():
+    ws = min(4, torch.cuda.device_count())
+    for r in run_distributed(_nan, ws, "raise", backend="nccl", pg_timeout_s=60):
+        assert r["error"] is not None and "blocks.1.linear2.weight" in r["error"], r
+    for r in run_distributed(_nan, ws, "zero", backend="nccl", pg_timeout_s=60):
+        assert r["error"] is None and r["finite"], r

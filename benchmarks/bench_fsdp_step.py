@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import os
 import statistics
@@ -132,6 +133,10 @@ def build(
 
 
 def run_variant(name, c, args, device, recipe, reduce_dtype, compute_dtype) -> tuple[list, float]:
+    if device.type == "cuda":
+        left = torch.cuda.memory_allocated(device)
+        if left > 2**28 and dist.get_rank() == 0:
+            print(f"  warning: {left / 2**30:.2f} GiB still allocated before {name}", flush=True)
     mesh = two_level_mesh(args.regime, device)
     model = build(c, device, reduce_dtype, recipe, compute_dtype, mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -181,6 +186,7 @@ def run_variant(name, c, args, device, recipe, reduce_dtype, compute_dtype) -> t
     if not args.profile:
         peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
     del model, opt
+    gc.collect()  # FSDP's module <-> state references form cycles: free them before the next
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return [statistics.median(times), statistics.median(cpu_times), losses, peak]

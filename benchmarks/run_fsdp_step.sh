@@ -2,6 +2,7 @@
 # On a 4-GPU host: plain FSDP2 beside qsdp's recipes, one training step of the 1.42 B GPT of
 # docs/gpu.md, in the network regimes given as arguments (default: socket nvlink 2x2).
 #   RESULTS_DIR=out bash benchmarks/run_fsdp_step.sh socket nvlink
+# NPROC=2 runs on 2 GPUs (scaling; the JSON name gets _ws2); FSDP_ARGS adds bench arguments.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=src PYTHONUNBUFFERED=1
@@ -20,7 +21,7 @@ for regime in "${regimes[@]}"; do
     2x2) extra=(NCCL_IB_DISABLE=1 NCCL_SOCKET_IFNAME=lo) ;;  # NCCL_HOSTID is set per process
   esac
   echo "== regime $regime"
-  env ${extra[@]+"${extra[@]}"} torchrun --standalone --nproc-per-node 4 \
+  env ${extra[@]+"${extra[@]}"} torchrun --standalone --nproc-per-node "${NPROC:-4}" \
     benchmarks/bench_fsdp_step.py --regime "$regime" \
-    --out "${RESULTS_DIR}/fsdp_step_${regime}_${gpu}_${day}.json" ${FSDP_ARGS:-}
+    --out "${RESULTS_DIR}/fsdp_step_${regime}${NPROC:+_ws$NPROC}_${gpu}_${day}.json" ${FSDP_ARGS:-}
 done

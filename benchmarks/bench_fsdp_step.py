@@ -151,6 +151,10 @@ def run_variant(name, c, args, device, recipe, reduce_dtype, compute_dtype) -> t
         prof = _profiler(device) if profiling else None
         if prof is not None:
             prof.__enter__()
+        if args.mem_trace and device.type == "cuda" and dist.get_rank() == 0:
+            print(
+                f"  {name} step {i} starts at {torch.cuda.memory_allocated(device) / 2**30:.2f} GiB"
+            )
         batch = torch.randint(0, c.vocab, (args.batch, c.seq + 1), device=device, generator=g)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -189,6 +193,12 @@ def run_variant(name, c, args, device, recipe, reduce_dtype, compute_dtype) -> t
     gc.collect()  # FSDP's module <-> state references form cycles: free them before the next
     if device.type == "cuda":
         torch.cuda.empty_cache()
+        if args.mem_trace and dist.get_rank() == 0:
+            left = torch.cuda.memory_allocated(device) / 2**30
+            time.sleep(2.0)  # NCCL's watchdog releases the tensors of finished collectives
+            gc.collect()
+            later = torch.cuda.memory_allocated(device) / 2**30
+            print(f"  {name}: {left:.2f} GiB left after del+gc, {later:.2f} GiB 2 s later")
     return [statistics.median(times), statistics.median(cpu_times), losses, peak]
 
 
@@ -248,6 +258,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--tiny", action="store_true", help="a 2-layer d-128 model (smoke tests)")
+    p.add_argument("--mem-trace", action="store_true", help="print allocated memory per step")
     p.add_argument("--profile", type=Path, help="profile one extra step per variant into DIR")
     a = p.parse_args()
     local_rank = int(os.environ.get("LOCAL_RANK", 0))

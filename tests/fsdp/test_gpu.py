@@ -92,8 +92,12 @@ def test_recipes_train_like_fsdp2_on_nccl():
 def _nan(rank: int, ws: int, mode: str) -> dict:
     config = dataclasses.replace(qsdp.recipe("qsdp-w8g8"), grad_nonfinite=mode)
     model, dev = _build(None, ws, torch.bfloat16, config=config)
+
+    def poison(module, args):  # the unsharded weight of this forward: its gradient turns NaN
+        module.weight.register_hook(lambda g: g * float("nan"))
+
     if rank == ws - 1:
-        model.blocks[1].linear2.weight.register_hook(lambda g: g * float("nan"))
+        model.blocks[1].linear2.register_forward_pre_hook(poison)
     batch = next(_batches(rank, ws)).to(dev)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     loss = nn.functional.cross_entropy(

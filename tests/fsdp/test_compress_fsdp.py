@@ -166,7 +166,7 @@ def _one_step_bytes(rank: int, world: int, recipe: str, policy: bool = True) -> 
             if isinstance(m, FSDPModule):
                 ag = m._get_fsdp_state()._fsdp_param_group._all_gather_comm
                 chunk = sum(n for _, n, _ in _layout(m, "", grads_only=False))
-                n_comp, n_raw = (len(ag.split.comp), len(ag.split.raw)) if ag.split else (chunk, 0)
+                n_comp, n_raw = (ag.split.n_comp, ag.split.n_raw) if ag.split else (chunk, 0)
                 raw_names.update(ag.split.raw_names if ag.split else ())
                 expect_ag += ag._steps.calls * config.weights.payload_bytes(n_comp)
                 expect_raw += ag._steps.calls * n_raw * 4

@@ -54,18 +54,15 @@ class QuantizedAllGather(_Gather):
             qc.all_gather(output_tensor, input_tensor, group, spec=self.spec, **key)
             return None
         n = group.size()
-        comp_idx, raw_idx = split.indices(input_tensor.device)
-        comp = input_tensor.index_select(0, comp_idx)  # copies: input aliases output
-        raw = input_tensor.index_select(0, raw_idx)
+        comp, raw = split.take(input_tensor.view(1, -1))  # copies: input aliases output
+        comp, raw = comp.reshape(-1), raw.reshape(-1)
         comp_out = torch.empty(n * comp.numel(), dtype=comp.dtype, device=comp.device)
         raw_out = torch.empty(n * raw.numel(), dtype=raw.dtype, device=raw.device)
         if comp.numel():
             qc.all_gather(comp_out, comp, group, spec=self.spec, **key)
         if raw.numel():
             counted_all_gather(raw_out, raw, group, self.stats, "all_gather_raw").wait()
-        rows = output_tensor.view(n, -1)
-        rows.index_copy_(1, comp_idx, comp_out.view(n, -1))
-        rows.index_copy_(1, raw_idx, raw_out.view(n, -1))
+        split.put(output_tensor.view(n, -1), comp_out.view(n, -1), raw_out.view(n, -1))
         return None
 
 

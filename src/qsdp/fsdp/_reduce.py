@@ -105,20 +105,17 @@ class QuantizedReduceScatter(_Hook, ReduceScatter):
         if split is None:
             self._reduce(output_tensor, input_tensor, group, op)
             return None
-        comp_idx, raw_idx = split.indices(input_tensor.device)
-        rows = input_tensor.view(n, -1)
-        comp = rows.index_select(1, comp_idx).reshape(-1)
-        raw = rows.index_select(1, raw_idx).reshape(-1)
-        comp_out = torch.empty(comp.numel() // n, dtype=comp.dtype, device=comp.device)
-        raw_out = torch.empty(raw.numel() // n, dtype=raw.dtype, device=raw.device)
+        comp_rows, raw_rows = split.take(input_tensor.view(n, -1))
+        comp, raw = comp_rows.reshape(-1), raw_rows.reshape(-1)
+        comp_out = torch.empty(split.n_comp, dtype=comp.dtype, device=comp.device)
+        raw_out = torch.empty(split.n_raw, dtype=raw.dtype, device=raw.device)
         if comp.numel():
             self._reduce(comp_out, comp, group, op)
         if raw.numel():
             counted_reduce_scatter_sum(raw_out, raw, group, self.stats, "reduce_scatter_raw").wait()
             if qc_parse_op(op) == "avg":
                 raw_out.div_(n)
-        output_tensor.index_copy_(0, comp_idx, comp_out)
-        output_tensor.index_copy_(0, raw_idx, raw_out)
+        split.put(output_tensor.view(1, -1), comp_out.view(1, -1), raw_out.view(1, -1))
         return None
 
     def _reduce(

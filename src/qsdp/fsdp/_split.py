@@ -3,17 +3,18 @@
 [Note: policies inside flat buffers]
 FSDP2 hands each collective one flat buffer per parameter group; every rank's chunk is the
 concatenation of the group's parameter shards (padded). A :class:`Split` lists, once, which
-positions of a chunk belong to compressed parameters and which to raw ones. A collective then
-gathers the two parts into contiguous buffers (index_select), runs the quantized collective on
-the first and the plain one on the second, and scatters both back (index_copy): two collectives
-instead of one, and no parameter is quantized against the policy. If FSDP hands over a chunk of
-another size than the split was built for (parameters without gradients in this step), the hook
-quantizes the whole chunk and counts it as ``policy_skipped`` in its byte counter.
+runs of a chunk belong to compressed parameters and which to raw ones. A collective then
+copies the two parts into contiguous buffers (one ``cat`` each), runs the quantized collective
+on the first and the plain one on the second, and copies both back (one ``_foreach_copy_``):
+two collectives instead of one, and no parameter is quantized against the policy. If FSDP
+hands over a chunk of another size than the split was built for (parameters without gradients
+in this step), the hook quantizes the whole chunk and counts it as ``policy_skipped`` in its
+byte counter.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -22,24 +23,53 @@ from ..policy import ParamPolicy
 __all__ = ["Split", "build_split"]
 
 
-@dataclass
+@dataclass(frozen=True)
 class Split:
-    """Positions of compressed and raw elements inside one rank's chunk of ``chunk`` elements."""
+    """Which runs of one rank's chunk of ``chunk`` elements are quantized and which are raw.
+
+    Held as contiguous runs (a few per parameter group), not as position vectors: a vector
+    costs 8 bytes per element of every shard on the device, more than the optimizer state.
+    """
 
     chunk: int
-    comp: torch.Tensor
-    """int64 positions (CPU) of the quantized elements."""
-    raw: torch.Tensor
-    """int64 positions (CPU) of the elements sent as they are."""
+    runs: tuple[tuple[int, int, bool], ...]
+    """``(start, length, compressed)`` runs covering the chunk in order, neighbours merged."""
     raw_names: tuple[str, ...]
     """The parameters sent raw (for reports)."""
-    _on: dict = field(default_factory=dict, repr=False)
 
-    def indices(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """(compressed, raw) positions on ``device`` (cached)."""
-        if device not in self._on:
-            self._on[device] = (self.comp.to(device), self.raw.to(device))
-        return self._on[device]
+    @property
+    def n_comp(self) -> int:
+        return sum(n for _, n, c in self.runs if c)
+
+    @property
+    def n_raw(self) -> int:
+        return sum(n for _, n, c in self.runs if not c)
+
+    def positions(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(compressed, raw) int64 positions on the CPU (for tests and reports)."""
+        empty = torch.empty(0, dtype=torch.int64)
+        parts = {True: [empty], False: [empty]}
+        for start, n, c in self.runs:
+            parts[c].append(torch.arange(start, start + n))
+        return torch.cat(parts[True]), torch.cat(parts[False])
+
+    def take(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``rows`` (``[k, chunk]``) as contiguous ``[k, n_comp]`` and ``[k, n_raw]`` copies."""
+        out = []
+        for want in (True, False):
+            pieces = [rows[:, s : s + n] for s, n, c in self.runs if c == want]
+            out.append(torch.cat(pieces, dim=1) if pieces else rows.new_empty((rows.shape[0], 0)))
+        return out[0], out[1]
+
+    def put(self, rows: torch.Tensor, comp: torch.Tensor, raw: torch.Tensor) -> None:
+        """Write ``comp`` (``[k, n_comp]``) and ``raw`` (``[k, n_raw]``) back into ``rows``."""
+        dst, src, offset = [], [], {True: 0, False: 0}
+        for start, n, c in self.runs:
+            part = comp if c else raw
+            dst.append(rows[:, start : start + n])
+            src.append(part[:, offset[c] : offset[c] + n])
+            offset[c] += n
+        torch._foreach_copy_(dst, src)
 
 
 def build_split(
@@ -52,14 +82,19 @@ def build_split(
     keep = [policy.compresses(name, shape) for name, _, shape in layout]
     if all(keep):
         return None
-    comp, raw, offset = [], [], 0
+    runs: list[tuple[int, int, bool]] = []
+    offset = 0
     for (_, n, _), k in zip(layout, keep, strict=True):
-        (comp if k else raw).append(torch.arange(offset, offset + n))
+        if n == 0:
+            continue
+        if runs and runs[-1][2] == k:
+            start, m, _ = runs[-1]
+            runs[-1] = (start, m + n, k)
+        else:
+            runs.append((offset, n, k))
         offset += n
-    empty = torch.empty(0, dtype=torch.int64)
     return Split(
         chunk=offset,
-        comp=torch.cat(comp) if comp else empty,
-        raw=torch.cat(raw) if raw else empty,
+        runs=tuple(runs),
         raw_names=tuple(name for (name, _, _), k in zip(layout, keep, strict=True) if not k),
     )

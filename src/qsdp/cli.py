@@ -1,4 +1,4 @@
-"""The ``qsdp`` command: ``qsdp demo`` (more subcommands arrive with the trainer)."""
+"""The ``qsdp`` command: ``qsdp demo``, ``qsdp plot`` (more subcommands arrive with the trainer)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ _USAGE = """usage: qsdp <command> [options]
 
 commands:
   demo    quantize a small trained transformer's weights and gradients; print error and bytes
+  plot    plot loss and bytes on the wire of training runs into one PNG (qsdp plot -h)
 """
 
 
@@ -21,5 +22,10 @@ def main(argv: list[str] | None = None) -> None:
         from .train.quant_demo import main as demo
 
         demo(rest)
+        return
+    if cmd == "plot":
+        from .train.plot import main as plot
+
+        plot(rest)
         return
     sys.exit(f"qsdp: unknown command {cmd!r}\n{_USAGE}")

@@ -1,4 +1,4 @@
-"""The ``qsdp`` command: ``qsdp demo``, ``qsdp plot`` (more subcommands arrive with the trainer)."""
+"""The ``qsdp`` command: ``train``, ``demo``, ``plot`` and ``quant-demo``."""
 
 from __future__ import annotations
 
@@ -7,8 +7,11 @@ import sys
 _USAGE = """usage: qsdp <command> [options]
 
 commands:
-  demo    quantize a small trained transformer's weights and gradients; print error and bytes
-  plot    plot loss and bytes on the wire of training runs into one PNG (qsdp plot -h)
+  train       train a GPT with FSDP2 and compressed communication (qsdp train -h)
+  demo        on this CPU: train a tiny GPT with "bf16" and "sdp4bit" side by side, print a
+              table, write summary.json and a plot (qsdp demo -h)
+  plot        plot loss and bytes on the wire of training runs into one PNG (qsdp plot -h)
+  quant-demo  quantize a small trained transformer's weights and gradients; print error, bytes
 """
 
 
@@ -18,10 +21,20 @@ def main(argv: list[str] | None = None) -> None:
         print(_USAGE)
         return
     cmd, rest = args[0], args[1:]
+    if cmd == "train":
+        from .train.cli import main as train
+
+        train(rest)
+        return
     if cmd == "demo":
-        from .train.quant_demo import main as demo
+        from .train.demo import main as demo
 
         demo(rest)
+        return
+    if cmd == "quant-demo":
+        from .train.quant_demo import main as quant_demo
+
+        quant_demo(rest)
         return
     if cmd == "plot":
         from .train.plot import main as plot

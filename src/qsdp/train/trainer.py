@@ -1,0 +1,410 @@
+"""The training loop of ``qsdp train``: FSDP2 (``fully_shard``) plus ``qsdp.compress_fsdp``.
+
+One call of :func:`train_rank` per process, inside an initialised process group (see
+``launch.py``). Every recipe sees the same initial weights and the same batches in the same
+order (both keyed by ``seed``), so runs differ only in what their collectives send.
+
+[Note: bytes on the wire]
+``wire_bytes`` is what this rank hands to ``torch.distributed`` in one optimizer step (send
+tensors, the convention of :mod:`qsdp.comm._stats`): qsdp's byte counter for the collectives a
+recipe compresses, plus what plain FSDP2 sends for those it leaves alone (weights of a
+gradient-only recipe, say). ``bf16_bytes`` is what plain FSDP2 would send with this run's
+precision (parameters gathered in the compute dtype, forward and backward for resharded
+blocks, once for the root; gradients reduce-scattered in fp32); ``compression_ratio`` is their
+quotient. Evaluation and checkpoint traffic is excluded.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+from .. import quant
+from ..config import RECIPES, CompressionConfig, recipe
+from ..fsdp import comm_state, compress_fsdp, fsdp_comm_stats
+from ..fsdp.api import _layout
+from .data import Batches, TokenData
+from .metrics import MetricsWriter, Progress
+from .model import GPT, PRESETS, ModelConfig
+
+__all__ = ["COLUMNS", "TrainConfig", "train_rank"]
+
+COLUMNS = (
+    "step",
+    "tokens",
+    "loss",
+    "val_loss",
+    "lr",
+    "tokens_per_s",
+    "step_s",
+    "wire_bytes",
+    "wire_bytes_all_gather",
+    "wire_bytes_reduce_scatter",
+    "wire_bytes_all_reduce",
+    "bf16_bytes",
+    "compression_ratio",
+    "quant_rel_err",
+    "grad_norm",
+)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything a run depends on; saved as ``OUT/config.json``."""
+
+    out: str
+    recipe: str = "sdp4bit"
+    preset: str = "cpu-tiny"
+    data: str | None = None
+    """None: the built-in corpus (Shakespeare); else a .txt, a .bin or a nanoGPT directory."""
+    tokenizer: str | None = None
+    """``byte`` (default for text) or ``gpt2``."""
+    steps: int = 200
+    micro_batch: int = 8
+    grad_accum: int = 1
+    block_size: int | None = None
+    """Default: the preset's (capped by nothing else)."""
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.1
+    warmup: int = 20
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    dropout: float = 0.0
+    eval_every: int = 50
+    eval_batches: int = 8
+    ckpt_every: int = 0
+    """Save a checkpoint every N steps (0: only at the end)."""
+    resume: bool = False
+    stop_at: int | None = None
+    """End this process after this many steps (saving a checkpoint), as an interruption would;
+    ``resume`` continues the same run. The schedule still spans ``steps``."""
+    seed: int = 0
+    two_level: bool = True
+    """Two-level recipes get a (nodes, GPUs per node) mesh under torchrun when both exceed 1."""
+    tensorboard: bool | None = None
+    progress: bool = True
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.recipe not in RECIPES:
+            raise ValueError(f"unknown recipe {self.recipe!r}; choose one of {sorted(RECIPES)}")
+        if self.preset not in PRESETS:
+            raise ValueError(f"unknown preset {self.preset!r}; choose one of {sorted(PRESETS)}")
+        for name in ("steps", "micro_batch", "grad_accum", "eval_batches"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be positive")
+        for name in ("warmup", "eval_every", "ckpt_every"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 0")
+        if self.stop_at is not None and not 0 < self.stop_at <= self.steps:
+            raise ValueError(f"--stop-at must be in [1, --steps], got {self.stop_at}")
+        if self.block_size is not None and self.block_size <= 0:
+            raise ValueError("--block-size must be positive")
+        if not 0 < self.lr < 1:
+            raise ValueError(f"--lr must be in (0, 1), got {self.lr}")
+
+    def model_config(self, vocab_size: int) -> ModelConfig:
+        base = PRESETS[self.preset]
+        block = self.block_size or base.block_size
+        return ModelConfig(
+            n_layer=base.n_layer,
+            n_head=base.n_head,
+            d_model=base.d_model,
+            block_size=block,
+            vocab_size=vocab_size,
+            dropout=self.dropout,
+        )
+
+
+def lr_at(cfg: TrainConfig, step: int) -> float:
+    """Linear warm-up to ``lr``, then cosine decay to ``min_lr_ratio * lr`` at the last step."""
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    span = max(1, cfg.steps - cfg.warmup)
+    progress = min(1.0, (step - cfg.warmup) / span)
+    floor = cfg.lr * cfg.min_lr_ratio
+    return floor + 0.5 * (cfg.lr - floor) * (1 + math.cos(math.pi * progress))
+
+
+def _mesh(config: CompressionConfig, device: torch.device, use: bool):
+    """The (inter, intra) mesh of a two-level recipe under torchrun on several nodes."""
+    import os
+
+    if config.grads_inter is None or not use:
+        return None
+    ws = dist.get_world_size()
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", ws))
+    if local <= 1 or local >= ws or ws % local:
+        return None  # one node (or one GPU per node): every peer is remote or all are local
+    return init_device_mesh(device.type, (ws // local, local), mesh_dim_names=("inter", "intra"))
+
+
+def build_model(cfg: TrainConfig, mc: ModelConfig, device: torch.device) -> GPT:
+    torch.manual_seed(cfg.seed)
+    with device:
+        model = GPT(mc)
+    mp = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if device.type == "cuda" and cfg.recipe != "qsdp-quantized-master"
+        else MixedPrecisionPolicy()
+    )
+    for block in model.blocks:
+        fully_shard(block, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
+    config = recipe(cfg.recipe)
+    compress_fsdp(model, config, mesh=_mesh(config, device, cfg.two_level))
+    return model
+
+
+def _plain_bytes(model: GPT, config: CompressionConfig, compute_bytes: int, accum: int):
+    """Per step: (all-gather, reduce-scatter) bytes plain FSDP2 sends for everything, and for
+    what ``config`` leaves uncompressed (see the module's note)."""
+    ag = rs = 0
+    ws = dist.get_world_size()
+    for name, m in model.named_modules():
+        if not isinstance(m, FSDPModule):
+            continue
+        layout = _layout(m, name, grads_only=False)
+        if layout is None:
+            raise RuntimeError("qsdp train needs FSDP2's parameter layout (torch >= 2.11)")
+        shard = sum(n for _, n, _ in layout)
+        gathers = 1 if m is model else 2  # the root is not resharded after forward
+        ag += accum * gathers * shard * compute_bytes
+        rs += ws * shard * 4
+    weights_hooked = config.weights is not None or config.weight_diffs or config.quantized_master
+    grads_hooked = config.grads is not None or config.grad_carrier is not None
+    return (ag, rs), (0 if weights_hooked else ag, 0 if grads_hooked else rs)
+
+
+def _split_bytes(delta: dict[str, int]) -> tuple[int, int, int]:
+    ag = sum(v for k, v in delta.items() if k.startswith("all_gather"))
+    rs = sum(v for k, v in delta.items() if "reduce_scatter" in k)
+    return ag, rs, sum(delta.values()) - ag - rs
+
+
+def _quant_error(model: GPT, config: CompressionConfig) -> float | None:
+    """Relative L2 error of the recipe's gradient quantizer on a sample of a gradient shard."""
+    spec = config.grads_inter or config.grads
+    if spec is None:
+        return None
+    grad = model.blocks[0].up.weight.grad
+    if grad is None:
+        return None
+    local = grad.to_local() if hasattr(grad, "to_local") else grad
+    x = local.reshape(-1)[: 1 << 16].float()
+    if x.numel() == 0 or not bool(torch.isfinite(x).all()) or float(x.norm()) == 0:
+        return None
+    y = quant.decode(quant.encode(x, spec, seed=7, step=0))
+    return float((y - x).norm() / x.norm())
+
+
+def _evaluate(model: GPT, batches: Batches, cfg: TrainConfig, device: torch.device) -> float:
+    model.eval()
+    total = torch.zeros(2, dtype=torch.float64, device=device)
+    with torch.no_grad():
+        for x, y in batches.val_batches(
+            cfg.eval_batches,
+            rank=dist.get_rank(),
+            world_size=dist.get_world_size(),
+            micro_batch=cfg.micro_batch,
+            block_size=model.config.block_size,
+        ):
+            _, loss = model(x.to(device), y.to(device))
+            n = torch.tensor(float(x.numel()), dtype=torch.float64, device=device)
+            total += torch.stack((loss.detach().double() * n, n))
+    dist.all_reduce(total)
+    model.train()
+    return float(total[0] / total[1])
+
+
+def _checkpoint_state(model: GPT, opt: torch.optim.Optimizer, step: int) -> dict:
+    msd, osd = get_state_dict(model, opt)
+    return {
+        "model": msd,
+        "optim": osd,
+        "qsdp": comm_state(model),
+        "trainer": {"step": torch.tensor(step)},
+    }
+
+
+def save_checkpoint(out: Path, model: GPT, opt: torch.optim.Optimizer, step: int) -> Path:
+    path = out / "ckpt" / f"step_{step:07d}"
+    dcp.save(_checkpoint_state(model, opt, step), checkpoint_id=str(path))
+    dist.barrier()
+    if dist.get_rank() == 0:  # the marker goes last: a half-written checkpoint is never loaded
+        tmp = out / "ckpt" / "latest.tmp"
+        tmp.write_text(path.name)
+        tmp.replace(out / "ckpt" / "latest")
+    dist.barrier()
+    return path
+
+
+def load_checkpoint(out: Path, model: GPT, opt: torch.optim.Optimizer) -> int:
+    marker = out / "ckpt" / "latest"
+    if not marker.is_file():
+        raise FileNotFoundError(
+            f"--resume: no finished checkpoint in {out / 'ckpt'} (the file 'latest' is written "
+            "after a save completes); run without --resume to start afresh"
+        )
+    path = out / "ckpt" / marker.read_text().strip()
+    state = _checkpoint_state(model, opt, 0)
+    dcp.load(state, checkpoint_id=str(path))
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    return int(state["trainer"]["step"])
+
+
+def _write_config(cfg: TrainConfig, out: Path, data: TokenData, mc: ModelConfig) -> None:
+    info = asdict(cfg) | {
+        "world_size": dist.get_world_size(),
+        "tokenizer": data.tokenizer or "ids",
+        "vocab_size": data.vocab_size,
+        "block_size": mc.block_size,
+        "n_params": mc.n_params(),
+        "torch": torch.__version__,
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+    }
+    path = out / "config.json"
+    if cfg.resume and path.is_file():
+        old = json.loads(path.read_text())
+        keys = ("recipe", "preset", "seed", "micro_batch", "grad_accum", "world_size", "block_size")
+        diff = {k: (old.get(k), info[k]) for k in keys if old.get(k) != info[k]}
+        if diff:
+            raise ValueError(f"--resume with other settings than the saved run: {diff}")
+    path.write_text(json.dumps(info, indent=2, default=str))
+
+
+def train_rank(cfg: TrainConfig, data: TokenData, device: torch.device) -> dict:
+    """Train on this rank; returns the final metrics (rank 0 also writes ``OUT/``)."""
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    out = Path(cfg.out)
+    mc = cfg.model_config(data.vocab_size)
+    batches = Batches(data)
+    model = build_model(cfg, mc, device)
+    config = recipe(cfg.recipe)
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay}],
+        lr=cfg.lr,
+        betas=(0.9, 0.95),
+        weight_decay=0.0,
+    )
+    start = load_checkpoint(out, model, opt) if cfg.resume else 0
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        _write_config(cfg, out, data, mc)
+    dist.barrier()
+    compute_bytes = 2 if device.type == "cuda" and cfg.recipe != "qsdp-quantized-master" else 4
+    (full_ag, full_rs), (plain_ag, plain_rs) = _plain_bytes(model, config, compute_bytes, 1)
+    full_ag *= cfg.grad_accum
+    plain_ag *= cfg.grad_accum
+    stats = fsdp_comm_stats(model)
+    tokens_per_step = cfg.micro_batch * mc.block_size * cfg.grad_accum * ws
+    writer = (
+        MetricsWriter(
+            out,
+            COLUMNS,
+            # rows of steps after the checkpoint are replayed: drop them
+            resume_from_step=start - 1 if cfg.resume else None,
+            tensorboard=cfg.tensorboard,
+        )
+        if rank == 0
+        else None
+    )
+    progress = Progress(cfg.steps, initial=start, disable=rank != 0 or not cfg.progress)
+    last: dict = {}
+    try:
+        end = cfg.steps if cfg.stop_at is None else max(start, cfg.stop_at)
+        for step in range(start, end):
+            lr = lr_at(cfg, step)
+            for group in opt.param_groups:
+                group["lr"] = lr
+            before = {k: v.bytes for k, v in stats.snapshot().items()}
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            loss_sum = torch.zeros((), device=device)
+            for micro in range(cfg.grad_accum):
+                model.set_requires_gradient_sync(micro == cfg.grad_accum - 1)
+                x, y = batches.train_batch(
+                    step,
+                    micro,
+                    rank=rank,
+                    world_size=ws,
+                    micro_batch=cfg.micro_batch,
+                    block_size=mc.block_size,
+                    seed=cfg.seed,
+                )
+                _, loss = model(x.to(device), y.to(device))
+                (loss / cfg.grad_accum).backward()
+                loss_sum += loss.detach() / cfg.grad_accum
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+            norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+            qerr = (
+                _quant_error(model, config)
+                if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps - 1)
+                else None
+            )
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG)
+            loss_val = float(loss_sum)  # waits for the step
+            step_s = time.perf_counter() - t0
+            after = {k: v.bytes for k, v in stats.snapshot().items()}
+            delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+            ag, rs, ar = _split_bytes(delta)
+            ag, rs = ag + plain_ag, rs + plain_rs
+            wire = ag + rs + ar
+            val = None
+            if cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or step == cfg.steps - 1):
+                val = _evaluate(model, batches, cfg, device)
+            if not math.isfinite(loss_val):
+                raise FloatingPointError(
+                    f"the training loss is {loss_val} at step {step}: lower --lr, raise "
+                    "--warmup, or check the data"
+                )
+            last = dict(
+                tokens=(step + 1) * tokens_per_step,
+                loss=loss_val,
+                val_loss=val,
+                lr=lr,
+                tokens_per_s=tokens_per_step / step_s,
+                step_s=step_s,
+                wire_bytes=wire,
+                wire_bytes_all_gather=ag,
+                wire_bytes_reduce_scatter=rs,
+                wire_bytes_all_reduce=ar,
+                bf16_bytes=full_ag + full_rs,
+                compression_ratio=(full_ag + full_rs) / wire if wire else None,
+                quant_rel_err=qerr,
+                grad_norm=float(norm),
+            )
+            if writer is not None:
+                writer.log(step, **last)
+            progress.update(
+                step + 1,
+                loss=loss_val,
+                tokens_per_s=last["tokens_per_s"],
+                compression_ratio=last["compression_ratio"],
+                val_loss=val,
+            )
+            done = step + 1
+            if cfg.ckpt_every and done % cfg.ckpt_every == 0 and done < end:
+                save_checkpoint(out, model, opt, done)
+        if start < end:
+            save_checkpoint(out, model, opt, end)
+    finally:
+        progress.close()
+        if writer is not None:
+            writer.close()
+    return last

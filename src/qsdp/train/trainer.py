@@ -5,13 +5,14 @@ One call of :func:`train_rank` per process, inside an initialised process group 
 order (both keyed by ``seed``), so runs differ only in what their collectives send.
 
 [Note: bytes on the wire]
-``wire_bytes`` is what this rank hands to ``torch.distributed`` in one optimizer step (send
-tensors, the convention of :mod:`qsdp.comm._stats`): qsdp's byte counter for the collectives a
-recipe compresses, plus what plain FSDP2 sends for those it leaves alone (weights of a
-gradient-only recipe, say). ``bf16_bytes`` is what plain FSDP2 would send with this run's
-precision (parameters gathered in the compute dtype, forward and backward for resharded
-blocks, once for the root; gradients reduce-scattered in fp32); ``compression_ratio`` is their
-quotient. Evaluation and checkpoint traffic is excluded.
+``wire_bytes`` is what this rank sends in one optimizer step: qsdp's byte counter for the
+collectives a recipe compresses (an all-gather sends its shard; a reduce-scatter the
+``world - 1`` chunks meant for the peers), plus the same measure of plain FSDP2 for those it
+leaves alone (weights of a gradient-only recipe, say). ``bf16_bytes`` is that measure for the
+uncompressed ``"bf16"`` recipe with this run's precision (parameters gathered in the compute
+dtype: bf16 on GPUs, fp32 on CPUs; forward and backward for resharded blocks, once for the root;
+gradients reduce-scattered in fp32); ``compression_ratio`` is their quotient. Evaluation and
+checkpoint traffic is excluded.
 """
 
 from __future__ import annotations
@@ -180,7 +181,7 @@ def _plain_bytes(model: GPT, config: CompressionConfig, compute_bytes: int, accu
         shard = sum(n for _, n, _ in layout)
         gathers = 1 if m is model else 2  # the root is not resharded after forward
         ag += accum * gathers * shard * compute_bytes
-        rs += ws * shard * 4
+        rs += (ws - 1) * shard * 4  # the chunks that leave for the peers, as qsdp counts them
     weights_hooked = config.weights is not None or config.weight_diffs or config.quantized_master
     grads_hooked = config.grads is not None or config.grad_carrier is not None
     return (ag, rs), (0 if weights_hooked else ag, 0 if grads_hooked else rs)

@@ -96,6 +96,8 @@ def fsdp_table(paths: list[Path]) -> str:
     meta = None
     for p in paths:
         d = json.loads(p.read_text())
+        if d["world_size"] != 4:
+            continue  # scaling points: scaling_table
         meta = d
         runs[d["regime"]] = {r["variant"]: r for r in d["rows"]}
         stamps[d["regime"]] = d["date"][:16].replace("T", " ")
@@ -131,6 +133,32 @@ def fsdp_table(paths: list[Path]) -> str:
     return "\n".join(out)
 
 
+def scaling_table(paths: list[Path]) -> str:
+    """Tokens/s per GPU by world size (1, 2, 4 GPUs of one host) and regime."""
+    rows: dict[tuple[str, str], dict[int, float]] = {}
+    for p in paths:
+        d = json.loads(p.read_text())
+        for r in d["rows"]:
+            regime = "1 GPU" if d["world_size"] == 1 else d["regime"]
+            rows.setdefault((regime, r["variant"]), {})[d["world_size"]] = (
+                r["tokens_per_s"] / d["world_size"]
+            )
+    out = [
+        "Tokens/s per GPU, GPT 1.42 B, micro-batch 8 (2x2 at 2 GPUs means 2 nodes x 1 GPU):",
+        "",
+        "| regime | variant | 1 GPU | 2 GPUs | 4 GPUs | 4 vs 2 |",
+        "|---|---|---|---|---|---|",
+    ]
+    one = {v: t[1] for (reg, v), t in rows.items() if reg == "1 GPU"}
+    for (reg, v), t in sorted(rows.items()):
+        if reg in ("1 GPU", "nvlink"):
+            continue
+        keep = f"{t[4] / t[2]:.2f}" if 2 in t and 4 in t else ""
+        cells = [f"{one.get(v, 0):.0f}", f"{t.get(2, 0):.0f}", f"{t.get(4, 0):.0f}"]
+        out.append(f"| {reg} | {v} | " + " | ".join(cells) + f" | {keep} |")
+    return "\n".join(out)
+
+
 def main() -> None:
     quant = sorted(RESULTS.glob("quant_*.json"))
     coll = sorted(RESULTS.glob("collectives_*.json"))
@@ -141,6 +169,7 @@ def main() -> None:
     fsdp = sorted(RESULTS.glob("fsdp_step_*.json"))
     if fsdp:
         print(fsdp_table(fsdp), end="\n\n")
+        print(scaling_table(fsdp), end="\n\n")
     if coll:
         for size, dtype in ((1024, "bfloat16"), (256, "bfloat16"), (1024, "float32")):
             print(collectives_table(coll, size, dtype), end="\n\n")

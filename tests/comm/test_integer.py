@@ -151,6 +151,14 @@ def _check_nonfinite(rank, ws):
     with pytest.raises(ValueError, match="NaN or Inf"):
         integer_reduce_scatter(out, x)
     integer_all_reduce(rank_tensor(rank, 10))  # the group is still usable
+    # "propagate": no host check; the NaN group decodes to NaN, the other groups stay exact-ish
+    t = rank_tensor(rank, 300)
+    if rank == ws - 1:
+        t[17] = float("nan")
+    integer_all_reduce(t, nonfinite="propagate", group_size=128)
+    assert not bool(t[:128].isfinite().any()) and bool(t[128:].isfinite().all())
+    with pytest.raises(ValueError, match="nonfinite must be 'raise' or 'propagate'"):
+        integer_reduce_scatter(out, x, nonfinite="zero")
 
 
 def _check_async_and_unbiased(rank, ws):

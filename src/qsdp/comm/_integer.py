@@ -85,6 +85,12 @@ def _local_scales(rows: torch.Tensor, group_size: int) -> torch.Tensor:
     return torch.where(torch.isnan(scales), float("inf"), scales)
 
 
+def _check_nonfinite_option(nonfinite: str) -> bool:
+    if nonfinite not in ("raise", "propagate"):
+        raise ValueError(f"nonfinite must be 'raise' or 'propagate', got {nonfinite!r}")
+    return nonfinite == "raise"
+
+
 def _check_global_scales(scales: torch.Tensor, what: str) -> None:
     bad = int((~torch.isfinite(scales)).sum())
     if bad:
@@ -108,6 +114,7 @@ def integer_all_reduce(
     step: int = 0,
     bucket: int = 0,
     stats: CommStats | None = None,
+    nonfinite: str = "raise",
 ) -> C.CommWork | None:
     """Global-QSGD all-reduce of ``tensor`` in place: one MAX of scales, one integer SUM.
 
@@ -133,14 +140,19 @@ def integer_all_reduce(
             its own stream (from its global rank and ``bucket``).
         bucket: separates buffers reduced in the same step.
         stats: the byte counter to record into (default :data:`qsdp.comm.comm_stats`).
+        nonfinite: ``"raise"`` checks the all-reduced scales for NaN/Inf on the host (one sync
+            per call, every rank raises); ``"propagate"`` skips the syncs: NaN/Inf groups decode
+            to NaN/Inf (the FSDP hooks check gradients themselves, once per backward).
 
     Returns:
         A :class:`CommWork` when ``async_op``, else None.
 
     Raises:
-        ValueError: NaN/Inf on any rank (all ranks raise), too many ranks for the carrier.
+        ValueError: NaN/Inf on any rank (all ranks raise; ``nonfinite="raise"``), too many
+            ranks for the carrier.
     """
     rnd = _check_options(carrier, group_size, rounding)
+    check = _check_nonfinite_option(nonfinite)
     op = C.parse_op(op)
     C.check_key(seed, step, bucket)
     C.check_float(tensor, "tensor")
@@ -150,13 +162,13 @@ def integer_all_reduce(
     stats = C.resolve_stats(stats)
     stats.count_call("integer_all_reduce")
     stages = _all_reduce_stages(
-        tensor, pg, n, carrier, op, group_size, rnd, levels, seed, step, bucket, stats
+        tensor, pg, n, carrier, op, group_size, rnd, levels, seed, step, bucket, stats, check
     )
     return C.run_stages(stages, async_op)
 
 
 def _all_reduce_stages(
-    tensor, pg, n, carrier, op, group_size, rnd, levels, seed, step, bucket, stats
+    tensor, pg, n, carrier, op, group_size, rnd, levels, seed, step, bucket, stats, check
 ) -> C.Stages:
     name = "integer_all_reduce"
     flat = tensor.view(-1)
@@ -164,7 +176,8 @@ def _all_reduce_stages(
         return
     scales = _local_scales(flat.reshape(1, -1), group_size)[0]
     yield [C.all_reduce(scales, dist.ReduceOp.MAX, pg, stats, name)], False
-    _check_global_scales(scales, name)
+    if check:
+        _check_global_scales(scales, name)
     q = global_int_encode(
         flat,
         scales,
@@ -175,6 +188,7 @@ def _all_reduce_stages(
         seed=seed,
         step=step,
         stream=C.noise_stream(dist.get_rank(), 0, bucket=bucket),
+        nonfinite="raise" if check else "propagate",
     )
     yield [C.all_reduce(q, dist.ReduceOp.SUM, pg, stats, name)], True
     flat.copy_(global_int_decode(q, scales, levels, world_size=n, group_size=group_size, op=op))
@@ -194,6 +208,7 @@ def integer_reduce_scatter(
     step: int = 0,
     bucket: int = 0,
     stats: CommStats | None = None,
+    nonfinite: str = "raise",
 ) -> C.CommWork | None:
     """Global-QSGD reduce-scatter: MAX of scales, then the plain SUM reduce-scatter on integers.
 
@@ -206,7 +221,8 @@ def integer_reduce_scatter(
         output: ``m`` elements, float32/bf16/fp16, contiguous.
         input: ``world_size * m`` elements; chunk ``j`` is bound for rank ``j`` (the layout of
             ``dist.reduce_scatter_tensor``). Encoded before the call returns.
-        group, carrier, op, group_size, rounding, async_op, seed, step, bucket, stats: as in
+        group, carrier, op, group_size, rounding, async_op, seed, step, bucket, stats,
+        nonfinite: as in
             :func:`integer_all_reduce`.
 
     Returns:
@@ -217,6 +233,7 @@ def integer_reduce_scatter(
             ``input.numel()`` not divisible by the world size.
     """
     rnd = _check_options(carrier, group_size, rounding)
+    check = _check_nonfinite_option(nonfinite)
     op = C.parse_op(op)
     C.check_key(seed, step, bucket)
     pg, n, _ = C.group_info(group)
@@ -225,13 +242,27 @@ def integer_reduce_scatter(
     stats = C.resolve_stats(stats)
     stats.count_call("integer_reduce_scatter")
     stages = _reduce_scatter_stages(
-        output, input, pg, n, m, carrier, op, group_size, rnd, levels, seed, step, bucket, stats
+        output,
+        input,
+        pg,
+        n,
+        m,
+        carrier,
+        op,
+        group_size,
+        rnd,
+        levels,
+        seed,
+        step,
+        bucket,
+        stats,
+        check,
     )
     return C.run_stages(stages, async_op)
 
 
 def _reduce_scatter_stages(
-    output, input, pg, n, m, carrier, op, group_size, rnd, levels, seed, step, bucket, stats
+    output, input, pg, n, m, carrier, op, group_size, rnd, levels, seed, step, bucket, stats, check
 ) -> C.Stages:
     name = "integer_reduce_scatter"
     if m == 0:
@@ -239,7 +270,8 @@ def _reduce_scatter_stages(
     chunks = input.reshape(n, m)
     scales = _local_scales(chunks, group_size)
     yield [C.all_reduce(scales, dist.ReduceOp.MAX, pg, stats, name)], False
-    _check_global_scales(scales, name)
+    if check:
+        _check_global_scales(scales, name)
     dtype = CARRIERS[carrier][0]
     q = torch.empty(n, m, dtype=dtype, device=input.device)
     me = dist.get_rank()
@@ -255,6 +287,7 @@ def _reduce_scatter_stages(
             step=step,
             stream=C.noise_stream(me, j, bucket=bucket),
             out=q[j],
+            nonfinite="raise" if check else "propagate",
         )
     summed = torch.empty(m, dtype=dtype, device=input.device)
     yield [C.reduce_scatter_sum(summed, q.view(-1), pg, stats, name)], True

@@ -135,6 +135,7 @@ class QuantizedReduceScatter(_Hook, ReduceScatter):
                 carrier=self.carrier,
                 op=op,
                 group_size=self.group_size,
+                nonfinite="propagate",  # decided by this hook, once per backward
                 **key,
             )
         elif self.mesh is not None:

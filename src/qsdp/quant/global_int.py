@@ -92,6 +92,7 @@ def global_int_encode(
     stream: int = 0,
     out: torch.Tensor | None = None,
     backend: Backend = "auto",
+    nonfinite: str = "raise",
 ) -> torch.Tensor:
     """Integer codes of ``x`` (flattened, in the carrier's dtype) against the global ``scales``.
 
@@ -129,7 +130,11 @@ def global_int_encode(
             f"out must be a contiguous {dtype} tensor of {n} elements; got {out.dtype=} "
             f"{tuple(out.shape)=}"
         )
-    bad = int((~torch.isfinite(scales)).sum())
+    if nonfinite not in ("raise", "propagate"):
+        raise ValueError(f"nonfinite must be 'raise' or 'propagate', got {nonfinite!r}")
+    # "raise" reads the scales on the host (a sync); "propagate" leaves a non-finite group's
+    # codes undefined and its decoded values NaN/Inf (M = inf), for callers that check first
+    bad = int((~torch.isfinite(scales)).sum()) if nonfinite == "raise" else 0
     if bad:
         raise ValueError(
             f"cannot quantize: {bad} of {ng} groups hold NaN or Inf (a non-finite scale); fix the "

@@ -2,7 +2,8 @@
 # The convergence study of the trainer issue on one 4-GPU host: GPT-125M on the Shakespeare
 # corpus with GPT-2 BPE, every recipe with the same seed and data order, all recipes at once,
 # each on 2 GPUs (torchrun, NCCL; one node, so two-level recipes run their 4-bit inter-node
-# quantizer between both ranks). Metrics and configs go to $OUT/<recipe>/.
+# quantizer between both ranks). Metrics and configs go to $OUT/<recipe>/. RECIPES="a b" runs
+# a subset.
 #   DATA=path/to/prepared/shakespeare-gpt2 OUT=out bash benchmarks/run_convergence.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -13,7 +14,7 @@ LIMIT_S=${LIMIT_S:-480}
 RUNS=${RUNS:-/tmp/qsdp-study}
 export PYTHONPATH=src PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-recipes=(bf16 w4-direct qwd-only tlq-no-hadamard tlq-hs-only sdp4bit qsdp-w8g8 global-qsgd)
+read -r -a recipes <<< "${RECIPES:-bf16 w4-direct qwd-only tlq-no-hadamard tlq-hs-only sdp4bit qsdp-w8g8 global-qsgd}"
 pairs=$(( $(nvidia-smi -L | wc -l) / 2 ))
 mkdir -p "$OUT" "$RUNS"
 pids=()

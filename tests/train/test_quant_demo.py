@@ -53,6 +53,12 @@ def test_cli():
     bad = subprocess.run([sys.executable, "-m", "qsdp", "bogus"], capture_output=True, text=True)
     assert bad.returncode != 0 and "unknown command 'bogus'" in bad.stderr
     bad = subprocess.run(
-        [sys.executable, "-m", "qsdp", "demo", "--steps", "0"], capture_output=True, text=True
+        [sys.executable, "-m", "qsdp", "quant-demo", "--steps", "0"],
+        capture_output=True,
+        text=True,
     )
     assert bad.returncode != 0 and "--steps=0 must be >= 1" in bad.stderr
+    bad = subprocess.run(
+        [sys.executable, "-m", "qsdp", "demo", "--steps", "0"], capture_output=True, text=True
+    )
+    assert bad.returncode != 0 and "qsdp demo: --steps=0 must be >= 5" in bad.stderr

@@ -39,7 +39,10 @@ def main(argv: list[str] | None = None) -> dict:
     )
     p.add_argument("--steps", type=int, default=250)
     p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--data", help="a text file instead of the built-in corpus")
     a = p.parse_args(argv)
+    if a.steps < 5:
+        raise SystemExit(f"qsdp demo: --steps={a.steps} must be >= 5")
     out = Path(a.out)
     if out.exists() and any(out.iterdir()):
         raise SystemExit(f"qsdp demo: {out} is not empty; pass --out to a new directory")
@@ -51,6 +54,7 @@ def main(argv: list[str] | None = None) -> dict:
             out=str(out / name),
             recipe=name,
             preset="cpu-tiny",
+            data=a.data,
             steps=a.steps,
             eval_every=max(1, a.steps // 5),
             lr=3e-3,

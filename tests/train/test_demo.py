@@ -1,0 +1,31 @@
+"""``qsdp demo`` end to end on a small local text (the README's main command, shortened)."""
+
+from __future__ import annotations
+
+import json
+
+from qsdp.train.demo import main as demo
+
+TEXT = "Shall I compare thee to a summer's day? Thou art more lovely and more temperate. " * 300
+
+
+def test_demo_writes_the_table_summary_and_plot(tmp_path, capsys):
+    (tmp_path / "sonnet.txt").write_text(TEXT)
+    out = tmp_path / "demo"
+    demo(["--out", str(out), "--steps", "10", "--data", str(tmp_path / "sonnet.txt")])
+    summary = json.loads((out / "summary.json").read_text())
+    runs = {r["recipe"]: r for r in summary["runs"]}
+    assert set(runs) == {"bf16", "sdp4bit"}
+    assert runs["bf16"]["ratio_vs_bf16"] == 1.0
+    assert runs["sdp4bit"]["ratio_vs_bf16"] > 8  # 4-bit weight differences and gradients
+    assert abs(runs["sdp4bit"]["val_loss_vs_bf16"]) < 0.05
+    assert (out / "demo.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    table = capsys.readouterr().out
+    assert "sdp4bit" in table and "ratio" in table
+    # a second run into the same directory is refused instead of mixing runs
+    try:
+        demo(["--out", str(out), "--steps", "10"])
+    except SystemExit as e:
+        assert "is not empty" in str(e.code)
+    else:
+        raise AssertionError("a non-empty --out was accepted")

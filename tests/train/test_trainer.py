@@ -161,3 +161,19 @@ def test_config_is_frozen():
     with pytest.raises(AttributeError):
         cfg.steps = 3  # type: ignore[misc]
     assert replace(cfg, steps=3).steps == 3
+
+
+def _accumulate(rank: int, world: int, data: str, root: str) -> None:
+    d, cpu = open_data(Path(data)), torch.device("cpu")
+    train_rank(_cfg(Path(root) / "one", "qsdp-w8g8", steps=2), d, cpu)
+    train_rank(_cfg(Path(root) / "two", "qsdp-w8g8", steps=2, grad_accum=2), d, cpu)
+
+
+def test_accumulation_gathers_per_micro_step_and_reduces_once(data_dir, tmp_path):
+    run_distributed(_accumulate, 2, str(data_dir), str(tmp_path))
+    one, two = _rows(tmp_path / "one")[-1], _rows(tmp_path / "two")[-1]
+    # weights are gathered for every micro-step; gradients reduce-scattered once per step
+    assert int(two["wire_bytes_all_gather"]) == 2 * int(one["wire_bytes_all_gather"])
+    assert int(two["wire_bytes_reduce_scatter"]) == int(one["wire_bytes_reduce_scatter"])
+    assert int(two["tokens"]) == 2 * int(one["tokens"])
+    assert np.isfinite(float(two["loss"]))

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import socket
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -87,7 +86,7 @@ def _torchrun(cfg: TrainConfig) -> dict:
         dist.barrier()
         if path is None:
             path = prepare_data(cfg.data, cfg.tokenizer)
-        last = train_rank(replace(cfg), open_data(path), device)
+        last = train_rank(cfg, open_data(path), device)
         return last if dist.get_rank() == 0 else {}
     finally:
         dist.destroy_process_group()

@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -94,7 +95,6 @@ class TrainConfig:
     """Two-level recipes get a (nodes, GPUs per node) mesh under torchrun when both exceed 1."""
     tensorboard: bool | None = None
     progress: bool = True
-    extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.recipe not in RECIPES:
@@ -139,8 +139,6 @@ def lr_at(cfg: TrainConfig, step: int) -> float:
 
 def _mesh(config: CompressionConfig, device: torch.device, use: bool):
     """The (inter, intra) mesh of a two-level recipe under torchrun on several nodes."""
-    import os
-
     if config.grads_inter is None or not use:
         return None
     ws = dist.get_world_size()

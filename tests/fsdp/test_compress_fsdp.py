@@ -13,6 +13,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.utils.checkpoint import checkpoint
 
 import qsdp
+from qsdp.fsdp._gathers import fused_row
 from qsdp.fsdp.api import _installed, _layout
 from qsdp.testing import assert_same_on_all_ranks, count_dist_bytes, run_distributed
 from qsdp.train.quant_demo import corpus
@@ -168,7 +169,10 @@ def _one_step_bytes(rank: int, world: int, recipe: str, policy: bool = True) -> 
                 chunk = sum(n for _, n, _ in _layout(m, "", grads_only=False))
                 n_comp, n_raw = (ag.split.n_comp, ag.split.n_raw) if ag.split else (chunk, 0)
                 raw_names.update(ag.split.raw_names if ag.split else ())
-                expect_ag += ag._steps.calls * config.weights.payload_bytes(n_comp)
+                if ag.split:  # codes and raw values in one all-gather (16-byte aligned)
+                    expect_ag += ag._steps.calls * fused_row(config.weights, n_comp, 4 * n_raw)[1]
+                else:
+                    expect_ag += ag._steps.calls * config.weights.payload_bytes(n_comp)
                 expect_raw += ag._steps.calls * n_raw * 4
         out["expect_ag"], out["expect_raw"], out["raw_names"] = expect_ag, expect_raw, raw_names
     return out
@@ -199,8 +203,11 @@ def test_bytes_on_the_wire_per_step():
     # default policy: biases, norms and small tensors travel raw, exactly as the split says
     assert w8g8["raw_names"] >= {"blocks.0.norm1.weight", "blocks.1.linear2.bias", "head.bias"}
     assert not any(n.endswith(("linear1.weight", "in_proj_weight")) for n in w8g8["raw_names"])
-    assert w8g8["stats"]["all_gather"] == w8g8["expect_ag"]
-    assert w8g8["stats"]["all_gather_raw"] == w8g8["expect_raw"] > 0
+    assert w8g8["stats"]["all_gather"] == w8g8["expect_ag"] and w8g8["expect_raw"] > 0
+    assert "all_gather_raw" not in w8g8["stats"]
+    # one torch.distributed all-gather per FSDP gather, as without a policy
+    ag_calls = {k: v for k, v in w8g8["calls"].items() if k.startswith("all_gather")}
+    assert ag_calls == {k: v for k, v in flat["calls"].items() if k.startswith("all_gather")}
     assert gathered(flat) < gathered(w8g8) < 0.3 * ag0
 
 

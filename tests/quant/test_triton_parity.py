@@ -218,6 +218,21 @@ def test_decode_rows_bit_exact(had, n):
         _same(ref[i], decode_sum(rows[i : i + 1], n, spec, backend="reference"))
 
 
+@pytest.mark.parametrize("n", [333, 4096 + 13])
+def test_decode_rows_strided_payload_rows(n):
+    # the FSDP policy-split gather: [codes | pad | raw bytes | pad] per rank, rows 16-aligned
+    spec = _spec(8, "absmax", "nearest")
+    nbytes = spec.payload_bytes(n)
+    row = -(-nbytes // 16) * 16 + 48
+    rows = torch.zeros(3, row, dtype=torch.uint8)[:, :nbytes]
+    for i in range(3):
+        encode(heavy_tailed(n, seed=i), spec, stream=i, out=rows[i], backend="reference")
+    ref = decode_rows(rows.contiguous(), n, spec, backend="reference")
+    tri = torch.full((3, n), float("nan"))
+    decode_rows(rows, n, spec, out=tri, backend="triton")
+    _same(ref, tri)
+
+
 def test_decode_rows_checks_out():
     spec = _spec(8, "absmax", "nearest")
     rows = torch.stack([encode(torch.randn(100), spec).payload for _ in range(2)])

@@ -18,7 +18,12 @@ from ..quant import encode as qc_encode
 from ._hooks import StepClock, _Counter, _Gather, _usable
 from ._split import Split
 
-__all__ = ["QuantizedAllGather", "QuantizedMasterAllGather", "WeightDiffAllGather"]
+__all__ = [
+    "QuantizedAllGather",
+    "QuantizedMasterAllGather",
+    "WeightDiffAllGather",
+    "fused_row",
+]
 
 
 def _no_raise(spec: QuantSpec) -> QuantSpec:
@@ -56,14 +61,38 @@ class QuantizedAllGather(_Gather):
         n = group.size()
         comp, raw = split.take(input_tensor.view(1, -1))  # copies: input aliases output
         comp, raw = comp.reshape(-1), raw.reshape(-1)
-        comp_out = torch.empty(n * comp.numel(), dtype=comp.dtype, device=comp.device)
-        raw_out = torch.empty(n * raw.numel(), dtype=raw.dtype, device=raw.device)
+        at, row = fused_row(self.spec, comp.numel(), raw.numel() * raw.element_size())
+        # one all-gather per group: [codes | pad | raw bytes | pad] from every rank
+        send = torch.zeros(row, dtype=torch.uint8, device=input_tensor.device)
         if comp.numel():
-            qc.all_gather(comp_out, comp, group, spec=self.spec, **key)
-        if raw.numel():
-            counted_all_gather(raw_out, raw, group, self.stats, "all_gather_raw").wait()
-        split.put(output_tensor.view(n, -1), comp_out.view(n, -1), raw_out.view(n, -1))
+            qc_encode(
+                comp,
+                self.spec,
+                seed=self.seed,
+                step=key["step"],
+                stream=qc_noise_stream(dist.get_rank(), 0, bucket=self.bucket),
+                out=send[: self.spec.payload_bytes(comp.numel())],
+            )
+        send[at : at + raw.numel() * raw.element_size()].copy_(raw.view(torch.uint8))
+        self.stats.count_call("all_gather")
+        recv = torch.empty(n * row, dtype=torch.uint8, device=send.device)
+        counted_all_gather(recv, send, group, self.stats, "all_gather").wait()
+        rows = recv.view(n, row)
+        comp_out = torch.empty(n, comp.numel(), dtype=comp.dtype, device=comp.device)
+        if comp.numel():
+            nbytes = self.spec.payload_bytes(comp.numel())
+            qc_decode_rows(rows[:, :nbytes], comp.numel(), self.spec, out=comp_out)
+        raw_out = rows[:, at : at + raw.numel() * raw.element_size()].contiguous()
+        split.put(output_tensor.view(n, -1), comp_out, raw_out.view(raw.dtype).view(n, -1))
         return None
+
+
+def fused_row(spec: QuantSpec, n_comp: int, raw_bytes: int) -> tuple[int, int]:
+    """(offset of the raw bytes, bytes per rank) of a policy-split all-gather's send buffer:
+    the codes of ``n_comp`` elements, then the raw bytes, each padded to 16 bytes so every
+    rank's payload starts on a scale-word boundary."""
+    at = -(-spec.payload_bytes(n_comp) // 16) * 16
+    return at, at + -(-raw_bytes // 16) * 16
 
 
 class WeightDiffAllGather(_Gather):

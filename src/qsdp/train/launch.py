@@ -5,7 +5,7 @@ CPUs); run plainly, start ``nproc`` local gloo processes on this CPU machine. Th
 from __future__ import annotations
 
 import os
-import socket
+import tempfile
 from pathlib import Path
 
 import torch
@@ -29,44 +29,40 @@ def launch(cfg: TrainConfig, *, nproc: int = 2) -> dict:
     if nproc < 1:
         raise ValueError(f"--nproc must be >= 1, got {nproc}")
     path = prepare_data(cfg.data, cfg.tokenizer)
-    port = _free_port()
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
-    procs = [
-        ctx.Process(target=_local_worker, args=(r, nproc, port, cfg, str(path), results))
-        for r in range(nproc)
-    ]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join()
+    # rendezvous through a file, not a TCP store owned by rank 0: no rank's exit can pull the
+    # store from under a peer that is still shutting down
+    with tempfile.TemporaryDirectory(prefix="qsdp-train-") as tmp:
+        store = f"file://{Path(tmp) / 'store'}"
+        procs = [
+            ctx.Process(target=_local_worker, args=(r, nproc, store, cfg, str(path), results))
+            for r in range(nproc)
+        ]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join()
     failed = {r: p.exitcode for r, p in enumerate(procs) if p.exitcode != 0}
     if failed:
         raise RuntimeError(f"qsdp train: ranks exited with codes {failed} (see their errors above)")
     return results.get()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _local_worker(rank: int, world: int, port: int, cfg: TrainConfig, path: str, results) -> None:
+def _local_worker(rank: int, world: int, store: str, cfg: TrainConfig, path: str, results) -> None:
     os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
         RANK=str(rank),
         WORLD_SIZE=str(world),
         LOCAL_RANK=str(rank),
         LOCAL_WORLD_SIZE=str(world),
     )
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=store, rank=rank, world_size=world)
     try:
         last = train_rank(cfg, open_data(Path(path)), torch.device("cpu"))
         if rank == 0:
             results.put(last)
+        dist.barrier()  # every rank is done before any leaves
     finally:
         dist.destroy_process_group()
 

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from ..quant import CARRIERS, Rounding, global_int_decode, global_int_encode, global_int_levels
 from ..quant import group_absmax as _group_absmax
+from ..quant.global_int import nonfinite_mode
 from . import _common as C
 from ._reduce_scatter import check_chunks
 from ._stats import CommStats
@@ -85,12 +86,6 @@ def _local_scales(rows: torch.Tensor, group_size: int) -> torch.Tensor:
     return torch.where(torch.isnan(scales), float("inf"), scales)
 
 
-def _check_nonfinite_option(nonfinite: str) -> bool:
-    if nonfinite not in ("raise", "propagate"):
-        raise ValueError(f"nonfinite must be 'raise' or 'propagate', got {nonfinite!r}")
-    return nonfinite == "raise"
-
-
 def _check_global_scales(scales: torch.Tensor, what: str) -> None:
     bad = int((~torch.isfinite(scales)).sum())
     if bad:
@@ -152,7 +147,7 @@ def integer_all_reduce(
             ranks for the carrier.
     """
     rnd = _check_options(carrier, group_size, rounding)
-    check = _check_nonfinite_option(nonfinite)
+    nonfinite = nonfinite_mode(nonfinite)
     op = C.parse_op(op)
     C.check_key(seed, step, bucket)
     C.check_float(tensor, "tensor")
@@ -162,13 +157,13 @@ def integer_all_reduce(
     stats = C.resolve_stats(stats)
     stats.count_call("integer_all_reduce")
     stages = _all_reduce_stages(
-        tensor, pg, n, carrier, op, group_size, rnd, levels, seed, step, bucket, stats, check
+        tensor, pg, n, carrier, op, group_size, rnd, levels, seed, step, bucket, stats, nonfinite
     )
     return C.run_stages(stages, async_op)
 
 
 def _all_reduce_stages(
-    tensor, pg, n, carrier, op, group_size, rnd, levels, seed, step, bucket, stats, check
+    tensor, pg, n, carrier, op, group_size, rnd, levels, seed, step, bucket, stats, nonfinite
 ) -> C.Stages:
     name = "integer_all_reduce"
     flat = tensor.view(-1)
@@ -176,7 +171,7 @@ def _all_reduce_stages(
         return
     scales = _local_scales(flat.reshape(1, -1), group_size)[0]
     yield [C.all_reduce(scales, dist.ReduceOp.MAX, pg, stats, name)], False
-    if check:
+    if nonfinite == "raise":
         _check_global_scales(scales, name)
     q = global_int_encode(
         flat,
@@ -188,7 +183,7 @@ def _all_reduce_stages(
         seed=seed,
         step=step,
         stream=C.noise_stream(dist.get_rank(), 0, bucket=bucket),
-        nonfinite="raise" if check else "propagate",
+        nonfinite=nonfinite,
     )
     yield [C.all_reduce(q, dist.ReduceOp.SUM, pg, stats, name)], True
     flat.copy_(global_int_decode(q, scales, levels, world_size=n, group_size=group_size, op=op))
@@ -233,7 +228,7 @@ def integer_reduce_scatter(
             ``input.numel()`` not divisible by the world size.
     """
     rnd = _check_options(carrier, group_size, rounding)
-    check = _check_nonfinite_option(nonfinite)
+    nonfinite = nonfinite_mode(nonfinite)
     op = C.parse_op(op)
     C.check_key(seed, step, bucket)
     pg, n, _ = C.group_info(group)
@@ -256,13 +251,27 @@ def integer_reduce_scatter(
         step,
         bucket,
         stats,
-        check,
+        nonfinite,
     )
     return C.run_stages(stages, async_op)
 
 
 def _reduce_scatter_stages(
-    output, input, pg, n, m, carrier, op, group_size, rnd, levels, seed, step, bucket, stats, check
+    output,
+    input,
+    pg,
+    n,
+    m,
+    carrier,
+    op,
+    group_size,
+    rnd,
+    levels,
+    seed,
+    step,
+    bucket,
+    stats,
+    nonfinite,
 ) -> C.Stages:
     name = "integer_reduce_scatter"
     if m == 0:
@@ -270,7 +279,7 @@ def _reduce_scatter_stages(
     chunks = input.reshape(n, m)
     scales = _local_scales(chunks, group_size)
     yield [C.all_reduce(scales, dist.ReduceOp.MAX, pg, stats, name)], False
-    if check:
+    if nonfinite == "raise":
         _check_global_scales(scales, name)
     dtype = CARRIERS[carrier][0]
     q = torch.empty(n, m, dtype=dtype, device=input.device)
@@ -287,7 +296,7 @@ def _reduce_scatter_stages(
             step=step,
             stream=C.noise_stream(me, j, bucket=bucket),
             out=q[j],
-            nonfinite="raise" if check else "propagate",
+            nonfinite=nonfinite,
         )
     summed = torch.empty(m, dtype=dtype, device=input.device)
     yield [C.reduce_scatter_sum(summed, q.view(-1), pg, stats, name)], True

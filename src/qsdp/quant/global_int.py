@@ -83,6 +83,13 @@ def _per_element(scales: torch.Tensor, n: int, group_size: int) -> torch.Tensor:
     return scales.float().repeat_interleave(group_size)[:n]
 
 
+def nonfinite_mode(nonfinite: str) -> str:
+    """``nonfinite`` checked: ``"raise"`` or ``"propagate"`` (the integer path's choice)."""
+    if nonfinite not in ("raise", "propagate"):
+        raise ValueError(f"nonfinite must be 'raise' or 'propagate', got {nonfinite!r}")
+    return nonfinite
+
+
 def global_int_encode(
     x: torch.Tensor,
     scales: torch.Tensor,
@@ -114,8 +121,12 @@ def global_int_encode(
         backend: ``"auto"`` (Triton on CUDA), ``"reference"`` or ``"triton"``; the Triton kernel
             needs a power-of-two ``group_size`` from 16 to 8192.
 
+        nonfinite: ``"raise"`` (read the scales on the host, raise on a non-finite one) or
+            ``"propagate"`` (no sync; such a group decodes to NaN/Inf).
+
     Raises:
-        ValueError: a non-finite scale (NaN/Inf in some rank's group), bad levels or shapes.
+        ValueError: a non-finite scale (NaN/Inf in some rank's group, with ``"raise"``), bad
+            levels or shapes.
     """
     dtype, limit = _carrier(carrier)
     if not 1 <= levels <= limit:
@@ -134,8 +145,7 @@ def global_int_encode(
             f"out must be a contiguous {dtype} tensor of {n} elements; got {out.dtype=} "
             f"{tuple(out.shape)=}"
         )
-    if nonfinite not in ("raise", "propagate"):
-        raise ValueError(f"nonfinite must be 'raise' or 'propagate', got {nonfinite!r}")
+    nonfinite_mode(nonfinite)
     # "raise" reads the scales on the host (a sync); "propagate" leaves a non-finite group's
     # codes undefined and its decoded values NaN/Inf (M = inf), for callers that check first
     bad = int((~torch.isfinite(scales)).sum()) if nonfinite == "raise" else 0

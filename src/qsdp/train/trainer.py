@@ -148,13 +148,19 @@ def _mesh(config: CompressionConfig, device: torch.device, use: bool):
     return init_device_mesh(device.type, (ws // local, local), mesh_dim_names=("inter", "intra"))
 
 
+def _bf16_compute(cfg: TrainConfig, device: torch.device) -> bool:
+    """bf16 parameters for compute on GPUs; fp32 on CPUs (gloo) and for the quantized master,
+    which gathers the fp32 master itself."""
+    return device.type == "cuda" and cfg.recipe != "qsdp-quantized-master"
+
+
 def build_model(cfg: TrainConfig, mc: ModelConfig, device: torch.device) -> GPT:
     torch.manual_seed(cfg.seed)
     with device:
         model = GPT(mc)
     mp = (
         MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        if device.type == "cuda" and cfg.recipe != "qsdp-quantized-master"
+        if _bf16_compute(cfg, device)
         else MixedPrecisionPolicy()
     )
     for block in model.blocks:
@@ -303,10 +309,10 @@ def train_rank(cfg: TrainConfig, data: TokenData, device: torch.device) -> dict:
         out.mkdir(parents=True, exist_ok=True)
         _write_config(cfg, out, data, mc)
     dist.barrier()
-    compute_bytes = 2 if device.type == "cuda" and cfg.recipe != "qsdp-quantized-master" else 4
-    (full_ag, full_rs), (plain_ag, plain_rs) = _plain_bytes(model, config, compute_bytes, 1)
-    full_ag *= cfg.grad_accum
-    plain_ag *= cfg.grad_accum
+    compute_bytes = 2 if _bf16_compute(cfg, device) else 4
+    (full_ag, full_rs), (plain_ag, plain_rs) = _plain_bytes(
+        model, config, compute_bytes, cfg.grad_accum
+    )
     stats = fsdp_comm_stats(model)
     tokens_per_step = cfg.micro_batch * mc.block_size * cfg.grad_accum * ws
     writer = (

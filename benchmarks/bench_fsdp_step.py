@@ -144,10 +144,9 @@ def run_variant(name, c, args, device, recipe, reduce_dtype, compute_dtype) -> t
     times, cpu_times, losses = [], [], []
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    for i in range(args.warmup + args.steps + (1 if args.profile else 0)):
-        profiling = args.profile is not None and i == args.warmup + args.steps
-        if i == args.warmup + args.steps:  # before the profiled step resets the counter
-            peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
+    timed = args.warmup + args.steps
+    for i in range(timed + (1 if args.profile else 0)):
+        profiling = i == timed  # one extra step, after the measured ones
         prof = _profiler(device) if profiling else None
         if prof is not None:
             prof.__enter__()
@@ -187,8 +186,8 @@ def run_variant(name, c, args, device, recipe, reduce_dtype, compute_dtype) -> t
         losses.append(float(loss.detach()))
         if dist.get_rank() == 0:
             print(f"  {name} step {i}: {float(slowest):.3f} s loss {losses[-1]:.4f}", flush=True)
-    if not args.profile:
-        peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
+        if i == timed - 1:  # the measured steps' peak, before a profiled step resets it
+            peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
     del model, opt
     gc.collect()  # FSDP's module <-> state references form cycles: free them before the next
     if device.type == "cuda":

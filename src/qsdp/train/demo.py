@@ -5,10 +5,14 @@
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
+import os
 import statistics
 import time
 from pathlib import Path
+
+import torch
 
 from .launch import launch
 from .metrics import read_metrics
@@ -30,6 +34,11 @@ def summarize(run: Path) -> dict:
         "tokens_per_s": statistics.median(tps) if tps else None,
         "steps": len(m),
     }
+
+
+def _cores() -> int:
+    affinity = getattr(os, "sched_getaffinity", None)
+    return len(affinity(0)) if affinity else os.cpu_count() or 1
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -68,7 +77,13 @@ def main(argv: list[str] | None = None) -> dict:
     from .plot import plot_runs
 
     png = plot_runs([out / n for n in RECIPES], out / "demo.png")
-    (out / "summary.json").write_text(json.dumps({"runs": rows}, indent=2))
+    meta = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": f"cpu ({_cores()} cores usable, {a.nproc} gloo processes)",
+        "torch": torch.__version__,
+        "wall_s": round(time.perf_counter() - t0, 1),
+    }
+    (out / "summary.json").write_text(json.dumps(meta | {"runs": rows}, indent=2))
     print(
         f"\n{'recipe':<10} {'val loss':>9} {'vs bf16':>8} {'bytes/step':>12} {'ratio':>7} "
         f"{'tokens/s':>9}"

@@ -30,7 +30,7 @@ def _walk(rank: int, world: int, m: int, steps: int, dtype) -> dict:
         step_x = 1e-2 * torch.randn(m, generator=g)  # an optimizer step
         moves.append(float(step_x.abs().max()))
         x = (x.float() + step_x).to(dtype)
-    return {"errs": errs, "moves": moves, "bytes": stats.total_bytes}
+    return {"errs": errs, "moves": moves, "bytes": stats["all_gather_diff"].bytes}
 
 
 def test_reconstruction_tracks_the_weights_without_drift():

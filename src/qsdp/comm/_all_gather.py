@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..quant import Backend, QuantSpec, decode_rows, encode
+from ..quant import Backend, QuantSpec, decode_rows, encode, flagged_groups
 from . import _common as C
 from ._stats import CommStats
 
@@ -123,15 +123,18 @@ def _all_gather_stages(
         stats.count_call(name)
     nbytes = spec.payload_bytes(m)
     send = torch.empty(nbytes, dtype=torch.uint8, device=input.device)
+    enc_spec = C.encoding_spec(spec)
     encode(
         input,
-        spec,
+        enc_spec,
         seed=seed,
         step=step,
         out=send,
         backend=backend,
         stream=C.noise_stream(dist.get_rank(), 0, bucket=bucket, hop=hop),
     )
+    if enc_spec is not spec:  # every rank agrees before anything is exchanged
+        C.agree_finite(flagged_groups(send, m, spec), [pg], stats, name)
     return _gather_decode(output, send, pg, n, m, spec, backend, stats, name)
 
 

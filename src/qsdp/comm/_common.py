@@ -14,11 +14,12 @@ returns while it is in flight, and ``wait()`` finishes it and runs the local dec
 from __future__ import annotations
 
 from collections.abc import Callable, Generator, Sequence
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
 
-from ..quant import QuantSpec
+from ..quant import NonFinite, QuantSpec
 from ._stats import CommStats, comm_stats
 
 Works = Sequence[dist.Work]
@@ -137,6 +138,51 @@ def check_key(seed: int, step: int, bucket: int) -> None:
             raise ValueError(f"{name}={value!r} must be an int in [0, 2**{bits})")
 
 
+# --- NaN/Inf: one verdict for all ranks ---------------------------------------------------------
+def encoding_spec(spec: QuantSpec) -> QuantSpec:
+    """The spec a collective encodes with: never raising inside an encode.
+
+    [Note: NaN/Inf in a collective]
+    An encode that raised on one rank would leave its peers waiting in the exchange until the
+    process group's timeout. So a collective encodes with ``nonfinite="propagate"`` (flagged
+    groups travel as NaN) and, when the caller's spec says ``"raise"``, counts the flagged
+    groups of its own payloads (plus NaN/Inf in any part it sends unquantized) on the device
+    and calls :func:`agree_finite` before its first exchange: one small all-reduce, after which
+    every rank raises the same error, or none does.
+    """
+    if spec.nonfinite is NonFinite.RAISE:
+        return replace(spec, nonfinite=NonFinite.PROPAGATE)
+    return spec
+
+
+def agree_finite(
+    bad: torch.Tensor, groups: Sequence[dist.ProcessGroup], stats: CommStats, name: str
+) -> None:
+    """Raise on every rank if any rank's count ``bad`` (a device scalar) is nonzero.
+
+    ``groups``: the collective's group, or the rows then the columns of a 2-D mesh (summing
+    over both reaches every rank). One SUM all-reduce per group of ``world + 1`` int64 (which
+    global ranks, how many), counted under ``"nonfinite_check"``, and one host read; see
+    [Note: NaN/Inf in a collective].
+    """
+    n = dist.get_world_size()
+    flags = torch.zeros(n + 1, dtype=torch.int64, device=bad.device)
+    flags[dist.get_rank()] = (bad > 0).to(torch.int64)
+    flags[n] = bad
+    for group in groups:
+        stats.add_bytes("nonfinite_check", _nbytes(flags))
+        dist.all_reduce(flags, op=dist.ReduceOp.SUM, group=group)
+    host = flags.tolist()
+    if host[n]:
+        ranks = [j for j in range(n) if host[j]]
+        raise ValueError(
+            f"qsdp.comm.{name}: {host[n]} groups or values hold NaN/Inf (or values too large for "
+            f"the quantizer) on ranks {ranks}; every rank raises, nothing was "
+            "exchanged. Fix the source (a diverging loss, a missing grad clip or loss scale), or "
+            "build the QuantSpec with nonfinite='propagate' to send such groups as NaN"
+        )
+
+
 # --- noise streams ------------------------------------------------------------------------------
 def _mix64(z: int) -> int:
     """SplitMix64's finalizer: a bijection of 64-bit words with good avalanche."""
@@ -187,8 +233,9 @@ def all_gather(
 def reduce_scatter_sum(
     out: torch.Tensor, inp: torch.Tensor, group, stats: CommStats, name: str
 ) -> dist.Work:
-    """``reduce_scatter_single`` (torch >= 2.13) or ``reduce_scatter_tensor`` with SUM."""
-    stats.add_bytes(name, _nbytes(inp))
+    """``reduce_scatter_single`` (torch >= 2.13) or ``reduce_scatter_tensor`` with SUM; counts
+    the ``n - 1`` chunks bound for the peers (the own chunk never leaves, see ``_stats``)."""
+    stats.add_bytes(name, _nbytes(inp) - _nbytes(out))
     return dist_reduce_scatter()(out, inp, op=dist.ReduceOp.SUM, group=group, async_op=True)
 
 

@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..quant import Backend, QuantSpec, decode_sum, decode_sum_encode, encode
+from ..quant import Backend, QuantSpec, decode_sum, decode_sum_encode, encode, flagged_groups
 from . import _common as C
 from ._reduce_scatter import _reduce_scatter_stages, check_chunks, reduce_scatter_wire_bytes
 from ._stats import CommStats
@@ -104,8 +104,33 @@ def hierarchical_reduce_scatter_wire_bytes(
     )
 
 
-def _mesh_groups(mesh: DeviceMesh) -> tuple[dist.ProcessGroup, dist.ProcessGroup, int, int]:
-    """(inter group, intra group, a, b), checking that group ranks follow mesh coordinates."""
+@dataclass(frozen=True)
+class _MeshLayout:
+    """Where each mesh coordinate sits in the two groups and in the flat layout.
+
+    [Note: any rank order]
+    A ``DeviceMesh`` may list its ranks in any order (``DeviceMesh("cuda", [[0, 2], [1, 3]])``);
+    its row and column groups number their members by global rank, not by mesh coordinate. The
+    collective works in mesh coordinates ``(a, b)`` and translates at its edges: ``chunk[a][b]``
+    is the row of the input bound for coordinate ``(a, b)`` (the position of that rank in the
+    flat group), ``intra_cols[j]`` / ``inter_rows[j]`` the coordinate of the intra / inter group's
+    rank ``j`` (all-to-all splits are indexed by group rank). For a row-major mesh all three are
+    the identity and the collective is what it always was.
+    """
+
+    inter: dist.ProcessGroup
+    intra: dist.ProcessGroup
+    coord: tuple[int, int]
+    chunk: tuple[tuple[int, ...], ...]
+    intra_cols: tuple[int, ...]
+    inter_rows: tuple[int, ...]
+
+    def chunk_of(self, a: int, b: int) -> int:
+        return self.chunk[a][b]
+
+
+def _mesh_layout(mesh: DeviceMesh, group: dist.ProcessGroup | None) -> _MeshLayout:
+    """Validate ``mesh`` (and ``group``, the flat layout's group) and map its coordinates."""
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(
             f"mesh must be a 2-D DeviceMesh (inter, intra), got {type(mesh).__name__}; build it "
@@ -119,18 +144,44 @@ def _mesh_groups(mesh: DeviceMesh) -> tuple[dist.ProcessGroup, dist.ProcessGroup
         )
     coord = mesh.get_coordinate()
     if coord is None:
-        raise ValueError("this process is not part of the mesh")
+        raise ValueError(
+            f"this process (rank {dist.get_rank()}) is not part of the mesh {mesh.mesh.tolist()}"
+        )
     a, b = coord
-    inter, intra = mesh.get_group(0), mesh.get_group(1)
-    ranks = mesh.mesh
-    for group, expect, dim in ((inter, ranks[:, b], "inter"), (intra, ranks[a, :], "intra")):
-        if dist.get_process_group_ranks(group) != expect.tolist():
+    ranks = mesh.mesh.tolist()
+    flat = sorted(r for row in ranks for r in row)
+    if group is None:
+        position = {r: i for i, r in enumerate(flat)}
+    else:
+        members = dist.get_process_group_ranks(group)
+        if sorted(members) != flat:
             raise ValueError(
-                f"the mesh's {dim} dimension lists ranks {expect.tolist()} out of increasing "
-                "order; the collective's layout follows mesh coordinates, so build the mesh "
-                "with init_device_mesh (ranks laid out row-major)"
+                f"the mesh covers ranks {flat} but the reduce-scatter's group holds "
+                f"{sorted(members)}: build the mesh over exactly the ranks of the group (for "
+                "FSDP2, the ranks it shards over)"
             )
-    return inter, intra, a, b
+        position = {r: dist.get_group_rank(group, r) for r in flat}
+    inter, intra = mesh.get_group(0), mesh.get_group(1)
+    cols = {r: j for j, r in enumerate(ranks[a])}
+    rows = {row[b]: i for i, row in enumerate(ranks)}
+
+    def coords(pg: dist.ProcessGroup, where: dict[int, int], dim: str) -> tuple[int, ...]:
+        members = [dist.get_global_rank(pg, j) for j in range(pg.size())]
+        if sorted(members) != sorted(where):
+            raise ValueError(
+                f"the mesh's {dim} group holds ranks {members}, not its {dim} slice "
+                f"{sorted(where)}: pass a DeviceMesh whose groups are its own rows and columns"
+            )
+        return tuple(where[r] for r in members)
+
+    return _MeshLayout(
+        inter=inter,
+        intra=intra,
+        coord=(a, b),
+        chunk=tuple(tuple(position[r] for r in row) for row in ranks),
+        intra_cols=coords(intra, cols, "intra"),
+        inter_rows=coords(inter, rows, "inter"),
+    )
 
 
 def hierarchical_reduce_scatter(
@@ -142,6 +193,7 @@ def hierarchical_reduce_scatter(
     inter_spec: QuantSpec,
     op: str | dist.ReduceOp = "avg",
     pipeline: int = 1,
+    group: dist.ProcessGroup | None = None,
     async_op: bool = False,
     seed: int = 0,
     step: int = 0,
@@ -163,17 +215,22 @@ def hierarchical_reduce_scatter(
 
     Args:
         output: ``m`` elements (float32/bf16/fp16, contiguous).
-        input: ``N * m`` elements; chunk ``a * B + b`` is bound for mesh coordinate ``(a, b)``
-            (its global rank for a mesh from ``init_device_mesh``). Encoded, every pipeline
-            piece, before the call returns.
+        input: ``N * m`` elements in the layout of a flat reduce-scatter over ``group``: chunk
+            ``j`` is bound for the group's rank ``j`` (without ``group``: for the ``j``-th
+            smallest rank of the mesh, i.e. global rank ``j`` for a mesh over the world).
+            Encoded, every pipeline piece, before the call returns.
         mesh: 2-D ``DeviceMesh``, dim 0 across nodes (inter), dim 1 within a node (intra), e.g.
-            ``init_device_mesh("cuda", (nodes, gpus), mesh_dim_names=("inter", "intra"))``.
+            ``init_device_mesh("cuda", (nodes, gpus), mesh_dim_names=("inter", "intra"))``;
+            its ranks may be listed in any order (see [Note: any rank order]).
         intra_spec: the intra-node quantizer (SDP4Bit: 8 bits, group 128, Hadamard 32).
         inter_spec: the inter-node quantizer (SDP4Bit: 4 bits); same ``group_size``,
             ``hadamard_block`` and ``hadamard_seed`` as ``intra_spec``.
         op: ``"avg"`` (default) or ``"sum"``, or ``dist.ReduceOp.AVG`` / ``SUM``.
         pipeline: cut each chunk into up to this many pieces (whole groups) so the two hops
             overlap; 1 sends each hop in one all-to-all.
+        group: the flat group whose layout ``input`` and ``output`` follow (e.g. FSDP2's shard
+            group); it must hold exactly the mesh's ranks. Default: the mesh's ranks in
+            increasing order.
         async_op: return a :class:`CommWork`; all pieces' intra-node hops finish before the call
             returns, the inter-node hops are in flight until ``wait()``.
         seed, step: key of the stochastic-rounding noise, the same on every rank; every rank,
@@ -188,19 +245,24 @@ def hierarchical_reduce_scatter(
     _check_specs(intra_spec, inter_spec)
     if not isinstance(pipeline, int) or isinstance(pipeline, bool) or pipeline < 1:
         raise ValueError(f"pipeline={pipeline!r} must be an int >= 1; try 2 or 4")
-    inter, intra, a, b = _mesh_groups(mesh)
+    layout = _mesh_layout(mesh, group)
     na, nb = mesh.size(0), mesh.size(1)
     stats = C.resolve_stats(stats)
     common = dict(
         op=op, seed=seed, step=step, bucket=bucket, hop=0, backend=backend, stats=stats, name=_NAME
     )
-    if na == 1:
+    if na == 1 or nb == 1:  # one level: a flat reduce-scatter over the mesh's only group
+        sub, spec = (layout.intra, intra_spec) if na == 1 else (layout.inter, inter_spec)
+        m = check_chunks(output, input, na * nb, "hierarchical_reduce_scatter")
+        flat = [layout.chunk[0][j] if na == 1 else layout.chunk[j][0] for j in range(na * nb)]
+        order = [
+            flat[(layout.intra_cols if na == 1 else layout.inter_rows)[j]]
+            for j in range(sub.size())
+        ]
+        if order != sorted(order):  # the sub-group numbers its ranks unlike the flat layout
+            input = input.reshape(na * nb, m)[order]
         return C.run_stages(
-            _reduce_scatter_stages(output, input, intra, spec=intra_spec, **common), async_op
-        )
-    if nb == 1:
-        return C.run_stages(
-            _reduce_scatter_stages(output, input, inter, spec=inter_spec, **common), async_op
+            _reduce_scatter_stages(output, input, sub, spec=spec, **common), async_op
         )
     op = C.parse_op(op)
     C.check_key(seed, step, bucket)
@@ -208,12 +270,11 @@ def hierarchical_reduce_scatter(
     stats.count_call(_NAME)
     plan = _Plan(
         chunks=input.reshape(na * nb, m),
-        inter=inter,
-        intra=intra,
-        coord=(a, b),
+        layout=layout,
         shape=(na, nb),
-        intra_spec=intra_spec,
-        inter_spec=inter_spec,
+        intra_spec=C.encoding_spec(intra_spec),
+        inter_spec=C.encoding_spec(inter_spec),
+        check=intra_spec.nonfinite != C.encoding_spec(intra_spec).nonfinite,
         pieces=_pieces(m, intra_spec.group_size, pipeline),
         key=dict(seed=seed, step=step),
         bucket=bucket,
@@ -228,16 +289,16 @@ class _Plan:
     """Buffers and steps of one two-level reduce-scatter (one object per call)."""
 
     chunks: torch.Tensor
-    """The input as ``[N, m]``: row ``a * B + b`` is bound for mesh coordinate ``(a, b)``."""
-    inter: dist.ProcessGroup
-    intra: dist.ProcessGroup
-    coord: tuple[int, int]
-    """This rank's mesh coordinate ``(a, b)``."""
+    """The input as ``[N, m]``: row ``layout.chunk_of(a, b)`` is bound for coordinate ``(a, b)``."""
+    layout: _MeshLayout
     shape: tuple[int, int]
     """The mesh's ``(A, B)``."""
     intra_spec: QuantSpec
     inter_spec: QuantSpec
     pieces: list[tuple[int, int]]
+    check: bool
+    """Agree on NaN/Inf before the first exchange (the caller's spec raises): then every
+    piece is encoded first (see [Note: NaN/Inf in a collective] in ``_common``)."""
     key: dict[str, int]
     """``seed`` and ``step`` of the noise."""
     bucket: int
@@ -245,32 +306,55 @@ class _Plan:
     stats: CommStats
 
     def __post_init__(self) -> None:
-        self.a, self.b = self.coord
+        self.a, self.b = self.layout.coord
         self.na, self.nb = self.shape
+        self.inter, self.intra = self.layout.inter, self.layout.intra
         self.me = dist.get_rank()
         # The own chunk never travels: start the float32 sum from it, exact.
         self.acc = torch.empty(self.chunks.shape[1], dtype=torch.float32, device=self.chunks.device)
-        self.acc.copy_(self.chunks[self.a * self.nb + self.b])
+        self.acc.copy_(self.chunks[self.layout.chunk_of(self.a, self.b)])
 
     def _stream(self, chunk: int, hop: int, piece: int) -> int:
         return C.noise_stream(self.me, chunk, bucket=self.bucket, hop=hop, piece=piece)
 
-    def _issue_intra(self, p: int) -> tuple[torch.Tensor, dist.Work]:
-        """Encode piece ``p`` of every chunk for the local peers and start the intra hop.
+    def _issue_intra(
+        self, p: int, encoded: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> tuple[torch.Tensor, dist.Work]:
+        """Encode piece ``p`` of every chunk for the local peers (unless ``encoded`` by
+        :meth:`_encode_intra` already) and start the intra hop.
 
         Returns the ``[B, A, bytes]`` stack: rows ``0..B-2`` are the peers' payloads (filled by
         the all-to-all), row ``B-1`` this rank's own encodes (chunks of other nodes only).
         """
+        stack, send = encoded or self._encode_intra(p)
+        nbytes = stack.shape[2]
+        me = self.layout.intra_cols.index(self.b)
+        splits = [0 if j == me else self.na * nbytes for j in range(self.nb)]
+        work = C.all_to_all(
+            stack[: self.nb - 1].view(-1),
+            send.view(-1),
+            splits,
+            splits,
+            self.intra,
+            self.stats,
+            _NAME,
+        )
+        return stack, work
+
+    def _encode_intra(self, p: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(stack, send buffer) of piece ``p``, encoded, nothing sent."""
         o, n = self.pieces[p]
         spec, na, nb = self.intra_spec, self.na, self.nb
         nbytes = spec.payload_bytes(n)
         stack = torch.empty(nb, na, nbytes, dtype=torch.uint8, device=self.acc.device)
         send = torch.empty(nb - 1, na, nbytes, dtype=torch.uint8, device=self.acc.device)
-        for dst in range(nb):
-            # Peers fill the send buffer in rank order; the own encodes go to the stack's last row.
-            rows = stack[nb - 1] if dst == self.b else send[dst - (dst > self.b)]
+        me = self.layout.intra_cols.index(self.b)
+        for j, dst in enumerate(self.layout.intra_cols):
+            # Peers fill the send buffer in group-rank order; the own encodes go to the stack's
+            # last row.
+            rows = stack[nb - 1] if j == me else send[j - (j > me)]
             for a2 in range(na):
-                c = a2 * nb + dst
+                c = self.layout.chunk_of(a2, dst)
                 if dst == self.b and a2 == self.a:
                     continue  # the own chunk: added unquantized
                 encode(
@@ -281,11 +365,7 @@ class _Plan:
                     stream=self._stream(c, 0, p),
                     **self.key,
                 )
-        splits = [0 if j == self.b else na * nbytes for j in range(nb)]
-        work = C.all_to_all(
-            stack[: nb - 1].view(-1), send.view(-1), splits, splits, self.intra, self.stats, _NAME
-        )
-        return stack, work
+        return stack, send
 
     def _issue_inter(self, p: int, stack: torch.Tensor) -> tuple[torch.Tensor, dist.Work]:
         """Sum piece ``p`` of the node's chunks: the own one in place, the others re-encoded at
@@ -302,9 +382,10 @@ class _Plan:
         )
         nbytes = self.inter_spec.payload_bytes(n)
         send = torch.empty(na - 1, nbytes, dtype=torch.uint8, device=self.acc.device)
-        others = [j for j in range(na) if j != a]
+        me = self.layout.inter_rows.index(a)
+        others = [a2 for j, a2 in enumerate(self.layout.inter_rows) if j != me]
         for slot, a2 in enumerate(others):
-            c = a2 * nb + b
+            c = self.layout.chunk_of(a2, b)
             decode_sum_encode(
                 stack[:, a2],
                 n,
@@ -316,18 +397,28 @@ class _Plan:
                 **self.key,
             )
         recv = torch.empty_like(send)
-        splits = [0 if j == a else nbytes for j in range(na)]
+        splits = [0 if j == me else nbytes for j in range(na)]
         return recv, C.all_to_all(
             recv.view(-1), send.view(-1), splits, splits, self.inter, self.stats, _NAME
         )
 
     def stages(self, output: torch.Tensor, op: str) -> C.Stages:
-        pending = self._issue_intra(0) if self.pieces else None
+        encoded = [None] * len(self.pieces)
+        if self.check:
+            encoded = [self._encode_intra(p) for p in range(len(self.pieces))]
+            bad = (~torch.isfinite(self.acc)).sum()
+            others = [a2 for a2 in range(self.na) if a2 != self.a]  # the own slot is empty
+            for (_, n), (stack, send) in zip(self.pieces, encoded, strict=True):
+                bad = bad + flagged_groups(send.view(-1, send.shape[2]), n, self.intra_spec)
+                bad = bad + flagged_groups(stack[self.nb - 1, others], n, self.intra_spec)
+            C.agree_finite(bad, [self.intra, self.inter], self.stats, _NAME)
+        pending = self._issue_intra(0, encoded[0]) if self.pieces else None
         inter = []
         for p in range(len(self.pieces)):
             stack, work = pending
             if p + 1 < len(self.pieces):
-                pending = self._issue_intra(p + 1)  # its encode overlaps the hop in flight
+                # its encode overlaps the hop in flight
+                pending = self._issue_intra(p + 1, encoded[p + 1])
             yield [work], False
             inter.append(self._issue_inter(p, stack))
         yield [w for _, w in inter], True

@@ -63,11 +63,12 @@ def integer_reduce_scatter_wire_bytes(
     """Bytes one rank hands to ``torch.distributed`` in :func:`integer_reduce_scatter`.
 
     Returns:
-        ``4 * world_size * ceil(m / group_size)`` (scales, grouped per destination chunk of
-        ``m = numel / world_size`` elements) plus ``numel * carrier bytes``.
+        ``4 * world_size * ceil(m / group_size)`` (the MAX all-reduce of the scales, grouped per
+        destination chunk of ``m = numel / world_size`` elements) plus ``(world_size - 1) * m *
+        carrier bytes`` (the SUM reduce-scatter's chunks bound for the peers).
     """
     m = numel // world_size
-    return 4 * world_size * _groups(m, group_size) + numel * _carrier_bytes(carrier)
+    return 4 * world_size * _groups(m, group_size) + (world_size - 1) * m * _carrier_bytes(carrier)
 
 
 def _check_options(carrier: str, group_size: int, rounding: str | Rounding) -> Rounding:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..quant import Backend, QuantSpec, decode_sum, encode
+from ..quant import Backend, QuantSpec, decode_sum, encode, flagged_groups
 from . import _common as C
 from ._stats import CommStats
 
@@ -145,16 +145,20 @@ def _reduce_scatter_stages(
     send = torch.empty((n - 1) * nbytes, dtype=torch.uint8, device=input.device)
     peers = [j for j in range(n) if j != r]
     me = dist.get_rank()
+    enc_spec = C.encoding_spec(spec)
     for slot, j in enumerate(peers):
         encode(
             chunks[j],
-            spec,
+            enc_spec,
             seed=seed,
             step=step,
             out=send[slot * nbytes : (slot + 1) * nbytes],
             stream=C.noise_stream(me, j, bucket=bucket, hop=hop),
             backend=backend,
         )
+    if enc_spec is not spec:  # every rank agrees before anything is exchanged
+        bad = flagged_groups(send.view(n - 1, nbytes), m, spec) + (~torch.isfinite(acc)).sum()
+        C.agree_finite(bad, [pg], stats, name)
     return _exchange_decode(output, acc, send, pg, n, r, m, spec, op, backend, stats, name)
 
 

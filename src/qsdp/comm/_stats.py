@@ -1,9 +1,21 @@
 """Bytes that qsdp's collectives hand to ``torch.distributed``: a small, resettable counter.
 
-Every collective in :mod:`qsdp.comm` records, per call, the ``nbytes`` of each send tensor it
-passes to a ``torch.distributed`` function (for ``all_to_all_single`` the whole input tensor, for
-``all_reduce`` the tensor) under the collective's name. Metrics code reads :data:`comm_stats`
-(the default counter) or a :class:`CommStats` of its own passed as ``stats=`` to a collective.
+[Note: one convention for bytes]
+A rank's bytes are the data it hands to ``torch.distributed`` that some peer needs, each byte
+counted once, whatever algorithm the backend then runs:
+
+- all-gather: the rank's own shard (it reaches every peer, counted once);
+- reduce-scatter (``all_to_all_single`` with an empty own split, or ``reduce_scatter_tensor``):
+  the ``n - 1`` chunks bound for the peers; the own chunk never leaves the rank;
+- all-reduce: the whole tensor (a reduce-scatter plus an all-gather: ``(n - 1) / n + 1 / n``);
+- every side channel the same way: scale all-reduces, NaN/Inf verdicts (``"nonfinite_check"``),
+  the raw part of a policy split, FSDP2's own HSDP replicate all-reduce
+  (``"all_reduce_replicate"``, counted by ``compress_fsdp``).
+
+The uncompressed reference of the trainer (``qsdp.train``) is measured by the same rule, so a
+compression ratio compares like with like. Every collective in :mod:`qsdp.comm` records under
+its own name; metrics code reads :data:`comm_stats` (the default counter) or a
+:class:`CommStats` of its own passed as ``stats=`` to a collective.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..quant import Backend, QuantSpec, decode_add, encode_diff
+from ..quant import Backend, QuantSpec, decode_add, encode_diff, flagged_groups
 from ..quant.codec import Encoded
 from . import _common as C
 from ._stats import CommStats
@@ -87,16 +87,19 @@ def all_gather_diff(
     rows = recon.view(n, m)
     nbytes = spec.payload_bytes(m)
     send = torch.empty(nbytes, dtype=torch.uint8, device=input.device)
+    enc_spec = C.encoding_spec(spec)
     encode_diff(
         input.reshape(-1),
         rows[r],
-        spec,
+        enc_spec,
         seed=seed,
         step=step,
         stream=C.noise_stream(dist.get_rank(), 0, bucket=bucket),
         out=send,
         backend=backend,
     )
+    if enc_spec is not spec:  # every rank agrees before anything is exchanged
+        C.agree_finite(flagged_groups(send, m, spec), [pg], stats, _NAME)
     recv = torch.empty(n * nbytes, dtype=torch.uint8, device=input.device)
     C.all_gather(recv, send, pg, stats, _NAME).wait()
     for j, payload in enumerate(recv.view(n, nbytes)):

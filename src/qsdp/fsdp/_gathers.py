@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
 
 import torch
@@ -95,6 +96,30 @@ def fused_row(spec: QuantSpec, n_comp: int, raw_bytes: int) -> tuple[int, int]:
     return at, at + -(-raw_bytes // 16) * 16
 
 
+class _Versions:
+    """Whether a group's sharded parameters were written since the last gather.
+
+    The step clock ticks on the root's forward, but a gather can come from anywhere:
+    ``FSDPModule.unshard()`` after ``optimizer.step()`` (evaluation, generation, RL rollouts)
+    must see the new weights, not the reconstruction of the old ones. In-place writes
+    (optimizer steps, ``copy_``, checkpoint loads) bump a tensor's version counter, so a
+    gather is served from the cache only if no parameter's counter moved since it was made.
+    """
+
+    def __init__(self, params: Sequence[torch.nn.Parameter]) -> None:
+        self.params = list(params)
+        self._seen: list[int] | None = None
+
+    def _now(self) -> list[int]:
+        return [p._version for p in self.params]
+
+    def changed(self) -> bool:
+        return self._seen != self._now()
+
+    def record(self) -> None:
+        self._seen = self._now()
+
+
 class WeightDiffAllGather(_Gather):
     """FSDP2 all-gather of SDP4Bit weight differences (:func:`qsdp.comm.all_gather_diff`).
 
@@ -112,6 +137,7 @@ class WeightDiffAllGather(_Gather):
         bucket: int,
         stats: qc.CommStats,
         clock: StepClock,
+        params: Sequence[torch.nn.Parameter] = (),
         resync_every: int = 0,
         check_replicas: bool = False,
         module_name: str = "",
@@ -119,6 +145,7 @@ class WeightDiffAllGather(_Gather):
         self.spec, self.seed, self.bucket, self.stats = _no_raise(spec), seed, bucket, stats
         self.module_name = module_name
         self.clock, self.resync_every, self.check_replicas = clock, resync_every, check_replicas
+        self.versions = _Versions(params)
         self.recon: torch.Tensor | None = None
         self._epoch = -1
         self._generation = -1
@@ -131,7 +158,7 @@ class WeightDiffAllGather(_Gather):
         self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup
     ) -> None:
         fresh = self.recon is None or self.recon.shape != output_tensor.shape
-        if not fresh and self.clock.epoch == self._epoch:
+        if not fresh and self.clock.epoch == self._epoch and not self.versions.changed():
             output_tensor.copy_(self.recon)  # weights unchanged since the last gather
             self.cached_gathers += 1
             return None
@@ -156,6 +183,7 @@ class WeightDiffAllGather(_Gather):
         )
         self._diffs = 0 if exact else self._diffs + 1
         self._epoch, self._generation = self.clock.epoch, self.clock.generation
+        self.versions.record()
         if self.check_replicas:
             _check_replicas(self.recon, group)
         return None
@@ -198,6 +226,7 @@ class QuantizedMasterAllGather(_Gather):
     ) -> None:
         self.spec, self.seed, self.bucket, self.stats = _no_raise(spec), seed, bucket, stats
         self.clock, self.params, self.module_name = clock, params, module_name
+        self.versions = _Versions([p for p, _ in params])
         self._epoch = -1
         self._recv: torch.Tensor | None = None
         self._steps = _Counter()
@@ -208,7 +237,7 @@ class QuantizedMasterAllGather(_Gather):
     ) -> None:
         n, m = group.size(), input_tensor.numel()
         nbytes = self.spec.payload_bytes(m)
-        if self._recv is None or self._epoch != self.clock.epoch:
+        if self._recv is None or self._epoch != self.clock.epoch or self.versions.changed():
             if input_tensor.dtype != torch.float32 or any(
                 p.dtype != torch.float32 for p, _ in self.params
             ):
@@ -227,6 +256,7 @@ class QuantizedMasterAllGather(_Gather):
                 out=send,
             )
             self._write_master(qc_decode(enc))
+            self.versions.record()
             self._recv = torch.empty(n * nbytes, dtype=torch.uint8, device=send.device)
             counted_all_gather(self._recv, send, group, self.stats, "all_gather_master").wait()
             self._epoch = self.clock.epoch

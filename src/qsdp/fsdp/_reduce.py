@@ -138,16 +138,12 @@ class QuantizedReduceScatter(_Hook, ReduceScatter):
                 nonfinite="propagate",  # decided by this hook, once per backward
                 **key,
             )
-        elif self.mesh is not None:
-            if group.size() != self.mesh.size():
-                raise ValueError(
-                    f"the two-level mesh has {self.mesh.size()} ranks but FSDP reduces over "
-                    f"{group.size()}: shard the model over the same ranks as the mesh"
-                )
+        elif self.mesh is not None:  # checked against FSDP's group by compress_fsdp
             qc.hierarchical_reduce_scatter(
                 output_tensor,
                 input_tensor,
                 mesh=self.mesh,
+                group=group,  # FSDP's layout: chunk j for its group's rank j, any mesh order
                 intra_spec=self.spec,
                 inter_spec=self.inter_spec,
                 op=op,

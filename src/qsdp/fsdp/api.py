@@ -6,9 +6,11 @@ import weakref
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
 from ..comm import CommStats
 from ..config import CompressionConfig, recipe
@@ -23,6 +25,7 @@ __all__ = ["CommState", "comm_state", "compress_fsdp", "fsdp_comm_stats", "resyn
 
 @dataclass
 class _Installed:
+    config: CompressionConfig
     stats: CommStats
     clock: StepClock | None
     gathers: list[WeightDiffAllGather]
@@ -31,6 +34,9 @@ class _Installed:
 
 
 _INSTALLED: weakref.WeakKeyDictionary[nn.Module, _Installed] = weakref.WeakKeyDictionary()
+# Every FSDPModule that carries qsdp's hooks, so a second compress_fsdp (on the model or on a
+# part of it) is refused instead of stacking a second set of hooks.
+_HOOKED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
 
 def compress_fsdp(
@@ -38,23 +44,27 @@ def compress_fsdp(
 ) -> nn.Module:
     """Route every ``FSDPModule`` of ``model`` through qsdp's compressed collectives.
 
-    Call it after ``fully_shard`` (on the blocks, then the root). Parameters, optimizer and
-    training loop stay as they are; only what FSDP2 sends changes.
+    Call it after ``fully_shard`` (on the blocks, then the root), once, on every rank.
+    Parameters, optimizer and training loop stay as they are; only what FSDP2 sends changes.
+    With HSDP (``fully_shard`` on a 2-D mesh) the gradients' reduce-scatter inside the shard
+    group is compressed; FSDP2's own replicate all-reduce is counted in
+    :func:`fsdp_comm_stats` (as ``"all_reduce_replicate"``) but not yet compressed.
 
     Args:
         model: a model whose modules were wrapped by ``torch.distributed.fsdp.fully_shard``; it
             must be the root module (its forward starts a training step).
         config: a :class:`qsdp.CompressionConfig` or a recipe name (``"qsdp-w8g8"``, ...).
         mesh: for two-level gradient recipes (``grads_inter`` set, e.g. ``"sdp4bit"``): a 2-D
-            ``DeviceMesh`` (inter-node, intra-node) over the ranks FSDP shards on, in row-major
-            rank order. ``None`` treats every peer as remote (only the inter-node quantizer).
+            ``DeviceMesh`` (inter-node, intra-node) over exactly the ranks FSDP shards on, listed
+            in any order. ``None`` treats every peer as remote (only the inter-node quantizer).
 
     Returns:
         ``model``, modified in place. :func:`fsdp_comm_stats` gives its byte counter.
 
     Raises:
-        ValueError: no FSDPModule in ``model``, an unknown recipe, a mesh that is not 2-D or
-            given to a one-level recipe.
+        ValueError: no FSDPModule in ``model``, an unknown recipe, a mesh that is not 2-D, given
+            to a one-level recipe or not covering FSDP's shard group (found with one all-reduce,
+            so every rank raises), a model (or part of one) already compressed.
     """
     if isinstance(config, str):
         config = recipe(config)
@@ -68,9 +78,11 @@ def compress_fsdp(
                 "compress_fsdp(mesh=...) is for two-level gradients (a config with grads_inter, "
                 "e.g. 'sdp4bit'); this config reduces over FSDP's own group: drop the mesh"
             )
-        if getattr(mesh, "ndim", None) != 2:
+        if not isinstance(mesh, DeviceMesh) or mesh.ndim != 2:
             raise ValueError(
-                f"mesh must be a 2-D DeviceMesh (inter-node, intra-node); got {mesh!r}"
+                f"mesh must be a 2-D DeviceMesh (inter-node, intra-node); got {mesh!r}; build "
+                "it with init_device_mesh(device, (nodes, gpus_per_node), "
+                "mesh_dim_names=('inter', 'intra'))"
             )
     modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
     if not modules:
@@ -79,6 +91,16 @@ def compress_fsdp(
             "torch.distributed.fsdp.fully_shard on its blocks and its root first"
         )
     names = {m: name for name, m in model.named_modules()}
+    done = [names[m] or "<root>" for m in modules if m in _HOOKED]
+    if done:
+        raise ValueError(
+            f"compress_fsdp was already applied to FSDP modules {done[:4]} of this model: qsdp's "
+            "hooks cannot be stacked or swapped in place; call it once per model (to change "
+            "the recipe, build and fully_shard the model again)"
+        )
+    groups = {m: _fsdp_groups(m) for m in modules}
+    if mesh is not None:
+        _check_mesh_covers(mesh, [g for g, _ in groups.values() if g is not None], modules)
     stats = CommStats()
     clock = None
     gathers: list[WeightDiffAllGather] = []
@@ -92,12 +114,15 @@ def compress_fsdp(
     for i, module in enumerate(modules):
         key = dict(seed=config.seed, stats=stats)
         prefix = names.get(module, "")
+        if groups[module][1] is not None:  # HSDP: FSDP2's own replicate all-reduce, counted
+            module.set_all_reduce_hook(_ReplicateCounter(stats))
         if config.weight_diffs:
             gathers.append(
                 WeightDiffAllGather(
                     config.weights,
                     bucket=2 * i,
                     clock=clock,
+                    params=_own_params(module),
                     resync_every=config.weight_resync_every,
                     check_replicas=config.check_replicas,
                     module_name=prefix,
@@ -147,8 +172,83 @@ def compress_fsdp(
                 )
             )
             module.set_custom_reduce_scatter(hooks[-1])
-    _INSTALLED[model] = _Installed(stats, clock, gathers, hooks)
+    _INSTALLED[model] = _Installed(config, stats, clock, gathers, hooks)
+    _HOOKED.update(modules)
     return model
+
+
+class _ReplicateCounter:
+    """FSDP2 all-reduce hook of an HSDP module: counts the replicate all-reduce FSDP2 just ran
+    (the hook runs after it, and only when it ran) under qsdp's convention (an all-reduce hands
+    over its whole tensor, see ``qsdp.comm._stats``)."""
+
+    def __init__(self, stats: CommStats) -> None:
+        self.stats = stats
+
+    def __call__(self, reduce_output: torch.Tensor) -> None:
+        self.stats.count_call("all_reduce_replicate")
+        self.stats.add_bytes(
+            "all_reduce_replicate", reduce_output.numel() * reduce_output.element_size()
+        )
+
+
+def _own_params(module: FSDPModule) -> list[nn.Parameter]:
+    """The sharded parameters ``module``'s FSDP group manages (not those of nested FSDP
+    modules). Read at installation, when FSDP2 has the sharded DTensors registered."""
+    nested = {
+        id(p)
+        for sub in module.modules()
+        if sub is not module and isinstance(sub, FSDPModule)
+        for p in sub.parameters()
+    }
+    return [p for p in module.parameters() if id(p) not in nested]
+
+
+def _fsdp_groups(
+    module: FSDPModule,
+) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
+    """(shard group, replicate group or None) of ``module``'s parameters, read from their
+    ``DTensor`` mesh and placements (FSDP2 shards on the mesh's last dim; HSDP replicates on
+    the first); (None, None) for a module without parameters of its own."""
+    params = [p for p in _own_params(module) if isinstance(p, DTensor)]
+    if not params:
+        return None, None
+    mesh = params[0].device_mesh
+    if mesh.ndim == 1:
+        return mesh.get_group(0), None
+    return mesh.get_group(mesh.ndim - 1), mesh.get_group(0)
+
+
+def _check_mesh_covers(
+    mesh: DeviceMesh, shard_groups: list[dist.ProcessGroup], modules: list[FSDPModule]
+) -> None:
+    """Refuse a two-level mesh that does not hold exactly FSDP's shard group.
+
+    Whether it does can differ between ranks (a rank outside the mesh), so every rank's verdict
+    goes through one MAX all-reduce of the world and all raise together, at installation
+    instead of inside the first backward.
+    """
+    mesh_ranks = sorted(mesh.mesh.flatten().tolist())
+    problem = ""
+    if dist.get_rank() not in mesh_ranks:
+        problem = f"rank {dist.get_rank()} is not in the mesh"
+    for group in shard_groups:
+        ranks = sorted(dist.get_process_group_ranks(group))
+        if ranks != mesh_ranks and not problem:
+            problem = f"FSDP shards over ranks {ranks} (on rank {dist.get_rank()})"
+    device = next(
+        (p.to_local().device for m in modules for p in _own_params(m) if isinstance(p, DTensor)),
+        torch.device("cpu"),
+    )
+    verdict = torch.tensor([1 if problem else 0], dtype=torch.int32, device=device)
+    dist.all_reduce(verdict, op=dist.ReduceOp.MAX)
+    if int(verdict):
+        raise ValueError(
+            f"compress_fsdp: the two-level mesh {mesh.mesh.tolist()} ({len(mesh_ranks)} ranks) "
+            f"must hold exactly the ranks FSDP shards over; {problem or 'another rank disagrees'}"
+            ". Build it over FSDP's shard group, e.g. init_device_mesh(device, (nodes, "
+            "gpus_per_node)) for a model sharded over the world"
+        )
 
 
 def _layout(
@@ -167,7 +267,10 @@ def _layout(
     errors name the module instead.
     """
     try:
-        params = module._get_fsdp_state()._fsdp_param_group.fsdp_params
+        group = module._get_fsdp_state()._fsdp_param_group
+        if group is None:  # no parameters of its own: FSDP2 never gathers or reduces for it
+            return []
+        params = group.fsdp_params
         layout = []
         for p in params:
             if grads_only and not p.sharded_param.requires_grad:
@@ -201,7 +304,14 @@ def _installed(model: nn.Module) -> _Installed:
 
 
 def fsdp_comm_stats(model: nn.Module) -> CommStats:
-    """The byte counter of the collectives :func:`compress_fsdp` installed on ``model``."""
+    """The byte counter of the collectives :func:`compress_fsdp` installed on ``model``.
+
+    It counts, by the convention of ``qsdp.comm._stats`` ([Note: one convention for bytes]),
+    every collective qsdp runs for the model (side channels included) and FSDP2's own HSDP
+    replicate all-reduce. A collective the recipe leaves uncompressed (the weights of
+    ``"global-qsgd"``, everything of ``"bf16"``) runs FSDP2's own implementation, untouched and
+    not counted here; ``qsdp train`` adds its bytes by the same convention.
+    """
     return _installed(model).stats
 
 

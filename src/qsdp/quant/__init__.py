@@ -11,6 +11,7 @@ from .codec import (
     encode,
     encode_diff,
 )
+from .flags import flagged_groups
 from .global_int import (
     CARRIERS,
     global_int_decode,
@@ -35,6 +36,7 @@ __all__ = [
     "decode_sum_encode",
     "encode",
     "encode_diff",
+    "flagged_groups",
     "global_int_decode",
     "global_int_encode",
     "global_int_levels",

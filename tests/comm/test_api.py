@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 import warnings
 
@@ -118,10 +120,14 @@ def _bad_arguments(rank, ws):
                 call()
     # A rejected call sends nothing and counts nothing.
     assert sent.total_calls == 0 and stats.snapshot() == {}
-    # Nor does a NaN: encode raises before anything reaches torch.distributed.
+    # A NaN: the ranks agree on it (one small all-reduce, counted as "nonfinite_check") and all
+    # raise before the all-gather itself is issued.
+    stats = CommStats()
     with count_dist_bytes() as sent, pytest.raises(ValueError, match="NaN"):
-        qc.all_gather(out, torch.full((10,), float("nan")), spec=S8)
-    assert sent.total_calls == 0
+        qc.all_gather(out, torch.full((10,), float("nan")), spec=S8, stats=stats)
+    assert sent.calls == {"all_reduce": 1}
+    assert set(stats.snapshot()) == {"all_gather", "nonfinite_check"}
+    assert stats["all_gather"].bytes == 0
 
 
 def test_bad_arguments_raise_before_any_communication():
@@ -164,6 +170,27 @@ def test_run_distributed_propagates_worker_tracebacks():
     assert "deliberate failure on rank one" in str(info.value)
     assert "_fails_on_rank_one" in str(info.value)  # the worker's own traceback
     assert time.monotonic() - start < 30  # the stuck peer is killed, not waited for
+
+
+def _dies_on_rank_one(rank, ws, how):
+    if rank == 1:
+        if how == "exit":
+            os._exit(3)  # no report, no traceback: as a crash in native code would leave
+        os.kill(os.getpid(), signal.SIGKILL)
+    if how == "exit":
+        dist.all_reduce(torch.ones(1))  # rank 0 waits here for the peer that is gone
+    return rank
+
+
+@pytest.mark.parametrize("how, code", [("exit", "exit code 3"), ("kill", "exit code -9 (SIGKILL)")])
+def test_run_distributed_names_a_dead_worker_and_its_exit_code(how, code):
+    start = time.monotonic()
+    with pytest.raises(RuntimeError) as info:
+        run_distributed(_dies_on_rank_one, 2, how, timeout_s=60, pg_timeout_s=60)
+    message = str(info.value)
+    assert f"rank 1 of 2 died with {code}" in message, message
+    assert "did not finish" not in message and "failed on rank 0" not in message, message
+    assert time.monotonic() - start < 15  # seen when it happens, not at the 60 s timeout
 
 
 def _returns(rank, ws, offset):

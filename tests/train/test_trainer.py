@@ -125,8 +125,10 @@ def test_cli_rejects_bad_input_with_a_message(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         train_main(["--out", str(tmp_path), "--steps", "0"])
     assert "qsdp train: --steps must be positive" in str(e.value.code)
-    with pytest.raises(FileNotFoundError, match="missing.txt"):
+    with pytest.raises(SystemExit) as e:  # one line, not a traceback
         train_main(["--out", str(tmp_path), "--data", str(tmp_path / "missing.txt")])
+    assert str(e.value.code).startswith("qsdp train: data path ")
+    assert "missing.txt does not exist" in str(e.value.code)
 
 
 def _too_long_block(rank: int, world: int, data: str, root: str) -> str:

@@ -15,7 +15,9 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import signal
 import tempfile
+import time
 import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -106,7 +108,8 @@ def run_distributed(
 
     Raises:
         RuntimeError: a worker raised (the message holds its rank and full traceback), died
-            without reporting, or the run exceeded ``timeout_s``.
+            without reporting (the message names its rank and exit code, as soon as the exit is
+            seen), or the run exceeded ``timeout_s``.
     """
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size={world_size!r} must be a positive int")
@@ -135,31 +138,61 @@ def run_distributed(
                 p.join()
 
 
-def _collect(procs, results, world_size: int, timeout_s: float, fn) -> list[Any]:
-    import time
+def _exit_text(code: int | None) -> str:
+    if code is not None and code < 0:
+        with contextlib.suppress(ValueError):
+            return f"exit code {code} ({signal.Signals(-code).name})"
+    return f"exit code {code}"
 
+
+def _collect(procs, results, world_size: int, timeout_s: float, fn) -> list[Any]:
     values: dict[int, Any] = {}
     failures: dict[int, str] = {}
+    deaths: dict[int, int] = {}  # ranks that exited without a report, and their exit codes
     deadline = time.monotonic() + timeout_s
     grace_end = None
     name = getattr(fn, "__qualname__", repr(fn))
     while len(values) + len(failures) < world_size:
         now = time.monotonic()
-        # After one rank fails, its peers are stuck in collectives: give them a moment to report
-        # their own errors, then stop waiting.
+        # After one rank fails or dies, its peers are stuck in collectives: give them a moment to
+        # report their own errors, then stop waiting.
         if now > deadline or (grace_end is not None and now > grace_end):
             break
         if results.empty():
-            if not any(p.is_alive() for p in procs) and results.empty():
+            # A worker's report is in the queue before it exits, so one that has exited with
+            # the queue empty never reported: it died (killed, crashed, os._exit).
+            for r, p in enumerate(procs):
+                if p.exitcode is not None and r not in values and r not in failures:
+                    if results.empty():
+                        deaths.setdefault(r, p.exitcode)
+            if deaths:
+                grace_end = grace_end or time.monotonic() + 2.0
+            if len(values) + len(failures) + len(deaths) == world_size:
                 break
             time.sleep(0.01)
             continue
         rank, ok, value = results.get()
+        deaths.pop(rank, None)
         if ok:
             values[rank] = value
         else:
             failures[rank] = value
             grace_end = grace_end or time.monotonic() + 2.0
+    if deaths:
+        # A rank that died without a word is the cause: a rank that raises reports first, and
+        # the errors of its peers ("connection closed") follow from the death.
+        first, code = next(iter(deaths.items()))
+        tail = "".join(
+            f"\nrank {r} failed after it: {failures[r].strip().splitlines()[-1]}" for r in failures
+        )
+        tail += "".join(
+            f"\nrank {r} died too, with {_exit_text(c)}" for r, c in deaths.items() if r != first
+        )
+        raise RuntimeError(
+            f"{name}: rank {first} of {world_size} died with {_exit_text(code)} without "
+            f"reporting a result or an error (killed, out of memory, os._exit, or a crash in "
+            f"native code){tail}"
+        )
     if failures:
         # The first failure to arrive is the cause; peers then fail in their collectives.
         first, *others = failures
@@ -171,10 +204,9 @@ def _collect(procs, results, world_size: int, timeout_s: float, fn) -> list[Any]
         )
     missing = sorted(set(range(world_size)) - set(values))
     if missing:
-        codes = {r: procs[r].exitcode for r in missing}
         raise RuntimeError(
             f"{name}: ranks {missing} of {world_size} did not finish within {timeout_s} s "
-            f"(exit codes {codes}); a hang in a collective or a crashed worker"
+            "(still running: a hang in a collective, or a timeout_s too short for the work)"
         )
     return [values[r] for r in range(world_size)]
 
@@ -203,8 +235,9 @@ class DistByteCounter:
     """Bytes of the send tensors handed to each ``torch.distributed`` collective."""
 
     bytes: dict[str, int] = field(default_factory=dict)
-    """Function name -> sum of the send tensors' ``nbytes`` (for ``all_to_all_single`` the
-    input tensor, whatever its split sizes)."""
+    """Function name -> bytes handed over by qsdp's convention (``qsdp.comm._stats``): the send
+    tensor's ``nbytes`` (for ``all_to_all_single`` the input tensor, whatever its split sizes),
+    for a reduce-scatter the input less the own chunk."""
     calls: dict[str, int] = field(default_factory=dict)
     """Function name -> number of calls."""
 
@@ -242,7 +275,11 @@ def count_dist_bytes() -> Iterator[DistByteCounter]:
         def counted(*args: Any, **kwargs: Any) -> Any:
             if depth[0] == 0:
                 t = kwargs[key] if key in kwargs else args[pos]
-                counter.bytes[name] = counter.bytes.get(name, 0) + t.numel() * t.element_size()
+                nbytes = t.numel() * t.element_size()
+                if name.startswith("reduce_scatter"):  # the own chunk never leaves the rank
+                    out = kwargs["output"] if "output" in kwargs else args[0]
+                    nbytes -= out.numel() * out.element_size()
+                counter.bytes[name] = counter.bytes.get(name, 0) + nbytes
                 counter.calls[name] = counter.calls.get(name, 0) + 1
             depth[0] += 1
             try:

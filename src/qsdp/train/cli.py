@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import traceback
 
 from ..config import RECIPES
-from .launch import launch
+from .launch import _USER_ERRORS, TrainError, _describe, launch, under_torchrun
 from .model import PRESETS
 from .trainer import TrainConfig
 
@@ -17,6 +19,11 @@ def parser() -> argparse.ArgumentParser:
         description="Train a GPT with FSDP2 and qsdp's compressed communication. Under torchrun "
         "it joins torchrun's group (NCCL on GPUs); run plainly it starts --nproc gloo "
         "processes on this CPU machine.",
+        epilog="An existing --out is only written by --resume, which continues its run and "
+        "refuses settings that differ from the saved ones (recipe, seed, data, steps, ...; "
+        "--stop-at, --ckpt-every, --eval-every, --progress and --tensorboard may change). "
+        "Errors end the run with one line; QSDP_TRAIN_TRACEBACK=1 also prints every rank's "
+        "traceback.",
     )
     p.add_argument("--out", required=True, help="run directory (metrics.csv, config.json, ckpt/)")
     p.add_argument("--recipe", default="sdp4bit", choices=sorted(RECIPES))
@@ -40,7 +47,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-every", type=int, default=50)
     p.add_argument("--eval-batches", type=int, default=8)
     p.add_argument("--ckpt-every", type=int, default=0, help="0: a checkpoint at the end only")
-    p.add_argument("--resume", action="store_true", help="continue from OUT/ckpt/latest")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the run in OUT from OUT/ckpt/latest, with the same settings",
+    )
     p.add_argument("--stop-at", type=int, help="stop (with a checkpoint) after this step")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--nproc", type=int, default=2, help="CPU processes when not under torchrun")
@@ -78,9 +89,24 @@ def config_from(args: argparse.Namespace) -> TrainConfig:
 
 
 def main(argv: list[str] | None = None) -> dict:
+    """Run ``qsdp train``; a refused setting or a failed worker ends it with one line on stderr,
+    ``qsdp train: ...``, and exit code 1 (``QSDP_TRAIN_TRACEBACK=1`` prints the tracebacks too).
+    """
     args = parser().parse_args(argv)
+    verbose = os.environ.get("QSDP_TRAIN_TRACEBACK", "") not in ("", "0")
     try:
         cfg = config_from(args)
-    except ValueError as e:
-        sys.exit(f"qsdp train: {e}")
-    return launch(cfg, nproc=args.nproc)
+        return launch(cfg, nproc=args.nproc)
+    except TrainError as e:
+        if verbose:
+            for rank, tb in e.tracebacks.items():
+                print(f"--- rank {rank} ---\n{tb}", file=sys.stderr)
+        sys.exit(str(e))
+    except Exception as e:
+        # Refused before any worker started; or, under torchrun, this rank's own error.
+        if not under_torchrun() and not isinstance(e, _USER_ERRORS):
+            raise  # a bug of the launcher itself: its traceback is the report
+        if verbose:
+            traceback.print_exc()
+        where = f" (rank {os.environ['RANK']})" if under_torchrun() else ""
+        sys.exit(f"qsdp train: {_describe(e)}{where}")

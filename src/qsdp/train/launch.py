@@ -1,11 +1,25 @@
 """Start ``qsdp train``'s processes: under ``torchrun`` join its group (NCCL on GPUs, gloo on
 CPUs); run plainly, start ``nproc`` local gloo processes on this CPU machine. The transport is
-``torch.distributed``'s own; nothing else is launched."""
+``torch.distributed``'s own; nothing else is launched.
+
+[Note: one error, not one traceback per rank]
+What can be checked before the workers start is checked then (``rundir.validate``: the run
+directory, the data) and raises here, a plain ``ValueError``, ``OSError`` or ``ImportError``. A
+worker that fails later sends ``(rank, message, traceback)`` to the parent and exits with code
+1 without printing; a peer whose collectives then fail (gloo's "connection closed") does the
+same, so the parent names the first report as the cause (a worker that died without reporting,
+killed or crashed, comes first: it is the cause of its peers' errors) and raises one
+:class:`TrainError`, ``qsdp train: <message> (rank r)``. Every rank's traceback stays on the error
+(``TrainError.tracebacks``); the CLI prints them when ``QSDP_TRAIN_TRACEBACK=1``.
+"""
 
 from __future__ import annotations
 
 import os
+import signal
 import tempfile
+import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -13,9 +27,27 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from .data import open_data, prepare_data
-from .trainer import TrainConfig, train_rank
+from .rundir import validate
+from .trainer import COLUMNS, TrainConfig, raise_together, train_rank
 
-__all__ = ["launch", "under_torchrun"]
+__all__ = ["TrainError", "launch", "under_torchrun"]
+
+_GRACE_S = 10.0  # after the first failure, how long the peers get to report and exit
+_USER_ERRORS = (ValueError, OSError, FloatingPointError, ImportError)
+
+
+class TrainError(RuntimeError):
+    """A worker of ``qsdp train`` failed; the message is one line naming it.
+
+    Attributes:
+        rank: the rank whose failure is the cause.
+        tracebacks: the traceback of each rank that reported an error, in order of arrival.
+    """
+
+    def __init__(self, message: str, *, rank: int, tracebacks: dict[int, str]) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.tracebacks = tracebacks
 
 
 def under_torchrun() -> bool:
@@ -23,12 +55,26 @@ def under_torchrun() -> bool:
 
 
 def launch(cfg: TrainConfig, *, nproc: int = 2) -> dict:
-    """Train ``cfg``; returns rank 0's last metrics (``{}`` on other torchrun ranks)."""
+    """Train ``cfg``; returns rank 0's last metrics (``{}`` on other torchrun ranks).
+
+    Args:
+        cfg: the run's settings.
+        nproc: local gloo processes to start (ignored under torchrun).
+
+    Returns:
+        Rank 0's metrics of the last step.
+
+    Raises:
+        ValueError, OSError, ImportError: a setting, the data or ``cfg.out`` is refused before
+            any worker starts (see ``rundir.validate``); nothing was written.
+        TrainError: a worker failed (see the module's note).
+    """
     if under_torchrun():
         return _torchrun(cfg)
     if nproc < 1:
         raise ValueError(f"--nproc must be >= 1, got {nproc}")
     path = prepare_data(cfg.data, cfg.tokenizer)
+    validate(cfg, open_data(path), world_size=nproc, columns=COLUMNS)
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
     # rendezvous through a file, not a TCP store owned by rank 0: no rank's exit can pull the
@@ -39,14 +85,75 @@ def launch(cfg: TrainConfig, *, nproc: int = 2) -> dict:
             ctx.Process(target=_local_worker, args=(r, nproc, store, cfg, str(path), results))
             for r in range(nproc)
         ]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join()
-    failed = {r: p.exitcode for r, p in enumerate(procs) if p.exitcode != 0}
-    if failed:
-        raise RuntimeError(f"qsdp train: ranks exited with codes {failed} (see their errors above)")
-    return results.get()
+        try:
+            for p in procs:
+                p.start()
+            return _collect(procs, results)
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+                if p.pid is not None:
+                    p.join()
+
+
+def _collect(procs: list, results) -> dict:
+    """Wait for the workers; rank 0's metrics, or one :class:`TrainError` for the first failure."""
+    last: dict | None = None
+    errors: dict[int, tuple[str, str]] = {}  # in order of arrival
+    deaths: dict[int, int] = {}  # ranks that exited non-zero without a report
+
+    def drain() -> None:
+        nonlocal last
+        while not results.empty():
+            rank, ok, *value = results.get()
+            if ok:
+                last = value[0] if rank == 0 else last
+            else:
+                errors.setdefault(rank, (value[0], value[1]))
+
+    def judge() -> None:
+        # A report is in the queue before its sender exits: drain first, then judge the exits.
+        drain()
+        for r, p in enumerate(procs):
+            if p.exitcode not in (None, 0) and r not in errors and results.empty():
+                deaths.setdefault(r, p.exitcode)
+
+    grace_end = None
+    while not all(p.exitcode is not None for p in procs):
+        judge()
+        if (errors or deaths) and grace_end is None:
+            grace_end = time.monotonic() + _GRACE_S
+        if grace_end is not None and time.monotonic() > grace_end:
+            break  # a peer stuck in a collective: the finally of launch() kills it
+        time.sleep(0.02)
+    judge()
+    tracebacks = {r: tb for r, (_, tb) in errors.items()}
+    if deaths:
+        rank, code = next(iter(deaths.items()))
+        why = " (its own output above says why)"
+        if code < 0:
+            name = signal.Signals(-code).name if -code in signal.valid_signals() else "a signal"
+            why = f" ({name}: out of memory, or killed from outside)"
+        raise TrainError(
+            f"qsdp train: rank {rank} died with exit code {code} before reporting an error{why}",
+            rank=rank,
+            tracebacks=tracebacks,
+        )
+    if errors:
+        rank, (message, _) = next(iter(errors.items()))
+        raise TrainError(f"qsdp train: {message} (rank {rank})", rank=rank, tracebacks=tracebacks)
+    if last is None:
+        raise TrainError("qsdp train: rank 0 finished without its metrics", rank=0, tracebacks={})
+    return last
+
+
+def _describe(e: BaseException) -> str:
+    # A user error's message says it all; anything else is named by its type. One line.
+    text = str(e) if isinstance(e, _USER_ERRORS) else f"{type(e).__name__}: {e}"
+    lines = text.strip().splitlines() or [type(e).__name__]
+    more = " [...]" if len(lines) > 1 else ""
+    return lines[0] + more
 
 
 def _local_worker(rank: int, world: int, store: str, cfg: TrainConfig, path: str, results) -> None:
@@ -57,14 +164,20 @@ def _local_worker(rank: int, world: int, store: str, cfg: TrainConfig, path: str
         LOCAL_WORLD_SIZE=str(world),
     )
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    dist.init_process_group("gloo", init_method=store, rank=rank, world_size=world)
+    code = 0
     try:
+        dist.init_process_group("gloo", init_method=store, rank=rank, world_size=world)
         last = train_rank(cfg, open_data(Path(path)), torch.device("cpu"))
-        if rank == 0:
-            results.put(last)
         dist.barrier()  # every rank is done before any leaves
+        results.put((rank, True, last))
+    except BaseException as e:  # noqa: B036 - every failure, Ctrl-C included, goes to the parent
+        # Report before leaving the group: leaving makes the peers fail too (see the note).
+        results.put((rank, False, _describe(e), traceback.format_exc()))
+        code = 1
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    raise SystemExit(code)
 
 
 def _torchrun(cfg: TrainConfig) -> dict:
@@ -77,11 +190,12 @@ def _torchrun(cfg: TrainConfig) -> dict:
         device = torch.device("cpu")
         dist.init_process_group("gloo")
     try:
-        # rank 0 prepares (downloads at most once); the others then find it in the cache
-        path = prepare_data(cfg.data, cfg.tokenizer) if dist.get_rank() == 0 else None
-        dist.barrier()
-        if path is None:
-            path = prepare_data(cfg.data, cfg.tokenizer)
+        # rank 0 prepares (downloads at most once); the others then find it in the cache. A
+        # failure on any rank is raised on all (no rank waits for a peer that has left).
+        first = dist.get_rank() == 0
+        on_first = raise_together(lambda: prepare_data(cfg.data, cfg.tokenizer) if first else None)
+        on_others = raise_together(lambda: None if first else prepare_data(cfg.data, cfg.tokenizer))
+        path = on_first or on_others
         last = train_rank(cfg, open_data(path), device)
         return last if dist.get_rank() == 0 else {}
     finally:

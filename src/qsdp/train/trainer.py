@@ -21,8 +21,10 @@ import json
 import math
 import os
 import time
-from dataclasses import asdict, dataclass
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -36,10 +38,13 @@ from ..config import RECIPES, CompressionConfig, recipe
 from ..fsdp import comm_state, compress_fsdp, fsdp_comm_stats
 from ..fsdp.api import _layout
 from .data import Batches, TokenData
-from .metrics import MetricsWriter, Progress
+from .metrics import CONFIG_FILE, MetricsWriter, Progress
 from .model import GPT, PRESETS, ModelConfig
+from .rundir import run_info, validate
 
-__all__ = ["COLUMNS", "TrainConfig", "train_rank"]
+__all__ = ["COLUMNS", "TrainConfig", "raise_together", "train_rank"]
+
+T = TypeVar("T")
 
 COLUMNS = (
     "step",
@@ -65,6 +70,7 @@ class TrainConfig:
     """Everything a run depends on; saved as ``OUT/config.json``."""
 
     out: str
+    """The run directory: new (or holding no run), or the run to continue with ``resume``."""
     recipe: str = "sdp4bit"
     preset: str = "cpu-tiny"
     data: str | None = None
@@ -87,6 +93,10 @@ class TrainConfig:
     ckpt_every: int = 0
     """Save a checkpoint every N steps (0: only at the end)."""
     resume: bool = False
+    """Continue the run in ``out`` from its last checkpoint. The settings that define the run
+    must equal the saved ones (``rundir.RESUME_MUST_MATCH``: recipe, seed, data, ``steps``...);
+    only when to stop, save, evaluate and how to report may change. Without it, ``out`` must not
+    hold a run."""
     stop_at: int | None = None
     """End this process after this many steps (saving a checkpoint), as an interruption would;
     ``resume`` continues the same run. The schedule still spans ``steps``."""
@@ -268,29 +278,60 @@ def load_checkpoint(out: Path, model: GPT, opt: torch.optim.Optimizer) -> int:
     return int(state["trainer"]["step"])
 
 
-def _write_config(cfg: TrainConfig, out: Path, data: TokenData, mc: ModelConfig) -> None:
-    info = asdict(cfg) | {
-        "world_size": dist.get_world_size(),
-        "tokenizer": data.tokenizer or "ids",
-        "vocab_size": data.vocab_size,
-        "block_size": mc.block_size,
-        "n_params": mc.n_params(),
-        "torch": torch.__version__,
-        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-    }
-    path = out / "config.json"
-    if cfg.resume and path.is_file():
-        old = json.loads(path.read_text())
-        keys = ("recipe", "preset", "seed", "micro_batch", "grad_accum", "world_size", "block_size")
-        diff = {k: (old.get(k), info[k]) for k in keys if old.get(k) != info[k]}
-        if diff:
-            raise ValueError(f"--resume with other settings than the saved run: {diff}")
-    path.write_text(json.dumps(info, indent=2, default=str))
+def _write_config(cfg: TrainConfig, out: Path, data: TokenData, device: torch.device) -> None:
+    info = run_info(cfg, data, world_size=dist.get_world_size(), device=device)
+    (out / CONFIG_FILE).write_text(json.dumps(info, indent=2, default=str))
+
+
+_REBUILT = {
+    t.__name__: t
+    for t in (
+        ValueError,
+        TypeError,
+        ImportError,
+        FileExistsError,
+        FileNotFoundError,
+        NotADirectoryError,
+    )
+}
+
+
+def raise_together(fn: Callable[[], T]) -> T:
+    """Run ``fn`` on every rank; if it raises on any, raise on all of them.
+
+    A rank that raised re-raises its own error; the others raise the first failing rank's
+    (same type where it is a user error, else ``RuntimeError``), so no rank goes on into a
+    collective that its peer has left.
+
+    Args:
+        fn: the check (or preparation) to run; called once on each rank.
+
+    Returns:
+        What ``fn`` returned on this rank.
+    """
+    error: Exception | None = None
+    value = None
+    try:
+        value = fn()
+    except Exception as e:  # every rank must learn of it, whatever it is
+        error = e
+    report = None if error is None else (type(error).__name__, str(error))
+    reports: list = [None] * dist.get_world_size()
+    dist.all_gather_object(reports, report)
+    if error is not None:
+        raise error
+    for rank, r in enumerate(reports):
+        if r is not None:
+            kind, message = r
+            raise _REBUILT.get(kind, RuntimeError)(f"{message} (on rank {rank})")
+    return value  # type: ignore[return-value]
 
 
 def train_rank(cfg: TrainConfig, data: TokenData, device: torch.device) -> dict:
     """Train on this rank; returns the final metrics (rank 0 also writes ``OUT/``)."""
     rank, ws = dist.get_rank(), dist.get_world_size()
+    # Before anything is written (see rundir's notes); on every rank, so all raise together.
+    raise_together(lambda: validate(cfg, data, world_size=ws, columns=COLUMNS))
     out = Path(cfg.out)
     mc = cfg.model_config(data.vocab_size)
     batches = Batches(data)
@@ -307,7 +348,7 @@ def train_rank(cfg: TrainConfig, data: TokenData, device: torch.device) -> dict:
     start = load_checkpoint(out, model, opt) if cfg.resume else 0
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
-        _write_config(cfg, out, data, mc)
+        _write_config(cfg, out, data, device)
     dist.barrier()
     compute_bytes = 2 if _bf16_compute(cfg, device) else 4
     (full_ag, full_rs), (plain_ag, plain_rs) = _plain_bytes(

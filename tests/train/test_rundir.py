@@ -1,0 +1,261 @@
+"""A run directory is written only by the run that owns it: a new run into an existing one, a
+``--resume`` under other settings, an ``--out`` that is a file and data too short for the block
+are refused with one line, before any worker starts, and change nothing; a worker that fails
+later is reported in one line too."""
+
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing
+import os
+import shutil
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import qsdp.train.launch as launch_module
+from qsdp.testing import run_distributed
+from qsdp.train.cli import main as train_main
+from qsdp.train.data import open_data, prepare_data
+from qsdp.train.launch import TrainError, launch
+from qsdp.train.rundir import RESUME_MAY_CHANGE, RESUME_MUST_MATCH, validate
+from qsdp.train.trainer import COLUMNS, TrainConfig, train_rank
+
+TEXT = "To be, or not to be, that is the question: whether 'tis nobler in the mind. " * 400
+SETTINGS = dict(
+    recipe="bf16",
+    preset="cpu-tiny",
+    steps=4,
+    micro_batch=2,
+    block_size=32,
+    eval_every=2,
+    eval_batches=2,
+    warmup=1,
+    progress=False,
+    tensorboard=False,
+)
+# the same settings as command-line flags
+FLAGS = [
+    *("--recipe", "bf16", "--steps", "4", "--micro-batch", "2", "--block-size", "32"),
+    *("--eval-every", "2", "--eval-batches", "2", "--warmup", "1", "--nproc", "2"),
+    *("--no-progress", "--no-tensorboard"),
+]
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("rundir")
+    (root / "play.txt").write_text(TEXT)
+    (root / "other.txt").write_text(TEXT.upper())
+    data = prepare_data(str(root / "play.txt"), None, cache_dir=root / "cache")
+    return {"root": root, "txt": root / "play.txt", "other": root / "other.txt", "data": data}
+
+
+def _stopped_run(rank: int, world: int, data: str, txt: str, out: str) -> None:
+    cfg = TrainConfig(out=out, data=txt, stop_at=2, **SETTINGS)  # a checkpoint at step 2
+    train_rank(cfg, open_data(Path(data)), torch.device("cpu"))
+
+
+@pytest.fixture(scope="module")
+def saved_run(files) -> Path:
+    out = files["root"] / "saved"
+    run_distributed(_stopped_run, 2, str(files["data"]), str(files["txt"]), str(out))
+    return out
+
+
+@pytest.fixture
+def run(saved_run, files, tmp_path, monkeypatch) -> Path:
+    """A copy of a 2-rank run stopped at step 2 of 4, for one test to try to spoil."""
+    monkeypatch.setenv("QSDP_DATA_DIR", str(files["root"] / "cache"))
+    return Path(shutil.copytree(saved_run, tmp_path / "run"))
+
+
+class _NoSpawn:
+    def get_context(self, *args, **kwargs):
+        raise AssertionError("qsdp train started workers for a run it should have refused")
+
+
+@pytest.fixture
+def no_spawn(monkeypatch, files):
+    monkeypatch.setenv("QSDP_DATA_DIR", str(files["root"] / "cache"))
+    monkeypatch.setattr(launch_module, "mp", _NoSpawn())
+
+
+def _snapshot(out: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(out)): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
+
+
+def _refused(argv: list[str]) -> str:
+    with pytest.raises(SystemExit) as e:
+        train_main(argv)
+    message = str(e.value.code)
+    assert message.startswith("qsdp train: ") and "\n" not in message, message
+    return message
+
+
+@pytest.mark.parametrize("extra", [[], ["--recipe", "qsdp-w8g8", "--seed", "5"]])
+def test_a_new_run_into_a_run_directory_is_refused_and_changes_nothing(run, files, no_spawn, extra):
+    before = _snapshot(run)
+    message = _refused(["--out", str(run), "--data", str(files["txt"]), *FLAGS, *extra])
+    assert f"{run} holds a run (config.json, metrics.csv, ckpt)" in message, message
+    assert "pass --resume to continue it, or choose another --out" in message, message
+    assert "resume_from_step" not in message  # the Python API's name means nothing to a CLI user
+    assert _snapshot(run) == before
+
+
+@pytest.mark.parametrize(
+    "extra, named",
+    [
+        (
+            ["--recipe", "qsdp-w8g8", "--seed", "5"],
+            ["--recipe: saved 'bf16', now 'qsdp-w8g8'", "--seed: saved 0, now 5"],
+        ),
+        (["--steps", "6"], ["--steps: saved 4, now 6"]),
+        (["--micro-batch", "3", "--lr", "0.002"], ["--micro-batch", "--lr"]),
+        (["--nproc", "3"], ["the number of processes (--nproc, or torchrun's): saved 2, now 3"]),
+        (["--block-size", "16"], ["--block-size: saved 32, now 16"]),
+    ],
+)
+def test_resume_under_other_settings_is_refused_and_changes_nothing(
+    run, files, no_spawn, extra, named
+):
+    before = _snapshot(run)
+    argv = ["--out", str(run), "--data", str(files["txt"]), *FLAGS, *extra, "--resume"]
+    message = _refused(argv)
+    assert "--resume would continue the run in" in message, message
+    for text in named:
+        assert text in message, message
+    assert _snapshot(run) == before
+
+
+def test_resume_on_other_data_is_refused(run, files, no_spawn):
+    before = _snapshot(run)
+    message = _refused(["--out", str(run), "--data", str(files["other"]), *FLAGS, "--resume"])
+    assert "--data (the file it names): saved" in message and "other.txt" in message, message
+    assert _snapshot(run) == before
+
+
+def test_every_setting_is_either_compared_or_free_on_resume():
+    names = {f.name for f in dataclasses.fields(TrainConfig)}
+    assert not set(RESUME_MUST_MATCH) & set(RESUME_MAY_CHANGE)
+    assert names - set(RESUME_MUST_MATCH) - set(RESUME_MAY_CHANGE) == set()
+
+
+CHANGED = {
+    "recipe": "qsdp-w8g8",
+    "preset": "gpt-125m",
+    "block_size": 16,
+    "micro_batch": 3,
+    "grad_accum": 2,
+    "steps": 6,
+    "lr": 2e-3,
+    "min_lr_ratio": 0.2,
+    "warmup": 2,
+    "weight_decay": 0.0,
+    "grad_clip": 0.5,
+    "dropout": 0.1,
+    "eval_batches": 3,
+    "seed": 1,
+    "two_level": False,
+}
+
+
+def test_resume_checks_each_setting_and_lets_the_free_ones_change(run, files, monkeypatch):
+    data = open_data(files["data"])
+    saved = TrainConfig(out=str(run), data=str(files["txt"]), resume=True, **SETTINGS)
+    validate(saved, data, world_size=2, columns=COLUMNS)  # the same settings: resumable
+    free = dataclasses.replace(
+        saved, stop_at=3, eval_every=1, ckpt_every=1, progress=True, tensorboard=None
+    )
+    validate(free, data, world_size=2, columns=COLUMNS)
+    monkeypatch.chdir(files["root"])  # the same data named by a relative path
+    validate(dataclasses.replace(saved, data="play.txt"), data, world_size=2, columns=COLUMNS)
+    for name, value in CHANGED.items():
+        with pytest.raises(ValueError, match=f"--{name.replace('_', '-')}: saved"):
+            validate(
+                dataclasses.replace(saved, **{name: value}), data, world_size=2, columns=COLUMNS
+            )
+    assert set(CHANGED) | {"data", "tokenizer"} == set(RESUME_MUST_MATCH) & set(
+        f.name for f in dataclasses.fields(TrainConfig)
+    )
+
+
+def test_resume_without_a_checkpoint_is_refused(files, tmp_path, no_spawn):
+    message = _refused(["--out", str(tmp_path), "--data", str(files["txt"]), *FLAGS, "--resume"])
+    assert "--resume: no finished checkpoint" in message, message
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_out_that_is_a_file_is_one_clean_error(files, tmp_path, no_spawn):
+    out = tmp_path / "notes.txt"
+    out.write_text("mine")
+    message = _refused(["--out", str(out), "--data", str(files["txt"]), *FLAGS])
+    assert f"--out {out} is a file, not a run directory; choose another --out" in message
+    assert out.read_text() == "mine"
+
+
+def test_too_short_data_is_refused_before_any_worker_starts(files, tmp_path, no_spawn):
+    argv = ["--out", str(tmp_path / "run"), "--data", str(files["txt"]), *FLAGS]
+    message = _refused([*argv, "--block-size", "100000"])
+    assert "too short for block_size=100000, which needs at least 100001" in message, message
+    assert "--block-size" in message and not (tmp_path / "run").exists()
+
+
+class _FailsOnRankOne(TrainConfig):
+    """Settings whose ``grad_clip`` raises on rank 1: a failure inside a worker, mid-step."""
+
+    def __getattribute__(self, name: str):
+        if name == "grad_clip" and os.environ.get("RANK") == "1":
+            raise RuntimeError("injected failure on rank 1")
+        return super().__getattribute__(name)
+
+
+def test_a_failing_worker_is_reported_in_one_line(files, tmp_path, monkeypatch, capfd):
+    monkeypatch.setenv("QSDP_DATA_DIR", str(files["root"] / "cache"))
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    cfg = _FailsOnRankOne(out=str(tmp_path / "run"), data=str(files["txt"]), **SETTINGS)
+    with pytest.raises(TrainError) as e:
+        launch(cfg, nproc=2)
+    assert str(e.value) == "qsdp train: RuntimeError: injected failure on rank 1 (rank 1)"
+    assert e.value.rank == 1 and "injected failure" in e.value.tracebacks[1]
+    err = capfd.readouterr().err
+    # neither the failing worker nor its peer (whose collective lost rank 1) printed a trace
+    assert "Traceback" not in err and "Connection closed" not in err, err
+
+
+def _worker_outcome(rank: int, results, how: str) -> None:
+    # What _local_worker sends: (rank, False, one-line message, traceback), then exit code 1.
+    if rank == 1:
+        if how == "killed":
+            os.kill(os.getpid(), signal.SIGKILL)
+        results.put((1, False, "ValueError-like cause", "traceback of rank 1"))
+        raise SystemExit(1)
+    time.sleep(0.5)  # rank 0's collective fails once rank 1 has left
+    results.put((0, False, "RuntimeError: Connection closed by peer", "traceback of rank 0"))
+    raise SystemExit(1)
+
+
+@pytest.mark.parametrize(
+    "how, message",
+    [
+        ("raises", "qsdp train: ValueError-like cause (rank 1)"),
+        ("killed", "qsdp train: rank 1 died with exit code -9 before reporting an error (SIGKILL"),
+    ],
+)
+def test_the_cause_is_named_not_the_peer_it_took_down(how, message):
+    ctx = multiprocessing.get_context("forkserver")
+    results = ctx.SimpleQueue()
+    procs = [ctx.Process(target=_worker_outcome, args=(r, results, how)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        with pytest.raises(TrainError) as e:
+            launch_module._collect(procs, results)
+    finally:
+        for p in procs:
+            p.join()
+    assert str(e.value).startswith(message), str(e.value)
+    assert e.value.rank == 1 and "traceback of rank 0" in e.value.tracebacks[0]

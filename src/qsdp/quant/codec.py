@@ -14,7 +14,7 @@ from typing import Literal
 import torch
 
 from . import reference as ref
-from .spec import NonFinite, QuantSpec
+from .spec import NonFinite, QuantSpec, Scheme
 
 __all__ = [
     "Backend",
@@ -133,8 +133,8 @@ def _raise_nonfinite(
     base: torch.Tensor | None,
     numel: int,
 ) -> None:
-    """Raise if any group was flagged non-finite (its first scale field is NaN); the count of
-    bad values in ``src`` (minus ``base``) is computed only then."""
+    """Raise if any group was flagged (its first scale field is NaN); what to say is worked out
+    from ``src`` (minus ``base``) only then."""
     if spec.nonfinite is NonFinite.PROPAGATE or numel == 0:
         return
     ng = spec.num_groups(numel)
@@ -143,14 +143,80 @@ def _raise_nonfinite(
         first = raw.view(spec.scale_dtype)[:: spec.scale_fields]  # no copy: a view of the scales
     else:
         first = ref._bytes_to_fields(raw, ng, spec)[:, 0]
-    if bool(torch.isnan(first).any()):
-        bad = src.float() if base is None else src.float() - base.float()
-        count = int((~torch.isfinite(bad)).sum())
-        raise ValueError(
-            f"cannot quantize: {count} of {numel} values are NaN or Inf ({spec}); fix the "
-            "source (a diverging loss, a missing grad clip), or build the QuantSpec with "
-            "nonfinite='propagate' to send the affected groups as NaN"
+    flagged = torch.isnan(first)
+    if bool(flagged.any()):
+        raise ValueError(_flagged_message(spec, src, base, flagged))
+
+
+def _flagged_message(
+    spec: QuantSpec, src: torch.Tensor, base: torch.Tensor | None, flagged: torch.Tensor
+) -> str:
+    """Why encode flagged groups: NaN/Inf in the source, a difference ``x - base`` that
+    overflows, or finite values too large for the scheme (reference's
+    [Note: representable range])."""
+    x = src.float() if base is None else src.float() - base.float()
+    numel, ng, g = x.numel(), flagged.numel(), spec.group_size
+    nonfinite = ~torch.isfinite(x)
+    count = int(nonfinite.sum())
+    padded = torch.zeros(ng * g, dtype=torch.bool, device=x.device)
+    padded[:numel] = nonfinite
+    too_large = int((flagged.to(x.device) & ~padded.reshape(ng, g).any(dim=1)).sum())
+    what = "|x|" if base is None else "|x - base|"
+    limit = spec.value_limit()
+    fix = _range_fix(spec)
+    if count:
+        inputs_finite = base is not None and bool(
+            torch.isfinite(src.float()).all() & torch.isfinite(base.float()).all()
         )
+        if inputs_finite:
+            head = (
+                f"cannot quantize: x - base overflows float32 in {count} of {numel} values "
+                f"({spec}); scale both tensors down, or encode x itself"
+            )
+        else:
+            head = (
+                f"cannot quantize: {count} of {numel} values are NaN or Inf ({spec}); fix the "
+                "source (a diverging loss, a missing grad clip)"
+            )
+        more = ""
+        if too_large:
+            more = (
+                f"; also too large for this scheme: {too_large} group(s) of finite values "
+                f"({what} <= {limit:.4g} always encodes)"
+            )
+        return (
+            f"{head}{more}, or build the QuantSpec with nonfinite='propagate' to send the "
+            "affected groups as NaN"
+        )
+    padded_abs = torch.zeros(ng * g, dtype=torch.float32, device=x.device)
+    padded_abs[:numel] = x.abs()
+    group_max = padded_abs.reshape(ng, g).amax(dim=1)
+    if not bool((flagged.to(x.device) & (group_max > limit)).any()):
+        # within the limit, so not an overflow of the range: a step below float32's normal
+        # range (shift-lattice's 1/delta overflows, its grid offset becomes NaN)
+        return (
+            f"cannot quantize: {too_large} of {ng} groups hold values whose range is too small "
+            f"for {spec}: the step {spec.step_bound()} is below float32's normal range "
+            "(1.2e-38), so its reciprocal overflows; scale the tensor up, or build the "
+            "QuantSpec with nonfinite='propagate' to send these groups as NaN"
+        )
+    largest = float(x.abs().max())
+    return (
+        f"cannot quantize: {too_large} of {ng} groups hold finite values too large for {spec} "
+        f"(largest {what} = {largest:.4g}; this quantizer encodes every {what} <= {limit:.4g}, "
+        "larger values only while the group's decoded range fits float32); scale the tensor "
+        f"down (a smaller loss scale, a grad clip), keep {what} <= {limit:.4g}, {fix}, or build "
+        "the QuantSpec with nonfinite='propagate' to send these groups as NaN"
+    )
+
+
+def _range_fix(spec: QuantSpec) -> str:
+    """The spec change that encodes every finite value (absmax, no Hadamard)."""
+    if spec.scheme is not Scheme.ABSMAX and spec.hadamard_block:
+        return "use scheme='absmax' with hadamard_block=None (every finite value encodes)"
+    if spec.scheme is not Scheme.ABSMAX:
+        return "use scheme='absmax' (every finite value encodes)"
+    return "use hadamard_block=None (absmax then encodes every finite value)"
 
 
 # --- public API -------------------------------------------------------------------------------
@@ -180,7 +246,9 @@ def encode(
         The :class:`Encoded` tensor; ``wire_bytes`` is its payload size.
 
     Raises:
-        ValueError: NaN or Inf in ``x`` (unless ``spec.nonfinite == "propagate"``), bad counters.
+        ValueError: NaN or Inf in ``x``, or a group of finite values too large for ``spec``
+            (beyond ``spec.value_limit()``, where its decoded range would overflow float32),
+            unless ``spec.nonfinite == "propagate"``; bad counters.
     """
     return _encode(x, None, spec, seed=seed, step=step, stream=stream, out=out, backend=backend)
 
@@ -358,6 +426,8 @@ def decode_sum_encode(
 
     All in the Hadamard domain: the result decodes (with the inverse rotation) to the sum. This is
     the middle hop of SDP4Bit's two-level reduce-scatter (8-bit intra-node in, 4-bit out).
+    It never raises (no host sync on the hot path): an input group flagged NaN, or a summed group
+    too large for ``out_spec``, is sent as a flagged (NaN) group whatever ``out_spec.nonfinite``.
     """
     if in_spec.hadamard_block != out_spec.hadamard_block or (
         in_spec.hadamard_seed != out_spec.hadamard_seed

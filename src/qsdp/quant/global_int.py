@@ -200,12 +200,31 @@ def global_int_decode(
     op: str = "avg",
     dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """Values of summed codes: ``sum(q) * M / s``, divided by ``world_size`` for ``op="avg"``."""
+    """Values of summed codes: ``(sum(q) / s) * M``, with ``sum(q) / s`` divided by
+    ``world_size`` first for ``op="avg"``.
+
+    The code ratio is formed before the multiply by ``M``: for ``"avg"`` it lies in ``[-1, 1]``,
+    so the mean never overflows, even with ``M`` at float32's maximum (``sum(q) * M`` would pass
+    it with two ranks). ``"sum"`` overflows to ``inf`` only where the sum itself leaves
+    float32's range, as any float32 sum does.
+
+    Args:
+        summed: the SUM all-reduced codes (any dtype holding integers).
+        scales: float32 global max-abs ``M`` per group (as given to :func:`global_int_encode`).
+        levels: ``s``, as given to :func:`global_int_encode`.
+        world_size: ranks whose codes were summed.
+        group_size: elements per scale.
+        op: ``"avg"`` or ``"sum"``.
+        dtype: dtype of the result.
+
+    Returns:
+        A 1-D tensor of ``summed.numel()`` values.
+    """
     if op not in ("avg", "sum"):
         raise ValueError(f"op={op!r} must be 'avg' or 'sum'")
     n = summed.numel()
     m = _per_element(scales, n, group_size)
-    vals = summed.reshape(-1).float() * (m / levels)
+    ratio = _div(summed.reshape(-1).float(), float(levels))
     if op == "avg":
-        vals = vals / world_size
-    return vals.to(dtype)
+        ratio = _div(ratio, float(world_size))
+    return (ratio * m).to(dtype)

@@ -9,6 +9,10 @@ The transform is its own inverse (``H`` is symmetric and orthonormal); with a si
 the forward map is ``H (d * x)`` and the inverse ``d * (H y)``. It is linear, so the sum of
 rotated vectors is the rotation of the sum: reductions can run in the rotated domain. Only whole
 blocks of the flattened tensor are rotated; a tail shorter than ``h`` passes unchanged.
+The butterflies' partial sums reach ``h`` times the largest input before the multiply by
+``1/sqrt(h)``: a forward overflow shows as a non-finite rotated value (encode flags its group),
+and encode keeps a headroom of ``2h`` on every decoded group so the inverse cannot overflow
+(``reference.py``, [Note: representable range]).
 """
 
 from __future__ import annotations

@@ -15,11 +15,38 @@ Per group (``r`` is the rounding: ``floor(v + 0.5)`` or ``floor(v + u)``, then a
                    base = (floor(min/delta - xi) + xi) * delta
                    code = r((x - base) * (1/delta))       value = base + code * delta
 
-A group with a NaN or Inf gets NaN as its first scale field and zero codes; the caller decides
-whether that raises (default) or propagates.
+A group with a NaN or Inf gets NaN as its first scale field, zero in its other field and zero
+codes; the caller decides whether that raises (default) or propagates. So does a group that is
+not representable (below).
+
+[Note: representable range]
+Decoding is monotone in the code, so a group's decoded values lie between two numbers computed
+with the decode's own float32 operations: ``-qmax * s`` and ``qmax * s`` (absmax), ``base`` and
+``top = base + (2^b - 1) * unit`` (minmax, shift-lattice; ``unit`` is ``delta``). A group is
+*not representable* when ``unit`` or one of these bounds, times the headroom ``R``, is not
+finite; encode flags it like a NaN group, so no payload ever decodes to NaN or Inf by overflow.
+``R`` is 1 without Hadamard and ``2h`` with ``hadamard_block=h``: the inverse butterflies'
+partial sums reach ``h`` times the largest rotated value before the ``1/sqrt(h)`` multiply, and
+the factor 2 covers their rounding (``R`` is a power of two, so ``bound * R`` is exact). absmax
+caps its step at the largest ``s`` of the scale dtype whose ``qmax * s`` is finite (only a
+group holding values within a few ulps of the float32 maximum, or above the bfloat16 maximum
+with bf16 scales, meets the cap; it then clips by less than half a step). What this guarantees::
+
+    scheme                 hadamard_block=None     hadamard_block=h
+    absmax                 every finite x          |x| <= 2^126 / h^2  (h=32: 8.3e34)
+    minmax, shift-lattice  |x| <= 2^126 (8.5e37)   |x| <= 2^126 / h^2
+
+Beyond a limit a group is refused only if it really overflows (``QuantSpec.value_limit`` gives
+the limit). Why 2^126: then ``max - min <= 2^127``, and shift-lattice's grid ends at most
+``(max - min) / (2^b - 2)`` beyond ``max``, so ``base`` and ``top`` stay within 2^127. With
+Hadamard, rotated values are at most ``sqrt(h) |x|`` and the decoded bound at most twice the
+rotated maximum, so ``R`` times it stays below 2^128. A sum of ``k`` payloads
+(``decode_sum``) is a float32 sum: it overflows, like any, when the sum leaves float32's range.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -46,6 +73,12 @@ def _round_up_bf16(s: torch.Tensor) -> torch.Tensor:
 
 
 def _fields_to_bytes(fields: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
+    if spec.scale_dtype == torch.bfloat16:
+        # The high half of each float32, as the kernels store it: the fields are bf16 values
+        # already (rounded up, capped) or the flag's NaN, which .to(bfloat16) does not pin down
+        # (0xFFFF on CPU, 0x7FFF on CUDA; the high half is 0x7FC0).
+        high = fields.contiguous().view(torch.int32) >> 16
+        return high.to(torch.int16).view(torch.uint8).reshape(-1)
     return fields.to(spec.scale_dtype).contiguous().view(torch.uint8).reshape(-1)
 
 
@@ -106,6 +139,34 @@ def _round(v: torch.Tensor, spec: QuantSpec, noise: torch.Tensor | None) -> torc
     return torch.floor(v + noise)
 
 
+def step_cap(spec: QuantSpec) -> float:
+    """Largest absmax step ``s`` of ``spec.scale_dtype`` whose ``qmax * s`` is finite in float32
+    (see [Note: representable range])."""
+    return _step_cap(spec.qmax, spec.scale_dtype == torch.bfloat16)
+
+
+@functools.lru_cache(maxsize=16)
+def _step_cap(qmax: int, bf16: bool) -> float:
+    fmax = torch.finfo(torch.float32).max
+    bits = int(torch.tensor(fmax / qmax, dtype=torch.float32).view(torch.int32))
+    if bf16:
+        bits &= -65536
+    ulp = 0x10000 if bf16 else 1
+    while not torch.isfinite(torch.tensor([bits], dtype=torch.int32).view(torch.float32) * qmax):
+        bits -= ulp
+    return float(torch.tensor([bits], dtype=torch.int32).view(torch.float32))
+
+
+def headroom(spec: QuantSpec) -> float:
+    """Factor ``R`` the decoded bounds must stay finite under: 1, or ``2h`` with Hadamard
+    (see [Note: representable range])."""
+    return 2.0 * spec.hadamard_block if spec.hadamard_block else 1.0
+
+
+def _fits(v: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
+    return torch.isfinite(v * headroom(spec))
+
+
 def _quantize_groups(
     x: torch.Tensor,
     valid: torch.Tensor,
@@ -129,10 +190,12 @@ def _quantize_groups(
         s = _div(amax, spec.qmax)
         if spec.scale_dtype == torch.bfloat16:
             s = _round_up_bf16(s)
+        s = torch.clamp(s, max=step_cap(spec))
         inv = torch.where(s > 0, _div(1.0, s), 0.0)
         q = _round(x * inv, spec, noise).clamp(-spec.qmax, spec.qmax)
         codes = q.to(torch.int32) + spec.qmax
         fields = s
+        fits = _fits(s * float(spec.qmax), spec)
     else:
         lo = torch.where(valid, x, inf).amin(dim=1, keepdim=True)
         hi = torch.where(valid, x, -inf).amax(dim=1, keepdim=True)
@@ -149,8 +212,12 @@ def _quantize_groups(
         q = _round((x - base) * inv, spec, noise).clamp(0, spec.max_code)
         codes = q.to(torch.int32)
         fields = torch.cat((base, unit), dim=1)
+        # the decode's largest value, op for op: base + code * unit
+        fits = _fits(base, spec) & _fits(base + unit * float(spec.max_code), spec)
+    # [Note: representable range]: a group that would decode past float32 is flagged like NaN
+    bad = bad | ~fits
     codes = torch.where(valid & ~bad, codes, 0)
-    fields = fields.clone()
+    fields = torch.where(bad, 0.0, fields)
     fields[:, :1] = torch.where(bad, float("nan"), fields[:, :1])
     return codes, fields
 

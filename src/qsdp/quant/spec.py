@@ -46,10 +46,15 @@ class Rounding(str, enum.Enum):
 
 
 class NonFinite(str, enum.Enum):
-    """What encode does with NaN or Inf input."""
+    """qsdp's one policy for NaN or Inf (or a group too large to represent,
+    :meth:`QuantSpec.value_limit`): in an encode, a collective, or a training reduction
+    (``qsdp.CompressionConfig.nonfinite``)."""
 
     RAISE = "raise"
-    """Raise ``ValueError`` naming the count (the default: never send garbage silently)."""
+    """Raise ``ValueError`` naming the count (the default: never send garbage silently); a
+    collective raises on every rank together."""
+    ZERO = "zero"
+    """Training reductions only: zero the affected reduction's result for the step, counted."""
     PROPAGATE = "propagate"
     """Encode the group holding them as all-NaN, so the receiver sees NaN and can skip the step."""
 
@@ -83,7 +88,8 @@ class QuantSpec:
     """With ``hadamard_block``: seed of a random +-1 sign flip applied before the rotation (the
     same on every rank); None for the plain Hadamard transform."""
     nonfinite: NonFinite | str = NonFinite.RAISE
-    """What encode does with NaN/Inf input: ``raise`` or ``propagate``."""
+    """What encode does with NaN/Inf input or a group too large to represent: ``raise`` or
+    ``propagate``."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.bits, int) or self.bits not in (2, 4, 8):
@@ -96,6 +102,11 @@ class QuantSpec:
         object.__setattr__(self, "scheme", _as_enum(Scheme, self.scheme, "scheme"))
         object.__setattr__(self, "rounding", _as_enum(Rounding, self.rounding, "rounding"))
         object.__setattr__(self, "nonfinite", _as_enum(NonFinite, self.nonfinite, "nonfinite"))
+        if self.nonfinite is NonFinite.ZERO:
+            raise ValueError(
+                "QuantSpec(nonfinite='zero'): an encode cannot zero a gradient; use 'raise' or "
+                "'propagate' here, and CompressionConfig(nonfinite='zero') for training"
+            )
         h = self.hadamard_block
         if h is not None:
             if not isinstance(h, int) or h not in _HADAMARD_BLOCKS:
@@ -168,6 +179,18 @@ class QuantSpec:
             Scheme.MINMAX: f"(max - min) / {self.max_code}",
             Scheme.SHIFT_LATTICE: f"(max - min) / {self.max_code - 1}",
         }[self.scheme]
+
+    def value_limit(self) -> float:
+        """Largest ``|x|`` every group is guaranteed to encode and decode finite (``inf`` for
+        absmax without Hadamard: every finite value).
+
+        ``2^126`` for minmax and shift-lattice, ``2^126 / h^2`` with ``hadamard_block=h``;
+        beyond it a group is refused only when its decoded range would overflow float32
+        (``qsdp.quant.reference``, [Note: representable range]).
+        """
+        if self.hadamard_block:
+            return 2.0 ** (126 - 2 * (self.hadamard_block.bit_length() - 1))
+        return math.inf if self.scheme is Scheme.ABSMAX else 2.0**126
 
     def __str__(self) -> str:
         had = f", hadamard={self.hadamard_block}" if self.hadamard_block else ""

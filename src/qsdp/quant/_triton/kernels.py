@@ -304,10 +304,16 @@ def _quantize_store(
     SCHEME: tl.constexpr,
     STOCHASTIC: tl.constexpr,
     SCALE_BF16: tl.constexpr,
+    STEP_CAP: tl.constexpr,
+    HEADROOM: tl.constexpr,
     ALIGNED: tl.constexpr,
     TAIL: tl.constexpr,
 ):
-    """Quantize a float32 tile and write its codes and scale bytes (``mask`` only with TAIL)."""
+    """Quantize a float32 tile and write its codes and scale bytes (``mask`` only with TAIL).
+
+    A group whose decoded bounds, times ``HEADROOM``, overflow is flagged like a NaN group, and
+    absmax caps its step at ``STEP_CAP`` (the reference's [Note: representable range]).
+    """
     QMAX: tl.constexpr = (1 << (BITS - 1)) - 1
     MAXC: tl.constexpr = (1 << BITS) - 1
     INF: tl.constexpr = float("inf")
@@ -331,12 +337,15 @@ def _quantize_store(
         s = tl.math.div_rn(amax, one * QMAX)
         if SCALE_BF16:
             s = _round_up_bf16(s)
+        s = tl.minimum(s, STEP_CAP)
         inv = tl.where(s > 0, tl.math.div_rn(one, s), 0.0)
         q = tl.floor(x * inv[:, None, None] + u)
         q = tl.minimum(tl.maximum(q, -QMAX), QMAX)
         codes = q.to(tl.int32) + QMAX
         f0 = s
         f1 = s
+        if HEADROOM != 1.0:  # without Hadamard the cap alone keeps qmax * s finite
+            bad = bad | ~(tl.abs(s * QMAX * HEADROOM) < INF)
     else:
         low = x
         high = tl.where(nonfinite, INF, x)
@@ -362,11 +371,15 @@ def _quantize_store(
         codes = q.to(tl.int32)
         f0 = base
         f1 = unit
+        # the decode's largest value, op for op: base + code * unit
+        top = base + unit * MAXC
+        bad = bad | ~((tl.abs(base * HEADROOM) < INF) & (tl.abs(top * HEADROOM) < INF))
     if TAIL:
         codes = tl.where(mask & ~bad[:, None, None], codes, 0)
     else:
         codes = tl.where(bad[:, None, None], 0, codes)
     f0 = tl.where(bad, float("nan"), f0)
+    f1 = tl.where(bad, 0.0, f1)
     boffs = _byte_offsets(gidx, GPB, HB, BITS)
     packed = _pack(codes, ROWS, GPB, HB, BITS)
     if TAIL:
@@ -446,6 +459,8 @@ def encode_kernel(
     SCHEME: tl.constexpr,
     STOCHASTIC: tl.constexpr,
     SCALE_BF16: tl.constexpr,
+    STEP_CAP: tl.constexpr,
+    HEADROOM: tl.constexpr,
     HAS_REF: tl.constexpr,
     ROTATE: tl.constexpr,
     HAS_SIGNS: tl.constexpr,
@@ -482,6 +497,8 @@ def encode_kernel(
         SCHEME,
         STOCHASTIC,
         SCALE_BF16,
+        STEP_CAP,
+        HEADROOM,
         ALIGNED,
         TAIL,
     )
@@ -579,6 +596,8 @@ def decode_sum_encode_kernel(
     SCHEME: tl.constexpr,
     STOCHASTIC: tl.constexpr,
     SCALE_BF16: tl.constexpr,
+    STEP_CAP: tl.constexpr,
+    HEADROOM: tl.constexpr,
     K: tl.constexpr,
     BIG: tl.constexpr,
     IN_ALIGNED: tl.constexpr,
@@ -623,6 +642,8 @@ def decode_sum_encode_kernel(
         SCHEME,
         STOCHASTIC,
         SCALE_BF16,
+        STEP_CAP,
+        HEADROOM,
         ALIGNED,
         TAIL,
     )

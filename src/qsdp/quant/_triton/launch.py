@@ -8,6 +8,7 @@ import os
 import torch
 
 from ..philox import random_signs
+from ..reference import headroom, step_cap
 from ..spec import QuantSpec, Rounding, Scheme, inv_sqrt
 from . import kernels as K
 
@@ -37,6 +38,12 @@ def _had_args(spec: QuantSpec, device: torch.device) -> dict:
         "LOG_H": h.bit_length() - 1,
         "HAS_SIGNS": signs is not None,
     }
+
+
+def _range_args(spec: QuantSpec) -> dict:
+    """The representable-range constants of the quantizing kernels (reference's
+    [Note: representable range])."""
+    return {"STEP_CAP": step_cap(spec), "HEADROOM": headroom(spec)}
 
 
 def _hb(spec: QuantSpec, rotate: bool) -> int:
@@ -115,6 +122,7 @@ def encode(
         SCHEME=_SCHEME_ID[spec.scheme],
         STOCHASTIC=spec.rounding is Rounding.STOCHASTIC,
         SCALE_BF16=spec.scale_dtype == torch.bfloat16,
+        **_range_args(spec),
         HAS_REF=ref is not None,
         ROTATE=bool(spec.hadamard_block) and rotate,
         HAS_SIGNS=had["HAS_SIGNS"],
@@ -221,6 +229,7 @@ def decode_sum_encode(
         SCHEME=_SCHEME_ID[out_spec.scheme],
         STOCHASTIC=out_spec.rounding is Rounding.STOCHASTIC,
         SCALE_BF16=out_spec.scale_dtype == torch.bfloat16,
+        **_range_args(out_spec),
         K=payloads.shape[0],
         BIG=_big(numel, payloads.numel(), out.numel()),
         IN_ALIGNED=_aligned(payloads, in_spec, payloads.stride(0)),

@@ -28,7 +28,6 @@ import datetime
 import json
 import os
 import statistics
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -37,11 +36,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-
-import qsdp.comm as qc  # noqa: E402
-import regimes  # noqa: E402  (benchmarks/, the script's own folder)
-from qsdp.quant import QuantSpec  # noqa: E402
+import qsdp.comm as qc
+import regimes  # benchmarks/, the script's own folder
+from qsdp.quant import QuantSpec
 
 W8 = QuantSpec(bits=8, group_size=128, scheme="absmax", rounding="nearest")
 W4 = QuantSpec(bits=4, group_size=128, scheme="absmax", rounding="stochastic", hadamard_block=32)

@@ -3,13 +3,14 @@
     torchrun --nproc-per-node 4 benchmarks/bench_fsdp_step.py --regime socket --out r.json
 
 (``benchmarks/run_fsdp_step.sh`` runs the regimes of ``docs/gpu.md``.) The model is the GPT of
-``docs/gpu.md``: a pre-norm decoder, 24 layers, d 2048, 16 heads, sequence 1024, vocabulary
-50304 (1.42 B parameters), micro-batch 8 per GPU, fp32 master weights with bf16 compute
-(``MixedPrecisionPolicy(param_dtype=bf16)``), AdamW, every block ``fully_shard``-ed. Variants,
-side by side in one run on the same data: ``fsdp2-fp32-reduce`` (torchtitan's default),
-``fsdp2-bf16-reduce``, and each ``--recipes`` entry through ``qsdp.compress_fsdp`` (bf16
-gradients into the compressed reduce-scatter; two-level recipes get the regime's (inter, intra)
-mesh: 2x2 on ``2x2``, 1x4 on ``nvlink``, none on ``socket`` where every GPU is a node).
+``docs/gpu.md`` (``qsdp.train.model.GPT`` with ``GPT_1_4B`` below): a pre-norm decoder, 24
+layers, d 2048, 16 heads, sequence 1024, vocabulary 50304 (1.42 B parameters), micro-batch 8 per
+GPU, fp32 master weights with bf16 compute (``MixedPrecisionPolicy(param_dtype=bf16)``),
+AdamW, every block ``fully_shard``-ed. Variants, side by side in one run on the same data:
+``fsdp2-fp32-reduce`` (torchtitan's default), ``fsdp2-bf16-reduce``, and each ``--recipes``
+entry through ``qsdp.compress_fsdp`` (bf16 gradients into the compressed reduce-scatter;
+two-level recipes get the regime's (inter, intra) mesh: 2x2 on ``2x2``, 1x4 on ``nvlink``, none
+on ``socket`` where every GPU is a node).
 Rows: median seconds per step, tokens/s, ratio to both baselines, peak memory, first and last
 loss (all variants start from the same weights and see the same batches). ``--device cpu``
 runs a gloo smoke test with a tiny model.
@@ -23,73 +24,47 @@ import gc
 import json
 import os
 import statistics
-import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+import qsdp
+import regimes  # benchmarks/, the script's own folder
+from qsdp.train.model import GPT, ModelConfig
 
-import qsdp  # noqa: E402
-import regimes  # noqa: E402  (benchmarks/, the script's own folder)
-
-
-@dataclass(frozen=True)
-class GPTConfig:
-    layers: int = 24
-    d: int = 2048
-    heads: int = 16
-    seq: int = 1024
-    vocab: int = 50304
-
-
-class Block(nn.Module):
-    def __init__(self, c: GPTConfig):
-        super().__init__()
-        self.heads = c.heads
-        self.ln1, self.ln2 = nn.LayerNorm(c.d), nn.LayerNorm(c.d)
-        self.qkv = nn.Linear(c.d, 3 * c.d, bias=False)
-        self.proj = nn.Linear(c.d, c.d, bias=False)
-        self.up = nn.Linear(c.d, 4 * c.d, bias=False)
-        self.down = nn.Linear(4 * c.d, c.d, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).unbind(2)
-        y = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
-        )
-        x = x + self.proj(y.transpose(1, 2).reshape(b, t, d))
-        return x + self.down(F.gelu(self.up(self.ln2(x))))
+# The GPT of docs/gpu.md, 1.42 B parameters: qsdp's model with the options that reproduce this
+# benchmark's own copy of it, which it carried until the model moved to the package (biased
+# LayerNorms, untied head, PyTorch's default initialisation with zero positions; the same
+# weights from the same seed), so results from before and after the move compare. See
+# qsdp.train.model's [Note: the benchmark's GPT].
+GPT_1_4B = ModelConfig(
+    n_layer=24,
+    n_head=16,
+    d_model=2048,
+    block_size=1024,
+    vocab_size=50304,
+    norm_bias=True,
+    tie_head=False,
+    init="torch",
+)
+TINY = replace(GPT_1_4B, n_layer=2, d_model=128, n_head=4, block_size=64, vocab_size=512)
 
 
-class GPT(nn.Module):
-    def __init__(self, c: GPTConfig):
-        super().__init__()
-        self.emb = nn.Embedding(c.vocab, c.d)
-        self.pos = nn.Parameter(torch.zeros(c.seq, c.d))
-        self.blocks = nn.ModuleList(Block(c) for _ in range(c.layers))
-        self.ln = nn.LayerNorm(c.d)
-        self.head = nn.Linear(c.d, c.vocab, bias=False)
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        h = self.emb(idx) + self.pos[: idx.shape[1]]
-        for block in self.blocks:
-            h = block(h)
-        return self.head(self.ln(h))
-
-
-def param_count(c: GPTConfig) -> int:
-    """Parameters of :class:`GPT` (1.42 B for the default config), without building it."""
-    block = 2 * 2 * c.d + 3 * c.d * c.d + c.d * c.d + 2 * 4 * c.d * c.d
-    return 2 * c.vocab * c.d + c.seq * c.d + c.layers * block + 2 * c.d
+def model_meta(c: ModelConfig) -> dict:
+    """The JSON's ``model`` entry, under the keys summarize.py reads."""
+    return {
+        "layers": c.n_layer,
+        "d": c.d_model,
+        "heads": c.n_head,
+        "seq": c.block_size,
+        "vocab": c.vocab_size,
+    }
 
 
 @dataclass
@@ -117,7 +92,7 @@ def two_level_mesh(regime: str, device: torch.device):
 
 
 def build(
-    c: GPTConfig, device: torch.device, reduce_dtype, recipe: str | None, compute_dtype, mesh=None
+    c: ModelConfig, device: torch.device, reduce_dtype, recipe: str | None, compute_dtype, mesh=None
 ):
     torch.manual_seed(0)
     with device:
@@ -127,7 +102,7 @@ def build(
         fully_shard(block, mp_policy=mp)
     fully_shard(model, mp_policy=mp)
     if recipe is not None:
-        two_level = qsdp.recipe(recipe).grads_inter is not None
+        two_level = qsdp.recipe(recipe).two_level
         qsdp.compress_fsdp(model, recipe, mesh=mesh if two_level else None)
     return model
 
@@ -154,14 +129,18 @@ def run_variant(name, c, args, device, recipe, reduce_dtype, compute_dtype) -> t
             print(
                 f"  {name} step {i} starts at {torch.cuda.memory_allocated(device) / 2**30:.2f} GiB"
             )
-        batch = torch.randint(0, c.vocab, (args.batch, c.seq + 1), device=device, generator=g)
+        batch = torch.randint(
+            0, c.vocab_size, (args.batch, c.block_size + 1), device=device, generator=g
+        )
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         dist.barrier()
         t0 = time.perf_counter()
         phases = _Phases(device, profiling)
-        logits = model(batch[:, :-1])
-        loss = F.cross_entropy(logits.float().reshape(-1, c.vocab), batch[:, 1:].reshape(-1))
+        # the loss outside the model, as before the model moved to the package: FSDP's root
+        # pre-backward hook (the last block's prefetch) fires on the logits, after its backward
+        logits, _ = model(batch[:, :-1])
+        loss = F.cross_entropy(logits.float().reshape(-1, c.vocab_size), batch[:, 1:].reshape(-1))
         phases.mark("forward")
         loss.backward()
         phases.mark("backward")
@@ -275,14 +254,14 @@ def main() -> None:
         dist.init_process_group("gloo")
         name = "cpu"
         compute = torch.float32  # gloo has no bf16 reduce for the baselines
-    c = GPTConfig(layers=2, d=128, heads=4, seq=64, vocab=512) if a.tiny else GPTConfig()
+    c = TINY if a.tiny else GPT_1_4B
     ws = dist.get_world_size()
     variants = [("fsdp2-fp32-reduce", None, torch.float32), ("fsdp2-bf16-reduce", None, compute)]
     variants += [(r, r, compute) for r in a.recipes]
     results = {}
     for vname, recipe, reduce_dtype in variants:
         results[vname] = run_variant(vname, c, a, device, recipe, reduce_dtype, compute)
-    tokens = a.batch * c.seq * ws
+    tokens = a.batch * c.block_size * ws
     base32, base16 = results["fsdp2-fp32-reduce"][0], results["fsdp2-bf16-reduce"][0]
     rows = [
         Row(
@@ -317,10 +296,10 @@ def main() -> None:
             "regime": a.regime,
             "env": env,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "model": asdict(c),
+            "model": model_meta(c),
             "micro_batch": a.batch,
             "compute_dtype": str(compute),
-            "params": param_count(c),
+            "params": c.n_params(),
             "rows": [asdict(r) for r in rows],
         }
         a.out.parent.mkdir(parents=True, exist_ok=True)

@@ -17,16 +17,13 @@ import datetime
 import json
 import platform
 import statistics
-import sys
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-
-from qsdp.quant import QuantSpec, decode, decode_sum, decode_sum_encode, encode  # noqa: E402
+from qsdp.quant import QuantSpec, decode, decode_sum, decode_sum_encode, encode
 
 
 def bench_ms(fn, reps: int, inner: int = 10) -> float:

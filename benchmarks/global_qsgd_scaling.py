@@ -43,19 +43,16 @@ import datetime
 import json
 import math
 import platform
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-
-from qsdp.comm import integer_all_reduce_wire_bytes  # noqa: E402
-from qsdp.comm._common import noise_stream  # noqa: E402  (the streams integer_all_reduce uses)
-from qsdp.config import recipe  # noqa: E402
-from qsdp.quant import (  # noqa: E402
+from qsdp.comm import integer_all_reduce_wire_bytes
+from qsdp.comm._common import noise_stream  # the streams integer_all_reduce uses
+from qsdp.config import recipe
+from qsdp.quant import (
     CARRIERS,
     global_int_decode,
     global_int_encode,
@@ -85,7 +82,7 @@ class Config:
     """Weight of the rank-specific noise: ``g_r = signal + noise * noise_r``."""
     data_seed: int = 0
     """Seed of the data (the same for every rounding seed)."""
-    group_size: int = field(default_factory=lambda: recipe("global-qsgd").grad_group_size)
+    group_size: int = field(default_factory=lambda: recipe("global-qsgd").grads.group_size)
     """Elements sharing one scale; the ``global-qsgd`` recipe's."""
 
 

@@ -10,17 +10,13 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 from collections import defaultdict
 from functools import partial
-from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-
-from qsdp.quant import QuantSpec, decode, decode_sum, encode  # noqa: E402
+from qsdp.quant import QuantSpec, decode, decode_sum, encode
 
 
 def wall_ms(fn, reps=20):

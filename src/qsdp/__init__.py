@@ -3,7 +3,19 @@
 Importing qsdp imports neither triton nor CUDA: kernels load on first use on a CUDA tensor.
 """
 
-from .config import RECIPES, CompressionConfig, recipe
+from . import ddp
+from .config import (
+    RECIPES,
+    CompressionConfig,
+    IntegerGrads,
+    NonFinite,
+    QuantizedGrads,
+    QuantizedMaster,
+    QuantizedWeights,
+    TwoLevelGrads,
+    WeightDiffs,
+    recipe,
+)
 from .fsdp import compress_fsdp, fsdp_comm_stats
 from .quant import Encoded, QuantSpec, decode, encode
 
@@ -11,8 +23,16 @@ __all__ = [
     "RECIPES",
     "CompressionConfig",
     "Encoded",
+    "IntegerGrads",
+    "NonFinite",
     "QuantSpec",
+    "QuantizedGrads",
+    "QuantizedMaster",
+    "QuantizedWeights",
+    "TwoLevelGrads",
+    "WeightDiffs",
     "compress_fsdp",
+    "ddp",
     "decode",
     "encode",
     "fsdp_comm_stats",

@@ -1,49 +1,218 @@
-"""Typed configuration of what qsdp compresses, and the named recipes built from one place."""
+"""Typed configuration of what qsdp compresses, and the named recipes built from one place.
+
+[Note: one sub-config per collective]
+A :class:`CompressionConfig` says *what* crosses the wire, one sub-config per collective, and
+never how: there is no flag whose meaning depends on another flag.
+
+- ``weights`` (the parameter all-gather): ``None`` (uncompressed), :class:`QuantizedWeights`
+  (QSDP's W8), :class:`WeightDiffs` (SDP4Bit's qWD) or :class:`QuantizedMaster` (QSDP's theory
+  setting).
+- ``grads`` (the gradient reduce-scatter of FSDP2, the all-reduce of DDP and of HSDP's replicate
+  dimension): ``None``, :class:`QuantizedGrads` (QSDP, CGX), :class:`TwoLevelGrads` (SDP4Bit's
+  TLq-HS, reduce-scatter only) or :class:`IntegerGrads` (Global-QSGD).
+
+Each gradient sub-config builds its own :class:`qsdp.comm.ReducePlan` (``grads.plan(...)``),
+which every integration runs; plans leave NaN/Inf to the integration, which checks each
+reduction once as ``nonfinite`` says. ``recipe(name, **overrides)`` gives the named recipes.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .policy import ParamPolicy
-from .quant import CARRIERS, QuantSpec
+from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["RECIPES", "CompressionConfig", "recipe"]
+from .comm import IntegerReduce, QuantizedReduce, ReducePlan, TwoLevelReduce
+from .policy import ParamPolicy
+from .quant import CARRIERS, NonFinite, QuantSpec, Rounding
+
+__all__ = [
+    "RECIPES",
+    "CompressionConfig",
+    "IntegerGrads",
+    "NonFinite",
+    "QuantizedGrads",
+    "QuantizedMaster",
+    "QuantizedWeights",
+    "TwoLevelGrads",
+    "WeightDiffs",
+    "recipe",
+]
+
+
+def _check_spec(owner: str, name: str, spec: object) -> None:
+    if not isinstance(spec, QuantSpec):
+        raise TypeError(
+            f"{owner}.{name} must be a qsdp.QuantSpec, got {type(spec).__name__}; e.g. "
+            "QuantSpec(bits=8, group_size=128, scheme='absmax', rounding='nearest')"
+        )
+
+
+# --- weights: the parameter all-gather ---------------------------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class QuantizedWeights:
+    """Gather the weights as codes; every rank decodes every shard, its own included (QSDP)."""
+
+    spec: QuantSpec
+    """The weights' quantizer."""
+
+    def __post_init__(self) -> None:
+        _check_spec("QuantizedWeights", "spec", self.spec)
 
 
 @dataclass(frozen=True, kw_only=True)
-class CompressionConfig:
-    """What crosses the wire in FSDP2's collectives; ``None`` leaves a collective uncompressed."""
+class WeightDiffs:
+    """SDP4Bit's qWD: gather the change since the last gather, against a reconstruction every
+    rank keeps (param dtype: 2 bytes per bf16 parameter)."""
 
-    weights: QuantSpec | None = None
-    """Quantizer of the parameter all-gather (every rank decodes every shard, its own too)."""
-    grads: QuantSpec | None = None
-    """Quantizer of the single-level gradient reduce-scatter (all-to-all, fp32 accumulation)."""
-    grad_carrier: str | None = None
-    """Global-QSGD integer reduce-scatter on this carrier (``int8``, ``fp16``, ``int32``);
-    exclusive with ``grads``."""
-    grads_inter: QuantSpec | None = None
-    """Inter-node quantizer of SDP4Bit's two-level reduce-scatter (``grads`` is then the
-    intra-node one); without a 2-D mesh every peer counts as remote and only this one runs."""
-    grad_group_size: int = 128
-    """Elements sharing one scale in the integer reduce-scatter."""
-    weight_diffs: bool = False
-    """SDP4Bit's qWD: ``weights`` quantizes the change since the last gather, against a
-    reconstruction every rank keeps (param dtype, e.g. 2 bytes per parameter for bf16)."""
-    quantized_master: bool = False
-    """QSDP's theory setting: at each step's first gather the fp32 master shard is projected
-    onto ``weights``' shift-lattice grid (stochastic rounding), so the all-gather is lossless
-    with respect to the master: ``x_{t+1} = Q_w(x_t - lr * Q_g(g_t))``."""
-    weight_resync_every: int = 0
-    """With ``weight_diffs``: every this many difference gathers send full precision (0: only the
-    first gather and after ``load_state_dict`` / :func:`qsdp.fsdp.resync`)."""
-    grad_nonfinite: str = "raise"
-    """NaN/Inf in a gradient about to be reduced: ``raise`` (every rank raises, naming the
-    parameters; one small all-reduce per reduce-scatter), ``zero`` (that group's reduced gradient
-    is zeroed for the step and counted), or ``propagate`` (no check: NaN groups travel as NaN)."""
+    spec: QuantSpec
+    """The differences' quantizer (SDP4Bit: 4-bit absmax, groups of 2048, stochastic)."""
+    resync_every: int = 0
+    """Every this many difference gathers send full precision (0: only the first gather and
+    after ``load_state_dict`` / :func:`qsdp.fsdp.resync`)."""
     check_replicas: bool = False
-    """With ``weight_diffs``: compare a checksum of the reconstructions across ranks after every
-    gather and raise on divergence (one small all-reduce per gather)."""
+    """Compare a checksum of the reconstructions across ranks after every gather and raise on
+    divergence (one small all-reduce per gather)."""
+
+    def __post_init__(self) -> None:
+        _check_spec("WeightDiffs", "spec", self.spec)
+        if not isinstance(self.resync_every, int) or self.resync_every < 0:
+            raise ValueError(
+                f"WeightDiffs.resync_every={self.resync_every!r} must be an int >= 0 (0: never)"
+            )
+
+
+@dataclass(frozen=True, kw_only=True)
+class QuantizedMaster:
+    """QSDP's theory setting: at each step's first gather the fp32 master shard is projected
+    onto the weights' shift-lattice (stochastic rounding), so the gather is lossless with
+    respect to the master: ``x_{t+1} = Q_w(x_t - lr * Q_g(g_t))``."""
+
+    spec: QuantSpec
+    """The lattice; ``scheme="shift-lattice"``."""
+
+    def __post_init__(self) -> None:
+        _check_spec("QuantizedMaster", "spec", self.spec)
+        if self.spec.scheme.value != "shift-lattice":
+            raise ValueError(
+                f"QuantizedMaster.spec has scheme={self.spec.scheme.value!r}; the master lives "
+                "on a grid: use scheme='shift-lattice'"
+            )
+
+
+Weights = QuantizedWeights | WeightDiffs | QuantizedMaster
+
+
+# --- gradients: the reduce-scatter (FSDP2) or all-reduce (DDP, HSDP replicas) -----------------
+@dataclass(frozen=True, kw_only=True)
+class QuantizedGrads:
+    """Codes through an all-to-all, summed in float32 on the receiver (QSDP, CGX); as an
+    all-reduce, CGX's two phases (reduce-scatter, then all-gather of the re-encoded sums)."""
+
+    spec: QuantSpec
+    """The gradients' quantizer (stochastic rounding keeps the sum unbiased)."""
+
+    def __post_init__(self) -> None:
+        _check_spec("QuantizedGrads", "spec", self.spec)
+
+    def plan(self, *, mesh: DeviceMesh | None = None) -> ReducePlan:
+        """The :class:`~qsdp.comm.QuantizedReduce` of this config (``mesh`` is unused)."""
+        return QuantizedReduce(spec=_unchecked(self.spec))
+
+
+@dataclass(frozen=True, kw_only=True)
+class TwoLevelGrads:
+    """SDP4Bit's TLq-HS reduce-scatter over a 2-D (inter-node, intra-node) mesh; without a
+    mesh every peer counts as remote and only ``inter`` runs."""
+
+    intra: QuantSpec
+    """The intra-node quantizer (SDP4Bit: 8 bits, group 128, Hadamard 32)."""
+    inter: QuantSpec
+    """The inter-node quantizer (SDP4Bit: 4 bits); same group size and Hadamard block."""
+
+    def __post_init__(self) -> None:
+        _check_spec("TwoLevelGrads", "intra", self.intra)
+        _check_spec("TwoLevelGrads", "inter", self.inter)
+        for field in ("group_size", "hadamard_block", "hadamard_seed"):
+            a, b = getattr(self.intra, field), getattr(self.inter, field)
+            if a != b:
+                raise ValueError(
+                    f"TwoLevelGrads: intra.{field}={a!r} and inter.{field}={b!r} differ; the "
+                    "middle hop re-encodes group by group in one Hadamard domain"
+                )
+
+    def plan(self, *, mesh: DeviceMesh | None = None) -> ReducePlan:
+        """The :class:`~qsdp.comm.TwoLevelReduce` of this config over ``mesh``."""
+        return TwoLevelReduce(intra=_unchecked(self.intra), inter=_unchecked(self.inter), mesh=mesh)
+
+
+@dataclass(frozen=True, kw_only=True)
+class IntegerGrads:
+    """Global-QSGD: integer codes on a global scale (one MAX all-reduce), summed exactly by the
+    backend's plain SUM on a narrow carrier."""
+
+    carrier: str = "int8"
+    """``"int8"`` (up to 127 ranks), ``"fp16"`` (integers exact to 2048) or ``"int32"``."""
+    group_size: int = 128
+    """Elements sharing one scale."""
+    rounding: Rounding | str = Rounding.STOCHASTIC
+    """``stochastic`` (unbiased) or ``nearest``."""
+
+    def __post_init__(self) -> None:
+        if self.carrier not in CARRIERS:
+            raise ValueError(
+                f"IntegerGrads.carrier={self.carrier!r} must be one of {sorted(CARRIERS)}"
+            )
+        g = self.group_size
+        if not isinstance(g, int) or isinstance(g, bool) or g < 1:
+            raise ValueError(f"IntegerGrads.group_size={g!r} must be a positive int; try 128")
+        try:
+            object.__setattr__(self, "rounding", Rounding(self.rounding))
+        except ValueError:
+            raise ValueError(
+                f"IntegerGrads.rounding={self.rounding!r} must be 'stochastic' or 'nearest'"
+            ) from None
+
+    def plan(self, *, mesh: DeviceMesh | None = None) -> ReducePlan:
+        """The :class:`~qsdp.comm.IntegerReduce` of this config; NaN/Inf travel as such (the
+        integration checks them once, see ``CompressionConfig.nonfinite``)."""
+        return IntegerReduce(
+            carrier=self.carrier,
+            group_size=self.group_size,
+            rounding=self.rounding,
+            nonfinite="propagate",
+        )
+
+
+Grads = QuantizedGrads | TwoLevelGrads | IntegerGrads
+
+
+def _unchecked(spec: QuantSpec) -> QuantSpec:
+    """Plans never check NaN/Inf themselves: the integration does, once per reduction, by
+    ``CompressionConfig.nonfinite`` (so the collective's own verdict would be a second one)."""
+    return dataclasses.replace(spec, nonfinite=NonFinite.PROPAGATE)
+
+
+# --- the whole config -------------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class CompressionConfig:
+    """What crosses the wire in data-parallel training; ``None`` leaves a collective alone.
+
+    See [Note: one sub-config per collective].
+    """
+
+    weights: Weights | None = None
+    """The parameter all-gather (FSDP2): ``QuantizedWeights``, ``WeightDiffs``,
+    ``QuantizedMaster`` or None."""
+    grads: Grads | None = None
+    """The gradient reduction: ``QuantizedGrads``, ``TwoLevelGrads``, ``IntegerGrads`` or
+    None."""
+    nonfinite: NonFinite | str = NonFinite.RAISE
+    """NaN/Inf in a gradient about to be reduced: ``raise`` (every rank raises, naming the
+    parameters; one small all-reduce per reduction), ``zero`` (that reduction's gradient is
+    zeroed for the step and counted) or ``propagate`` (no check: NaN groups travel as NaN)."""
     policy: ParamPolicy | None = ParamPolicy()
     """Parameters sent uncompressed (default: 1-D and under 1024 elements); ``None`` quantizes
     everything. Applies to quantized weights and gradients, not to weight differences (whose
@@ -52,135 +221,97 @@ class CompressionConfig:
     """Key of the stochastic-rounding noise, the same on every rank (streams differ by rank)."""
 
     def __post_init__(self) -> None:
-        for name in ("weights", "grads", "grads_inter"):
-            value = getattr(self, name)
-            if value is not None and not isinstance(value, QuantSpec):
-                raise TypeError(f"CompressionConfig.{name} must be a QuantSpec or None")
-        if self.grads is not None and self.grad_carrier is not None:
-            raise ValueError(
-                "CompressionConfig: set grads (quantized reduce-scatter) or grad_carrier "
-                "(Global-QSGD integer reduce-scatter), not both"
+        if self.weights is not None and not isinstance(self.weights, Weights):
+            raise TypeError(
+                f"CompressionConfig.weights={self.weights!r} must be QuantizedWeights, "
+                "WeightDiffs, QuantizedMaster or None; e.g. weights=QuantizedWeights(spec=...)"
             )
-        if self.grads_inter is not None and self.grads is None:
-            raise ValueError(
-                "CompressionConfig.grads_inter (two-level gradients) needs grads, the intra-node "
-                "quantizer"
+        if self.grads is not None and not isinstance(self.grads, Grads):
+            raise TypeError(
+                f"CompressionConfig.grads={self.grads!r} must be QuantizedGrads, "
+                "TwoLevelGrads, IntegerGrads or None; e.g. grads=IntegerGrads(carrier='int8')"
             )
-        if self.weight_diffs and self.weights is None:
-            raise ValueError("CompressionConfig.weight_diffs needs weights, their quantizer")
-        if self.quantized_master:
-            if self.weights is None or self.weights.scheme.value != "shift-lattice":
-                raise ValueError(
-                    "CompressionConfig.quantized_master needs weights with scheme='shift-lattice' "
-                    "(the grid the master lives on)"
-                )
-            if self.weight_diffs:
-                raise ValueError("quantized_master and weight_diffs exclude each other")
-        if not isinstance(self.weight_resync_every, int) or self.weight_resync_every < 0:
+        try:
+            object.__setattr__(self, "nonfinite", NonFinite(self.nonfinite))
+        except ValueError:
             raise ValueError(
-                f"CompressionConfig.weight_resync_every={self.weight_resync_every!r} must be an "
-                "int >= 0"
-            )
-        if self.grad_nonfinite not in ("raise", "zero", "propagate"):
-            raise ValueError(
-                f"CompressionConfig.grad_nonfinite={self.grad_nonfinite!r} must be 'raise', "
-                "'zero' or 'propagate'"
-            )
-        if self.grad_carrier is not None and self.grad_carrier not in CARRIERS:
-            raise ValueError(
-                f"CompressionConfig.grad_carrier={self.grad_carrier!r} must be one of "
-                f"{sorted(CARRIERS)}"
-            )
+                f"CompressionConfig.nonfinite={self.nonfinite!r} must be 'raise', 'zero' or "
+                "'propagate'"
+            ) from None
         if self.policy is not None and not isinstance(self.policy, ParamPolicy):
             raise TypeError("CompressionConfig.policy must be a qsdp.policy.ParamPolicy or None")
-        g = self.grad_group_size
-        if not isinstance(g, int) or g < 1:
-            raise ValueError(f"CompressionConfig.grad_group_size={g!r} must be a positive int")
         if not isinstance(self.seed, int) or not 0 <= self.seed < 2**64:
             raise ValueError(f"CompressionConfig.seed={self.seed!r} must be an int in [0, 2**64)")
 
-
-def _bf16() -> CompressionConfig:
-    return CompressionConfig()
-
-
-def _qsdp_w8g8() -> CompressionConfig:
-    # QSDP: 8-bit weights (deterministic, the fp32 master shards stay exact) and 8-bit min-max
-    # gradients with stochastic rounding (unbiased), groups of 128.
-    return CompressionConfig(
-        weights=QuantSpec(bits=8, group_size=128, scheme="absmax", rounding="nearest"),
-        grads=QuantSpec(bits=8, group_size=128, scheme="minmax", rounding="stochastic"),
-    )
+    @property
+    def two_level(self) -> bool:
+        """Whether the gradients want a 2-D (inter-node, intra-node) mesh."""
+        return isinstance(self.grads, TwoLevelGrads)
 
 
-def _qsdp_quantized_master() -> CompressionConfig:
-    # QSDP's convergence theorem: the master weights live on an 8-bit randomly shifted lattice.
-    base = _qsdp_w8g8()
-    return CompressionConfig(
-        weights=QuantSpec(bits=8, group_size=128, scheme="shift-lattice", rounding="stochastic"),
-        grads=base.grads,
-        quantized_master=True,
-    )
-
-
-def _global_qsgd() -> CompressionConfig:
-    return CompressionConfig(grad_carrier="int8")
-
-
+# --- the recipes ----------------------------------------------------------------------------
+# QSDP: 8-bit weights (deterministic, the fp32 master shards stay exact) and 8-bit min-max
+# gradients with stochastic rounding (unbiased), groups of 128.
+_W8 = QuantSpec(bits=8, group_size=128, scheme="absmax", rounding="nearest")
+_G8 = QuantSpec(bits=8, group_size=128, scheme="minmax", rounding="stochastic")
 # SDP4Bit's quantizers: 4-bit weight differences in groups of 2048; gradients 8-bit intra-node
 # and 4-bit inter-node in groups of 128, Hadamard-smoothed in blocks of 32.
 _W4 = QuantSpec(bits=4, group_size=2048, scheme="absmax", rounding="stochastic")
 
 
-def _tlq(hadamard: bool) -> dict:
+def _tlq(hadamard: bool) -> TwoLevelGrads:
     h = 32 if hadamard else None
-    return dict(
-        grads=QuantSpec(
+    return TwoLevelGrads(
+        intra=QuantSpec(
             bits=8, group_size=128, scheme="absmax", rounding="stochastic", hadamard_block=h
         ),
-        grads_inter=QuantSpec(
+        inter=QuantSpec(
             bits=4, group_size=128, scheme="absmax", rounding="stochastic", hadamard_block=h
         ),
     )
 
 
-def _w4_direct() -> CompressionConfig:
-    # SDP4Bit's ablation: the same 4-bit quantizer applied to the weights themselves.
-    return CompressionConfig(weights=_W4)
-
-
-def _qwd_only() -> CompressionConfig:
-    return CompressionConfig(weights=_W4, weight_diffs=True)
-
-
-def _tlq_hs_only() -> CompressionConfig:
-    return CompressionConfig(**_tlq(hadamard=True))
-
-
-def _tlq_no_hadamard() -> CompressionConfig:
-    return CompressionConfig(**_tlq(hadamard=False))
-
-
-def _sdp4bit() -> CompressionConfig:
-    return CompressionConfig(weights=_W4, weight_diffs=True, **_tlq(hadamard=True))
-
-
-#: Named recipes.
+#: Named recipes: what each compresses (``qsdp.recipe(name)`` builds one).
 RECIPES: dict[str, Callable[[], CompressionConfig]] = {
-    "bf16": _bf16,
-    "qsdp-w8g8": _qsdp_w8g8,
-    "qsdp-quantized-master": _qsdp_quantized_master,
-    "global-qsgd": _global_qsgd,
-    "sdp4bit": _sdp4bit,
-    "w4-direct": _w4_direct,
-    "qwd-only": _qwd_only,
-    "tlq-hs-only": _tlq_hs_only,
-    "tlq-no-hadamard": _tlq_no_hadamard,
+    "bf16": lambda: CompressionConfig(),
+    "qsdp-w8g8": lambda: CompressionConfig(
+        weights=QuantizedWeights(spec=_W8), grads=QuantizedGrads(spec=_G8)
+    ),
+    # QSDP's convergence theorem: the master weights live on an 8-bit randomly shifted lattice.
+    "qsdp-quantized-master": lambda: CompressionConfig(
+        weights=QuantizedMaster(
+            spec=QuantSpec(bits=8, group_size=128, scheme="shift-lattice", rounding="stochastic")
+        ),
+        grads=QuantizedGrads(spec=_G8),
+    ),
+    "qsdp-g8": lambda: CompressionConfig(grads=QuantizedGrads(spec=_G8)),
+    # CGX: 4-bit min-max gradients in buckets of 1024, stochastic rounding.
+    "cgx": lambda: CompressionConfig(
+        grads=QuantizedGrads(
+            spec=QuantSpec(bits=4, group_size=1024, scheme="minmax", rounding="stochastic")
+        )
+    ),
+    "global-qsgd": lambda: CompressionConfig(grads=IntegerGrads(carrier="int8")),
+    "sdp4bit": lambda: CompressionConfig(weights=WeightDiffs(spec=_W4), grads=_tlq(True)),
+    # SDP4Bit's ablations: the same 4-bit quantizer on the weights themselves; each half alone.
+    "w4-direct": lambda: CompressionConfig(weights=QuantizedWeights(spec=_W4)),
+    "qwd-only": lambda: CompressionConfig(weights=WeightDiffs(spec=_W4)),
+    "tlq-hs-only": lambda: CompressionConfig(grads=_tlq(True)),
+    "tlq-no-hadamard": lambda: CompressionConfig(grads=_tlq(False)),
 }
 
 
-def recipe(name: str) -> CompressionConfig:
-    """The :class:`CompressionConfig` of a named recipe (see :data:`RECIPES`)."""
+def recipe(name: str, **overrides: object) -> CompressionConfig:
+    """The :class:`CompressionConfig` of a named recipe (see :data:`RECIPES`), with any field
+    replaced, e.g. ``qsdp.recipe("sdp4bit", seed=3, nonfinite="zero")``."""
     if name not in RECIPES:
         raise ValueError(f"unknown recipe {name!r}; available: {', '.join(RECIPES)}")
-    return RECIPES[name]()
+    base = RECIPES[name]()
+    fields = {f.name for f in dataclasses.fields(CompressionConfig)}
+    unknown = sorted(set(overrides) - fields)
+    if unknown:
+        raise TypeError(
+            f"recipe({name!r}) got unknown overrides {unknown}; CompressionConfig has "
+            f"{sorted(fields)}"
+        )
+    return dataclasses.replace(base, **overrides) if overrides else base

@@ -13,13 +13,16 @@ G8 = QuantSpec(bits=8, group_size=128, scheme="minmax", rounding="stochastic")
 def test_recipes_are_typed_configs():
     assert recipe("bf16") == CompressionConfig()
     w8g8 = recipe("qsdp-w8g8")
-    assert w8g8.weights.bits == 8 and w8g8.grads.bits == 8
-    assert w8g8.grads.rounding.value == "stochastic"  # unbiased gradients
-    assert recipe("global-qsgd").grad_carrier == "int8"
-    assert recipe("w4-direct").weights.bits == 4 and recipe("w4-direct").grads is None
+    assert isinstance(w8g8.weights, qsdp.QuantizedWeights) and w8g8.weights.spec.bits == 8
+    assert isinstance(w8g8.grads, qsdp.QuantizedGrads) and w8g8.grads.spec.bits == 8
+    assert w8g8.grads.spec.rounding.value == "stochastic"  # unbiased gradients
+    assert recipe("global-qsgd").grads == qsdp.IntegerGrads(carrier="int8", group_size=128)
+    assert recipe("w4-direct").weights.spec.bits == 4 and recipe("w4-direct").grads is None
     assert set(qsdp.RECIPES) >= {
         "bf16",
         "qsdp-w8g8",
+        "qsdp-g8",
+        "cgx",
         "global-qsgd",
         "sdp4bit",
         "w4-direct",
@@ -28,33 +31,73 @@ def test_recipes_are_typed_configs():
         "tlq-no-hadamard",
     }
     sdp = recipe("sdp4bit")
-    assert sdp.weight_diffs and sdp.weights.bits == 4 and sdp.weights.group_size == 2048
-    assert sdp.grads.bits == 8 and sdp.grads_inter.bits == 4
-    assert sdp.grads.hadamard_block == sdp.grads_inter.hadamard_block == 32
-    assert recipe("tlq-no-hadamard").grads_inter.hadamard_block is None
+    assert isinstance(sdp.weights, qsdp.WeightDiffs) and sdp.two_level
+    assert sdp.weights.spec.bits == 4 and sdp.weights.spec.group_size == 2048
+    assert sdp.grads.intra.bits == 8 and sdp.grads.inter.bits == 4
+    assert sdp.grads.intra.hadamard_block == sdp.grads.inter.hadamard_block == 32
+    assert recipe("tlq-no-hadamard").grads.inter.hadamard_block is None
     assert recipe("qwd-only").grads is None and recipe("tlq-hs-only").weights is None
-    assert recipe("w4-direct").weights == sdp.weights and not recipe("w4-direct").weight_diffs
+    assert recipe("w4-direct").weights.spec == sdp.weights.spec
+    assert isinstance(recipe("w4-direct").weights, qsdp.QuantizedWeights)
+    cgx = recipe("cgx").grads.spec  # CGX: 4-bit min-max, buckets of 1024, stochastic
+    assert (cgx.bits, cgx.group_size, cgx.scheme.value) == (4, 1024, "minmax")
+    assert recipe("cgx").weights is None
+
+
+def test_recipe_overrides():
+    assert recipe("sdp4bit", seed=3).seed == 3
+    assert recipe("qsdp-w8g8", nonfinite="zero").nonfinite is qsdp.NonFinite.ZERO
+    with pytest.raises(TypeError, match="unknown overrides \\['grad_carrier'\\]"):
+        recipe("bf16", grad_carrier="int8")
+
+
+def test_plans_leave_nan_checks_to_the_integration():
+    from qsdp.comm import IntegerReduce, QuantizedReduce, TwoLevelReduce
+
+    plan = recipe("qsdp-w8g8").grads.plan()
+    assert isinstance(plan, QuantizedReduce) and plan.spec.nonfinite.value == "propagate"
+    two = recipe("sdp4bit").grads.plan()
+    assert isinstance(two, TwoLevelReduce) and two.mesh is None
+    assert two.intra.nonfinite.value == two.inter.nonfinite.value == "propagate"
+    integer = recipe("global-qsgd").grads.plan()
+    assert isinstance(integer, IntegerReduce) and integer.nonfinite == "propagate"
+    with pytest.raises(ValueError, match="reduce-scatter only|reduces only by reduce-scatter"):
+        two.all_reduce(torch.zeros(4), None)
+
+
+G4_64 = QuantSpec(bits=4, group_size=64, scheme="minmax", rounding="stochastic")
 
 
 @pytest.mark.parametrize(
-    ("kwargs", "error", "match"),
+    ("make", "error", "match"),
     [
-        ({"grads": G8, "grad_carrier": "int8"}, ValueError, "not both"),
-        ({"grad_carrier": "int4"}, ValueError, "grad_carrier='int4' must be one of"),
-        ({"grad_group_size": 0}, ValueError, "grad_group_size=0"),
-        ({"seed": -1}, ValueError, "seed=-1"),
-        ({"weights": "w8"}, TypeError, "weights must be a QuantSpec"),
-        ({"grads_inter": G8}, ValueError, "grads_inter .* needs grads"),
-        ({"grad_nonfinite": "skip"}, ValueError, "grad_nonfinite='skip' must be"),
-        ({"weights": G8, "quantized_master": True}, ValueError, "scheme='shift-lattice'"),
-        ({"quantized_master": True}, ValueError, "scheme='shift-lattice'"),
-        ({"weight_diffs": True}, ValueError, "weight_diffs needs weights"),
-        ({"weights": G8, "weight_resync_every": -1}, ValueError, "weight_resync_every=-1"),
+        (lambda: qsdp.IntegerGrads(carrier="int4"), ValueError, "carrier='int4' must be one of"),
+        (lambda: qsdp.IntegerGrads(group_size=0), ValueError, "group_size=0"),
+        (lambda: qsdp.IntegerGrads(rounding="up"), ValueError, "rounding='up'"),
+        (lambda: CompressionConfig(seed=-1), ValueError, "seed=-1"),
+        (lambda: CompressionConfig(weights=G8), TypeError, "weights=.* must be QuantizedWeights"),
+        (lambda: CompressionConfig(grads=G8), TypeError, "grads=.* must be QuantizedGrads"),
+        (lambda: CompressionConfig(nonfinite="skip"), ValueError, "nonfinite='skip' must be"),
+        (lambda: qsdp.QuantizedMaster(spec=G8), ValueError, "scheme='shift-lattice'"),
+        (lambda: qsdp.QuantizedWeights(spec="w8"), TypeError, "spec must be a qsdp.QuantSpec"),
+        (lambda: qsdp.WeightDiffs(spec=G8, resync_every=-1), ValueError, "resync_every=-1"),
+        (
+            lambda: qsdp.TwoLevelGrads(intra=G8, inter=G4_64),
+            ValueError,
+            "intra.group_size=128 and inter.group_size=64 differ",
+        ),
+        (
+            lambda: QuantSpec(
+                bits=8, group_size=128, scheme="absmax", rounding="nearest", nonfinite="zero"
+            ),
+            ValueError,
+            "cannot zero",
+        ),
     ],
 )
-def test_bad_config(kwargs, error, match):
+def test_bad_config(make, error, match):
     with pytest.raises(error, match=match):
-        CompressionConfig(**kwargs)
+        make()
 
 
 def test_frozen_and_keyword_only():
@@ -81,13 +124,11 @@ def test_compress_fsdp_rejects_bad_input():
         qsdp.fsdp.resync(nn.Linear(2, 2))
 
 
-def test_quantized_reduce_scatter_needs_one_source():
+def test_quantized_reduce_scatter_needs_a_plan():
     from qsdp.fsdp import QuantizedReduceScatter
 
-    with pytest.raises(ValueError, match="exactly one of spec and carrier"):
-        QuantizedReduceScatter(
-            spec=G8, carrier="int8", group_size=128, seed=0, bucket=0, stats=None
-        )
+    with pytest.raises(TypeError, match="plan must be a qsdp.comm.ReducePlan"):
+        QuantizedReduceScatter(plan=G8, seed=0, bucket=0, stats=None)
 
 
 def test_all_gather_refuses_raw_bytes():

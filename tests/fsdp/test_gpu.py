@@ -3,8 +3,6 @@ against plain FSDP2 on the same GPUs."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -38,7 +36,7 @@ def _build(recipe: str | None, ws: int, reduce_dtype: torch.dtype, config=None):
         fully_shard(block, mp_policy=mp)
     fully_shard(model, mp_policy=mp)
     mesh = None
-    if recipe is not None and qsdp.recipe(recipe).grads_inter is not None:
+    if recipe is not None and qsdp.recipe(recipe).two_level:
         shape = (2, ws // 2) if ws % 2 == 0 else (1, ws)
         mesh = init_device_mesh("cuda", shape, mesh_dim_names=("inter", "intra"))
     if config is not None or recipe is not None:
@@ -90,14 +88,14 @@ def test_recipes_train_like_fsdp2_on_nccl():
 
 
 def _nan(rank: int, ws: int, mode: str) -> dict:
-    config = dataclasses.replace(qsdp.recipe("qsdp-w8g8"), grad_nonfinite=mode)
+    config = qsdp.recipe("qsdp-w8g8", nonfinite=mode)
     model, dev = _build(None, ws, torch.bfloat16, config=config)
 
     def poison(module, args):  # the unsharded weight of this forward: its gradient turns NaN
         module.weight.register_hook(lambda g: g * float("nan"))
 
     if rank == ws - 1:
-        model.blocks[1].linear2.register_forward_pre_hook(poison)
+        model.blocks[1].down.register_forward_pre_hook(poison)
     batch = next(_batches(rank, ws)).to(dev)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     loss = nn.functional.cross_entropy(
@@ -115,6 +113,6 @@ def _nan(rank: int, ws: int, mode: str) -> dict:
 def test_nan_gradient_on_one_rank_raises_everywhere_or_is_zeroed():
     ws = min(4, torch.cuda.device_count())
     for r in run_distributed(_nan, ws, "raise", backend="nccl", pg_timeout_s=60):
-        assert r["error"] is not None and "blocks.1.linear2.weight" in r["error"], r
+        assert r["error"] is not None and "blocks.1.down.weight" in r["error"], r
     for r in run_distributed(_nan, ws, "zero", backend="nccl", pg_timeout_s=60):
         assert r["error"] is None and r["finite"], r

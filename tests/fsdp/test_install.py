@@ -11,7 +11,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import qsdp
-from qsdp import CompressionConfig
+from qsdp import CompressionConfig, TwoLevelGrads
 from qsdp.quant import QuantSpec
 from qsdp.testing import count_dist_bytes, run_distributed
 
@@ -40,8 +40,10 @@ def _grads(model: nn.Module, rank: int) -> torch.Tensor:
 
 # --- 1. a 2-D mesh in any rank order ---
 _TWO_LEVEL_8 = CompressionConfig(
-    grads=QuantSpec(bits=8, group_size=128, scheme="absmax", rounding="nearest"),
-    grads_inter=QuantSpec(bits=8, group_size=128, scheme="absmax", rounding="nearest"),
+    grads=TwoLevelGrads(
+        intra=QuantSpec(bits=8, group_size=128, scheme="absmax", rounding="nearest"),
+        inter=QuantSpec(bits=8, group_size=128, scheme="absmax", rounding="nearest"),
+    )
 )
 
 

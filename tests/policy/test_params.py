@@ -1,7 +1,6 @@
 import pytest
 import torch
 
-from qsdp.fsdp._split import build_split
 from qsdp.policy import ParamPolicy
 
 
@@ -28,15 +27,14 @@ def test_bad_policy(kwargs, error):
 
 def test_split_positions_follow_the_flat_layout():
     layout = [("a.weight", 6, (12, 8)), ("a.bias", 2, (4,)), ("b.weight", 5, (10, 200))]
-    s = build_split(layout, ParamPolicy(min_numel=0))
+    s = ParamPolicy(min_numel=0).split(layout)
     assert s.chunk == 13
     comp, raw = s.positions()
     assert comp.tolist() == [0, 1, 2, 3, 4, 5, 8, 9, 10, 11, 12]
     assert raw.tolist() == [6, 7] and s.raw_names == ("a.bias",)
     assert s.runs == ((0, 6, True), (6, 2, False), (8, 5, True))  # a few runs, no vectors
-    assert build_split(layout, None) is None
-    assert build_split([("w", 4, (64, 64))], ParamPolicy()) is None  # all compressed: no split
-    only_raw = build_split([("b", 3, (3,))], ParamPolicy())
+    assert ParamPolicy().split([("w", 4, (64, 64))]) is None  # all compressed: no split
+    only_raw = ParamPolicy().split([("b", 3, (3,))])
     assert only_raw.n_comp == 0 and only_raw.positions()[1].tolist() == [0, 1, 2]
     assert torch.equal(torch.sort(torch.cat((comp, raw))).values, torch.arange(13))
     rows = torch.arange(26.0).view(2, 13)  # take / put round trip on [k, chunk] rows

@@ -5,8 +5,8 @@ Every collective quantizes with :mod:`qsdp.quant`, hands only bytes (or integer 
 world size and tensor length, and returns a :class:`CommWork` for ``async_op=True``.
 """
 
-from ._all_gather import all_gather, all_gather_wire_bytes
-from ._common import CommWork
+from ._all_gather import all_gather, all_gather_payloads, all_gather_wire_bytes
+from ._common import CommWork, noise_stream
 from ._hierarchical import hierarchical_reduce_scatter, hierarchical_reduce_scatter_wire_bytes
 from ._integer import (
     integer_all_reduce,
@@ -14,7 +14,9 @@ from ._integer import (
     integer_reduce_scatter,
     integer_reduce_scatter_wire_bytes,
 )
+from ._plans import IntegerReduce, QuantizedReduce, ReducePlan, TwoLevelReduce
 from ._reduce_scatter import reduce_scatter, reduce_scatter_wire_bytes
+from ._split import Split, fused_row
 from ._stats import CollectiveCounts, CommStats, comm_stats
 from ._two_phase import two_phase_all_reduce, two_phase_all_reduce_wire_bytes
 from ._weight_diff import all_gather_diff
@@ -23,16 +25,24 @@ __all__ = [
     "CollectiveCounts",
     "CommStats",
     "CommWork",
+    "IntegerReduce",
+    "QuantizedReduce",
+    "ReducePlan",
+    "Split",
+    "TwoLevelReduce",
     "all_gather",
     "all_gather_diff",
+    "all_gather_payloads",
     "all_gather_wire_bytes",
     "comm_stats",
+    "fused_row",
     "hierarchical_reduce_scatter",
     "hierarchical_reduce_scatter_wire_bytes",
     "integer_all_reduce",
     "integer_all_reduce_wire_bytes",
     "integer_reduce_scatter",
     "integer_reduce_scatter_wire_bytes",
+    "noise_stream",
     "reduce_scatter",
     "reduce_scatter_wire_bytes",
     "two_phase_all_reduce",

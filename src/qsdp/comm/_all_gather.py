@@ -13,25 +13,33 @@ import torch.distributed as dist
 
 from ..quant import Backend, QuantSpec, decode_rows, encode, flagged_groups
 from . import _common as C
+from ._split import Split, fused_row
 from ._stats import CommStats
 
-__all__ = ["all_gather", "all_gather_wire_bytes"]
+__all__ = ["all_gather", "all_gather_payloads", "all_gather_wire_bytes"]
 
 _NAME = "all_gather"
 
 
-def all_gather_wire_bytes(shard_numel: int, spec: QuantSpec) -> int:
+def all_gather_wire_bytes(
+    shard_numel: int, spec: QuantSpec, *, split: Split | None = None, element_size: int = 4
+) -> int:
     """Bytes one rank hands to ``torch.distributed`` in :func:`all_gather` of a shard.
 
     Args:
         shard_numel: elements of each rank's input.
         spec: the quantizer.
+        split: as passed to :func:`all_gather` (its raw elements travel as bytes).
+        element_size: bytes of one input element (the raw part's width).
 
     Returns:
-        ``spec.payload_bytes(shard_numel)`` (the uncompressed all-gather sends
-        ``shard_numel * element_size``).
+        ``spec.payload_bytes(shard_numel)``; with a split the ``[codes | raw]`` row of
+        :func:`~qsdp.comm.fused_row` (the uncompressed all-gather sends ``shard_numel *
+        element_size``).
     """
-    return spec.payload_bytes(shard_numel)
+    if split is None:
+        return spec.payload_bytes(shard_numel)
+    return fused_row(spec, split.n_comp, split.n_raw * element_size)[1]
 
 
 def all_gather(
@@ -40,6 +48,7 @@ def all_gather(
     group: dist.ProcessGroup | None = None,
     *,
     spec: QuantSpec,
+    split: Split | None = None,
     async_op: bool = False,
     seed: int = 0,
     step: int = 0,
@@ -63,6 +72,9 @@ def all_gather(
             returns, so it may be reused at once.
         group: the process group (default: the world).
         spec: the quantizer, the same on every rank.
+        split: which runs of the shard travel raw (exact) beside the codes, in the same
+            all-gather (see [Note: policies inside flat buffers]); ``split.chunk`` must equal
+            ``input.numel()``. ``output`` and ``input`` may then alias (FSDP2's layout).
         async_op: return a :class:`CommWork` whose ``wait()`` finishes the gather and decodes.
         seed, step: key of the stochastic-rounding noise (the step counter of the training loop);
             the same on every rank, so runs are reproducible. Each rank's noise stream is
@@ -79,6 +91,7 @@ def all_gather(
         input,
         group,
         spec=spec,
+        split=split,
         seed=seed,
         step=step,
         bucket=bucket,
@@ -87,7 +100,7 @@ def all_gather(
         stats=C.resolve_stats(stats),
         name=_NAME,
     )
-    return C.run_stages(stages, async_op)
+    return C.run_stages(stages, async_op, result=output)
 
 
 def _all_gather_stages(
@@ -103,6 +116,7 @@ def _all_gather_stages(
     backend: Backend,
     stats: CommStats,
     name: str,
+    split: Split | None = None,
     count_call: bool = True,
 ) -> C.Stages:
     """Validate and encode now (not on the first ``next``), and return the stage generator."""
@@ -119,8 +133,17 @@ def _all_gather_stages(
             f"output has {output.numel()} elements; all_gather of {m} elements over {n} ranks "
             f"needs world_size * input.numel() = {n * m}"
         )
+    if split is not None and split.chunk != m:
+        raise ValueError(
+            f"split covers {split.chunk} elements but the input has {m}; build the split for "
+            "this chunk (ParamPolicy.split of its layout)"
+        )
     if count_call:
         stats.count_call(name)
+    if split is not None:
+        return _fused_stages(
+            output, input, pg, n, spec, split, seed, step, bucket, hop, backend, stats, name
+        )
     nbytes = spec.payload_bytes(m)
     send = torch.empty(nbytes, dtype=torch.uint8, device=input.device)
     enc_spec = C.encoding_spec(spec)
@@ -145,3 +168,71 @@ def _gather_decode(output, send, pg, n, m, spec, backend, stats, name) -> C.Stag
     recv = torch.empty(n * nbytes, dtype=torch.uint8, device=send.device)
     yield [C.all_gather(recv, send, pg, stats, name)], True
     decode_rows(recv.view(n, nbytes), m, spec, out=output.view(n, m), backend=backend)
+
+
+def _fused_stages(
+    output, input, pg, n, spec, split, seed, step, bucket, hop, backend, stats, name
+) -> C.Stages:
+    """A policy split's all-gather: ``[codes | raw bytes]`` rows in one ``torch.distributed``
+    call, decoded and put back in place (``input`` may alias ``output``: it is copied first)."""
+    comp, raw = split.take(input.reshape(1, -1))
+    comp, raw = comp.reshape(-1), raw.reshape(-1)
+    raw_bytes = raw.numel() * raw.element_size()
+    at, row = fused_row(spec, comp.numel(), raw_bytes)
+    send = torch.zeros(row, dtype=torch.uint8, device=input.device)
+    nbytes = spec.payload_bytes(comp.numel())
+    enc_spec = C.encoding_spec(spec)
+    if comp.numel():
+        encode(
+            comp,
+            enc_spec,
+            seed=seed,
+            step=step,
+            out=send[:nbytes],
+            backend=backend,
+            stream=C.noise_stream(dist.get_rank(), 0, bucket=bucket, hop=hop),
+        )
+    send[at : at + raw_bytes].copy_(raw.view(torch.uint8))
+    if enc_spec is not spec:  # every rank agrees before anything is exchanged
+        bad = flagged_groups(send[:nbytes], comp.numel(), spec) + (~torch.isfinite(raw)).sum()
+        C.agree_finite(bad, [pg], stats, name)
+    if split.chunk == 0:
+        return
+    recv = torch.empty(n * row, dtype=torch.uint8, device=send.device)
+    yield [C.all_gather(recv, send, pg, stats, name)], True
+    rows = recv.view(n, row)
+    comp_out = torch.empty(n, comp.numel(), dtype=comp.dtype, device=comp.device)
+    if comp.numel():
+        decode_rows(rows[:, :nbytes], comp.numel(), spec, out=comp_out, backend=backend)
+    raw_out = rows[:, at : at + raw_bytes].contiguous().view(raw.dtype).view(n, -1)
+    split.put(output.view(n, -1), comp_out, raw_out)
+
+
+def all_gather_payloads(
+    payload: torch.Tensor,
+    group: dist.ProcessGroup | None = None,
+    *,
+    stats: CommStats | None = None,
+    name: str = _NAME,
+) -> torch.Tensor:
+    """All-gather one encoded payload per rank, counted: for callers that encode themselves
+    (QSDP's quantized master keeps the gathered payloads and decodes them again later).
+
+    Args:
+        payload: this rank's 1-D uint8 payload (the same length on every rank).
+        group: the process group (default: the world).
+        stats: the byte counter (default :data:`qsdp.comm.comm_stats`), under ``name``.
+
+    Returns:
+        ``[world_size, payload.numel()]`` uint8 rows, rank ``j``'s payload in row ``j``
+        (decode them with :func:`qsdp.quant.decode_rows`).
+    """
+    if payload.dtype != torch.uint8 or payload.dim() != 1:
+        raise ValueError(f"payload must be 1-D uint8, got {payload.dtype=} {payload.dim()=}")
+    pg, n, _ = C.group_info(group)
+    stats = C.resolve_stats(stats)
+    stats.count_call(name)
+    recv = torch.empty(n, payload.numel(), dtype=torch.uint8, device=payload.device)
+    if payload.numel():
+        C.all_gather(recv.view(-1), payload, pg, stats, name).wait()
+    return recv

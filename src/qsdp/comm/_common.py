@@ -39,10 +39,11 @@ class CommWork:
     returned this handle came back, so ranks may wait in any order.
     """
 
-    def __init__(self, stages: Stages, *, defer: bool) -> None:
+    def __init__(self, stages: Stages, *, defer: bool, result: torch.Tensor | None = None) -> None:
         self._stages = stages
         self._pending: Works | None = None
         self._done = False
+        self._result = result
         self._run(defer=defer)
 
     def _run(self, *, defer: bool) -> None:
@@ -67,11 +68,56 @@ class CommWork:
         """True when ``wait()`` would not block on communication (it may still decode)."""
         return self._done or all(w.is_completed() for w in self._pending or ())
 
+    def get_future(self) -> torch.futures.Future:
+        """A future that completes with the collective's result tensor once it is decoded.
 
-def run_stages(stages: Stages, async_op: bool) -> CommWork | None:
-    """Drive a collective's stages: to the end, or up to its deferrable stage for async_op."""
-    work = CommWork(stages, defer=async_op)
+        As ``dist.Work.get_future``: the decode runs in the callback of the last communication's
+        future (on CUDA after it, on its stream), which is what a DDP comm hook returns.
+        """
+        if self._done or not self._pending:
+            fut: torch.futures.Future = torch.futures.Future()
+            self.wait()
+            fut.set_result(self._result)
+            return fut
+        pending = [w.get_future() for w in self._pending]
+        both = pending[0] if len(pending) == 1 else torch.futures.collect_all(pending)
+
+        def finish(_: torch.futures.Future) -> torch.Tensor | None:
+            self._pending = None
+            self._run(defer=False)
+            return self._result
+
+        return both.then(finish)
+
+
+def run_stages(
+    stages: Stages, async_op: bool, result: torch.Tensor | None = None
+) -> CommWork | None:
+    """Drive a collective's stages: to the end, or up to its deferrable stage for async_op.
+    ``result`` is the tensor the collective writes (what ``CommWork.get_future`` yields)."""
+    work = CommWork(stages, defer=async_op, result=result)
     return work if async_op else None
+
+
+def with_raw_part(
+    comp_stages: Stages,
+    issue_raw: Callable[[], dist.Work],
+    finish: Callable[[], None],
+) -> Stages:
+    """Stages of a collective whose policy split's raw part goes in a second, plain
+    ``torch.distributed`` call (where codes and raw values cannot share one, e.g. an integer
+    carrier): ``issue_raw`` starts it beside the codes' last exchange (after any NaN/Inf
+    verdict, in the same program order on every rank), ``finish`` puts the parts together."""
+    raw = None
+    for works, deferrable in comp_stages:
+        if deferrable:
+            raw = issue_raw()
+            yield [*works, raw], True
+        else:
+            yield works, False
+    if raw is None:  # the codes needed no exchange (an empty part)
+        yield [issue_raw()], True
+    finish()
 
 
 # --- arguments ----------------------------------------------------------------------------------

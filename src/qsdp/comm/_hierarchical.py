@@ -40,6 +40,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from ..quant import Backend, QuantSpec, decode_sum, decode_sum_encode, encode, flagged_groups
 from . import _common as C
 from ._reduce_scatter import _reduce_scatter_stages, check_chunks, reduce_scatter_wire_bytes
+from ._split import Split
 from ._stats import CommStats
 
 __all__ = ["hierarchical_reduce_scatter", "hierarchical_reduce_scatter_wire_bytes"]
@@ -78,6 +79,8 @@ def hierarchical_reduce_scatter_wire_bytes(
     inter_spec: QuantSpec,
     *,
     pipeline: int = 1,
+    split: Split | None = None,
+    element_size: int = 4,
 ) -> int:
     """Bytes one rank hands to ``torch.distributed`` in :func:`hierarchical_reduce_scatter`.
 
@@ -86,6 +89,8 @@ def hierarchical_reduce_scatter_wire_bytes(
         inter_size, intra_size: the mesh's shape ``(A, B)``.
         intra_spec, inter_spec: the two levels' quantizers.
         pipeline: as passed to the collective.
+        split, element_size: a policy split and the input's element size: its raw part
+            travels in one plain reduce-scatter over the flat group.
 
     Returns:
         Per piece of ``L`` elements: ``(B-1) * A * intra_spec.payload_bytes(L)`` intra-node plus
@@ -93,6 +98,16 @@ def hierarchical_reduce_scatter_wire_bytes(
         ``B`` is 1.
     """
     a, b = inter_size, intra_size
+    if split is not None:
+        if a == 1 or b == 1:
+            spec = intra_spec if a == 1 else inter_spec
+            return reduce_scatter_wire_bytes(
+                numel, a * b, spec, split=split, element_size=element_size
+            )
+        comp = hierarchical_reduce_scatter_wire_bytes(
+            a * b * split.n_comp, a, b, intra_spec, inter_spec, pipeline=pipeline
+        )
+        return comp + (a * b - 1) * split.n_raw * element_size
     if a == 1:
         return reduce_scatter_wire_bytes(numel, b, intra_spec)
     if b == 1:
@@ -194,6 +209,7 @@ def hierarchical_reduce_scatter(
     op: str | dist.ReduceOp = "avg",
     pipeline: int = 1,
     group: dist.ProcessGroup | None = None,
+    split: Split | None = None,
     async_op: bool = False,
     seed: int = 0,
     step: int = 0,
@@ -231,6 +247,9 @@ def hierarchical_reduce_scatter(
         group: the flat group whose layout ``input`` and ``output`` follow (e.g. FSDP2's shard
             group); it must hold exactly the mesh's ranks. Default: the mesh's ranks in
             increasing order.
+        split: which runs of each chunk travel raw (see [Note: policies inside flat buffers]):
+            on one level inside the all-to-all, on two levels in one plain SUM reduce-scatter
+            over ``group`` (which is then required unless the mesh covers the world).
         async_op: return a :class:`CommWork`; all pieces' intra-node hops finish before the call
             returns, the inter-node hops are in flight until ``wait()``.
         seed, step: key of the stochastic-rounding noise, the same on every rank; every rank,
@@ -249,7 +268,15 @@ def hierarchical_reduce_scatter(
     na, nb = mesh.size(0), mesh.size(1)
     stats = C.resolve_stats(stats)
     common = dict(
-        op=op, seed=seed, step=step, bucket=bucket, hop=0, backend=backend, stats=stats, name=_NAME
+        op=op,
+        seed=seed,
+        step=step,
+        bucket=bucket,
+        hop=0,
+        backend=backend,
+        stats=stats,
+        name=_NAME,
+        split=split,
     )
     if na == 1 or nb == 1:  # one level: a flat reduce-scatter over the mesh's only group
         sub, spec = (layout.intra, intra_spec) if na == 1 else (layout.inter, inter_spec)
@@ -262,26 +289,53 @@ def hierarchical_reduce_scatter(
         if order != sorted(order):  # the sub-group numbers its ranks unlike the flat layout
             input = input.reshape(na * nb, m)[order]
         return C.run_stages(
-            _reduce_scatter_stages(output, input, sub, spec=spec, **common), async_op
+            _reduce_scatter_stages(output, input, sub, spec=spec, **common), async_op, result=output
         )
     op = C.parse_op(op)
     C.check_key(seed, step, bucket)
     m = check_chunks(output, input, na * nb, "hierarchical_reduce_scatter")
+    if split is not None:
+        if split.chunk != m:
+            raise ValueError(f"split covers {split.chunk} elements but each chunk has {m}")
+        if group is None and mesh.size() != dist.get_world_size():
+            raise ValueError(
+                "hierarchical_reduce_scatter(split=...) on a mesh smaller than the world needs "
+                "group=, the flat group whose layout the input follows (its raw part is "
+                "reduced there)"
+            )
     stats.count_call(_NAME)
+    chunks, out = input.reshape(na * nb, m), output
+    if split is not None:
+        chunks, raw = split.take(chunks)
+        out = torch.empty(split.n_comp, dtype=output.dtype, device=output.device)
+        raw_out = torch.empty(split.n_raw, dtype=raw.dtype, device=raw.device)
     plan = _Plan(
-        chunks=input.reshape(na * nb, m),
+        chunks=chunks,
         layout=layout,
         shape=(na, nb),
         intra_spec=C.encoding_spec(intra_spec),
         inter_spec=C.encoding_spec(inter_spec),
         check=intra_spec.nonfinite != C.encoding_spec(intra_spec).nonfinite,
-        pieces=_pieces(m, intra_spec.group_size, pipeline),
+        pieces=_pieces(chunks.shape[1], intra_spec.group_size, pipeline),
         key=dict(seed=seed, step=step),
         bucket=bucket,
         backend=backend,
         stats=stats,
     )
-    return C.run_stages(plan.stages(output, op), async_op)
+    if split is None:
+        return C.run_stages(plan.stages(output, op), async_op, result=output)
+
+    def finish() -> None:
+        if op == "avg":
+            raw_out.div_(na * nb)
+        split.put(output.view(1, -1), out.view(1, -1), raw_out.view(1, -1))
+
+    stages = C.with_raw_part(
+        plan.stages(out, op),
+        lambda: C.reduce_scatter_sum(raw_out, raw.reshape(-1), group, stats, _NAME),
+        finish,
+    )
+    return C.run_stages(stages, async_op, result=output)
 
 
 @dataclass(kw_only=True)

@@ -20,6 +20,7 @@ from ..quant import group_absmax as _group_absmax
 from ..quant.global_int import nonfinite_mode
 from . import _common as C
 from ._reduce_scatter import check_chunks
+from ._split import Split
 from ._stats import CommStats
 
 __all__ = [
@@ -46,27 +47,48 @@ def _groups(numel: int, group_size: int) -> int:
 
 
 def integer_all_reduce_wire_bytes(
-    numel: int, *, carrier: str = "int8", group_size: int = 128
+    numel: int,
+    *,
+    carrier: str = "int8",
+    group_size: int = 128,
+    split: Split | None = None,
+    element_size: int = 4,
 ) -> int:
     """Bytes one rank hands to ``torch.distributed`` in :func:`integer_all_reduce`.
 
     Returns:
         ``4 * ceil(numel / group_size)`` (the float32 MAX of the scales) plus
-        ``numel * carrier bytes`` (the SUM).
+        ``numel * carrier bytes`` (the SUM); with a split, those of its compressed elements
+        plus ``n_raw * element_size`` (the raw part's plain all-reduce).
     """
+    if split is not None:
+        comp = integer_all_reduce_wire_bytes(split.n_comp, carrier=carrier, group_size=group_size)
+        return comp + split.n_raw * element_size
     return 4 * _groups(numel, group_size) + numel * _carrier_bytes(carrier)
 
 
 def integer_reduce_scatter_wire_bytes(
-    numel: int, world_size: int, *, carrier: str = "int8", group_size: int = 128
+    numel: int,
+    world_size: int,
+    *,
+    carrier: str = "int8",
+    group_size: int = 128,
+    split: Split | None = None,
+    element_size: int = 4,
 ) -> int:
     """Bytes one rank hands to ``torch.distributed`` in :func:`integer_reduce_scatter`.
 
     Returns:
         ``4 * world_size * ceil(m / group_size)`` (the MAX all-reduce of the scales, grouped per
         destination chunk of ``m = numel / world_size`` elements) plus ``(world_size - 1) * m *
-        carrier bytes`` (the SUM reduce-scatter's chunks bound for the peers).
+        carrier bytes`` (the SUM reduce-scatter's chunks bound for the peers); with a split,
+        those of its compressed elements plus ``(world_size - 1) * n_raw * element_size``.
     """
+    if split is not None:
+        comp = integer_reduce_scatter_wire_bytes(
+            world_size * split.n_comp, world_size, carrier=carrier, group_size=group_size
+        )
+        return comp + (world_size - 1) * split.n_raw * element_size
     m = numel // world_size
     return 4 * world_size * _groups(m, group_size) + (world_size - 1) * m * _carrier_bytes(carrier)
 
@@ -111,6 +133,7 @@ def integer_all_reduce(
     bucket: int = 0,
     stats: CommStats | None = None,
     nonfinite: str = "raise",
+    split: Split | None = None,
 ) -> C.CommWork | None:
     """Global-QSGD all-reduce of ``tensor`` in place: one MAX of scales, one integer SUM.
 
@@ -139,6 +162,9 @@ def integer_all_reduce(
         nonfinite: ``"raise"`` checks the all-reduced scales for NaN/Inf on the host (one sync
             per call, every rank raises); ``"propagate"`` skips the syncs: NaN/Inf groups decode
             to NaN/Inf (the FSDP hooks check gradients themselves, once per backward).
+        split: which runs of ``tensor`` travel raw (see [Note: policies inside flat buffers]):
+            they are summed by a second, plain all-reduce in ``tensor``'s dtype (NaN/Inf there
+            reach every rank alike).
 
     Returns:
         A :class:`CommWork` when ``async_op``, else None.
@@ -156,11 +182,33 @@ def integer_all_reduce(
     pg, n, _ = C.group_info(group)
     levels = levels_for(carrier, n)
     stats = C.resolve_stats(stats)
-    stats.count_call("integer_all_reduce")
-    stages = _all_reduce_stages(
-        tensor, pg, n, carrier, op, group_size, rnd, levels, seed, step, bucket, stats, nonfinite
+    name = "integer_all_reduce"
+    stats.count_call(name)
+    args = (pg, n, carrier, op, group_size, rnd, levels, seed, step, bucket, stats, nonfinite)
+    if split is None:
+        return C.run_stages(_all_reduce_stages(tensor, *args), async_op, result=tensor)
+    _check_split(split, tensor.numel(), "tensor")
+    comp, raw = split.take(tensor.view(1, -1))
+    comp, raw = comp.view(-1), raw.view(-1)
+
+    def finish() -> None:
+        if op == "avg":
+            raw.div_(n)
+        split.put(tensor.view(1, -1), comp.view(1, -1), raw.view(1, -1))
+
+    stages = C.with_raw_part(
+        _all_reduce_stages(comp, *args),
+        lambda: C.all_reduce(raw, dist.ReduceOp.SUM, pg, stats, name),
+        finish,
     )
-    return C.run_stages(stages, async_op)
+    return C.run_stages(stages, async_op, result=tensor)
+
+
+def _check_split(split: Split, numel: int, what: str) -> None:
+    if not isinstance(split, Split) or split.chunk != numel:
+        raise ValueError(
+            f"split={split!r} must be a qsdp.comm.Split covering the {numel} elements of {what}"
+        )
 
 
 def _all_reduce_stages(
@@ -205,6 +253,7 @@ def integer_reduce_scatter(
     bucket: int = 0,
     stats: CommStats | None = None,
     nonfinite: str = "raise",
+    split: Split | None = None,
 ) -> C.CommWork | None:
     """Global-QSGD reduce-scatter: MAX of scales, then the plain SUM reduce-scatter on integers.
 
@@ -220,6 +269,8 @@ def integer_reduce_scatter(
         group, carrier, op, group_size, rounding, async_op, seed, step, bucket, stats,
         nonfinite: as in
             :func:`integer_all_reduce`.
+        split: which runs of each chunk travel raw, reduced by a second, plain SUM
+            reduce-scatter in ``input``'s dtype; ``split.chunk`` must equal ``m``.
 
     Returns:
         A :class:`CommWork` when ``async_op``, else None.
@@ -236,25 +287,28 @@ def integer_reduce_scatter(
     m = check_chunks(output, input, n, "integer_reduce_scatter")
     levels = levels_for(carrier, n)
     stats = C.resolve_stats(stats)
-    stats.count_call("integer_reduce_scatter")
-    stages = _reduce_scatter_stages(
-        output,
-        input,
-        pg,
-        n,
-        m,
-        carrier,
-        op,
-        group_size,
-        rnd,
-        levels,
-        seed,
-        step,
-        bucket,
-        stats,
-        nonfinite,
+    name = "integer_reduce_scatter"
+    stats.count_call(name)
+    args = (carrier, op, group_size, rnd, levels, seed, step, bucket, stats, nonfinite)
+    if split is None:
+        stages = _reduce_scatter_stages(output, input, pg, n, m, *args)
+        return C.run_stages(stages, async_op, result=output)
+    _check_split(split, m, "each chunk")
+    comp, raw = split.take(input.reshape(n, m))
+    comp_out = torch.empty(split.n_comp, dtype=output.dtype, device=output.device)
+    raw_out = torch.empty(split.n_raw, dtype=raw.dtype, device=raw.device)
+
+    def finish() -> None:
+        if op == "avg":
+            raw_out.div_(n)
+        split.put(output.view(1, -1), comp_out.view(1, -1), raw_out.view(1, -1))
+
+    stages = C.with_raw_part(
+        _reduce_scatter_stages(comp_out, comp.reshape(-1), pg, n, split.n_comp, *args),
+        lambda: C.reduce_scatter_sum(raw_out, raw.reshape(-1), pg, stats, name),
+        finish,
     )
-    return C.run_stages(stages, async_op)
+    return C.run_stages(stages, async_op, result=output)
 
 
 def _reduce_scatter_stages(

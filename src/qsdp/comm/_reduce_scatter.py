@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from ..quant import Backend, QuantSpec, decode_sum, encode, flagged_groups
 from . import _common as C
+from ._split import Split, fused_row
 from ._stats import CommStats
 
 __all__ = ["reduce_scatter", "reduce_scatter_wire_bytes"]
@@ -21,19 +22,31 @@ __all__ = ["reduce_scatter", "reduce_scatter_wire_bytes"]
 _NAME = "reduce_scatter"
 
 
-def reduce_scatter_wire_bytes(numel: int, world_size: int, spec: QuantSpec) -> int:
+def reduce_scatter_wire_bytes(
+    numel: int,
+    world_size: int,
+    spec: QuantSpec,
+    *,
+    split: Split | None = None,
+    element_size: int = 4,
+) -> int:
     """Bytes one rank hands to ``torch.distributed`` in :func:`reduce_scatter`.
 
     Args:
         numel: elements of the input (``world_size * m``).
         world_size: ranks in the group.
         spec: the quantizer.
+        split: as passed to :func:`reduce_scatter` (raw elements travel beside the codes).
+        element_size: bytes of one input element (the raw part's width).
 
     Returns:
-        ``(world_size - 1) * spec.payload_bytes(m)`` (the uncompressed reduce-scatter hands over
-        the whole input, ``numel * element_size``).
+        ``(world_size - 1) * spec.payload_bytes(m)``, with a split ``(world_size - 1)`` rows of
+        :func:`~qsdp.comm.fused_row` (the uncompressed reduce-scatter hands over the ``n - 1``
+        peers' chunks, ``(numel - m) * element_size``).
     """
-    return (world_size - 1) * spec.payload_bytes(numel // world_size)
+    if split is None:
+        return (world_size - 1) * spec.payload_bytes(numel // world_size)
+    return (world_size - 1) * fused_row(spec, split.n_comp, split.n_raw * element_size)[1]
 
 
 def reduce_scatter(
@@ -42,6 +55,7 @@ def reduce_scatter(
     group: dist.ProcessGroup | None = None,
     *,
     spec: QuantSpec,
+    split: Split | None = None,
     op: str | dist.ReduceOp = "avg",
     async_op: bool = False,
     seed: int = 0,
@@ -66,6 +80,9 @@ def reduce_scatter(
             is bound for rank ``j``. Encoded (and the own chunk copied) before the call returns.
         group: the process group (default: the world).
         spec: the quantizer, the same on every rank.
+        split: which runs of each chunk travel raw (summed exactly in float32) beside the codes,
+            in the same all-to-all (see [Note: policies inside flat buffers]); ``split.chunk``
+            must equal ``m``.
         op: ``"avg"`` (default) or ``"sum"``, or ``dist.ReduceOp.AVG`` / ``SUM``.
         async_op: return a :class:`CommWork` whose ``wait()`` finishes the exchange and decodes.
         seed, step: key of the stochastic-rounding noise, the same on every rank; each rank and
@@ -82,6 +99,7 @@ def reduce_scatter(
         input,
         group,
         spec=spec,
+        split=split,
         op=op,
         seed=seed,
         step=step,
@@ -91,7 +109,7 @@ def reduce_scatter(
         stats=C.resolve_stats(stats),
         name=_NAME,
     )
-    return C.run_stages(stages, async_op)
+    return C.run_stages(stages, async_op, result=output)
 
 
 def check_chunks(output: torch.Tensor, input: torch.Tensor, n: int, what: str) -> int:
@@ -128,6 +146,7 @@ def _reduce_scatter_stages(
     backend: Backend,
     stats: CommStats,
     name: str,
+    split: Split | None = None,
     count_call: bool = True,
 ) -> C.Stages:
     """Validate, copy the own chunk and encode now; return the stage generator."""
@@ -136,8 +155,32 @@ def _reduce_scatter_stages(
     C.check_key(seed, step, bucket)
     pg, n, r = C.group_info(group)
     m = check_chunks(output, input, n, "reduce_scatter")
+    if split is not None and split.chunk != m:
+        raise ValueError(
+            f"split covers {split.chunk} elements but each chunk has {m}; build the split for "
+            "this chunk (ParamPolicy.split of its layout)"
+        )
     if count_call:
         stats.count_call(name)
+    if split is not None:
+        return _fused_stages(
+            output,
+            input,
+            pg,
+            n,
+            r,
+            m,
+            spec,
+            split,
+            op,
+            seed,
+            step,
+            bucket,
+            hop,
+            backend,
+            stats,
+            name,
+        )
     chunks = input.reshape(n, m)
     acc = torch.empty(m, dtype=torch.float32, device=input.device)
     acc.copy_(chunks[r])
@@ -170,3 +213,52 @@ def _exchange_decode(output, acc, send, pg, n, r, m, spec, op, backend, stats, n
         yield [C.all_to_all(recv, send, splits, splits, pg, stats, name)], True
         decode_sum(recv.view(n - 1, nbytes), m, spec, out=acc, accumulate=True, backend=backend)
     C.finish_into(output, acc, op, n)
+
+
+def _fused_stages(
+    output, input, pg, n, r, m, spec, split, op, seed, step, bucket, hop, backend, stats, name
+) -> C.Stages:
+    """A policy split's reduce-scatter: ``[codes | raw bytes]`` rows in one all-to-all; the
+    receiver decodes the codes and sums the raw values in float32, onto its own chunk (exact)."""
+    comp, raw = split.take(input.reshape(n, m))
+    raw_bytes = split.n_raw * raw.element_size()
+    at, row = fused_row(spec, split.n_comp, raw_bytes)
+    nbytes = spec.payload_bytes(split.n_comp)
+    acc = torch.empty(split.n_comp, dtype=torch.float32, device=input.device)
+    acc.copy_(comp[r])
+    acc_raw = raw[r].to(torch.float32, copy=True)
+    send = torch.zeros(n - 1, row, dtype=torch.uint8, device=input.device)
+    enc_spec = C.encoding_spec(spec)
+    me = dist.get_rank()
+    for slot, j in enumerate(k for k in range(n) if k != r):
+        if split.n_comp:
+            encode(
+                comp[j],
+                enc_spec,
+                seed=seed,
+                step=step,
+                out=send[slot, :nbytes],
+                stream=C.noise_stream(me, j, bucket=bucket, hop=hop),
+                backend=backend,
+            )
+        send[slot, at : at + raw_bytes].copy_(raw[j].view(torch.uint8))
+    if enc_spec is not spec:  # every rank agrees before anything is exchanged
+        bad = flagged_groups(send[:, :nbytes], split.n_comp, spec) + (~torch.isfinite(raw)).sum()
+        bad = bad + (~torch.isfinite(acc)).sum()
+        C.agree_finite(bad, [pg], stats, name)
+    if n > 1 and m > 0:
+        recv = torch.empty_like(send)
+        splits = [0 if j == r else row for j in range(n)]
+        yield [C.all_to_all(recv.view(-1), send.view(-1), splits, splits, pg, stats, name)], True
+        if split.n_comp:
+            decode_sum(
+                recv[:, :nbytes], split.n_comp, spec, out=acc, accumulate=True, backend=backend
+            )
+        peers = recv[:, at : at + raw_bytes].contiguous().view(raw.dtype).view(n - 1, -1)
+        for j in range(n - 1):  # in rank order, as the codes
+            acc_raw += peers[j].float()
+    comp_out = torch.empty(split.n_comp, dtype=output.dtype, device=output.device)
+    raw_out = torch.empty(split.n_raw, dtype=output.dtype, device=output.device)
+    C.finish_into(comp_out, acc, op, n)
+    C.finish_into(raw_out, acc_raw, op, n)
+    split.put(output.view(1, -1), comp_out.view(1, -1), raw_out.view(1, -1))

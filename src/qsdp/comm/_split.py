@@ -1,15 +1,14 @@
-"""Split a flat FSDP chunk into the elements a policy quantizes and those it sends raw.
+"""Split a flat chunk into the elements a collective quantizes and those it sends raw.
 
 [Note: policies inside flat buffers]
-FSDP2 hands each collective one flat buffer per parameter group; every rank's chunk is the
-concatenation of the group's parameter shards (padded). A :class:`Split` lists, once, which
-runs of a chunk belong to compressed parameters and which to raw ones. A collective then
-copies the two parts into contiguous buffers (one ``cat`` each), runs the quantized collective
-on the first and the plain one on the second, and copies both back (one ``_foreach_copy_``):
-two collectives instead of one, and no parameter is quantized against the policy. If FSDP
-hands over a chunk of another size than the split was built for (parameters without gradients
-in this step), the hook quantizes the whole chunk and counts it as ``policy_skipped`` in its
-byte counter.
+FSDP2 and DDP hand a collective one flat buffer per parameter group (bucket), each rank's chunk
+the concatenation of the parameters (shards). A :class:`Split` lists, once, which runs of a
+chunk belong to compressed parameters and which travel raw (``qsdp.policy.ParamPolicy`` decides,
+``ParamPolicy.split`` builds it). A collective given ``split=`` copies the two parts into
+contiguous buffers (one ``cat`` each), sends the codes and the raw bytes together (one
+``torch.distributed`` call where the two can share one: ``[codes | raw]`` rows, each part padded
+to 16 bytes, see :func:`fused_row`), and copies both back (one ``_foreach_copy_``). No parameter
+is quantized against the policy.
 """
 
 from __future__ import annotations
@@ -18,9 +17,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..policy import ParamPolicy
+from ..quant import QuantSpec
 
-__all__ = ["Split", "build_split"]
+__all__ = ["Split", "fused_row"]
 
 
 @dataclass(frozen=True)
@@ -34,8 +33,17 @@ class Split:
     chunk: int
     runs: tuple[tuple[int, int, bool], ...]
     """``(start, length, compressed)`` runs covering the chunk in order, neighbours merged."""
-    raw_names: tuple[str, ...]
+    raw_names: tuple[str, ...] = ()
     """The parameters sent raw (for reports)."""
+
+    def __post_init__(self) -> None:
+        covered = 0
+        for start, n, _ in self.runs:
+            if start != covered or n <= 0:
+                raise ValueError(f"Split.runs={self.runs!r} must cover [0, chunk) in order")
+            covered += n
+        if covered != self.chunk:
+            raise ValueError(f"Split.runs cover {covered} elements, not chunk={self.chunk}")
 
     @property
     def n_comp(self) -> int:
@@ -72,29 +80,9 @@ class Split:
         torch._foreach_copy_(dst, src)
 
 
-def build_split(
-    layout: list[tuple[str, int, tuple[int, ...]]] | None, policy: ParamPolicy | None
-) -> Split | None:
-    """The split of a chunk laid out as ``(name, elements per rank, full shape)`` segments, or
-    None when every parameter is quantized (or the layout is unknown)."""
-    if policy is None or not layout:
-        return None
-    keep = [policy.compresses(name, shape) for name, _, shape in layout]
-    if all(keep):
-        return None
-    runs: list[tuple[int, int, bool]] = []
-    offset = 0
-    for (_, n, _), k in zip(layout, keep, strict=True):
-        if n == 0:
-            continue
-        if runs and runs[-1][2] == k:
-            start, m, _ = runs[-1]
-            runs[-1] = (start, m + n, k)
-        else:
-            runs.append((offset, n, k))
-        offset += n
-    return Split(
-        chunk=offset,
-        runs=tuple(runs),
-        raw_names=tuple(name for (name, _, _), k in zip(layout, keep, strict=True) if not k),
-    )
+def fused_row(spec: QuantSpec, n_comp: int, raw_bytes: int) -> tuple[int, int]:
+    """(offset of the raw bytes, bytes per row) of one ``[codes | raw]`` payload: the codes of
+    ``n_comp`` elements, then ``raw_bytes`` raw bytes, each padded to 16 bytes so every row's
+    parts start on a scale-word (and float) boundary."""
+    at = -(-spec.payload_bytes(n_comp) // 16) * 16
+    return at, at + -(-raw_bytes // 16) * 16

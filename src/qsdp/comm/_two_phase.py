@@ -15,6 +15,7 @@ from ..quant import Backend, QuantSpec
 from . import _common as C
 from ._all_gather import _all_gather_stages
 from ._reduce_scatter import _reduce_scatter_stages
+from ._split import Split
 from ._stats import CommStats
 
 __all__ = ["two_phase_all_reduce", "two_phase_all_reduce_wire_bytes"]
@@ -22,14 +23,25 @@ __all__ = ["two_phase_all_reduce", "two_phase_all_reduce_wire_bytes"]
 _NAME = "two_phase_all_reduce"
 
 
-def two_phase_all_reduce_wire_bytes(numel: int, world_size: int, spec: QuantSpec) -> int:
+def two_phase_all_reduce_wire_bytes(
+    numel: int,
+    world_size: int,
+    spec: QuantSpec,
+    *,
+    split: Split | None = None,
+    element_size: int = 4,
+) -> int:
     """Bytes one rank hands to ``torch.distributed`` in :func:`two_phase_all_reduce`.
 
     Returns:
         ``world_size * spec.payload_bytes(m)`` with ``m = ceil(numel / world_size)``:
         ``world_size - 1`` payloads in the all-to-all, one in the all-gather (the uncompressed
-        all-reduce hands over ``numel * element_size``).
+        all-reduce hands over ``numel * element_size``); with a split, that of its compressed
+        elements plus ``n_raw * element_size`` (the raw part's plain all-reduce).
     """
+    if split is not None:
+        comp = two_phase_all_reduce_wire_bytes(split.n_comp, world_size, spec)
+        return comp + split.n_raw * element_size
     m = -(-numel // world_size)
     return world_size * spec.payload_bytes(m)
 
@@ -39,6 +51,7 @@ def two_phase_all_reduce(
     group: dist.ProcessGroup | None = None,
     *,
     spec: QuantSpec,
+    split: Split | None = None,
     op: str | dist.ReduceOp = "avg",
     async_op: bool = False,
     seed: int = 0,
@@ -60,6 +73,8 @@ def two_phase_all_reduce(
         tensor: float32/bf16/fp16, contiguous, any length; overwritten with the result.
         group: the process group (default: the world).
         spec: the quantizer of both phases, the same on every rank.
+        split: which runs of ``tensor`` travel raw (see [Note: policies inside flat buffers]):
+            summed by a second, plain all-reduce in ``tensor``'s dtype.
         op: ``"avg"`` (default) or ``"sum"``, or ``dist.ReduceOp.AVG`` / ``SUM``.
         async_op: return a :class:`CommWork`; the reduce-scatter completes before the call
             returns, the all-gather is in flight until ``wait()``. Leave ``tensor`` alone until
@@ -81,6 +96,33 @@ def two_phase_all_reduce(
     pg, n, r = C.group_info(group)
     stats = C.resolve_stats(stats)
     stats.count_call(_NAME)
+    if split is not None:
+        if not isinstance(split, Split) or split.chunk != tensor.numel():
+            raise ValueError(
+                f"split={split!r} must be a qsdp.comm.Split covering the tensor's "
+                f"{tensor.numel()} elements"
+            )
+        comp, raw = split.take(tensor.view(1, -1))
+        comp, raw = comp.view(-1), raw.view(-1)
+
+        def finish() -> None:
+            if op == "avg":
+                raw.div_(n)
+            split.put(tensor.view(1, -1), comp.view(1, -1), raw.view(1, -1))
+
+        stages = C.with_raw_part(
+            _phases(comp, pg, n, op, spec, seed, step, bucket, backend, stats),
+            lambda: C.all_reduce(raw, dist.ReduceOp.SUM, pg, stats, _NAME),
+            finish,
+        )
+        return C.run_stages(stages, async_op, result=tensor)
+    stages = _phases(tensor, pg, n, op, spec, seed, step, bucket, backend, stats)
+    return C.run_stages(stages, async_op, result=tensor)
+
+
+def _phases(tensor, pg, n, op, spec, seed, step, bucket, backend, stats) -> C.Stages:
+    """Both phases over ``tensor`` (padded inside to whole chunks); the first's encodes run
+    before this returns."""
     numel = tensor.numel()
     m = -(-numel // n)
     flat = tensor.view(-1)
@@ -102,8 +144,7 @@ def two_phase_all_reduce(
     reduced = torch.empty(m, dtype=torch.float32, device=tensor.device)
     # Encodes the reduce-scatter's chunks now; `padded` is free to be overwritten afterwards.
     phase1 = _reduce_scatter_stages(reduced, padded, pg, op=op, hop=0, **common)
-    stages = _stages(flat, padded, reduced, phase1, pg, common)
-    return C.run_stages(stages, async_op)
+    return _stages(flat, padded, reduced, phase1, pg, common)
 
 
 def _stages(flat, padded, reduced, phase1, pg, common) -> C.Stages:

@@ -10,20 +10,16 @@ import torch
 import torch.distributed as dist
 
 from .. import comm as qc
-from ..comm._common import all_gather as counted_all_gather
-from ..comm._common import noise_stream as qc_noise_stream
 from ..quant import QuantSpec
 from ..quant import decode as qc_decode
 from ..quant import decode_rows as qc_decode_rows
 from ..quant import encode as qc_encode
 from ._hooks import StepClock, _Counter, _Gather, _usable
-from ._split import Split
 
 __all__ = [
     "QuantizedAllGather",
     "QuantizedMasterAllGather",
     "WeightDiffAllGather",
-    "fused_row",
 ]
 
 
@@ -44,7 +40,7 @@ class QuantizedAllGather(_Gather):
         seed: int,
         bucket: int,
         stats: qc.CommStats,
-        split: Split | None = None,
+        split: qc.Split | None = None,
         module_name: str = "",
     ) -> None:
         self.spec, self.seed, self.bucket, self.stats = _no_raise(spec), seed, bucket, stats
@@ -54,46 +50,20 @@ class QuantizedAllGather(_Gather):
     def _call(
         self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup
     ) -> None:
-        key = dict(seed=self.seed, step=self._steps.next(), bucket=self.bucket, stats=self.stats)
-        split = _usable(self.split, input_tensor.numel(), self.stats)
-        if split is None:
-            qc.all_gather(output_tensor, input_tensor, group, spec=self.spec, **key)
-            return None
-        n = group.size()
-        comp, raw = split.take(input_tensor.view(1, -1))  # copies: input aliases output
-        comp, raw = comp.reshape(-1), raw.reshape(-1)
-        at, row = fused_row(self.spec, comp.numel(), raw.numel() * raw.element_size())
-        # one all-gather per group: [codes | pad | raw bytes | pad] from every rank
-        send = torch.zeros(row, dtype=torch.uint8, device=input_tensor.device)
-        if comp.numel():
-            qc_encode(
-                comp,
-                self.spec,
-                seed=self.seed,
-                step=key["step"],
-                stream=qc_noise_stream(dist.get_rank(), 0, bucket=self.bucket),
-                out=send[: self.spec.payload_bytes(comp.numel())],
-            )
-        send[at : at + raw.numel() * raw.element_size()].copy_(raw.view(torch.uint8))
-        self.stats.count_call("all_gather")
-        recv = torch.empty(n * row, dtype=torch.uint8, device=send.device)
-        counted_all_gather(recv, send, group, self.stats, "all_gather").wait()
-        rows = recv.view(n, row)
-        comp_out = torch.empty(n, comp.numel(), dtype=comp.dtype, device=comp.device)
-        if comp.numel():
-            nbytes = self.spec.payload_bytes(comp.numel())
-            qc_decode_rows(rows[:, :nbytes], comp.numel(), self.spec, out=comp_out)
-        raw_out = rows[:, at : at + raw.numel() * raw.element_size()].contiguous()
-        split.put(output_tensor.view(n, -1), comp_out, raw_out.view(raw.dtype).view(n, -1))
+        # codes and the policy's raw values in one all-gather ([Note: policies inside flat
+        # buffers] in qsdp.comm)
+        qc.all_gather(
+            output_tensor,
+            input_tensor,
+            group,
+            spec=self.spec,
+            split=_usable(self.split, input_tensor.numel(), self.stats),
+            seed=self.seed,
+            step=self._steps.next(),
+            bucket=self.bucket,
+            stats=self.stats,
+        )
         return None
-
-
-def fused_row(spec: QuantSpec, n_comp: int, raw_bytes: int) -> tuple[int, int]:
-    """(offset of the raw bytes, bytes per rank) of a policy-split all-gather's send buffer:
-    the codes of ``n_comp`` elements, then the raw bytes, each padded to 16 bytes so every
-    rank's payload starts on a scale-word boundary."""
-    at = -(-spec.payload_bytes(n_comp) // 16) * 16
-    return at, at + -(-raw_bytes // 16) * 16
 
 
 class _Versions:
@@ -252,17 +222,18 @@ class QuantizedMasterAllGather(_Gather):
                 self.spec,
                 seed=self.seed,
                 step=step,
-                stream=qc_noise_stream(dist.get_rank(), 0, bucket=self.bucket),
+                stream=qc.noise_stream(dist.get_rank(), 0, bucket=self.bucket),
                 out=send,
             )
             self._write_master(qc_decode(enc))
             self.versions.record()
-            self._recv = torch.empty(n * nbytes, dtype=torch.uint8, device=send.device)
-            counted_all_gather(self._recv, send, group, self.stats, "all_gather_master").wait()
+            self._recv = qc.all_gather_payloads(
+                send, group, stats=self.stats, name="all_gather_master"
+            )
             self._epoch = self.clock.epoch
         else:
             self.cached_gathers += 1
-        qc_decode_rows(self._recv.view(n, nbytes), m, self.spec, out=output_tensor.view(n, m))
+        qc_decode_rows(self._recv, m, self.spec, out=output_tensor.view(n, m))
         return None
 
     @torch.no_grad()

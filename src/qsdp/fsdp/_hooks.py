@@ -23,7 +23,6 @@ import torch.distributed as dist
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
 
 from .. import comm as qc
-from ._split import Split
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -48,8 +47,9 @@ class _Context:
         return False
 
 
-def _usable(split: Split | None, chunk: int, stats: qc.CommStats) -> Split | None:
-    """``split`` if it fits a chunk of ``chunk`` elements; else None, counted (see _split.py)."""
+def _usable(split: qc.Split | None, chunk: int, stats: qc.CommStats) -> qc.Split | None:
+    """``split`` if it fits a chunk of ``chunk`` elements; else None, counted as
+    ``policy_skipped`` (FSDP handed over another chunk, e.g. parameters without gradients)."""
     if split is None:
         return None
     if split.chunk != chunk:

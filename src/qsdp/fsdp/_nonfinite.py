@@ -19,10 +19,16 @@ import torch
 __all__ = ["NonfiniteCheck", "nonfinite_flags"]
 
 
-def nonfinite_flags(chunks: torch.Tensor, layout: list[tuple[str, int]] | None) -> torch.Tensor:
-    """Per-parameter flags (int32) of NaN/Inf in the rank-major ``[world, M]`` gradient input
-    (one flag for the whole group when the layout does not match)."""
-    bad = (~torch.isfinite(chunks)).any(dim=0)
+def nonfinite_flags(
+    chunks: torch.Tensor, layout: list[tuple[str, int]] | None, limit: float = float("inf")
+) -> torch.Tensor:
+    """Per-parameter flags (int32) of NaN/Inf, or of ``|x| > limit`` (a value the quantizer
+    would send as NaN, ``ReducePlan.value_limit``), in the rank-major ``[world, M]`` gradient
+    input (one flag for the whole group when the layout does not match)."""
+    if limit == float("inf"):
+        bad = (~torch.isfinite(chunks)).any(dim=0)
+    else:
+        bad = (~(chunks.abs() <= limit)).any(dim=0)  # NaN compares false: flagged too
     if layout is None or sum(n for _, n in layout) != bad.numel():
         return bad.any().reshape(1).to(torch.int32)
     segments = torch.split(bad, [n for _, n in layout])
@@ -82,7 +88,8 @@ class NonfiniteCheck:
                 where.append(f"the parameters of FSDP module {hook.module_name or '<root>'}")
         if where and self.mode == "raise":
             raise ValueError(
-                f"non-finite gradient (NaN/Inf) on at least one rank in {', '.join(where)}; fix "
+                f"non-finite gradient (NaN/Inf, or too large to quantize) on at least one rank in "
+                f"{', '.join(where)}; fix "
                 "the source (a diverging loss, a missing grad clip or loss scale), or build the "
                 "CompressionConfig with grad_nonfinite='zero' to zero these gradients for the "
                 "step (counted); the gradients of these groups were zeroed"

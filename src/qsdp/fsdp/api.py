@@ -13,12 +13,21 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from ..comm import CommStats
-from ..config import CompressionConfig, recipe
+from ..config import (
+    CompressionConfig,
+    IntegerGrads,
+    NonFinite,
+    QuantizedGrads,
+    QuantizedMaster,
+    QuantizedWeights,
+    WeightDiffs,
+    recipe,
+)
 from ._gathers import QuantizedAllGather, QuantizedMasterAllGather, WeightDiffAllGather
 from ._hooks import StepClock
 from ._nonfinite import NonfiniteCheck
 from ._reduce import QuantizedReduceScatter
-from ._split import build_split
+from ._replicate import ReplicateAllReduce, ReplicateCounter
 
 __all__ = ["CommState", "comm_state", "compress_fsdp", "fsdp_comm_stats", "resync"]
 
@@ -40,23 +49,35 @@ _HOOKED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
 
 def compress_fsdp(
-    model: nn.Module, config: CompressionConfig | str, *, mesh: DeviceMesh | None = None
+    model: nn.Module,
+    config: CompressionConfig | str,
+    *,
+    mesh: DeviceMesh | None = None,
+    replicate: DeviceMesh | dist.ProcessGroup | None = None,
 ) -> nn.Module:
     """Route every ``FSDPModule`` of ``model`` through qsdp's compressed collectives.
 
     Call it after ``fully_shard`` (on the blocks, then the root), once, on every rank.
     Parameters, optimizer and training loop stay as they are; only what FSDP2 sends changes.
-    With HSDP (``fully_shard`` on a 2-D mesh) the gradients' reduce-scatter inside the shard
-    group is compressed; FSDP2's own replicate all-reduce is counted in
-    :func:`fsdp_comm_stats` (as ``"all_reduce_replicate"``) but not yet compressed.
+    With native HSDP (``fully_shard`` on a 2-D mesh) the gradients' reduce-scatter inside the
+    shard group is compressed and FSDP2's own replicate all-reduce is counted in
+    :func:`fsdp_comm_stats` (as ``"all_reduce_replicate"``), not compressed: for that, shard on
+    the intra-node mesh and pass ``replicate=``.
 
     Args:
         model: a model whose modules were wrapped by ``torch.distributed.fsdp.fully_shard``; it
             must be the root module (its forward starts a training step).
         config: a :class:`qsdp.CompressionConfig` or a recipe name (``"qsdp-w8g8"``, ...).
-        mesh: for two-level gradient recipes (``grads_inter`` set, e.g. ``"sdp4bit"``): a 2-D
+        mesh: for two-level gradients (``grads=TwoLevelGrads(...)``, e.g. ``"sdp4bit"``): a 2-D
             ``DeviceMesh`` (inter-node, intra-node) over exactly the ranks FSDP shards on, listed
             in any order. ``None`` treats every peer as remote (only the inter-node quantizer).
+        replicate: compressed HSDP (see [Note: compressed HSDP]): the 1-D mesh (or process
+            group) across which the shards FSDP reduces inside a node are replicated. The
+            modules must be sharded on the intra-node mesh only; the config's gradients then
+            compress this replicate all-reduce (``QuantizedGrads``: CGX's two phases,
+            ``IntegerGrads``: Global-QSGD; None: uncompressed, counted) and the reduce-scatter
+            inside the node stays FSDP2's own; weights are gathered inside the node as the
+            config says.
 
     Returns:
         ``model``, modified in place. :func:`fsdp_comm_stats` gives its byte counter.
@@ -73,9 +94,9 @@ def compress_fsdp(
             f"config must be a qsdp.CompressionConfig or a recipe name, got {type(config).__name__}"
         )
     if mesh is not None:
-        if config.grads_inter is None:
+        if not config.two_level:
             raise ValueError(
-                "compress_fsdp(mesh=...) is for two-level gradients (a config with grads_inter, "
+                "compress_fsdp(mesh=...) is for two-level gradients (grads=TwoLevelGrads(...), "
                 "e.g. 'sdp4bit'); this config reduces over FSDP's own group: drop the mesh"
             )
         if not isinstance(mesh, DeviceMesh) or mesh.ndim != 2:
@@ -99,97 +120,81 @@ def compress_fsdp(
             "the recipe, build and fully_shard the model again)"
         )
     groups = {m: _fsdp_groups(m) for m in modules}
+    replicate_pg = _replicate_group(replicate, config, groups)
     if mesh is not None:
         _check_mesh_covers(mesh, [g for g, _ in groups.values() if g is not None], modules)
     stats = CommStats()
+    weights, policy = config.weights, config.policy
+    check = None
+    if config.nonfinite is not NonFinite.PROPAGATE:
+        check = NonfiniteCheck(config.nonfinite.value)
     clock = None
-    gathers: list[WeightDiffAllGather] = []
-    hooks: list[object] = []
-    check = None if config.grad_nonfinite == "propagate" else NonfiniteCheck(config.grad_nonfinite)
-    if config.weight_diffs or config.quantized_master:
+    if isinstance(weights, (WeightDiffs, QuantizedMaster)):
         clock = StepClock()
         # before FSDP's own pre-forward (and its all-gathers): a new step begins
         model.register_forward_pre_hook(clock.tick, prepend=True)
         model.register_load_state_dict_post_hook(clock.request_resync)
+    plan = config.grads.plan(mesh=mesh) if config.grads is not None else None
+    if replicate_pg is not None:  # the gradients' config is for the replicate all-reduce
+        replicate_plan, plan = plan, None
+    gathers: list[WeightDiffAllGather] = []
+    hooks: list[object] = []
     for i, module in enumerate(modules):
-        key = dict(seed=config.seed, stats=stats)
-        prefix = names.get(module, "")
+        key = dict(seed=config.seed, stats=stats, bucket=2 * i, module_name=names[module])
         if groups[module][1] is not None:  # HSDP: FSDP2's own replicate all-reduce, counted
-            module.set_all_reduce_hook(_ReplicateCounter(stats))
-        if config.weight_diffs:
-            gathers.append(
-                WeightDiffAllGather(
-                    config.weights,
-                    bucket=2 * i,
-                    clock=clock,
-                    params=_own_params(module),
-                    resync_every=config.weight_resync_every,
-                    check_replicas=config.check_replicas,
-                    module_name=prefix,
-                    **key,
-                )
+            module.set_all_reduce_hook(ReplicateCounter(stats))
+        elif replicate_pg is not None and groups[module][0] is not None:
+            layout = _layout(module, names[module], grads_only=True)
+            hook = ReplicateAllReduce(
+                plan=replicate_plan,
+                replicate=replicate_pg,
+                shard=groups[module][0],
+                check=check,
+                layout=[(n, k) for n, k, _ in layout] if layout else None,
+                split=policy.split(layout) if policy is not None and layout else None,
+                seed=config.seed,
+                bucket=2 * len(modules) + i,
+                stats=stats,
+                module_name=names[module],
             )
-            module.set_custom_all_gather(gathers[-1])
-            hooks.append(gathers[-1])
-        elif config.quantized_master:
-            hooks.append(
-                QuantizedMasterAllGather(
-                    config.weights,
-                    bucket=2 * i,
-                    clock=clock,
-                    params=_master_params(model, module, prefix),
-                    module_name=prefix,
-                    **key,
-                )
+            module.set_all_reduce_hook(hook)
+            hooks.append(hook)
+        gather = None
+        if isinstance(weights, WeightDiffs):
+            gather = WeightDiffAllGather(
+                weights.spec,
+                clock=clock,
+                params=_own_params(module),
+                resync_every=weights.resync_every,
+                check_replicas=weights.check_replicas,
+                **key,
             )
-            module.set_custom_all_gather(hooks[-1])
-        elif config.weights is not None:
-            split = build_split(_layout(module, prefix, grads_only=False), config.policy)
-            hooks.append(
-                QuantizedAllGather(
-                    config.weights, bucket=2 * i, split=split, module_name=prefix, **key
-                )
+            gathers.append(gather)
+        elif isinstance(weights, QuantizedMaster):
+            params = _master_params(model, module, names[module])
+            gather = QuantizedMasterAllGather(weights.spec, clock=clock, params=params, **key)
+        elif isinstance(weights, QuantizedWeights):
+            layout = _layout(module, names[module], grads_only=False)
+            split = policy.split(layout) if policy is not None and layout else None
+            gather = QuantizedAllGather(weights.spec, split=split, **key)
+        if gather is not None:
+            module.set_custom_all_gather(gather)
+            hooks.append(gather)
+        if plan is not None:
+            layout = _layout(module, names[module], grads_only=True)
+            key["bucket"] += 1
+            reduce = QuantizedReduceScatter(
+                plan=plan,
+                check=check,
+                layout=[(n, k) for n, k, _ in layout] if layout else None,
+                split=policy.split(layout) if policy is not None and layout else None,
+                **key,
             )
-            module.set_custom_all_gather(hooks[-1])
-        if config.grads is not None or config.grad_carrier is not None:
-            grad_layout = _layout(module, prefix, grads_only=True)
-            two_level = config.grads_inter is not None
-            hooks.append(
-                QuantizedReduceScatter(
-                    # without a mesh, a two-level recipe runs its inter-node quantizer alone
-                    spec=config.grads_inter if two_level and mesh is None else config.grads,
-                    inter_spec=config.grads_inter if mesh is not None else None,
-                    mesh=mesh,
-                    carrier=config.grad_carrier,
-                    group_size=config.grad_group_size,
-                    bucket=2 * i + 1,
-                    nonfinite=config.grad_nonfinite,
-                    check=check,
-                    layout=[(n, k) for n, k, _ in grad_layout] if grad_layout else None,
-                    split=build_split(grad_layout, config.policy),
-                    module_name=prefix,
-                    **key,
-                )
-            )
-            module.set_custom_reduce_scatter(hooks[-1])
+            module.set_custom_reduce_scatter(reduce)
+            hooks.append(reduce)
     _INSTALLED[model] = _Installed(config, stats, clock, gathers, hooks)
     _HOOKED.update(modules)
     return model
-
-
-class _ReplicateCounter:
-    """FSDP2 all-reduce hook of an HSDP module: counts the replicate all-reduce FSDP2 just ran
-    (the hook runs after it, and only when it ran) under qsdp's convention (an all-reduce hands
-    over its whole tensor, see ``qsdp.comm._stats``)."""
-
-    def __init__(self, stats: CommStats) -> None:
-        self.stats = stats
-
-    def __call__(self, reduce_output: torch.Tensor) -> None:
-        self.stats.count_call("all_reduce_replicate")
-        self.stats.add_bytes(
-            "all_reduce_replicate", reduce_output.numel() * reduce_output.element_size()
-        )
 
 
 def _own_params(module: FSDPModule) -> list[nn.Parameter]:
@@ -369,3 +374,37 @@ class CommState:
 def comm_state(model: nn.Module) -> CommState:
     """The checkpointable state of the collectives :func:`compress_fsdp` installed on ``model``."""
     return CommState(_installed(model))
+
+
+def _replicate_group(
+    replicate: DeviceMesh | dist.ProcessGroup | None,
+    config: CompressionConfig,
+    groups: dict,
+) -> dist.ProcessGroup | None:
+    """The replicate group of compressed HSDP, validated (same on every rank: no collective)."""
+    if replicate is None:
+        return None
+    if isinstance(replicate, DeviceMesh):
+        if replicate.ndim != 1:
+            raise ValueError(
+                f"replicate must be a 1-D DeviceMesh (or process group) across nodes; got "
+                f"{replicate.ndim} dims: pass mesh_2d['replicate']"
+            )
+        replicate = replicate.get_group(0)
+    if not isinstance(replicate, dist.ProcessGroup):
+        raise TypeError(
+            f"replicate must be a DeviceMesh or ProcessGroup, got {type(replicate).__name__}"
+        )
+    if any(rep is not None for _, rep in groups.values()):
+        raise ValueError(
+            "compress_fsdp(replicate=...) needs the modules sharded on the intra-node mesh only "
+            "(fully_shard(m, mesh=mesh_2d['shard'])); these use native HSDP (a 2-D mesh), whose "
+            "own replicate all-reduce cannot be replaced"
+        )
+    if config.grads is not None and not isinstance(config.grads, (QuantizedGrads, IntegerGrads)):
+        raise ValueError(
+            f"compress_fsdp(replicate=...) compresses an all-reduce; "
+            f"{type(config.grads).__name__} is a reduce-scatter: use QuantizedGrads ('cgx', "
+            "'qsdp-g8') or IntegerGrads ('global-qsgd')"
+        )
+    return replicate

@@ -1,4 +1,5 @@
-"""Per-parameter compression filter (QSDP and CGX keep small and 1-D tensors exact)."""
+"""Per-parameter compression filter (QSDP and CGX keep small and 1-D tensors exact) and the
+:class:`qsdp.comm.Split` it makes of a flat buffer."""
 
 from __future__ import annotations
 
@@ -6,12 +7,15 @@ import fnmatch
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ..comm import Split
+
 __all__ = ["ParamPolicy"]
 
 
 @dataclass(frozen=True, kw_only=True)
 class ParamPolicy:
-    """Parameters that travel uncompressed inside FSDP's flat buffers; the rest are quantized.
+    """Parameters that travel uncompressed inside flat buffers (FSDP2 groups, DDP buckets); the
+    rest are quantized.
 
     The defaults are QSDP's and CGX's: biases and norms (1-D) and tensors under 1024 elements
     carry little traffic and much sensitivity.
@@ -43,3 +47,34 @@ class ParamPolicy:
         if numel < self.min_numel or (self.keep_1d and len(shape) <= 1):
             return False
         return not any(fnmatch.fnmatchcase(name, p) for p in self.uncompressed)
+
+    def split(self, layout: Sequence[tuple[str, int, Sequence[int]]]) -> Split | None:
+        """The :class:`~qsdp.comm.Split` of a flat chunk laid out as ``(name, elements in the
+        chunk, full shape)`` segments in order; None when every parameter is compressed.
+
+        Args:
+            layout: one entry per parameter (its shard's padded length for FSDP2, its numel
+                for a DDP bucket), in the order the chunk holds them.
+
+        Returns:
+            A split whose runs cover the chunk, neighbours of one kind merged, or None.
+        """
+        keep = [self.compresses(name, shape) for name, _, shape in layout]
+        if all(keep):
+            return None
+        runs: list[tuple[int, int, bool]] = []
+        offset = 0
+        for (_, n, _), k in zip(layout, keep, strict=True):
+            if n == 0:
+                continue
+            if runs and runs[-1][2] == k:
+                start, m, _ = runs[-1]
+                runs[-1] = (start, m + n, k)
+            else:
+                runs.append((offset, n, k))
+            offset += n
+        return Split(
+            chunk=offset,
+            runs=tuple(runs),
+            raw_names=tuple(name for (name, _, _), k in zip(layout, keep, strict=True) if not k),
+        )

@@ -17,9 +17,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-import torch.nn as nn
 
 from ..quant import QuantSpec, decode, encode, encode_diff
+from .model import GPT, ModelConfig
 
 #: The quantizers of the recipes, by role.
 SPECS: dict[str, QuantSpec] = {
@@ -64,38 +64,21 @@ def corpus(min_bytes: int = 200_000) -> bytes:
     return data
 
 
-class TinyLM(nn.Module):
-    """A 2-layer byte-level transformer (about 0.4 M parameters)."""
-
-    def __init__(self, d: int = 128, layers: int = 2, ctx: int = 64):
-        super().__init__()
-        self.emb = nn.Embedding(256, d)
-        self.pos = nn.Parameter(torch.zeros(ctx, d))
-        layer = nn.TransformerEncoderLayer(
-            d, 4, 4 * d, dropout=0.0, batch_first=True, norm_first=True
-        )
-        self.blocks = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
-        self.head = nn.Linear(d, 256)
-        self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(ctx))
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        t = idx.shape[1]
-        h = self.emb(idx) + self.pos[:t]
-        return self.head(self.blocks(h, mask=self.mask[:t, :t], is_causal=True))
+#: The demo's model: qsdp's GPT with 2 blocks of width 128 over bytes (0.4 M parameters).
+TINY_LM = ModelConfig(n_layer=2, n_head=4, d_model=128, block_size=64, vocab_size=256)
 
 
-def train_tiny(steps: int, seed: int = 0) -> tuple[TinyLM, list[torch.Tensor], list[float]]:
+def train_tiny(steps: int, seed: int = 0) -> tuple[GPT, list[torch.Tensor], list[float]]:
     """Train a few steps; return the model, its last gradients and the loss curve."""
     torch.manual_seed(seed)
     data = torch.frombuffer(bytearray(corpus()), dtype=torch.uint8).long()
-    model = TinyLM()
+    model = GPT(TINY_LM)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     losses = []
     for _ in range(steps):
         ix = torch.randint(0, data.numel() - 65, (32,))
         batch = torch.stack([data[i : i + 65] for i in ix.tolist()])
-        logits = model(batch[:, :-1])
-        loss = nn.functional.cross_entropy(logits.reshape(-1, 256), batch[:, 1:].reshape(-1))
+        _, loss = model(batch[:, :-1], batch[:, 1:])
         opt.zero_grad()
         loss.backward()
         opt.step()

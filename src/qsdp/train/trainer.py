@@ -17,6 +17,7 @@ checkpoint traffic is excluded.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -34,7 +35,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from .. import quant
-from ..config import RECIPES, CompressionConfig, recipe
+from ..config import RECIPES, CompressionConfig, QuantizedGrads, TwoLevelGrads, recipe
 from ..fsdp import comm_state, compress_fsdp, fsdp_comm_stats
 from ..fsdp.api import _layout
 from .data import Batches, TokenData
@@ -125,13 +126,10 @@ class TrainConfig:
             raise ValueError(f"--lr must be in (0, 1), got {self.lr}")
 
     def model_config(self, vocab_size: int) -> ModelConfig:
-        base = PRESETS[self.preset]
-        block = self.block_size or base.block_size
-        return ModelConfig(
-            n_layer=base.n_layer,
-            n_head=base.n_head,
-            d_model=base.d_model,
-            block_size=block,
+        base = PRESETS[self.preset]  # every option of the preset kept, these three replaced
+        return dataclasses.replace(
+            base,
+            block_size=self.block_size or base.block_size,
             vocab_size=vocab_size,
             dropout=self.dropout,
         )
@@ -149,7 +147,7 @@ def lr_at(cfg: TrainConfig, step: int) -> float:
 
 def _mesh(config: CompressionConfig, device: torch.device, use: bool):
     """The (inter, intra) mesh of a two-level recipe under torchrun on several nodes."""
-    if config.grads_inter is None or not use:
+    if not config.two_level or not use:
         return None
     ws = dist.get_world_size()
     local = int(os.environ.get("LOCAL_WORLD_SIZE", ws))
@@ -196,9 +194,10 @@ def _plain_bytes(model: GPT, config: CompressionConfig, compute_bytes: int, accu
         gathers = 1 if m is model else 2  # the root is not resharded after forward
         ag += accum * gathers * shard * compute_bytes
         rs += (ws - 1) * shard * 4  # the chunks that leave for the peers, as qsdp counts them
-    weights_hooked = config.weights is not None or config.weight_diffs or config.quantized_master
-    grads_hooked = config.grads is not None or config.grad_carrier is not None
-    return (ag, rs), (0 if weights_hooked else ag, 0 if grads_hooked else rs)
+    return (ag, rs), (
+        0 if config.weights is not None else ag,
+        0 if config.grads is not None else rs,
+    )
 
 
 def _split_bytes(delta: dict[str, int]) -> tuple[int, int, int]:
@@ -209,8 +208,12 @@ def _split_bytes(delta: dict[str, int]) -> tuple[int, int, int]:
 
 def _quant_error(model: GPT, config: CompressionConfig) -> float | None:
     """Relative L2 error of the recipe's gradient quantizer on a sample of a gradient shard."""
-    spec = config.grads_inter or config.grads
-    if spec is None:
+    grads = config.grads
+    if isinstance(grads, TwoLevelGrads):
+        spec = grads.inter  # the coarser of the two levels
+    elif isinstance(grads, QuantizedGrads):
+        spec = grads.spec
+    else:
         return None
     grad = model.blocks[0].up.weight.grad
     if grad is None:

@@ -1,0 +1,225 @@
+"""DDP training step time: DDP and PyTorch's own comm hooks beside qsdp's, on one host's GPUs.
+
+    torchrun --nproc-per-node 4 benchmarks/bench_ddp_step.py --regime socket --out r.json
+
+GPT-125M (12 layers, d 768, 12 heads, sequence 1024, GPT-2 vocabulary), micro-batch 8 per GPU,
+bf16 autocast, AdamW, ``DistributedDataParallel`` with its default 25 MiB buckets. Variants,
+side by side in one run on the same weights and batches: ``ddp-fp32`` (DDP's own all-reduce),
+``bf16_compress_hook`` and ``powerSGD`` (rank 4, PyTorch's hooks), and each ``--recipes`` entry
+through ``qsdp.ddp.register``. Each figure is set against two bounds measured in the same run:
+
+- compute: the same step under ``no_sync()`` (no communication at all);
+- wire: the variant's bytes per step (qsdp's counter, or the hook's known size) over the
+  all-reduce bandwidth measured in this run (a plain 256 MiB fp32 all-reduce, qsdp's byte
+  convention: the tensor's bytes over the time).
+
+Rows: median s/step, tokens/s, ratios to ``ddp-fp32`` and ``bf16_compress_hook``, bytes per
+step, wire time, peak memory, first and last loss. ``--device cpu`` is a gloo smoke test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import statistics
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import qsdp
+import regimes  # benchmarks/, the script's own folder
+from qsdp.train.model import GPT, PRESETS
+
+GPT_125M = PRESETS["gpt-125m"].with_vocab(50257)
+TINY = replace(GPT_125M, n_layer=2, d_model=128, n_head=4, block_size=64, vocab_size=512)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _batches(cfg, n: int, batch: int, device: torch.device, rank: int):
+    g = torch.Generator().manual_seed(1234 + rank)  # random data, never zeros
+    for _ in range(n):
+        x = torch.randint(0, cfg.vocab_size, (batch, cfg.block_size + 1), generator=g)
+        yield x[:, :-1].to(device), x[:, 1:].to(device)
+
+
+def _hook_bytes(name: str, model: DDP, numel: int, state) -> int | None:
+    """Bytes per step of PyTorch's hooks by qsdp's convention (the tensors handed over)."""
+    if name == "ddp-fp32":
+        return 4 * numel
+    if name == "bf16_compress_hook":
+        return 2 * numel
+    if name == "powerSGD":  # P and Q per matrix of rank r, the rest (1-D) uncompressed fp32
+        total = 0
+        for p in model.parameters():
+            if p.dim() >= 2:
+                m = p.shape[0]
+                n = p.numel() // m
+                total += 4 * state.matrix_approximation_rank * (m + n)
+            else:
+                total += 4 * p.numel()
+        return total
+    return None
+
+
+def run_variant(name: str, a, cfg, device: torch.device, rank: int) -> dict:
+    torch.manual_seed(0)
+    module = GPT(cfg).to(device)
+    model = DDP(module, device_ids=[device.index] if device.type == "cuda" else None)
+    hook_state = None
+    qsdp_state = None
+    if name == "bf16_compress_hook":
+        model.register_comm_hook(None, default_hooks.bf16_compress_hook)
+    elif name == "powerSGD":
+        hook_state = powerSGD_hook.PowerSGDState(
+            process_group=None, matrix_approximation_rank=4, start_powerSGD_iter=2
+        )
+        model.register_comm_hook(hook_state, powerSGD_hook.powerSGD_hook)
+    elif name != "ddp-fp32":
+        qsdp_state = qsdp.ddp.register(model, name)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    amp = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+    times, losses, compute = [], [], []
+    numel = sum(p.numel() for p in model.parameters())
+    for i, (x, y) in enumerate(_batches(cfg, a.warmup + a.steps, a.batch, device, rank)):
+        _sync(device)
+        t0 = time.perf_counter()
+        with amp:
+            _, loss = model(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        _sync(device)
+        if i >= a.warmup:
+            times.append(time.perf_counter() - t0)
+        losses.append(float(loss.detach()))
+    for x, y in _batches(cfg, 3, a.batch, device, rank + 100):  # the compute bound
+        _sync(device)
+        t0 = time.perf_counter()
+        with model.no_sync(), amp:
+            _, loss = model(x, y)
+            loss.backward()
+        _sync(device)
+        compute.append(time.perf_counter() - t0)
+        opt.zero_grad(set_to_none=True)
+    step_bytes = (
+        qsdp_state.wire_bytes_per_step()
+        if qsdp_state is not None
+        else _hook_bytes(name, model, numel, hook_state)
+    )
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
+    # the slowest rank's median is the step time
+    t = torch.tensor([statistics.median(times), statistics.median(compute)], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    del model, module, opt
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    return {
+        "variant": name,
+        "median_s": float(t[0]),
+        "compute_s": float(t[1]),
+        "bytes_per_step": step_bytes,
+        "peak_gib": peak,
+        "loss_first": losses[0],
+        "loss_last": losses[-1],
+    }
+
+
+def all_reduce_bandwidth(device: torch.device, mib: int = 256) -> float:
+    """Bytes per second of a plain fp32 all-reduce by qsdp's convention (tensor bytes / time)."""
+    x = torch.randn(mib * 2**18, device=device)
+    for _ in range(2):
+        dist.all_reduce(x)
+    _sync(device)
+    runs = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        dist.all_reduce(x)
+        _sync(device)
+        runs.append(time.perf_counter() - t0)
+    t = torch.tensor([statistics.median(runs)], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return x.numel() * 4 / float(t)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--regime", choices=sorted(regimes.REGIMES), required=True)
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--recipes", nargs="*", default=["cgx", "global-qsgd", "qsdp-g8"])
+    p.add_argument("--baselines", nargs="*", default=["ddp-fp32", "bf16_compress_hook", "powerSGD"])
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    p.add_argument("--tiny", action="store_true", help="a 2-layer d-128 model (smoke tests)")
+    a = p.parse_args()
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    regimes.apply(a.regime, local, a.device)
+    if a.device == "cuda":
+        device = torch.device("cuda", local)
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
+    cfg = TINY if a.tiny else GPT_125M
+    bw = all_reduce_bandwidth(device, 16 if a.tiny else 256)
+    rows = []
+    for name in [*a.baselines, *a.recipes]:
+        if name in ("bf16_compress_hook", "powerSGD") and device.type != "cuda":
+            continue  # the bf16 hook refuses gloo; PowerSGD deadlocks there with 2+ buckets
+        row = run_variant(name, a, cfg, device, dist.get_rank())
+        row["wire_s"] = row["bytes_per_step"] / bw if row["bytes_per_step"] else None
+        rows.append(row)
+        if dist.get_rank() == 0:
+            print(
+                f"{name:20s} {row['median_s']:.3f} s/step (compute {row['compute_s']:.3f} s, "
+                f"wire {row['wire_s'] or 0:.3f} s, {row['bytes_per_step'] or 0:,} B) "
+                f"peak {row['peak_gib']:.1f} GiB loss {row['loss_first']:.3f}->"
+                f"{row['loss_last']:.3f}",
+                flush=True,
+            )
+    tokens = a.batch * cfg.block_size * dist.get_world_size()
+    by = {r["variant"]: r for r in rows}
+    for r in rows:
+        r["tokens_per_s"] = tokens / r["median_s"]
+        for base in ("ddp-fp32", "bf16_compress_hook", "powerSGD"):
+            if base in by:
+                r[f"x_{base}"] = by[base]["median_s"] / r["median_s"]
+    if dist.get_rank() == 0:
+        meta = {
+            "benchmark": "ddp_step",
+            "regime": a.regime,
+            "world_size": dist.get_world_size(),
+            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "torch": torch.__version__,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "model": {
+                "preset": "gpt-125m" if not a.tiny else "tiny",
+                "params": sum(p.numel() for p in GPT(cfg).parameters()),
+            },
+            "micro_batch": a.batch,
+            "all_reduce_bytes_per_s": bw,
+            "rows": rows,
+        }
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        a.out.write_text(json.dumps(meta, indent=2))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

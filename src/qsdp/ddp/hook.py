@@ -1,0 +1,284 @@
+"""``qsdp.ddp.register``: compressed gradient all-reduce as a DDP comm hook.
+
+[Note: a DDP comm hook over a reduce plan]
+DDP hands a comm hook one flat bucket of gradients at a time and waits, at the end of the
+backward, for the future the hook returns. :class:`DDPCompression` is that hook: it is a thin
+adapter of the gradient sub-config's :class:`qsdp.comm.ReducePlan` (``plan.all_reduce``: CGX's
+two phases for quantized gradients, Global-QSGD's integer all-reduce), with
+
+- the policy split of the bucket (1-D and small parameters exact, name patterns), built from
+  the bucket's own parameters on every call and cached by their identity, so DDP's bucket
+  rebuild after the first iteration (or any other layout) is always followed;
+- the noise key: ``seed``, the bucket's call count as ``step``, its index as ``bucket``;
+- NaN/Inf: every qsdp all-reduce leaves bit-identical results on all ranks, so a non-finite
+  value anywhere shows in the same places everywhere. The future's callback reads that verdict
+  (one host read per bucket, skipped with ``nonfinite="propagate"``) and raises on every rank
+  (``"raise"``, surfacing from ``loss.backward()``) or zeroes the bucket (``"zero"``, counted);
+- optional error feedback for quantized gradients: the part of each bucket the local
+  quantizer loses is added to the next step's bucket (per parameter, so it survives rebuilds).
+
+Nothing else of DDP, and no other ``torch.distributed`` call of the user, is touched: the hook
+is installed with DDP's own ``register_comm_hook``; several models carry one hook each.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from .. import comm as qc
+from ..config import CompressionConfig, IntegerGrads, NonFinite, QuantizedGrads, recipe
+from ..quant import decode, encode
+
+__all__ = ["DDPCompression", "register"]
+
+
+class DDPCompression:
+    """The comm hook and its state (a ``torch.distributed.checkpoint`` ``Stateful``).
+
+    Attributes:
+        stats: bytes this model's hook handed to ``torch.distributed``
+            (:class:`qsdp.comm.CommStats`).
+        config: the :class:`qsdp.CompressionConfig` it runs.
+    """
+
+    def __init__(
+        self,
+        config: CompressionConfig,
+        *,
+        names: dict[int, str],
+        group: dist.ProcessGroup | None,
+        error_feedback: bool,
+    ) -> None:
+        self.config = config
+        self.plan = config.grads.plan() if config.grads is not None else None
+        self.group = group
+        self.error_feedback = error_feedback
+        self.stats = qc.CommStats()
+        self._names = names
+        self._calls: dict[int, int] = {}
+        self._splits: dict[tuple, qc.Split | None] = {}
+        self._buckets: dict[int, tuple[int, qc.Split | None]] = {}
+        self._residuals: dict[str, torch.Tensor] = {}
+        self._zeroed: list[torch.Tensor] = []
+
+    # --- the hook ---------------------------------------------------------------------------
+    def reduce(self, bucket: dist.GradBucket) -> torch.futures.Future:
+        """All-reduce one bucket (average); the future yields the bucket's buffer."""
+        tensor = bucket.buffer()
+        params = bucket.parameters()
+        index = bucket.index()
+        step = self._calls.get(index, 0)
+        self._calls[index] = step + 1
+        if self.plan is None:  # uncompressed, counted: DDP's own all-reduce
+            self.stats.count_call("all_reduce")
+            work = _plain_all_reduce(tensor, self.group, self.stats)
+            return work.get_future().then(lambda f: self._finish(tensor, params))
+        split = self._split(index, params)
+        self._buckets[index] = (tensor.numel(), split)
+        if self.error_feedback:
+            self._feed_back(tensor, params, split, step=step, bucket=index)
+        work = self.plan.all_reduce(
+            tensor,
+            self.group,
+            op="avg",
+            split=split,
+            seed=self.config.seed,
+            step=step % 2**32,
+            bucket=index,
+            stats=self.stats,
+            async_op=True,
+        )
+        return work.get_future().then(lambda f: self._finish(tensor, params))
+
+    def _finish(self, tensor: torch.Tensor, params: list[nn.Parameter]) -> torch.Tensor:
+        """The verdict on NaN/Inf, identical on every rank (see the module's note)."""
+        mode = self.config.nonfinite
+        if mode is NonFinite.PROPAGATE:
+            return tensor
+        bad = ~torch.isfinite(tensor).all()
+        if mode is NonFinite.ZERO:
+            tensor.masked_fill_(bad, 0)
+            self._zeroed.append(bad)
+            return tensor
+        if bool(bad):
+            names = [self._names.get(id(p), "?") for p in params]
+            raise ValueError(
+                f"non-finite gradient (NaN/Inf) on at least one rank in the DDP bucket holding "
+                f"{names[:6]}{' ...' if len(names) > 6 else ''}; every rank raises. Fix the source "
+                "(a diverging loss, a missing grad clip or loss scale), or register with "
+                "nonfinite='zero' (qsdp.recipe(name, nonfinite='zero')) to skip such buckets"
+            )
+        return tensor
+
+    # --- policy split and error feedback ------------------------------------------------------
+    def _layout(self, params: list[nn.Parameter]) -> list[tuple[str, int, tuple[int, ...]]]:
+        return [(self._names.get(id(p), ""), p.numel(), tuple(p.shape)) for p in params]
+
+    def _split(self, index: int, params: list[nn.Parameter]) -> qc.Split | None:
+        key = (index, tuple(id(p) for p in params))
+        if key not in self._splits:
+            policy = self.config.policy
+            self._splits[key] = policy.split(self._layout(params)) if policy else None
+        return self._splits[key]
+
+    def _feed_back(
+        self,
+        tensor: torch.Tensor,
+        params: list[nn.Parameter],
+        split: qc.Split | None,
+        *,
+        step: int,
+        bucket: int,
+    ) -> None:
+        """Add each parameter's residual, then keep what the local quantizer loses of the
+        compressed part as the next residual (EF-SGD; the bucket itself travels unchanged)."""
+        offset = 0
+        views = []
+        for p in params:
+            name = self._names.get(id(p), str(id(p)))
+            view = tensor[offset : offset + p.numel()]
+            offset += p.numel()
+            if name in self._residuals:
+                view.add_(self._residuals[name])
+            views.append((name, view))
+        spec = self.config.grads.spec
+        rows = tensor.view(1, -1)
+        comp = split.take(rows)[0].view(-1) if split is not None else tensor
+        approx = decode(
+            encode(
+                comp.float(),
+                spec,
+                seed=self.config.seed,
+                step=step % 2**32,
+                stream=qc.noise_stream(dist.get_rank(), 0, bucket=bucket, hop=7),
+            )
+        )
+        lost = torch.zeros_like(tensor, dtype=torch.float32)
+        if split is not None:
+            split.put(
+                lost.view(1, -1),
+                (comp.float() - approx).view(1, -1),
+                torch.zeros(1, split.n_raw, device=tensor.device),
+            )
+        else:
+            lost.copy_(comp.float() - approx)
+        offset = 0
+        for name, view in views:
+            self._residuals[name] = lost[offset : offset + view.numel()].to(view.dtype)
+            offset += view.numel()
+
+    # --- reports and checkpoints ------------------------------------------------------------
+    def wire_bytes_per_step(self) -> int:
+        """Bytes one step hands to ``torch.distributed`` by the ``*_wire_bytes`` rules, for the
+        buckets of the latest step (DDP rebuilds them after the first)."""
+        world = dist.get_world_size(self.group)
+        if self.plan is None:
+            return sum(4 * numel for numel, _ in self._buckets.values())
+        return sum(
+            self.plan.all_reduce_wire_bytes(numel, world, split=split)
+            for numel, split in self._buckets.values()
+        )
+
+    @property
+    def zeroed(self) -> int:
+        """Buckets zeroed for NaN/Inf so far (``nonfinite="zero"``; reads the device flags)."""
+        return int(sum(int(b) for b in self._zeroed))
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The noise counters (and error-feedback residuals): a resumed run draws the same
+        noise as an uninterrupted one."""
+        calls = sorted(self._calls.items())
+        state = {"calls": torch.tensor(calls, dtype=torch.int64).reshape(-1, 2)}
+        for name, r in self._residuals.items():
+            state[f"residual.{name}"] = r
+        return state
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self._calls = {int(i): int(n) for i, n in state["calls"].tolist()}
+        self._residuals = {
+            k[len("residual.") :]: v.clone() for k, v in state.items() if k.startswith("residual.")
+        }
+
+
+def _plain_all_reduce(
+    tensor: torch.Tensor, group: dist.ProcessGroup | None, stats: qc.CommStats
+) -> dist.Work:
+    """DDP's own all-reduce (average), counted by qsdp's convention (the whole tensor)."""
+    tensor.div_(dist.get_world_size(group))
+    stats.add_bytes("all_reduce", tensor.numel() * tensor.element_size())
+    return dist.all_reduce(tensor, group=group, async_op=True)
+
+
+def register(
+    model: DDP,
+    config: CompressionConfig | str,
+    *,
+    error_feedback: bool = False,
+) -> DDPCompression:
+    """Compress ``model``'s gradient all-reduce: installs a DDP comm hook.
+
+    Call it after wrapping the model in ``DistributedDataParallel`` and before the first
+    backward, on every rank. The user's own ``torch.distributed`` calls are untouched.
+
+    Args:
+        model: a ``torch.nn.parallel.DistributedDataParallel`` module.
+        config: a :class:`qsdp.CompressionConfig` or a recipe name: ``"cgx"`` (CGX: two-phase
+            all-reduce, 4-bit min-max, buckets of 1024, stochastic), ``"global-qsgd"`` (integer
+            all-reduce, int8 carrier), ``"qsdp-g8"`` (8-bit min-max two-phase), or ``"bf16"``
+            (uncompressed, counted). Weights must be uncompressed (DDP gathers none).
+        error_feedback: keep what the local quantizer loses and add it to the next step's
+            gradient (quantized gradients only).
+
+    Returns:
+        The hook's :class:`DDPCompression`: its ``stats`` count the bytes; save it with
+        ``torch.distributed.checkpoint`` beside the model (it is a ``Stateful``).
+
+    Raises:
+        TypeError: ``model`` is not a DDP module, ``config`` of the wrong type.
+        ValueError: the config compresses weights, or has two-level gradients (a
+            reduce-scatter; DDP all-reduces), error feedback with integer gradients.
+    """
+    if not isinstance(model, DDP):
+        raise TypeError(
+            f"qsdp.ddp.register needs a DistributedDataParallel module, got "
+            f"{type(model).__name__}; wrap it first: DistributedDataParallel(model)"
+        )
+    if isinstance(config, str):
+        name = config
+        config = recipe(config)
+    elif isinstance(config, CompressionConfig):
+        name = "the config"
+    else:
+        raise TypeError(
+            f"config must be a qsdp.CompressionConfig or a recipe name, got {type(config).__name__}"
+        )
+    if config.weights is not None:
+        raise ValueError(
+            f"{name} compresses weights, which DDP does not gather; use a gradient-only recipe "
+            "('cgx', 'qsdp-g8', 'global-qsgd') or CompressionConfig(grads=...)"
+        )
+    if config.grads is not None and not isinstance(config.grads, (QuantizedGrads, IntegerGrads)):
+        raise ValueError(
+            f"{name} has {type(config.grads).__name__}, a reduce-scatter; DDP all-reduces: use "
+            "QuantizedGrads (CGX's two phases) or IntegerGrads (Global-QSGD)"
+        )
+    if error_feedback and not isinstance(config.grads, QuantizedGrads):
+        raise ValueError(
+            "error_feedback=True needs quantized gradients (QuantizedGrads: 'cgx', 'qsdp-g8'); "
+            "Global-QSGD's integer codes are unbiased and carry no local residual"
+        )
+    names = {id(p): n for n, p in model.module.named_parameters()}
+    hook = DDPCompression(
+        config, names=names, group=model.process_group, error_feedback=error_feedback
+    )
+    model.register_comm_hook(hook, _ddp_hook)
+    return hook
+
+
+def _ddp_hook(state, bucket):  # noqa: ANN001, ANN202 - DDP checks unannotated or exact types
+    """The function DDP calls (it needs a named function); ``state`` is the model's
+    :class:`DDPCompression`."""
+    return state.reduce(bucket)

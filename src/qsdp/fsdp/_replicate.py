@@ -1,0 +1,100 @@
+"""HSDP's replicate (inter-node) gradient all-reduce through FSDP2's all-reduce hook.
+
+[Note: compressed HSDP]
+Native HSDP (``fully_shard`` on a 2-D mesh) runs its replicate all-reduce itself, with no hook
+to replace it (the hook FSDP2 offers runs after it). So compressed HSDP shards each module on the
+1-D intra-node mesh and hands ``compress_fsdp`` the replicate dimension: after FSDP2's
+reduce-scatter inside the node, :class:`ReplicateAllReduce` (installed with
+``FSDPModule.set_all_reduce_hook``, FSDP2's documented hook, on FSDP2's all-reduce stream) runs
+the config's :class:`qsdp.comm.ReducePlan` all-reduce (CGX's two phases, Global-QSGD's integers)
+across the nodes on the reduced shard, with the policy's split. The hook sees every
+micro-batch's reduction (FSDP2 calls it after each reduce-scatter), so with gradient
+accumulation the replicate all-reduce runs per micro-batch; a sum of all-reduces is the
+all-reduce of the sum, so the result is the same.
+
+NaN/Inf: a value in one shard reaches only that shard's replicas, so each hook's flag is
+MAX-reduced over the shard group (every rank then holds the same flags) and decided once per
+backward by the model's :class:`NonfiniteCheck`, as for the reduce-scatter.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .. import comm as qc
+from ._hooks import _Context, _Counter
+from ._nonfinite import NonfiniteCheck
+
+__all__ = ["ReplicateAllReduce", "ReplicateCounter"]
+
+
+class ReplicateAllReduce:
+    """FSDP2 all-reduce hook: the compressed replicate all-reduce of one module's shard."""
+
+    def __init__(
+        self,
+        *,
+        plan: qc.ReducePlan | None,
+        replicate: dist.ProcessGroup,
+        shard: dist.ProcessGroup,
+        seed: int,
+        bucket: int,
+        stats: qc.CommStats,
+        check: NonfiniteCheck | None = None,
+        layout: list[tuple[str, int]] | None = None,
+        split: qc.Split | None = None,
+        module_name: str = "",
+    ) -> None:
+        self.plan, self.replicate, self.shard = plan, replicate, shard
+        self.seed, self.bucket, self.stats = seed, bucket, stats
+        self.check, self.layout, self.split, self.module_name = check, layout, split, module_name
+        self.zeroed = 0
+        self._steps = _Counter()
+
+    def __call__(self, reduce_output: torch.Tensor) -> None:
+        with _Context("replicate all-reduce", self.module_name):
+            flat = reduce_output.view(-1)
+            if self.plan is None:  # uncompressed, counted
+                self.stats.count_call("all_reduce_replicate")
+                self.stats.add_bytes("all_reduce_replicate", flat.numel() * flat.element_size())
+                dist.all_reduce(flat, op=dist.ReduceOp.AVG, group=self.replicate)
+            else:
+                split = (
+                    self.split
+                    if self.split is not None and self.split.chunk == flat.numel()
+                    else None
+                )
+                self.plan.all_reduce(
+                    flat,
+                    self.replicate,
+                    op="avg",
+                    split=split,
+                    seed=self.seed,
+                    step=self._steps.next(),
+                    bucket=self.bucket,
+                    stats=self.stats,
+                )
+            if self.check is not None:
+                # identical on the replicas after the all-reduce; MAX over the shard group
+                # makes every rank hold the same flags
+                flags = (~torch.isfinite(flat)).any().reshape(1).to(torch.int32)
+                self.stats.add_bytes("nonfinite_check", flags.numel() * flags.element_size())
+                dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.shard)
+                self.check.add(self, flags)
+                flat.masked_fill_(flags.bool(), 0)
+
+
+class ReplicateCounter:
+    """FSDP2 all-reduce hook of a native HSDP module: counts the replicate all-reduce FSDP2
+    just ran (the hook runs after it, and only when it ran) by qsdp's convention (an
+    all-reduce hands over its whole tensor, see ``qsdp.comm._stats``)."""
+
+    def __init__(self, stats: qc.CommStats) -> None:
+        self.stats = stats
+
+    def __call__(self, reduce_output: torch.Tensor) -> None:
+        self.stats.count_call("all_reduce_replicate")
+        self.stats.add_bytes(
+            "all_reduce_replicate", reduce_output.numel() * reduce_output.element_size()
+        )

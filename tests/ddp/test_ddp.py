@@ -1,0 +1,167 @@
+"""qsdp.ddp.register: compressed DDP on real gloo processes (CGX, Global-QSGD, 8-bit)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import qsdp
+import qsdp.comm as qc
+from qsdp.testing import assert_same_on_all_ranks, count_dist_bytes, run_distributed
+
+STEPS = 25
+D = 48
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Embedding(64, D),
+        nn.Flatten(),
+        nn.Linear(4 * D, D),
+        nn.GELU(),
+        nn.LayerNorm(D),
+        nn.Linear(D, 64),
+    )
+
+
+def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    x = torch.randint(0, 64, (16, 4), generator=g)
+    return x, (x.sum(1) * 7) % 64  # a learnable target
+
+
+def _train(rank: int, recipe: str | None, *, error_feedback: bool = False, bucket_mb=0.01):
+    ddp = DDP(_model(), bucket_cap_mb=bucket_mb)
+    hook = qsdp.ddp.register(ddp, recipe, error_feedback=error_feedback) if recipe else None
+    opt = torch.optim.AdamW(ddp.parameters(), lr=3e-3)
+    losses = []
+    for step in range(STEPS):
+        x, y = _batch(rank, step)
+        loss = nn.functional.cross_entropy(ddp(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        losses.append(float(mean) / dist.get_world_size())
+    for p in ddp.parameters():
+        assert_same_on_all_ranks(p.detach())  # replicas bit-identical after training
+    return losses, hook, ddp
+
+
+def _worker(rank: int, world: int) -> dict:
+    exact, _, _ = _train(rank, None)
+    out = {"exact": exact[-1]}
+    for recipe, ef in (("cgx", False), ("cgx", True), ("global-qsgd", False), ("qsdp-g8", False)):
+        losses, hook, ddp = _train(rank, recipe, error_feedback=ef)
+        out[f"{recipe}{'+ef' if ef else ''}"] = losses[-1]
+        # bytes of one more step, against *_wire_bytes of the buckets (after DDP's rebuild)
+        before = hook.stats.total_bytes
+        with count_dist_bytes() as sent:
+            x, y = _batch(rank, 99)
+            nn.functional.cross_entropy(ddp(x), y).backward()
+        step_bytes = hook.stats.total_bytes - before
+        assert step_bytes == sent.total_bytes, (recipe, step_bytes, sent.total_bytes)
+        assert step_bytes == hook.wire_bytes_per_step(), (recipe, step_bytes)
+        fp32 = 4 * sum(p.numel() for p in ddp.parameters())  # DDP's own all-reduce
+        ratio = {"cgx": 0.2, "global-qsgd": 0.32, "qsdp-g8": 0.32}[recipe]
+        assert 0 < step_bytes < ratio * fp32, (recipe, step_bytes, fp32)
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_ddp_recipes_train_like_ddp(world):
+    for out in run_distributed(_worker, world):
+        for name in ("cgx", "cgx+ef", "global-qsgd", "qsdp-g8"):
+            rel = (out[name] - out["exact"]) / out["exact"]
+            assert abs(rel) < 0.03, f"{name}: final loss {out[name]:.4f} vs {out['exact']:.4f}"
+
+
+def _several(rank: int, world: int) -> dict:
+    # two DDP models in one process, each with its own hook; the user's own all-reduce exact
+    a = DDP(_model(), bucket_cap_mb=0.01)
+    b = DDP(_model(), bucket_cap_mb=0.01)
+    ha = qsdp.ddp.register(a, "cgx")
+    hb = qsdp.ddp.register(b, "global-qsgd")
+    x, y = _batch(rank, 0)
+    nn.functional.cross_entropy(a(x), y).backward()
+    mine = torch.arange(5, dtype=torch.float32) * (rank + 1)
+    dist.all_reduce(mine)
+    assert torch.equal(mine, torch.arange(5.0) * sum(r + 1 for r in range(world)))
+    nn.functional.cross_entropy(b(x), y).backward()
+    assert set(ha.stats.snapshot()) == {"two_phase_all_reduce"}
+    assert set(hb.stats.snapshot()) == {"integer_all_reduce"}
+    # no_sync: the first micro-batch accumulates locally, the second reduces both
+    c = DDP(_model(), bucket_cap_mb=0.01)
+    ref = DDP(_model(), bucket_cap_mb=0.01)
+    hc = qsdp.ddp.register(c, "qsdp-g8")
+    for model in (c, ref):
+        with model.no_sync():
+            nn.functional.cross_entropy(model(x), y).backward()
+        x2, y2 = _batch(rank, 1)
+        nn.functional.cross_entropy(model(x2), y2).backward()
+    assert hc.stats["two_phase_all_reduce"].calls == len(hc._calls)  # one reduce per bucket
+    g = torch.cat([p.grad.reshape(-1) for p in c.parameters()])
+    g_ref = torch.cat([p.grad.reshape(-1) for p in ref.parameters()])
+    assert float((g - g_ref).norm() / g_ref.norm()) < 0.02
+    # state_dict round trip
+    state = hc.state_dict()
+    hc2 = qsdp.ddp.register(DDP(_model()), "qsdp-g8")
+    hc2.load_state_dict(state)
+    assert hc2._calls == hc._calls
+    return {}
+
+
+def test_several_models_no_sync_and_user_all_reduce():
+    run_distributed(_several, 3)
+
+
+def _nan(rank: int, world: int, mode: str) -> tuple[str, float]:
+    ddp = DDP(_model(), bucket_cap_mb=0.01)
+    qsdp.ddp.register(ddp, qsdp.recipe("cgx", nonfinite=mode))
+    x, y = _batch(rank, 0)
+    loss = nn.functional.cross_entropy(ddp(x), y)
+    if rank == world - 1:
+        loss = loss * float("nan")
+    start = time.monotonic()
+    try:
+        loss.backward()
+        verdict = "ok"
+    except Exception as e:  # DDP re-raises the hook future's error
+        verdict = str(e)
+    grads = torch.cat([p.grad.reshape(-1) for p in ddp.parameters() if p.grad is not None])
+    return verdict, time.monotonic() - start, bool(torch.isfinite(grads).all())
+
+
+def test_nan_on_one_rank_same_outcome_everywhere():
+    results = run_distributed(_nan, 3, "raise", pg_timeout_s=30)
+    assert all("non-finite gradient" in v and "every rank raises" in v for v, _, _ in results)
+    assert max(t for _, t, _ in results) < 5
+    zeroed = run_distributed(_nan, 2, "zero", pg_timeout_s=30)
+    assert all(v == "ok" and finite for v, _, finite in zeroed)
+
+
+def test_register_refuses_bad_input():
+    with pytest.raises(TypeError, match="DistributedDataParallel"):
+        qsdp.ddp.register(nn.Linear(2, 2), "cgx")
+
+
+def _refusals(rank: int, world: int) -> None:
+    ddp = DDP(_model())
+    with pytest.raises(ValueError, match="compresses weights"):
+        qsdp.ddp.register(ddp, "qsdp-w8g8")
+    with pytest.raises(ValueError, match="TwoLevelGrads, a reduce-scatter"):
+        qsdp.ddp.register(ddp, "tlq-hs-only")
+    with pytest.raises(ValueError, match="error_feedback=True needs quantized"):
+        qsdp.ddp.register(ddp, "global-qsgd", error_feedback=True)
+    assert isinstance(qsdp.recipe("cgx").grads.plan(), qc.QuantizedReduce)
+
+
+def test_register_refuses_bad_configs():
+    run_distributed(_refusals, 1)

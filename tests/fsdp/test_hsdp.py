@@ -1,0 +1,107 @@
+"""Compressed HSDP: shard inside a node, compress the replicate all-reduce across nodes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+import qsdp
+from qsdp.testing import assert_same_on_all_ranks, run_distributed
+
+D = 48
+STEPS = 25
+
+
+def _model(mesh) -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Embedding(64, D),
+        nn.Flatten(),
+        nn.Linear(4 * D, D),
+        nn.GELU(),
+        nn.LayerNorm(D),
+        nn.Linear(D, 64),
+    )
+    for i in (2, 5):
+        fully_shard(model[i], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def _batch(rank: int, step: int):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    x = torch.randint(0, 64, (16, 4), generator=g)
+    return x, (x.sum(1) * 7) % 64
+
+
+def _train(rank: int, model) -> list[float]:
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    for step in range(STEPS):
+        x, y = _batch(rank, step)
+        loss = nn.functional.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        losses.append(float(mean) / dist.get_world_size())
+    return losses
+
+
+def _worker(rank: int, world: int, shape: tuple[int, int]) -> dict:
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
+    native = _model(mesh)  # FSDP2's own HSDP, uncompressed
+    qsdp.compress_fsdp(native, "bf16")
+    out = {"native": _train(rank, native)[-1]}
+    for recipe in ("cgx", "global-qsgd", "qsdp-g8"):
+        model = _model(mesh["shard"])
+        qsdp.compress_fsdp(model, recipe, replicate=mesh["replicate"])
+        out[recipe] = _train(rank, model)[-1]
+        for p in model.parameters():  # the replicas of each shard stay bit-identical
+            assert_same_on_all_ranks(p.to_local().detach(), group=mesh.get_group(0))
+        stats = qsdp.fsdp_comm_stats(model)
+        plan = qsdp.recipe(recipe).grads.plan()
+        hooks = qsdp.fsdp.api._installed(model).hooks
+        expect = sum(
+            plan.all_reduce_wire_bytes(
+                sum(p.to_local().numel() for p in qsdp.fsdp.api._own_params(h_mod)),
+                shape[0],
+                split=h.split,
+            )
+            for h, h_mod in zip(
+                hooks, [m for m in model.modules() if hasattr(m, "unshard")], strict=True
+            )
+        )
+        name = "integer_all_reduce" if recipe == "global-qsgd" else "two_phase_all_reduce"
+        before = stats[name].bytes
+        x, y = _batch(rank, 99)
+        nn.functional.cross_entropy(model(x), y).backward()
+        assert stats[name].bytes - before == expect > 0, (recipe, stats[name].bytes - before)
+    return out
+
+
+@pytest.mark.parametrize("shape", [(2, 2), (3, 1)], ids=["2x2", "3x1"])
+def test_compressed_hsdp_trains_like_native_hsdp(shape):
+    for out in run_distributed(_worker, shape[0] * shape[1], shape):
+        for recipe in ("cgx", "global-qsgd", "qsdp-g8"):
+            rel = (out[recipe] - out["native"]) / out["native"]
+            assert abs(rel) < 0.03, f"{recipe}: {out[recipe]:.4f} vs native {out['native']:.4f}"
+
+
+def _refusals(rank: int, world: int) -> None:
+    mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("replicate", "shard"))
+    with pytest.raises(ValueError, match="native HSDP"):
+        qsdp.compress_fsdp(_model(mesh), "cgx", replicate=mesh["replicate"])
+    with pytest.raises(ValueError, match="TwoLevelGrads is a reduce-scatter"):
+        qsdp.compress_fsdp(_model(mesh["shard"]), "tlq-hs-only", replicate=mesh["replicate"])
+    with pytest.raises(ValueError, match="1-D DeviceMesh"):
+        qsdp.compress_fsdp(_model(mesh["shard"]), "cgx", replicate=mesh)
+
+
+def test_hsdp_refusals():
+    run_distributed(_refusals, 2)

@@ -363,7 +363,7 @@ def test_nan_gradient_zeroed_when_asked_and_weights_stay_finite():
 
 
 def _decisions(rank: int, world: int) -> list[int]:
-    from qsdp.fsdp._nonfinite import NonfiniteCheck
+    from qsdp.runtime import NonfiniteCheck
 
     calls = []
     real = NonfiniteCheck.decide

@@ -79,15 +79,39 @@ class CommWork:
             self.wait()
             fut.set_result(self._result)
             return fut
-        pending = [w.get_future() for w in self._pending]
-        both = pending[0] if len(pending) == 1 else torch.futures.collect_all(pending)
+        works = list(self._pending)
+        on_cuda = self._result is not None and self._result.is_cuda
+        if not on_cuda:  # gloo: the callback runs once every exchange has finished
+
+            def finish_host(_: torch.futures.Future) -> torch.Tensor | None:
+                self._pending = None
+                self._run(defer=False)
+                return self._result
+
+            futs = [w.get_future() for w in works]
+            both = futs[0] if len(futs) == 1 else torch.futures.collect_all(futs)
+            return both.then(finish_host)
+        # [Note: decoding in a CUDA future's callback]
+        # The future must be CUDA-aware (DDP waits on it through stream events), so it chains on
+        # an NCCL work's own future; ``collect_all`` of several would not be, and its callback
+        # would not wait for the devices. Inside the callback every exchange is waited for
+        # explicitly (``Work.wait`` makes the current stream wait, the host does not), on the
+        # stream the collective allocated its buffers on: buffers freed when the callback ends
+        # return to that stream's pool, so no later allocation can race a kernel still reading
+        # them. The callback's own stream then waits for it, and the future records that.
+        origin = torch.cuda.current_stream()
 
         def finish(_: torch.futures.Future) -> torch.Tensor | None:
             self._pending = None
-            self._run(defer=False)
+            callback = torch.cuda.current_stream()
+            with torch.cuda.stream(origin):
+                for w in works:
+                    w.wait()
+                self._run(defer=False)
+            callback.wait_stream(origin)
             return self._result
 
-        return both.then(finish)
+        return works[0].get_future().then(finish)
 
 
 def run_stages(

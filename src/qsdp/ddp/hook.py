@@ -11,9 +11,11 @@ two phases for quantized gradients, Global-QSGD's integer all-reduce), with
   rebuild after the first iteration (or any other layout) is always followed;
 - the noise key: ``seed``, the bucket's call count as ``step``, its index as ``bucket``;
 - NaN/Inf: every qsdp all-reduce leaves bit-identical results on all ranks, so a non-finite
-  value anywhere shows in the same places everywhere. The future's callback reads that verdict
-  (one host read per bucket, skipped with ``nonfinite="propagate"``) and raises on every rank
-  (``"raise"``, surfacing from ``loss.backward()``) or zeroes the bucket (``"zero"``, counted);
+  value anywhere shows in the same places everywhere. The future's callback flags the bucket on
+  the device and zeroes it (a NaN never reaches the optimizer); the model's
+  :class:`qsdp.runtime.NonfiniteCheck` reads all flags once, when the backward ends (after every
+  bucket's collectives were issued on every rank), and raises on every rank (``"raise"``,
+  surfacing from ``loss.backward()``) or counts (``"zero"``); ``"propagate"`` skips it all;
 - optional error feedback for quantized gradients: the part of each bucket the local
   quantizer loses is added to the next step's bucket (per parameter, so it survives rebuilds).
 
@@ -31,6 +33,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from .. import comm as qc
 from ..config import CompressionConfig, IntegerGrads, NonFinite, QuantizedGrads, recipe
 from ..quant import decode, encode
+from ..runtime import NonfiniteCheck
 
 __all__ = ["DDPCompression", "register"]
 
@@ -62,7 +65,9 @@ class DDPCompression:
         self._splits: dict[tuple, qc.Split | None] = {}
         self._buckets: dict[int, tuple[int, qc.Split | None]] = {}
         self._residuals: dict[str, torch.Tensor] = {}
-        self._zeroed: list[torch.Tensor] = []
+        mode = config.nonfinite
+        self.check = None if mode is NonFinite.PROPAGATE else NonfiniteCheck(mode.value)
+        self._reports: dict[int, _BucketReport] = {}  # one per bucket index, reused
 
     # --- the hook ---------------------------------------------------------------------------
     def reduce(self, bucket: dist.GradBucket) -> torch.futures.Future:
@@ -75,7 +80,7 @@ class DDPCompression:
         if self.plan is None:  # uncompressed, counted: DDP's own all-reduce
             self.stats.count_call("all_reduce")
             work = _plain_all_reduce(tensor, self.group, self.stats)
-            return work.get_future().then(lambda f: self._finish(tensor, params))
+            return self._checked(work.get_future(), tensor, params, index)
         split = self._split(index, params)
         self._buckets[index] = (tensor.numel(), split)
         if self.error_feedback:
@@ -91,27 +96,31 @@ class DDPCompression:
             stats=self.stats,
             async_op=True,
         )
-        return work.get_future().then(lambda f: self._finish(tensor, params))
+        return self._checked(work.get_future(), tensor, params, index)
 
-    def _finish(self, tensor: torch.Tensor, params: list[nn.Parameter]) -> torch.Tensor:
-        """The verdict on NaN/Inf, identical on every rank (see the module's note)."""
-        mode = self.config.nonfinite
-        if mode is NonFinite.PROPAGATE:
-            return tensor
-        bad = ~torch.isfinite(tensor).all()
-        if mode is NonFinite.ZERO:
+    def _checked(
+        self,
+        fut: torch.futures.Future,
+        tensor: torch.Tensor,
+        params: list[nn.Parameter],
+        index: int,
+    ) -> torch.futures.Future:
+        """Flag and zero a non-finite result on the device; decided when the backward ends."""
+        if self.check is None:
+            return fut.then(lambda f: tensor)
+        flags = torch.zeros(1, dtype=torch.int32, device=tensor.device)
+
+        def finish(_: torch.futures.Future) -> torch.Tensor:
+            bad = ~torch.isfinite(tensor).all()  # the same on every rank (see the note)
             tensor.masked_fill_(bad, 0)
-            self._zeroed.append(bad)
+            flags.copy_(bad.reshape(1))
             return tensor
-        if bool(bad):
-            names = [self._names.get(id(p), "?") for p in params]
-            raise ValueError(
-                f"non-finite gradient (NaN/Inf) on at least one rank in the DDP bucket holding "
-                f"{names[:6]}{' ...' if len(names) > 6 else ''}; every rank raises. Fix the source "
-                "(a diverging loss, a missing grad clip or loss scale), or register with "
-                "nonfinite='zero' (qsdp.recipe(name, nonfinite='zero')) to skip such buckets"
-            )
-        return tensor
+
+        done = fut.then(finish)
+        report = self._reports.setdefault(index, _BucketReport())
+        report.name([self._names.get(id(p), "?") for p in params])
+        self.check.add(report, flags, ready=done)
+        return done
 
     # --- policy split and error feedback ------------------------------------------------------
     def _layout(self, params: list[nn.Parameter]) -> list[tuple[str, int, tuple[int, ...]]]:
@@ -184,8 +193,8 @@ class DDPCompression:
 
     @property
     def zeroed(self) -> int:
-        """Buckets zeroed for NaN/Inf so far (``nonfinite="zero"``; reads the device flags)."""
-        return int(sum(int(b) for b in self._zeroed))
+        """Bucket reductions zeroed for NaN/Inf so far (counted when each backward ends)."""
+        return sum(r.zeroed for r in self._reports.values())
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The noise counters (and error-feedback residuals): a resumed run draws the same
@@ -201,6 +210,20 @@ class DDPCompression:
         self._residuals = {
             k[len("residual.") :]: v.clone() for k, v in state.items() if k.startswith("residual.")
         }
+
+
+class _BucketReport:
+    """What :class:`NonfiniteCheck` reports of one bucket reduction (its parameters)."""
+
+    layout = None
+
+    def __init__(self) -> None:
+        self.module_name = self.where = ""
+        self.zeroed = 0
+
+    def name(self, names: list[str]) -> None:
+        more = " ..." if len(names) > 6 else ""
+        self.where = f"the DDP bucket holding {names[:6]}{more}"
 
 
 def _plain_all_reduce(

@@ -8,8 +8,8 @@ import torch.distributed as dist
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
 from .. import comm as qc
+from ..runtime import NonfiniteCheck, nonfinite_flags
 from ._hooks import _Context, _Counter, _Hook, _usable
-from ._nonfinite import NonfiniteCheck, nonfinite_flags
 
 __all__ = ["QuantizedReduceScatter"]
 
@@ -36,7 +36,7 @@ class QuantizedReduceScatter(_Hook, ReduceScatter):
         self.module_name = module_name
         self.zeroed = 0
         """Reduce-scatters whose output was zeroed for NaN/Inf (counted when the backward
-        ends, see ``_nonfinite.py``)."""
+        ends, see ``qsdp.runtime.nonfinite``)."""
         self.seed, self.bucket, self.stats = seed, bucket, stats
         self._steps = _Counter()
 

@@ -23,8 +23,8 @@ import torch
 import torch.distributed as dist
 
 from .. import comm as qc
+from ..runtime import NonfiniteCheck
 from ._hooks import _Context, _Counter
-from ._nonfinite import NonfiniteCheck
 
 __all__ = ["ReplicateAllReduce", "ReplicateCounter"]
 

@@ -23,9 +23,9 @@ from ..config import (
     WeightDiffs,
     recipe,
 )
+from ..runtime import NonfiniteCheck
 from ._gathers import QuantizedAllGather, QuantizedMasterAllGather, WeightDiffAllGather
 from ._hooks import StepClock
-from ._nonfinite import NonfiniteCheck
 from ._reduce import QuantizedReduceScatter
 from ._replicate import ReplicateAllReduce, ReplicateCounter
 

@@ -49,17 +49,23 @@ class NonfiniteCheck:
             raise ValueError(f"NonfiniteCheck mode must be 'raise' or 'zero', got {mode!r}")
         self.mode = mode
         self._pending: list[tuple[object, torch.Tensor]] = []
+        self._ready: list[torch.futures.Future] = []
         self._queued = -1  # the backward whose final callback is queued, -1 for none
 
-    def add(self, hook: object, flags: torch.Tensor) -> None:
-        """Record a reduce-scatter's all-reduced flags; ``hook`` has ``layout``, ``module_name``
-        and a ``zeroed`` counter."""
+    def add(
+        self, hook: object, flags: torch.Tensor, *, ready: torch.futures.Future | None = None
+    ) -> None:
+        """Record a reduction's flags, the same on every rank; ``hook`` has ``layout``,
+        ``module_name`` and a ``zeroed`` counter. ``ready``: a future to wait for before the
+        flags are read (DDP fills them in its communication's callback)."""
         task = _graph_task()
         if task != -1 and task == self._queued:
             self._pending.append((hook, flags))
+            self._ready.extend([ready] if ready is not None else [])
             return
         # a new backward (flags left by one that failed before its end are dropped), or none
         self._pending = [(hook, flags)]
+        self._ready = [ready] if ready is not None else []
         if task == -1:
             self.decide()
         else:
@@ -70,6 +76,9 @@ class NonfiniteCheck:
         """Read the pending flags (one host sync): raise or count."""
         self._queued = -1
         pending, self._pending = self._pending, []
+        ready, self._ready = self._ready, []
+        for fut in ready:  # every collective of the backward was issued before this runs
+            fut.wait()
         if not pending:
             return
         host = torch.cat([f.reshape(-1) for _, f in pending]).tolist()
@@ -85,7 +94,10 @@ class NonfiniteCheck:
             if layout is not None and len(layout) == len(mine):
                 where += [layout[i][0] for i, bad in enumerate(mine) if bad]
             else:
-                where.append(f"the parameters of FSDP module {hook.module_name or '<root>'}")
+                where.append(
+                    getattr(hook, "where", "")
+                    or f"the parameters of FSDP module {hook.module_name or '<root>'}"
+                )
         if where and self.mode == "raise":
             raise ValueError(
                 f"non-finite gradient (NaN/Inf, or too large to quantize) on at least one rank in "

@@ -7,7 +7,7 @@ is set (a NaN never reaches the optimizer). Reading the flags on the host inside
 stall the CPU once per FSDP group (25 times a step for a 24-block GPT), and with it the overlap
 of communication and compute. Instead the flags wait on the device, and one autograd final
 callback, queued by the first reduce-scatter of a backward, reads them all at once when the
-backward ends: it raises naming every affected parameter (``grad_nonfinite="raise"``) or counts
+backward ends: it raises naming every affected parameter (``nonfinite="raise"``) or counts
 the zeroed groups (``"zero"``) before the optimizer can step. A reduce-scatter outside a backward
 (a direct call) decides at once.
 """
@@ -101,8 +101,8 @@ class NonfiniteCheck:
         if where and self.mode == "raise":
             raise ValueError(
                 f"non-finite gradient (NaN/Inf, or too large to quantize) on at least one rank in "
-                f"{', '.join(where)}; fix "
-                "the source (a diverging loss, a missing grad clip or loss scale), or build the "
-                "CompressionConfig with grad_nonfinite='zero' to zero these gradients for the "
-                "step (counted); the gradients of these groups were zeroed"
+                f"{', '.join(where)}; fix the source (a diverging loss, a missing grad clip or "
+                "loss scale), or build the config with nonfinite='zero' (qsdp.recipe(name, "
+                "nonfinite='zero')) to zero them for the step (counted); the gradients of these "
+                "groups were zeroed"
             )

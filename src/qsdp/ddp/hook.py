@@ -37,6 +37,8 @@ from ..runtime import NonfiniteCheck
 
 __all__ = ["DDPCompression", "register"]
 
+_MAX_BUCKETS = 4096  # counters kept in the checkpoint (DDP makes one bucket per ~25 MiB)
+
 
 class DDPCompression:
     """The comm hook and its state (a ``torch.distributed.checkpoint`` ``Stateful``).
@@ -61,6 +63,8 @@ class DDPCompression:
         self.error_feedback = error_feedback
         self.stats = qc.CommStats()
         self._names = names
+        self._params: dict[str, nn.Parameter] = {}
+        """Set by :func:`register`: the model's parameters by name (residual shapes)."""
         self._calls: dict[int, int] = {}
         self._splits: dict[tuple, qc.Split | None] = {}
         self._buckets: dict[int, tuple[int, qc.Split | None]] = {}
@@ -198,15 +202,23 @@ class DDPCompression:
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The noise counters (and error-feedback residuals): a resumed run draws the same
-        noise as an uninterrupted one."""
-        calls = sorted(self._calls.items())
-        state = {"calls": torch.tensor(calls, dtype=torch.int64).reshape(-1, 2)}
-        for name, r in self._residuals.items():
-            state[f"residual.{name}"] = r
+        noise as an uninterrupted one. Fixed shapes (``torch.distributed.checkpoint`` loads
+        into the tensors a fresh hook's ``state_dict`` gives): one counter per possible bucket
+        index, one residual per parameter."""
+        if self._calls and max(self._calls) >= _MAX_BUCKETS:
+            raise ValueError(f"more than {_MAX_BUCKETS} DDP buckets: raise bucket_cap_mb")
+        calls = torch.zeros(_MAX_BUCKETS, dtype=torch.int64)
+        for index, n in self._calls.items():
+            calls[index] = n
+        state = {"calls": calls}
+        if self.error_feedback:
+            for name, p in self._params.items():
+                r = self._residuals.get(name)
+                state[f"residual.{name}"] = r if r is not None else torch.zeros_like(p.detach())
         return state
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        self._calls = {int(i): int(n) for i, n in state["calls"].tolist()}
+        self._calls = {i: int(n) for i, n in enumerate(state["calls"].tolist()) if n}
         self._residuals = {
             k[len("residual.") :]: v.clone() for k, v in state.items() if k.startswith("residual.")
         }
@@ -297,6 +309,7 @@ def register(
     hook = DDPCompression(
         config, names=names, group=model.process_group, error_feedback=error_feedback
     )
+    hook._params = dict(model.module.named_parameters())
     model.register_comm_hook(hook, _ddp_hook)
     return hook
 

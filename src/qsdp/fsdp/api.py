@@ -149,7 +149,8 @@ def compress_fsdp(
                 plan=replicate_plan,
                 replicate=replicate_pg,
                 shard=groups[module][0],
-                check=check,
+                # uncompressed: as native HSDP, NaN/Inf travel as they are
+                check=check if replicate_plan is not None else None,
                 layout=[(n, k) for n, k, _ in layout] if layout else None,
                 split=policy.split(layout) if policy is not None and layout else None,
                 seed=config.seed,

@@ -54,6 +54,24 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--stop-at", type=int, help="stop (with a checkpoint) after this step")
     p.add_argument("--seed", type=int, default=0)
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument(
+        "--ddp",
+        action="store_true",
+        help="DistributedDataParallel with qsdp's comm hook (gradient-only recipes: cgx, "
+        "qsdp-g8, global-qsgd, bf16)",
+    )
+    mode.add_argument(
+        "--hsdp",
+        action="store_true",
+        help="FSDP2 inside a node, the recipe's gradients compress the all-reduce across nodes",
+    )
+    p.add_argument(
+        "--nodes",
+        type=int,
+        help="--hsdp: nodes (default: torchrun's WORLD_SIZE / LOCAL_WORLD_SIZE, or 2 emulated "
+        "on one machine)",
+    )
     p.add_argument("--nproc", type=int, default=2, help="CPU processes when not under torchrun")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--tensorboard", action=argparse.BooleanOptionalAction, default=None)
@@ -83,6 +101,8 @@ def config_from(args: argparse.Namespace) -> TrainConfig:
         resume=args.resume,
         stop_at=args.stop_at,
         seed=args.seed,
+        parallel="ddp" if args.ddp else "hsdp" if args.hsdp else "fsdp",
+        nodes=args.nodes,
         tensorboard=args.tensorboard,
         progress=not args.no_progress,
     )

@@ -71,6 +71,8 @@ RESUME_MUST_MATCH = (
     "eval_batches",
     "seed",
     "two_level",
+    "parallel",
+    "nodes",
 )
 """Keys of ``config.json`` that ``--resume`` requires to equal the saved run's."""
 

@@ -1,4 +1,4 @@
-"""The training loop of ``qsdp train``: FSDP2 (``fully_shard``) plus ``qsdp.compress_fsdp``.
+"""The training loop of ``qsdp train``: FSDP2, compressed HSDP or compressed DDP (``parallel.py``).
 
 One call of :func:`train_rank` per process, inside an initialised process group (see
 ``launch.py``). Every recipe sees the same initial weights and the same batches in the same
@@ -7,11 +7,13 @@ order (both keyed by ``seed``), so runs differ only in what their collectives se
 [Note: bytes on the wire]
 ``wire_bytes`` is what this rank sends in one optimizer step: qsdp's byte counter for the
 collectives a recipe compresses (an all-gather sends its shard; a reduce-scatter the
-``world - 1`` chunks meant for the peers), plus the same measure of plain FSDP2 for those it
-leaves alone (weights of a gradient-only recipe, say). ``bf16_bytes`` is that measure for the
-uncompressed ``"bf16"`` recipe with this run's precision (parameters gathered in the compute
-dtype: bf16 on GPUs, fp32 on CPUs; forward and backward for resharded blocks, once for the root;
-gradients reduce-scattered in fp32); ``compression_ratio`` is their quotient. Evaluation and
+``world - 1`` chunks meant for the peers; an all-reduce its tensor: ``qsdp.comm._stats``), plus
+the same measure of the collectives it leaves to PyTorch (weights of a gradient-only recipe,
+HSDP's reduce-scatter inside the node). ``bf16_bytes`` is that measure for the uncompressed
+``"bf16"`` recipe with this run's precision (parameters gathered in the compute dtype: bf16 on
+GPUs, fp32 on CPUs; forward and backward for resharded blocks, once for the root; gradients
+reduced in fp32: reduce-scattered by FSDP2, all-reduced across HSDP's nodes and by DDP);
+``compression_ratio`` is their quotient (``Parallel.reference_bytes``). Evaluation and
 checkpoint traffic is excluded.
 """
 
@@ -20,7 +22,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,16 +32,13 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from .. import quant
 from ..config import RECIPES, CompressionConfig, QuantizedGrads, TwoLevelGrads, recipe
-from ..fsdp import comm_state, compress_fsdp, fsdp_comm_stats
-from ..fsdp.api import _layout
 from .data import Batches, TokenData
 from .metrics import CONFIG_FILE, MetricsWriter, Progress
 from .model import GPT, PRESETS, ModelConfig
+from .parallel import MODES, Parallel, build
 from .rundir import run_info, validate
 
 __all__ = ["COLUMNS", "TrainConfig", "raise_together", "train_rank"]
@@ -104,6 +102,13 @@ class TrainConfig:
     seed: int = 0
     two_level: bool = True
     """Two-level recipes get a (nodes, GPUs per node) mesh under torchrun when both exceed 1."""
+    parallel: str = "fsdp"
+    """``fsdp``, ``hsdp`` (FSDP2 inside a node, the recipe's gradients compress the all-reduce
+    across nodes) or ``ddp`` (DistributedDataParallel with qsdp's comm hook); see
+    ``parallel.py``."""
+    nodes: int | None = None
+    """``hsdp``: the number of nodes (default: torchrun's ``WORLD_SIZE / LOCAL_WORLD_SIZE``, or 2
+    emulated nodes on one machine)."""
     tensorboard: bool | None = None
     progress: bool = True
 
@@ -124,6 +129,21 @@ class TrainConfig:
             raise ValueError("--block-size must be positive")
         if not 0 < self.lr < 1:
             raise ValueError(f"--lr must be in (0, 1), got {self.lr}")
+        if self.parallel not in MODES:
+            raise ValueError(f"parallel={self.parallel!r} must be one of {MODES}")
+        if self.nodes is not None and (self.parallel != "hsdp" or self.nodes < 2):
+            raise ValueError(f"--nodes={self.nodes} is for --hsdp, and at least 2")
+        config = recipe(self.recipe)
+        if self.parallel != "fsdp" and config.two_level:
+            raise ValueError(
+                f"--recipe {self.recipe} has two-level gradients (a reduce-scatter); --"
+                f"{self.parallel} all-reduces: use cgx, qsdp-g8, global-qsgd or bf16"
+            )
+        if self.parallel == "ddp" and config.weights is not None:
+            raise ValueError(
+                f"--recipe {self.recipe} compresses weights, which DDP does not gather; use a "
+                "gradient-only recipe with --ddp: cgx, qsdp-g8, global-qsgd or bf16"
+            )
 
     def model_config(self, vocab_size: int) -> ModelConfig:
         base = PRESETS[self.preset]  # every option of the preset kept, these three replaced
@@ -145,59 +165,10 @@ def lr_at(cfg: TrainConfig, step: int) -> float:
     return floor + 0.5 * (cfg.lr - floor) * (1 + math.cos(math.pi * progress))
 
 
-def _mesh(config: CompressionConfig, device: torch.device, use: bool):
-    """The (inter, intra) mesh of a two-level recipe under torchrun on several nodes."""
-    if not config.two_level or not use:
-        return None
-    ws = dist.get_world_size()
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", ws))
-    if local <= 1 or local >= ws or ws % local:
-        return None  # one node (or one GPU per node): every peer is remote or all are local
-    return init_device_mesh(device.type, (ws // local, local), mesh_dim_names=("inter", "intra"))
-
-
 def _bf16_compute(cfg: TrainConfig, device: torch.device) -> bool:
     """bf16 parameters for compute on GPUs; fp32 on CPUs (gloo) and for the quantized master,
     which gathers the fp32 master itself."""
     return device.type == "cuda" and cfg.recipe != "qsdp-quantized-master"
-
-
-def build_model(cfg: TrainConfig, mc: ModelConfig, device: torch.device) -> GPT:
-    torch.manual_seed(cfg.seed)
-    with device:
-        model = GPT(mc)
-    mp = (
-        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        if _bf16_compute(cfg, device)
-        else MixedPrecisionPolicy()
-    )
-    for block in model.blocks:
-        fully_shard(block, mp_policy=mp)
-    fully_shard(model, mp_policy=mp)
-    config = recipe(cfg.recipe)
-    compress_fsdp(model, config, mesh=_mesh(config, device, cfg.two_level))
-    return model
-
-
-def _plain_bytes(model: GPT, config: CompressionConfig, compute_bytes: int, accum: int):
-    """Per step: (all-gather, reduce-scatter) bytes plain FSDP2 sends for everything, and for
-    what ``config`` leaves uncompressed (see the module's note)."""
-    ag = rs = 0
-    ws = dist.get_world_size()
-    for name, m in model.named_modules():
-        if not isinstance(m, FSDPModule):
-            continue
-        layout = _layout(m, name, grads_only=False)
-        if layout is None:
-            raise RuntimeError("qsdp train needs FSDP2's parameter layout (torch >= 2.11)")
-        shard = sum(n for _, n, _ in layout)
-        gathers = 1 if m is model else 2  # the root is not resharded after forward
-        ag += accum * gathers * shard * compute_bytes
-        rs += (ws - 1) * shard * 4  # the chunks that leave for the peers, as qsdp counts them
-    return (ag, rs), (
-        0 if config.weights is not None else ag,
-        0 if config.grads is not None else rs,
-    )
 
 
 def _split_bytes(delta: dict[str, int]) -> tuple[int, int, int]:
@@ -206,7 +177,7 @@ def _split_bytes(delta: dict[str, int]) -> tuple[int, int, int]:
     return ag, rs, sum(delta.values()) - ag - rs
 
 
-def _quant_error(model: GPT, config: CompressionConfig) -> float | None:
+def _quant_error(model: GPT, config: CompressionConfig) -> float | None:  # the GPT itself
     """Relative L2 error of the recipe's gradient quantizer on a sample of a gradient shard."""
     grads = config.grads
     if isinstance(grads, TwoLevelGrads):
@@ -226,7 +197,8 @@ def _quant_error(model: GPT, config: CompressionConfig) -> float | None:
     return float((y - x).norm() / x.norm())
 
 
-def _evaluate(model: GPT, batches: Batches, cfg: TrainConfig, device: torch.device) -> float:
+def _evaluate(par: Parallel, batches: Batches, cfg: TrainConfig, device: torch.device) -> float:
+    model = par.model
     model.eval()
     total = torch.zeros(2, dtype=torch.float64, device=device)
     with torch.no_grad():
@@ -235,9 +207,10 @@ def _evaluate(model: GPT, batches: Batches, cfg: TrainConfig, device: torch.devi
             rank=dist.get_rank(),
             world_size=dist.get_world_size(),
             micro_batch=cfg.micro_batch,
-            block_size=model.config.block_size,
+            block_size=par.gpt.config.block_size,
         ):
-            _, loss = model(x.to(device), y.to(device))
+            with par.autocast(device):
+                _, loss = model(x.to(device), y.to(device))
             n = torch.tensor(float(x.numel()), dtype=torch.float64, device=device)
             total += torch.stack((loss.detach().double() * n, n))
     dist.all_reduce(total)
@@ -245,19 +218,19 @@ def _evaluate(model: GPT, batches: Batches, cfg: TrainConfig, device: torch.devi
     return float(total[0] / total[1])
 
 
-def _checkpoint_state(model: GPT, opt: torch.optim.Optimizer, step: int) -> dict:
-    msd, osd = get_state_dict(model, opt)
+def _checkpoint_state(par: Parallel, opt: torch.optim.Optimizer, step: int) -> dict:
+    msd, osd = get_state_dict(par.model, opt)
     return {
         "model": msd,
         "optim": osd,
-        "qsdp": comm_state(model),
+        "qsdp": par.state,
         "trainer": {"step": torch.tensor(step)},
     }
 
 
-def save_checkpoint(out: Path, model: GPT, opt: torch.optim.Optimizer, step: int) -> Path:
+def save_checkpoint(out: Path, par: Parallel, opt: torch.optim.Optimizer, step: int) -> Path:
     path = out / "ckpt" / f"step_{step:07d}"
-    dcp.save(_checkpoint_state(model, opt, step), checkpoint_id=str(path))
+    dcp.save(_checkpoint_state(par, opt, step), checkpoint_id=str(path))
     dist.barrier()
     if dist.get_rank() == 0:  # the marker goes last: a half-written checkpoint is never loaded
         tmp = out / "ckpt" / "latest.tmp"
@@ -267,7 +240,7 @@ def save_checkpoint(out: Path, model: GPT, opt: torch.optim.Optimizer, step: int
     return path
 
 
-def load_checkpoint(out: Path, model: GPT, opt: torch.optim.Optimizer) -> int:
+def load_checkpoint(out: Path, par: Parallel, opt: torch.optim.Optimizer) -> int:
     marker = out / "ckpt" / "latest"
     if not marker.is_file():
         raise FileNotFoundError(
@@ -275,9 +248,9 @@ def load_checkpoint(out: Path, model: GPT, opt: torch.optim.Optimizer) -> int:
             "after a save completes); run without --resume to start afresh"
         )
     path = out / "ckpt" / marker.read_text().strip()
-    state = _checkpoint_state(model, opt, 0)
+    state = _checkpoint_state(par, opt, 0)
     dcp.load(state, checkpoint_id=str(path))
-    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    set_state_dict(par.model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
     return int(state["trainer"]["step"])
 
 
@@ -338,7 +311,17 @@ def train_rank(cfg: TrainConfig, data: TokenData, device: torch.device) -> dict:
     out = Path(cfg.out)
     mc = cfg.model_config(data.vocab_size)
     batches = Batches(data)
-    model = build_model(cfg, mc, device)
+    par = build(
+        mode=cfg.parallel,
+        recipe_name=cfg.recipe,
+        mc=mc,
+        device=device,
+        seed=cfg.seed,
+        bf16=_bf16_compute(cfg, device),
+        two_level=cfg.two_level,
+        nodes=cfg.nodes,
+    )
+    model = par.model
     config = recipe(cfg.recipe)
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
@@ -348,16 +331,16 @@ def train_rank(cfg: TrainConfig, data: TokenData, device: torch.device) -> dict:
         betas=(0.9, 0.95),
         weight_decay=0.0,
     )
-    start = load_checkpoint(out, model, opt) if cfg.resume else 0
+    start = load_checkpoint(out, par, opt) if cfg.resume else 0
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
         _write_config(cfg, out, data, device)
     dist.barrier()
     compute_bytes = 2 if _bf16_compute(cfg, device) else 4
-    (full_ag, full_rs), (plain_ag, plain_rs) = _plain_bytes(
-        model, config, compute_bytes, cfg.grad_accum
+    (full_ag, full_rs, full_ar), (plain_ag, plain_rs, plain_ar) = par.reference_bytes(
+        config, compute_bytes, cfg.grad_accum
     )
-    stats = fsdp_comm_stats(model)
+    stats = par.stats
     tokens_per_step = cfg.micro_batch * mc.block_size * cfg.grad_accum * ws
     writer = (
         MetricsWriter(
@@ -384,7 +367,6 @@ def train_rank(cfg: TrainConfig, data: TokenData, device: torch.device) -> dict:
             t0 = time.perf_counter()
             loss_sum = torch.zeros((), device=device)
             for micro in range(cfg.grad_accum):
-                model.set_requires_gradient_sync(micro == cfg.grad_accum - 1)
                 x, y = batches.train_batch(
                     step,
                     micro,
@@ -394,14 +376,19 @@ def train_rank(cfg: TrainConfig, data: TokenData, device: torch.device) -> dict:
                     block_size=mc.block_size,
                     seed=cfg.seed,
                 )
-                _, loss = model(x.to(device), y.to(device))
-                (loss / cfg.grad_accum).backward()
+                with par.micro_step(micro == cfg.grad_accum - 1):
+                    with par.autocast(device):
+                        _, loss = model(x.to(device), y.to(device))
+                    (loss / cfg.grad_accum).backward()
                 loss_sum += loss.detach() / cfg.grad_accum
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
             norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+            # (DDP's and HSDP's gradients are the decoded all-reduce already: re-encoding them
+            # measures nothing)
+            sample = par.mode == "fsdp" and cfg.eval_every > 0
             qerr = (
-                _quant_error(model, config)
-                if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps - 1)
+                _quant_error(par.gpt, config)
+                if sample and (step % cfg.eval_every == 0 or step == cfg.steps - 1)
                 else None
             )
             opt.step()
@@ -412,11 +399,11 @@ def train_rank(cfg: TrainConfig, data: TokenData, device: torch.device) -> dict:
             after = {k: v.bytes for k, v in stats.snapshot().items()}
             delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
             ag, rs, ar = _split_bytes(delta)
-            ag, rs = ag + plain_ag, rs + plain_rs
+            ag, rs, ar = ag + plain_ag, rs + plain_rs, ar + plain_ar
             wire = ag + rs + ar
             val = None
             if cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or step == cfg.steps - 1):
-                val = _evaluate(model, batches, cfg, device)
+                val = _evaluate(par, batches, cfg, device)
             if not math.isfinite(loss_val):
                 raise FloatingPointError(
                     f"the training loss is {loss_val} at step {step}: lower --lr, raise "
@@ -433,8 +420,8 @@ def train_rank(cfg: TrainConfig, data: TokenData, device: torch.device) -> dict:
                 wire_bytes_all_gather=ag,
                 wire_bytes_reduce_scatter=rs,
                 wire_bytes_all_reduce=ar,
-                bf16_bytes=full_ag + full_rs,
-                compression_ratio=(full_ag + full_rs) / wire if wire else None,
+                bf16_bytes=full_ag + full_rs + full_ar,
+                compression_ratio=(full_ag + full_rs + full_ar) / wire if wire else None,
                 quant_rel_err=qerr,
                 grad_norm=float(norm),
             )
@@ -449,9 +436,9 @@ def train_rank(cfg: TrainConfig, data: TokenData, device: torch.device) -> dict:
             )
             done = step + 1
             if cfg.ckpt_every and done % cfg.ckpt_every == 0 and done < end:
-                save_checkpoint(out, model, opt, done)
+                save_checkpoint(out, par, opt, done)
         if start < end:
-            save_checkpoint(out, model, opt, end)
+            save_checkpoint(out, par, opt, end)
     finally:
         progress.close()
         if writer is not None:

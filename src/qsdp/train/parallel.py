@@ -1,0 +1,167 @@
+"""How ``qsdp train`` parallelises its GPT: FSDP2, compressed HSDP or compressed DDP.
+
+[Note: three ways, one loop]
+The training loop calls ``Parallel.model`` and asks ``Parallel`` for the rest: the byte counter
+(``stats``), the collectives' checkpoint state (``state``), how a micro-batch that must not
+synchronise runs (``micro_step``), and the uncompressed reference bytes (``reference_bytes``).
+
+- ``fsdp``: every block and the root ``fully_shard``-ed over the world, ``qsdp.compress_fsdp``;
+  two-level recipes get a (nodes, GPUs per node) mesh under torchrun on several nodes.
+- ``hsdp``: every block and the root ``fully_shard``-ed over the GPUs of a node, and
+  ``compress_fsdp(..., replicate=...)`` compresses the all-reduce across the nodes with the
+  recipe's gradient config (a gradient-only or weight recipe whose gradients all-reduce: ``cgx``,
+  ``qsdp-g8``, ``global-qsgd``, ``bf16``...). Nodes: torchrun's ``WORLD_SIZE / LOCAL_WORLD_SIZE``,
+  or ``--nodes`` emulated on one machine.
+- ``ddp``: ``DistributedDataParallel`` with ``qsdp.ddp.register`` (gradient-only recipes); on
+  GPUs the forward runs under bf16 autocast (FSDP2's runs use bf16 parameters).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from .. import ddp as qddp
+from ..comm import CommStats
+from ..config import CompressionConfig, recipe
+from ..fsdp import comm_state, compress_fsdp, fsdp_comm_stats
+from ..fsdp.api import _layout
+from .model import GPT, ModelConfig
+
+__all__ = ["MODES", "Parallel", "build"]
+
+MODES = ("fsdp", "hsdp", "ddp")
+
+
+@dataclass
+class Parallel:
+    """The parallelised model and what the loop needs of it (see the module's note)."""
+
+    mode: str
+    model: nn.Module
+    """What the loop calls and checkpoints: the FSDP2 root, or the DDP wrapper."""
+    gpt: GPT
+    """The GPT itself (its config, its blocks)."""
+    stats: CommStats
+    state: object
+    """The collectives' ``torch.distributed.checkpoint`` ``Stateful``."""
+    bf16_autocast: bool = False
+    shard_size: int = 1
+    """Ranks a parameter is sharded over (the world for FSDP2, a node for HSDP, 1 for DDP)."""
+
+    def micro_step(self, last: bool) -> contextlib.AbstractContextManager:
+        """The context of one micro-batch's forward and backward: gradients are synchronised
+        only on the ``last`` of a step's micro-batches."""
+        if self.mode == "ddp":
+            return contextlib.nullcontext() if last else self.model.no_sync()
+        self.model.set_requires_gradient_sync(last)
+        return contextlib.nullcontext()
+
+    def autocast(self, device: torch.device) -> contextlib.AbstractContextManager:
+        if self.bf16_autocast:
+            return torch.autocast(device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def reference_bytes(
+        self, config: CompressionConfig, compute_bytes: int, accum: int
+    ) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+        """Per step, by qsdp's byte convention: the (all-gather, reduce-scatter, all-reduce)
+        bytes of the uncompressed run, and those of the collectives qsdp leaves to PyTorch
+        (counted by no hook). See the trainer's [Note: bytes on the wire]."""
+        if self.mode == "ddp":  # DDP's all-reduce of fp32 gradients, once per step
+            full_ar = 4 * sum(p.numel() for p in self.gpt.parameters())
+            return (0, 0, full_ar), (0, 0, 0)  # the hook counts even the uncompressed one
+        ag = rs = shard_total = 0
+        s = self.shard_size
+        for name, m in self.model.named_modules():
+            if not isinstance(m, FSDPModule):
+                continue
+            layout = _layout(m, name, grads_only=False)
+            if layout is None:
+                raise RuntimeError("qsdp train needs FSDP2's parameter layout (torch >= 2.11)")
+            shard = sum(n for _, n, _ in layout)
+            shard_total += shard
+            gathers = 1 if m is self.model else 2  # the root is not resharded after forward
+            ag += accum * gathers * shard * compute_bytes
+            rs += (s - 1) * shard * 4  # the chunks that leave for the peers
+        plain_ag = 0 if config.weights is not None else ag
+        if self.mode == "fsdp":
+            return (ag, rs, 0), (plain_ag, 0 if config.grads is not None else rs, 0)
+        # HSDP: FSDP2's own reduce-scatter inside the node; the replicate all-reduce of the
+        # fp32 shard, counted by qsdp's hook (compressed or not)
+        return (ag, rs, 4 * shard_total), (plain_ag, rs, 0)
+
+
+def _nodes(cfg_nodes: int | None, ws: int) -> int:
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", ws))
+    nodes = cfg_nodes or (ws // local if 1 <= local < ws else 2)
+    if nodes < 2 or ws % nodes:
+        raise ValueError(
+            f"--hsdp with {nodes} nodes over {ws} ranks: the nodes must divide the ranks and be "
+            f"at least 2; pass --nodes (e.g. --nodes 2 with --nproc 4)"
+        )
+    return nodes
+
+
+def _mesh(config: CompressionConfig, device: torch.device, use: bool) -> DeviceMesh | None:
+    """The (inter, intra) mesh of a two-level recipe under torchrun on several nodes."""
+    if not config.two_level or not use:
+        return None
+    ws = dist.get_world_size()
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", ws))
+    if local <= 1 or local >= ws or ws % local:
+        return None  # one node (or one GPU per node): every peer is remote or all are local
+    return init_device_mesh(device.type, (ws // local, local), mesh_dim_names=("inter", "intra"))
+
+
+def build(
+    *,
+    mode: str,
+    recipe_name: str,
+    mc: ModelConfig,
+    device: torch.device,
+    seed: int,
+    bf16: bool,
+    two_level: bool,
+    nodes: int | None,
+) -> Parallel:
+    """Build the GPT on ``device`` from ``seed`` and parallelise it as ``mode`` says."""
+    if mode not in MODES:
+        raise ValueError(f"parallel mode {mode!r} must be one of {MODES}")
+    torch.manual_seed(seed)
+    with device:
+        gpt = GPT(mc)
+    config = recipe(recipe_name)
+    if mode == "ddp":
+        model = DDP(gpt, device_ids=[device.index] if device.type == "cuda" else None)
+        state = qddp.register(model, config)
+        return Parallel(mode, model, gpt, state.stats, state, bf16_autocast=bf16)
+    mp = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if bf16
+        else MixedPrecisionPolicy()
+    )
+    ws = dist.get_world_size()
+    shard_mesh = replicate = None
+    if mode == "hsdp":
+        n = _nodes(nodes, ws)
+        mesh = init_device_mesh(device.type, (n, ws // n), mesh_dim_names=("replicate", "shard"))
+        shard_mesh, replicate = mesh["shard"], mesh["replicate"]
+    for block in gpt.blocks:
+        fully_shard(block, mesh=shard_mesh, mp_policy=mp)
+    fully_shard(gpt, mesh=shard_mesh, mp_policy=mp)
+    if mode == "hsdp":
+        compress_fsdp(gpt, config, replicate=replicate)
+        shard = ws // _nodes(nodes, ws)
+    else:
+        compress_fsdp(gpt, config, mesh=_mesh(config, device, two_level))
+        shard = ws
+    return Parallel(mode, gpt, gpt, fsdp_comm_stats(gpt), comm_state(gpt), shard_size=shard)

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from ..quant import NonFinite, QuantSpec
+from ._split import Split
 from ._stats import CommStats, comm_stats
 
 Works = Sequence[dist.Work]
@@ -142,6 +143,35 @@ def with_raw_part(
     if raw is None:  # the codes needed no exchange (an empty part)
         yield [issue_raw()], True
     finish()
+
+
+def all_reduce_split(
+    tensor: torch.Tensor,
+    split: Split,
+    run: Callable[[torch.Tensor], Stages],
+    group,
+    op: str,
+    stats: CommStats,
+    name: str,
+) -> Stages:
+    """Stages of an all-reduce of ``tensor`` in place whose policy ``split``'s compressed part
+    runs ``run(comp)`` and whose raw part a plain SUM all-reduce (see :func:`with_raw_part`)."""
+    if not isinstance(split, Split) or split.chunk != tensor.numel():
+        raise ValueError(
+            f"split={split!r} must be a qsdp.comm.Split covering the {tensor.numel()} elements "
+            "of the tensor"
+        )
+    comp, raw = split.take(tensor.view(1, -1))
+    comp, raw = comp.view(-1), raw.view(-1)
+
+    def finish() -> None:
+        if op == "avg":
+            raw.div_(dist.get_world_size(group))
+        split.put(tensor.view(1, -1), comp.view(1, -1), raw.view(1, -1))
+
+    return with_raw_part(
+        run(comp), lambda: all_reduce(raw, dist.ReduceOp.SUM, group, stats, name), finish
+    )
 
 
 # --- arguments ----------------------------------------------------------------------------------

@@ -187,19 +187,8 @@ def integer_all_reduce(
     args = (pg, n, carrier, op, group_size, rnd, levels, seed, step, bucket, stats, nonfinite)
     if split is None:
         return C.run_stages(_all_reduce_stages(tensor, *args), async_op, result=tensor)
-    _check_split(split, tensor.numel(), "tensor")
-    comp, raw = split.take(tensor.view(1, -1))
-    comp, raw = comp.view(-1), raw.view(-1)
-
-    def finish() -> None:
-        if op == "avg":
-            raw.div_(n)
-        split.put(tensor.view(1, -1), comp.view(1, -1), raw.view(1, -1))
-
-    stages = C.with_raw_part(
-        _all_reduce_stages(comp, *args),
-        lambda: C.all_reduce(raw, dist.ReduceOp.SUM, pg, stats, name),
-        finish,
+    stages = C.all_reduce_split(
+        tensor, split, lambda comp: _all_reduce_stages(comp, *args), pg, op, stats, name
     )
     return C.run_stages(stages, async_op, result=tensor)
 

@@ -97,23 +97,14 @@ def two_phase_all_reduce(
     stats = C.resolve_stats(stats)
     stats.count_call(_NAME)
     if split is not None:
-        if not isinstance(split, Split) or split.chunk != tensor.numel():
-            raise ValueError(
-                f"split={split!r} must be a qsdp.comm.Split covering the tensor's "
-                f"{tensor.numel()} elements"
-            )
-        comp, raw = split.take(tensor.view(1, -1))
-        comp, raw = comp.view(-1), raw.view(-1)
-
-        def finish() -> None:
-            if op == "avg":
-                raw.div_(n)
-            split.put(tensor.view(1, -1), comp.view(1, -1), raw.view(1, -1))
-
-        stages = C.with_raw_part(
-            _phases(comp, pg, n, op, spec, seed, step, bucket, backend, stats),
-            lambda: C.all_reduce(raw, dist.ReduceOp.SUM, pg, stats, _NAME),
-            finish,
+        stages = C.all_reduce_split(
+            tensor,
+            split,
+            lambda comp: _phases(comp, pg, n, op, spec, seed, step, bucket, backend, stats),
+            pg,
+            op,
+            stats,
+            _NAME,
         )
         return C.run_stages(stages, async_op, result=tensor)
     stages = _phases(tensor, pg, n, op, spec, seed, step, bucket, backend, stats)

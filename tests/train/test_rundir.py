@@ -160,6 +160,7 @@ CHANGED = {
     "eval_batches": 3,
     "seed": 1,
     "two_level": False,
+    "parallel": "ddp",
 }
 
 
@@ -178,7 +179,14 @@ def test_resume_checks_each_setting_and_lets_the_free_ones_change(run, files, mo
             validate(
                 dataclasses.replace(saved, **{name: value}), data, world_size=2, columns=COLUMNS
             )
-    assert set(CHANGED) | {"data", "tokenizer"} == set(RESUME_MUST_MATCH) & set(
+    # --nodes exists only with --hsdp: a saved HSDP run resumed with other nodes is refused
+    config = run / "config.json"
+    text = config.read_text().replace('"parallel": "fsdp"', '"parallel": "hsdp"')
+    config.write_text(text.replace('"nodes": null', '"nodes": 2'))
+    with pytest.raises(ValueError, match="--nodes: saved 2, now 4"):
+        hsdp = dataclasses.replace(saved, parallel="hsdp", nodes=4)
+        validate(hsdp, data, world_size=2, columns=COLUMNS)
+    assert set(CHANGED) | {"data", "tokenizer", "nodes"} == set(RESUME_MUST_MATCH) & set(
         f.name for f in dataclasses.fields(TrainConfig)
     )
 

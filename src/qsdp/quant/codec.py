@@ -283,7 +283,9 @@ def _encode(x, base, spec, *, seed, step, stream, out, backend) -> Encoded:
     src = _flat(x)
     rsrc = _flat(base) if base is not None else None
     if _resolve(backend, x.device) == "triton":
-        _launch().encode(src, spec, out, ref=rsrc, seed=seed, step=step, stream=stream, rotate=True)
+        _launch().encode(
+            src, spec=spec, out=out, ref=rsrc, seed=seed, step=step, stream=stream, rotate=True
+        )
     else:
         diff = src.float() if rsrc is None else src.float() - rsrc.float()
         out.copy_(ref.encode_flat(diff, spec, seed=seed, step=step, stream=stream))
@@ -402,7 +404,9 @@ def decode_rows(
     if k == 0 or numel == 0:
         return out
     if _resolve(backend, p.device) == "triton":
-        _launch().decode(p, numel, spec, out, accumulate=False, rotate=True, separate=True)
+        _launch().decode(
+            p, numel=numel, spec=spec, out=out, accumulate=False, rotate=True, separate=True
+        )
         return out
     for j in range(k):
         out[j].copy_(ref.decode_sum_flat(p[j : j + 1], numel, spec))
@@ -446,7 +450,14 @@ def decode_sum_encode(
     out = _payload_out(out, numel, out_spec, p.device)
     if _resolve(backend, p.device) == "triton":
         _launch().decode_sum_encode(
-            p, numel, in_spec, out_spec, out, seed=seed, step=step, stream=stream
+            p,
+            numel=numel,
+            in_spec=in_spec,
+            out_spec=out_spec,
+            out=out,
+            seed=seed,
+            step=step,
+            stream=stream,
         )
     else:
         out.copy_(
@@ -469,7 +480,7 @@ def _check_out(out: torch.Tensor, numel: int, device: torch.device) -> None:
 def _decode_into(p, numel, spec, out, *, accumulate, backend) -> None:
     flat = out.reshape(-1)
     if _resolve(backend, p.device) == "triton":
-        _launch().decode(p, numel, spec, flat, accumulate=accumulate, rotate=True)
+        _launch().decode(p, numel=numel, spec=spec, out=flat, accumulate=accumulate, rotate=True)
         return
     vals = ref.decode_sum_flat(p, numel, spec)
     if accumulate:

@@ -169,9 +169,9 @@ def global_int_encode(
 
         launch.global_int_encode(
             flat.contiguous(),
-            scales,
-            out.view(-1),
-            levels,
+            scales=scales,
+            out=out.view(-1),
+            levels=levels,
             group_size=g,
             stochastic=rounding is Rounding.STOCHASTIC,
             seed=seed,

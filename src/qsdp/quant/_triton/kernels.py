@@ -59,12 +59,12 @@ def _counter_words(ctr, stream, step, key0, key1):
     c1 = (c64 >> 32).to(tl.uint32)
     zero = tl.zeros(c0.shape, tl.uint32)
     return _philox(
-        c0,
-        c1,
-        zero + stream.to(tl.uint32),
-        zero + step.to(tl.uint32),
-        zero + key0.to(tl.uint32),
-        zero + key1.to(tl.uint32),
+        c0=c0,
+        c1=c1,
+        c2=zero + stream.to(tl.uint32),
+        c3=zero + step.to(tl.uint32),
+        k0=zero + key0.to(tl.uint32),
+        k1=zero + key1.to(tl.uint32),
     )
 
 
@@ -79,7 +79,7 @@ def _element_noise(
         + (tl.arange(0, GPB) * (HB // 8))[None, :, None]
         + tl.arange(0, HB // 8)[None, None, :]
     )
-    w0, w1, w2, w3 = _counter_words(ctr, stream, step, key0, key1)
+    w0, w1, w2, w3 = _counter_words(ctr, stream=stream, step=step, key0=key0, key1=key1)
     w = tl.reshape(tl.join(tl.join(w0, w2), tl.join(w1, w3)), (ROWS, GPB, HB // 8, 4))
     halves = tl.reshape(tl.join(w & 0xFFFF, w >> 16), (ROWS, GPB, HB))
     return (halves.to(tl.float32) + 0.5) * 1.52587890625e-05
@@ -88,7 +88,9 @@ def _element_noise(
 @triton.jit
 def _group_uniform(gidx, key0, key1, step):
     """One U[0,1) per group (the shift-lattice dither): word 0 of counter g, stream 2^32-1."""
-    w0, w1, w2, w3 = _counter_words(gidx, tl.full((), 0xFFFFFFFF, tl.uint32), step, key0, key1)
+    w0, w1, w2, w3 = _counter_words(
+        gidx, stream=tl.full((), 0xFFFFFFFF, tl.uint32), step=step, key0=key0, key1=key1
+    )
     return (w0 >> 8).to(tl.float32) * 5.9604644775390625e-08
 
 
@@ -127,7 +129,7 @@ def _rotate(
         d = tl.load(signs_ptr + tl.arange(0, H))[None, None, :]
     if HAS_SIGNS and not INVERSE:
         y = y * d
-    y = _fwht(y, ROWS, GPB, H, LOG_H) * inv_sqrt_h
+    y = _fwht(y, ROWS=ROWS, GPB=GPB, H=H, LOG_H=LOG_H) * inv_sqrt_h
     if HAS_SIGNS and INVERSE:
         y = y * d
     if TAIL or not INVERSE:
@@ -322,7 +324,9 @@ def _quantize_store(
     ax = tl.abs(x)
     nonfinite = (ax != ax) | (ax == INF)
     if STOCHASTIC:
-        u = _element_noise(gidx, key0, key1, stream, step, ROWS, GPB, HB)
+        u = _element_noise(
+            gidx, key0=key0, key1=key1, stream=stream, step=step, ROWS=ROWS, GPB=GPB, HB=HB
+        )
     else:
         u = 0.5
     one = tl.full((ROWS,), 1.0, tl.float32)
@@ -363,7 +367,7 @@ def _quantize_store(
         else:
             unit = tl.math.div_rn(hi - lo, one * (MAXC - 1))
             inv = tl.where(unit > 0, tl.math.div_rn(one, unit), 0.0)
-            xi = _group_uniform(gidx, key0, key1, step)
+            xi = _group_uniform(gidx, key0=key0, key1=key1, step=step)
             k0 = tl.floor(lo * inv - xi)
             base = tl.where(unit > 0, (k0 + xi) * unit, lo)
         q = tl.floor((x - base[:, None, None]) * inv[:, None, None] + u)
@@ -380,17 +384,35 @@ def _quantize_store(
         codes = tl.where(bad[:, None, None], 0, codes)
     f0 = tl.where(bad, float("nan"), f0)
     f1 = tl.where(bad, 0.0, f1)
-    boffs = _byte_offsets(gidx, GPB, HB, BITS)
-    packed = _pack(codes, ROWS, GPB, HB, BITS)
+    boffs = _byte_offsets(gidx, GPB=GPB, HB=HB, BITS=BITS)
+    packed = _pack(codes, ROWS=ROWS, GPB=GPB, HB=HB, BITS=BITS)
     if TAIL:
         tl.store(out_ptr + scale_region + boffs, packed, mask=boffs < n_code_bytes)
     else:
         tl.store(out_ptr + scale_region + boffs, packed)
     gmask = gidx < n_groups
     FIELDS: tl.constexpr = 1 if SCHEME == _ABSMAX else 2
-    _store_field(out_ptr, gidx, gmask, f0, 0, FIELDS, SCALE_BF16, ALIGNED)
+    _store_field(
+        out_ptr,
+        gidx,
+        gmask,
+        value=f0,
+        FIELD=0,
+        FIELDS=FIELDS,
+        SCALE_BF16=SCALE_BF16,
+        ALIGNED=ALIGNED,
+    )
     if FIELDS == 2:
-        _store_field(out_ptr, gidx, gmask, f1, 1, FIELDS, SCALE_BF16, ALIGNED)
+        _store_field(
+            out_ptr,
+            gidx,
+            gmask,
+            value=f1,
+            FIELD=1,
+            FIELDS=FIELDS,
+            SCALE_BF16=SCALE_BF16,
+            ALIGNED=ALIGNED,
+        )
 
 
 @triton.jit
@@ -414,7 +436,7 @@ def _decode_sum(
     """Float32 sum over K stacked payloads of the tile's values (rotated domain)."""
     QMAX: tl.constexpr = (1 << (BITS - 1)) - 1
     FIELDS: tl.constexpr = 1 if SCHEME == _ABSMAX else 2
-    boffs = _byte_offsets(gidx, GPB, HB, BITS)
+    boffs = _byte_offsets(gidx, GPB=GPB, HB=HB, BITS=BITS)
     bmask = boffs < n_code_bytes
     gmask = gidx < n_groups
     acc = tl.zeros((ROWS, GPB, HB), tl.float32)
@@ -424,12 +446,22 @@ def _decode_sum(
             raw = tl.load(base_ptr + scale_region + boffs, mask=bmask, other=0)
         else:
             raw = tl.load(base_ptr + scale_region + boffs)
-        codes = _unpack(raw, ROWS, GPB, HB, BITS)
-        f0 = _load_field(base_ptr, gidx, gmask, 0, FIELDS, SCALE_BF16, ALIGNED)
+        codes = _unpack(raw, ROWS=ROWS, GPB=GPB, HB=HB, BITS=BITS)
+        f0 = _load_field(
+            base_ptr, gidx, gmask, FIELD=0, FIELDS=FIELDS, SCALE_BF16=SCALE_BF16, ALIGNED=ALIGNED
+        )
         if SCHEME == _ABSMAX:
             vals = (codes - QMAX).to(tl.float32) * f0[:, None, None]
         else:
-            f1 = _load_field(base_ptr, gidx, gmask, 1, FIELDS, SCALE_BF16, ALIGNED)
+            f1 = _load_field(
+                base_ptr,
+                gidx,
+                gmask,
+                FIELD=1,
+                FIELDS=FIELDS,
+                SCALE_BF16=SCALE_BF16,
+                ALIGNED=ALIGNED,
+            )
             vals = f0[:, None, None] + codes.to(tl.float32) * f1[:, None, None]
         acc = acc + vals
     return acc
@@ -469,38 +501,49 @@ def encode_kernel(
     ALIGNED: tl.constexpr,
     TAIL: tl.constexpr,
 ):
-    gidx, offs = _tile(tl.program_id(0) + pid_base, ROWS, GPB, HB, BIG)
+    gidx, offs = _tile(tl.program_id(0) + pid_base, ROWS=ROWS, GPB=GPB, HB=HB, BIG=BIG)
     mask = offs < numel
-    x = _load(x_ptr + offs, mask, TAIL)
+    x = _load(x_ptr + offs, mask, TAIL=TAIL)
     if HAS_REF:
-        x = x - _load(ref_ptr + offs, mask, TAIL)
+        x = x - _load(ref_ptr + offs, mask, TAIL=TAIL)
     if ROTATE:
         x = _rotate(
-            x, offs, numel, signs_ptr, inv_sqrt_h, False, HAS_SIGNS, ROWS, GPB, HB, LOG_H, TAIL
+            x,
+            offs=offs,
+            numel=numel,
+            signs_ptr=signs_ptr,
+            inv_sqrt_h=inv_sqrt_h,
+            INVERSE=False,
+            HAS_SIGNS=HAS_SIGNS,
+            ROWS=ROWS,
+            GPB=GPB,
+            H=HB,
+            LOG_H=LOG_H,
+            TAIL=TAIL,
         )
     _quantize_store(
         x,
-        mask,
-        gidx,
-        out_ptr,
-        scale_region,
-        n_code_bytes,
-        n_groups,
-        key0,
-        key1,
-        stream,
-        step,
-        BITS,
-        ROWS,
-        GPB,
-        HB,
-        SCHEME,
-        STOCHASTIC,
-        SCALE_BF16,
-        STEP_CAP,
-        HEADROOM,
-        ALIGNED,
-        TAIL,
+        mask=mask,
+        gidx=gidx,
+        out_ptr=out_ptr,
+        scale_region=scale_region,
+        n_code_bytes=n_code_bytes,
+        n_groups=n_groups,
+        key0=key0,
+        key1=key1,
+        stream=stream,
+        step=step,
+        BITS=BITS,
+        ROWS=ROWS,
+        GPB=GPB,
+        HB=HB,
+        SCHEME=SCHEME,
+        STOCHASTIC=STOCHASTIC,
+        SCALE_BF16=SCALE_BF16,
+        STEP_CAP=STEP_CAP,
+        HEADROOM=HEADROOM,
+        ALIGNED=ALIGNED,
+        TAIL=TAIL,
     )
 
 
@@ -538,32 +581,43 @@ def decode_kernel(
     row = tl.program_id(1).to(tl.int64)
     in_ptr = in_ptr + row * row_stride
     out_ptr = out_ptr + row * out_row_stride
-    gidx, offs = _tile(tl.program_id(0) + pid_base, ROWS, GPB, HB, BIG)
+    gidx, offs = _tile(tl.program_id(0) + pid_base, ROWS=ROWS, GPB=GPB, HB=HB, BIG=BIG)
     mask = offs < numel
     acc = _decode_sum(
         in_ptr,
-        chunk_stride,
-        gidx,
-        scale_region,
-        n_code_bytes,
-        n_groups,
-        BITS,
-        ROWS,
-        GPB,
-        HB,
-        SCHEME,
-        SCALE_BF16,
-        K,
-        ALIGNED,
-        TAIL,
+        chunk_stride=chunk_stride,
+        gidx=gidx,
+        scale_region=scale_region,
+        n_code_bytes=n_code_bytes,
+        n_groups=n_groups,
+        BITS=BITS,
+        ROWS=ROWS,
+        GPB=GPB,
+        HB=HB,
+        SCHEME=SCHEME,
+        SCALE_BF16=SCALE_BF16,
+        K=K,
+        ALIGNED=ALIGNED,
+        TAIL=TAIL,
     )
     if ROTATE:
         acc = _rotate(
-            acc, offs, numel, signs_ptr, inv_sqrt_h, True, HAS_SIGNS, ROWS, GPB, HB, LOG_H, TAIL
+            acc,
+            offs=offs,
+            numel=numel,
+            signs_ptr=signs_ptr,
+            inv_sqrt_h=inv_sqrt_h,
+            INVERSE=True,
+            HAS_SIGNS=HAS_SIGNS,
+            ROWS=ROWS,
+            GPB=GPB,
+            H=HB,
+            LOG_H=LOG_H,
+            TAIL=TAIL,
         )
     if ACCUMULATE:
-        acc = _load(out_ptr + offs, mask, TAIL) + acc
-    acc = _cast_out(acc, out_ptr.dtype.element_ty, INTERPRET)
+        acc = _load(out_ptr + offs, mask, TAIL=TAIL) + acc
+    acc = _cast_out(acc, DTYPE=out_ptr.dtype.element_ty, INTERPRET=INTERPRET)
     if TAIL:
         tl.store(out_ptr + offs, acc, mask=mask)
     else:
@@ -604,48 +658,48 @@ def decode_sum_encode_kernel(
     ALIGNED: tl.constexpr,
     TAIL: tl.constexpr,
 ):
-    gidx, offs = _tile(tl.program_id(0) + pid_base, ROWS, GPB, HB, BIG)
+    gidx, offs = _tile(tl.program_id(0) + pid_base, ROWS=ROWS, GPB=GPB, HB=HB, BIG=BIG)
     mask = offs < numel
     acc = _decode_sum(
         in_ptr,
-        chunk_stride,
-        gidx,
-        in_scale_region,
-        in_code_bytes,
-        n_groups,
-        IN_BITS,
-        ROWS,
-        GPB,
-        HB,
-        IN_SCHEME,
-        IN_SCALE_BF16,
-        K,
-        IN_ALIGNED,
-        TAIL,
+        chunk_stride=chunk_stride,
+        gidx=gidx,
+        scale_region=in_scale_region,
+        n_code_bytes=in_code_bytes,
+        n_groups=n_groups,
+        BITS=IN_BITS,
+        ROWS=ROWS,
+        GPB=GPB,
+        HB=HB,
+        SCHEME=IN_SCHEME,
+        SCALE_BF16=IN_SCALE_BF16,
+        K=K,
+        ALIGNED=IN_ALIGNED,
+        TAIL=TAIL,
     )
     _quantize_store(
         acc,
-        mask,
-        gidx,
-        out_ptr,
-        out_scale_region,
-        out_code_bytes,
-        n_groups,
-        key0,
-        key1,
-        stream,
-        step,
-        BITS,
-        ROWS,
-        GPB,
-        HB,
-        SCHEME,
-        STOCHASTIC,
-        SCALE_BF16,
-        STEP_CAP,
-        HEADROOM,
-        ALIGNED,
-        TAIL,
+        mask=mask,
+        gidx=gidx,
+        out_ptr=out_ptr,
+        scale_region=out_scale_region,
+        n_code_bytes=out_code_bytes,
+        n_groups=n_groups,
+        key0=key0,
+        key1=key1,
+        stream=stream,
+        step=step,
+        BITS=BITS,
+        ROWS=ROWS,
+        GPB=GPB,
+        HB=HB,
+        SCHEME=SCHEME,
+        STOCHASTIC=STOCHASTIC,
+        SCALE_BF16=SCALE_BF16,
+        STEP_CAP=STEP_CAP,
+        HEADROOM=HEADROOM,
+        ALIGNED=ALIGNED,
+        TAIL=TAIL,
     )
 
 
@@ -669,14 +723,16 @@ def global_int_encode_kernel(
     TAIL: tl.constexpr,
 ):
     """Global-QSGD codes ``clamp(r(x * (levels / M)), -levels, levels)`` in the carrier dtype."""
-    gidx, offs = _tile(tl.program_id(0) + pid_base, ROWS, 1, GROUP, BIG)
+    gidx, offs = _tile(tl.program_id(0) + pid_base, ROWS=ROWS, GPB=1, HB=GROUP, BIG=BIG)
     mask = offs < numel
-    x = _load(x_ptr + offs, mask, TAIL)
+    x = _load(x_ptr + offs, mask, TAIL=TAIL)
     m = tl.load(scale_ptr + gidx, mask=gidx < n_groups, other=0.0)
     lv = tl.full((ROWS,), 1.0, tl.float32) * levels
     inv = tl.where(m > 0, tl.math.div_rn(lv, m), 0.0)
     if STOCHASTIC:
-        u = _element_noise(gidx, key0, key1, stream, step, ROWS, 1, GROUP)
+        u = _element_noise(
+            gidx, key0=key0, key1=key1, stream=stream, step=step, ROWS=ROWS, GPB=1, HB=GROUP
+        )
     else:
         u = 0.5
     q = tl.floor(x * inv[:, None, None] + u)

@@ -1,9 +1,16 @@
-"""Launchers of the Triton quantizer kernels: shapes, grids and constexpr flags."""
+"""Launchers of the Triton quantizer kernels: shapes, grids and constexpr flags.
+
+Every argument reaches a kernel by keyword, under the kernel's own parameter name. What a
+``QuantSpec`` fixes at compile time is worked out once per spec by :func:`_consts` and splatted
+(``**c.codes``), so two kernels cannot receive the same flags in different orders.
+"""
 
 from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Mapping
+from dataclasses import dataclass
 
 import torch
 
@@ -18,9 +25,69 @@ _BLOCK = 4096
 _NUM_WARPS = 4
 
 
-def _rows(group_size: int) -> int:
-    """Groups per program: whole groups filling about ``_BLOCK`` elements."""
-    return max(1, _BLOCK // group_size)
+def _rows(group_size: int, block: int) -> int:
+    """Groups per program: whole groups filling about ``block`` elements."""
+    return max(1, block // group_size)
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Consts:
+    """What one ``QuantSpec`` fixes for the kernels, as their keyword arguments.
+
+    Built once per ``(spec, rotate, block)`` by :func:`_consts` and shared: never mutate its
+    dicts, only splat them into a launch (plain dicts, since a read-only proxy costs a
+    microsecond more per launch to splat). Keys are the kernels' own parameter names.
+    """
+
+    tile: Mapping[str, int]
+    """``ROWS``, ``GPB``, ``HB``: the program's ``[ROWS, GPB, HB]`` tile (kernels' [Note: one
+    tile, three kernels])."""
+    tile_numel: int
+    """Elements of one tile: the step of the main grid."""
+    codes: Mapping[str, int | bool]
+    """``BITS``, ``SCHEME``, ``SCALE_BF16``: how the payload's codes and scales read."""
+    in_codes: Mapping[str, int | bool]
+    """``codes`` under the input-side names of ``decode_sum_encode_kernel`` (``IN_BITS``, ...)."""
+    quantize: Mapping[str, bool | float]
+    """``STOCHASTIC``, ``STEP_CAP``, ``HEADROOM``: how values become codes (encoding kernels)."""
+    rotation: Mapping[str, bool | int]
+    """``ROTATE``, ``HAS_SIGNS``, ``LOG_H``: the Hadamard rotation of the rotating kernels."""
+    inv_sqrt_h: float
+    """The rotation's float32 scale ``1/sqrt(h)`` (a run-time argument, not a constexpr)."""
+
+
+@functools.lru_cache(maxsize=256)
+def _consts(spec: QuantSpec, *, rotate: bool, block: int) -> _Consts:
+    """The kernels' compile-time description of ``spec``: ``rotate`` says whether the kernel
+    rotates (then ``HB`` is the Hadamard block), ``block`` is ``_BLOCK`` (an argument, not read
+    here, because the benchmarks tune it at run time)."""
+    h = spec.hadamard_block or 16
+    rotates = bool(spec.hadamard_block) and rotate
+    hb = spec.hadamard_block if rotates else spec.group_size
+    rows = _rows(spec.group_size, block)
+    codes = {
+        "BITS": spec.bits,
+        "SCHEME": _SCHEME_ID[spec.scheme],
+        "SCALE_BF16": spec.scale_dtype == torch.bfloat16,
+    }
+    return _Consts(
+        tile={"ROWS": rows, "GPB": spec.group_size // hb, "HB": hb},
+        tile_numel=rows * spec.group_size,
+        codes=codes,
+        in_codes={f"IN_{k}": v for k, v in codes.items()},
+        quantize={
+            "STOCHASTIC": spec.rounding is Rounding.STOCHASTIC,
+            # the representable-range constants (reference's [Note: representable range])
+            "STEP_CAP": step_cap(spec),
+            "HEADROOM": headroom(spec),
+        },
+        rotation={
+            "ROTATE": rotates,
+            "HAS_SIGNS": spec.hadamard_seed is not None,
+            "LOG_H": h.bit_length() - 1,
+        },
+        inv_sqrt_h=inv_sqrt(h),
+    )
 
 
 @functools.lru_cache(maxsize=64)
@@ -28,38 +95,27 @@ def _signs(h: int, seed: int, device: torch.device) -> torch.Tensor:
     return random_signs(h, seed, device=device)
 
 
-def _had_args(spec: QuantSpec, device: torch.device) -> dict:
-    h = spec.hadamard_block or 16
-    signs = _signs(h, spec.hadamard_seed, device) if spec.hadamard_seed is not None else None
-    return {
-        "signs": signs,
-        "inv_sqrt_h": inv_sqrt(h),
-        "H": h,
-        "LOG_H": h.bit_length() - 1,
-        "HAS_SIGNS": signs is not None,
-    }
+def _signs_ptr(spec: QuantSpec, placeholder: torch.Tensor) -> torch.Tensor:
+    """The rotation's +-1 signs on ``placeholder``'s device, or ``placeholder`` itself when
+    ``spec`` has none (the kernel then never reads it)."""
+    if spec.hadamard_seed is None:
+        return placeholder
+    return _signs(spec.hadamard_block, spec.hadamard_seed, placeholder.device)
 
 
-def _range_args(spec: QuantSpec) -> dict:
-    """The representable-range constants of the quantizing kernels (reference's
-    [Note: representable range])."""
-    return {"STEP_CAP": step_cap(spec), "HEADROOM": headroom(spec)}
-
-
-def _hb(spec: QuantSpec, rotate: bool) -> int:
-    """Innermost tile length: the Hadamard block when the kernel rotates, else the group."""
-    return spec.hadamard_block if spec.hadamard_block and rotate else spec.group_size
-
-
-def _launch(kernel, group_size: int, numel: int, *args, rows: int = 1, **meta) -> None:
-    """Launch the mask-free main grid over whole tiles, then one TAIL program for the rest
-    (``rows`` independent rows on grid axis 1, for the kernels that take them)."""
-    tile = _rows(group_size) * group_size
-    whole, rest = divmod(numel, tile)
+def _launch(kernel, *, tile_numel: int, grid_rows: int = 1, **kwargs) -> None:
+    """Launch the mask-free main grid over whole tiles of ``tile_numel`` elements, then one TAIL
+    program for the rest (``grid_rows`` independent rows on grid axis 1, for the kernels that
+    take them); ``kwargs`` are the kernel's arguments, ``numel`` among them."""
+    whole, rest = divmod(kwargs["numel"], tile_numel)
     if whole:
-        kernel[(whole, rows)](*args, 0, TAIL=False, **meta)
+        kernel[(whole, grid_rows)](
+            **kwargs, pid_base=0, TAIL=False, num_warps=_NUM_WARPS, enable_fp_fusion=False
+        )
     if rest:
-        kernel[(1, rows)](*args, whole, TAIL=True, **meta)
+        kernel[(1, grid_rows)](
+            **kwargs, pid_base=whole, TAIL=True, num_warps=_NUM_WARPS, enable_fp_fusion=False
+        )
 
 
 def _big(*sizes: int) -> bool:
@@ -83,9 +139,9 @@ def _key(seed: int) -> tuple[int, int]:
 
 def encode(
     src: torch.Tensor,
+    *,
     spec: QuantSpec,
     out: torch.Tensor,
-    *,
     ref: torch.Tensor | None,
     seed: int,
     step: int,
@@ -96,50 +152,41 @@ def encode(
     numel = src.numel()
     if numel == 0:
         return
-    had = _had_args(spec, src.device)
+    c = _consts(spec, rotate=rotate, block=_BLOCK)
     key0, key1 = _key(seed)
+    n_groups = spec.num_groups(numel)
     _launch(
         K.encode_kernel,
-        spec.group_size,
-        numel,
-        src,
-        ref if ref is not None else src,
-        out,
-        had["signs"] if had["HAS_SIGNS"] else src,
-        numel,
-        spec.num_groups(numel) * spec.scale_bytes,
-        spec.code_bytes(numel),
-        spec.num_groups(numel),
-        key0,
-        key1,
-        stream,
-        step,
-        had["inv_sqrt_h"],
-        BITS=spec.bits,
-        ROWS=_rows(spec.group_size),
-        GPB=spec.group_size // _hb(spec, rotate),
-        HB=_hb(spec, rotate),
-        SCHEME=_SCHEME_ID[spec.scheme],
-        STOCHASTIC=spec.rounding is Rounding.STOCHASTIC,
-        SCALE_BF16=spec.scale_dtype == torch.bfloat16,
-        **_range_args(spec),
+        tile_numel=c.tile_numel,
+        x_ptr=src,
+        ref_ptr=ref if ref is not None else src,
+        out_ptr=out,
+        signs_ptr=_signs_ptr(spec, src),
+        numel=numel,
+        scale_region=n_groups * spec.scale_bytes,
+        n_code_bytes=spec.code_bytes(numel),
+        n_groups=n_groups,
+        key0=key0,
+        key1=key1,
+        stream=stream,
+        step=step,
+        inv_sqrt_h=c.inv_sqrt_h,
+        **c.tile,
+        **c.codes,
+        **c.quantize,
+        **c.rotation,
         HAS_REF=ref is not None,
-        ROTATE=bool(spec.hadamard_block) and rotate,
-        HAS_SIGNS=had["HAS_SIGNS"],
-        LOG_H=had["LOG_H"],
         BIG=_big(numel, out.numel()),
         ALIGNED=_aligned(out, spec),
-        num_warps=_NUM_WARPS,
-        enable_fp_fusion=False,
     )
 
 
 def decode(
     payloads: torch.Tensor,
+    *,
     numel: int,
     spec: QuantSpec,
     out: torch.Tensor,
-    *,
     accumulate: bool,
     rotate: bool,
     separate: bool = False,
@@ -148,51 +195,42 @@ def decode(
     with ``separate`` each row decodes into its own row of ``out`` ([k, numel]), one launch."""
     if numel == 0:
         return
-    had = _had_args(spec, out.device)
+    c = _consts(spec, rotate=rotate, block=_BLOCK)
     k = payloads.shape[0]
-    rows = k if separate else 1
+    n_groups = spec.num_groups(numel)
     _launch(
         K.decode_kernel,
-        spec.group_size,
-        numel,
-        payloads,
-        payloads.stride(0),
-        out,
-        had["signs"] if had["HAS_SIGNS"] else out,
-        numel,
-        spec.num_groups(numel) * spec.scale_bytes,
-        spec.code_bytes(numel),
-        spec.num_groups(numel),
-        had["inv_sqrt_h"],
-        payloads.stride(0) if separate else 0,
-        out.stride(0) if separate else 0,
-        rows=rows,
-        BITS=spec.bits,
-        ROWS=_rows(spec.group_size),
-        GPB=spec.group_size // _hb(spec, rotate),
-        HB=_hb(spec, rotate),
-        SCHEME=_SCHEME_ID[spec.scheme],
-        SCALE_BF16=spec.scale_dtype == torch.bfloat16,
+        tile_numel=c.tile_numel,
+        grid_rows=k if separate else 1,
+        in_ptr=payloads,
+        chunk_stride=payloads.stride(0),
+        out_ptr=out,
+        signs_ptr=_signs_ptr(spec, out),
+        numel=numel,
+        scale_region=n_groups * spec.scale_bytes,
+        n_code_bytes=spec.code_bytes(numel),
+        n_groups=n_groups,
+        inv_sqrt_h=c.inv_sqrt_h,
+        row_stride=payloads.stride(0) if separate else 0,
+        out_row_stride=out.stride(0) if separate else 0,
+        **c.tile,
+        **c.codes,
+        **c.rotation,
         K=1 if separate else k,
         ACCUMULATE=accumulate,
-        ROTATE=bool(spec.hadamard_block) and rotate,
-        HAS_SIGNS=had["HAS_SIGNS"],
-        LOG_H=had["LOG_H"],
         BIG=_big(numel, payloads.numel(), out.numel()),
         INTERPRET=_interpret(),
         ALIGNED=_aligned(payloads, spec, payloads.stride(0)),
-        num_warps=_NUM_WARPS,
-        enable_fp_fusion=False,
     )
 
 
 def decode_sum_encode(
     payloads: torch.Tensor,
+    *,
     numel: int,
     in_spec: QuantSpec,
     out_spec: QuantSpec,
     out: torch.Tensor,
-    *,
     seed: int,
     step: int,
     stream: int,
@@ -200,51 +238,44 @@ def decode_sum_encode(
     """Re-encode (``out_spec``) the float32 sum of the decoded rows of ``payloads`` into ``out``."""
     if numel == 0:
         return
+    # Neither side rotates here: the sum stays in the Hadamard domain, tiles are whole groups.
+    c_in = _consts(in_spec, rotate=False, block=_BLOCK)
+    c_out = _consts(out_spec, rotate=False, block=_BLOCK)
     key0, key1 = _key(seed)
-    ng = out_spec.num_groups(numel)
+    n_groups = out_spec.num_groups(numel)
     _launch(
         K.decode_sum_encode_kernel,
-        out_spec.group_size,
-        numel,
-        payloads,
-        payloads.stride(0),
-        out,
-        numel,
-        ng * in_spec.scale_bytes,
-        in_spec.code_bytes(numel),
-        ng * out_spec.scale_bytes,
-        out_spec.code_bytes(numel),
-        ng,
-        key0,
-        key1,
-        stream,
-        step,
-        IN_BITS=in_spec.bits,
-        IN_SCHEME=_SCHEME_ID[in_spec.scheme],
-        IN_SCALE_BF16=in_spec.scale_dtype == torch.bfloat16,
-        BITS=out_spec.bits,
-        ROWS=_rows(out_spec.group_size),
-        GPB=1,
-        HB=out_spec.group_size,
-        SCHEME=_SCHEME_ID[out_spec.scheme],
-        STOCHASTIC=out_spec.rounding is Rounding.STOCHASTIC,
-        SCALE_BF16=out_spec.scale_dtype == torch.bfloat16,
-        **_range_args(out_spec),
+        tile_numel=c_out.tile_numel,
+        in_ptr=payloads,
+        chunk_stride=payloads.stride(0),
+        out_ptr=out,
+        numel=numel,
+        in_scale_region=n_groups * in_spec.scale_bytes,
+        in_code_bytes=in_spec.code_bytes(numel),
+        out_scale_region=n_groups * out_spec.scale_bytes,
+        out_code_bytes=out_spec.code_bytes(numel),
+        n_groups=n_groups,
+        key0=key0,
+        key1=key1,
+        stream=stream,
+        step=step,
+        **c_in.in_codes,
+        **c_out.tile,
+        **c_out.codes,
+        **c_out.quantize,
         K=payloads.shape[0],
         BIG=_big(numel, payloads.numel(), out.numel()),
         IN_ALIGNED=_aligned(payloads, in_spec, payloads.stride(0)),
         ALIGNED=_aligned(out, out_spec),
-        num_warps=_NUM_WARPS,
-        enable_fp_fusion=False,
     )
 
 
 def global_int_encode(
     src: torch.Tensor,
+    *,
     scales: torch.Tensor,
     out: torch.Tensor,
     levels: int,
-    *,
     group_size: int,
     stochastic: bool,
     seed: int,
@@ -254,24 +285,22 @@ def global_int_encode(
     """Global-QSGD codes of the contiguous 1-D ``src`` into ``out`` (the carrier dtype)."""
     numel = src.numel()
     key0, key1 = _key(seed)
+    rows = _rows(group_size, _BLOCK)
     _launch(
         K.global_int_encode_kernel,
-        group_size,
-        numel,
-        src,
-        scales,
-        out,
-        numel,
-        scales.numel(),
-        levels,
-        key0,
-        key1,
-        stream,
-        step,
-        ROWS=_rows(group_size),
+        tile_numel=rows * group_size,
+        x_ptr=src,
+        scale_ptr=scales,
+        out_ptr=out,
+        numel=numel,
+        n_groups=scales.numel(),
+        levels=levels,
+        key0=key0,
+        key1=key1,
+        stream=stream,
+        step=step,
+        ROWS=rows,
         GROUP=group_size,
         STOCHASTIC=stochastic,
         BIG=_big(numel),
-        num_warps=_NUM_WARPS,
-        enable_fp_fusion=False,
     )

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from qsdp.train.demo import main as demo
 
 TEXT = "Shall I compare thee to a summer's day? Thou art more lovely and more temperate. " * 300
@@ -29,3 +31,13 @@ def test_demo_writes_the_table_summary_and_plot(tmp_path, capsys):
         assert "is not empty" in str(e.code)
     else:
         raise AssertionError("a non-empty --out was accepted")
+
+
+def test_demo_failure_is_one_line(tmp_path):
+    short = tmp_path / "short.txt"
+    short.write_text("too short")
+    with pytest.raises(SystemExit) as e:
+        demo(["--out", str(tmp_path / "d"), "--data", str(short), "--steps", "5"])
+    message = str(e.value.code)
+    assert message.startswith("qsdp demo: ") and "\n" not in message, message
+    assert "too short" in message, message

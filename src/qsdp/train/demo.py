@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from .launch import launch
+from .launch import _USER_ERRORS, TrainError, _describe, launch
 from .metrics import read_metrics
 from .trainer import TrainConfig
 
@@ -68,7 +68,12 @@ def main(argv: list[str] | None = None) -> dict:
             eval_every=max(1, a.steps // 5),
             lr=3e-3,
         )
-        launch(cfg, nproc=a.nproc)
+        try:
+            launch(cfg, nproc=a.nproc)
+        except TrainError as e:  # one line, as `qsdp train` prints it
+            raise SystemExit(str(e).replace("qsdp train:", "qsdp demo:", 1)) from None
+        except _USER_ERRORS as e:  # refused before any worker started
+            raise SystemExit(f"qsdp demo: {_describe(e)}") from None
         rows.append(summarize(out / name))
     base = rows[0]
     for r in rows:

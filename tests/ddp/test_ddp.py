@@ -110,6 +110,12 @@ def _several(rank: int, world: int) -> dict:
     g = torch.cat([p.grad.reshape(-1) for p in c.parameters()])
     g_ref = torch.cat([p.grad.reshape(-1) for p in ref.parameters()])
     assert float((g - g_ref).norm() / g_ref.norm()) < 0.02
+    # "bf16": DDP's own all-reduce through the same hook, counted as wire_bytes_per_step says
+    plain = DDP(_model(), bucket_cap_mb=0.01)
+    hp = qsdp.ddp.register(plain, "bf16")
+    nn.functional.cross_entropy(plain(x), y).backward()
+    numel = sum(p.numel() for p in plain.parameters())
+    assert hp.stats.total_bytes == hp.wire_bytes_per_step() == 4 * numel
     # state_dict round trip
     state = hc.state_dict()
     hc2 = qsdp.ddp.register(DDP(_model()), "qsdp-g8")

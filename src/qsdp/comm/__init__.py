@@ -14,7 +14,7 @@ from ._integer import (
     integer_reduce_scatter,
     integer_reduce_scatter_wire_bytes,
 )
-from ._plans import IntegerReduce, QuantizedReduce, ReducePlan, TwoLevelReduce
+from ._plans import IntegerReduce, PlainReduce, QuantizedReduce, ReducePlan, TwoLevelReduce
 from ._reduce_scatter import reduce_scatter, reduce_scatter_wire_bytes
 from ._split import Split, fused_row
 from ._stats import CollectiveCounts, CommStats, comm_stats
@@ -26,6 +26,7 @@ __all__ = [
     "CommStats",
     "CommWork",
     "IntegerReduce",
+    "PlainReduce",
     "QuantizedReduce",
     "ReducePlan",
     "Split",

@@ -14,7 +14,11 @@ plan                     reduce_scatter                   all_reduce
 ``QuantizedReduce``      :func:`reduce_scatter`           :func:`two_phase_all_reduce` (CGX)
 ``TwoLevelReduce``       :func:`hierarchical_reduce_scatter`  (a reduce-scatter only)
 ``IntegerReduce``        :func:`integer_reduce_scatter`   :func:`integer_all_reduce`
+``PlainReduce``          (FSDP2's own)                    the backend's all-reduce, counted
 =======================  ===============================  ==================================
+
+``PlainReduce`` is "uncompressed" for the integrations that run an all-reduce themselves (DDP,
+HSDP's replicate hook), so they need no second path for it.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..quant import QuantSpec, Rounding
+from . import _common as C
 from ._common import CommWork
 from ._hierarchical import hierarchical_reduce_scatter, hierarchical_reduce_scatter_wire_bytes
 from ._integer import (
@@ -38,7 +43,7 @@ from ._reduce_scatter import reduce_scatter, reduce_scatter_wire_bytes
 from ._split import Split
 from ._two_phase import two_phase_all_reduce, two_phase_all_reduce_wire_bytes
 
-__all__ = ["IntegerReduce", "QuantizedReduce", "ReducePlan", "TwoLevelReduce"]
+__all__ = ["IntegerReduce", "PlainReduce", "QuantizedReduce", "ReducePlan", "TwoLevelReduce"]
 
 
 class ReducePlan:
@@ -49,8 +54,6 @@ class ReducePlan:
     :class:`~qsdp.comm.Split` or None), ``seed``/``step``/``bucket`` (noise key), ``stats``
     (byte counter) and ``async_op``.
     """
-
-    name = "reduce"
 
     def reduce_scatter(
         self, output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, **kw
@@ -79,6 +82,30 @@ class ReducePlan:
         self, numel: int, world_size: int, *, split: Split | None = None, element_size: int = 4
     ) -> int:
         raise NotImplementedError
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlainReduce(ReducePlan):
+    """Uncompressed: the backend's own SUM all-reduce, divided first for ``"avg"`` (as DDP's
+    default hook does), counted under ``name``. Every element travels as it is, so a split
+    changes nothing and the noise key is unused."""
+
+    name: str = "all_reduce"
+    """The byte counter's key."""
+
+    def all_reduce(self, tensor, group, *, op="avg", stats=None, async_op=False, **_):
+        op, stats = C.parse_op(op), C.resolve_stats(stats)
+        stats.count_call(self.name)
+        if op == "avg":
+            tensor.div_(dist.get_world_size(group))
+
+        def stages() -> C.Stages:
+            yield [C.all_reduce(tensor, dist.ReduceOp.SUM, group, stats, self.name)], True
+
+        return C.run_stages(stages(), async_op, result=tensor)
+
+    def all_reduce_wire_bytes(self, numel, world_size, *, split=None, element_size=4):
+        return numel * element_size
 
 
 @dataclass(frozen=True, kw_only=True)

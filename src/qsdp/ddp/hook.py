@@ -58,7 +58,7 @@ class DDPCompression:
         error_feedback: bool,
     ) -> None:
         self.config = config
-        self.plan = config.grads.plan() if config.grads is not None else None
+        self.plan = config.grads.plan() if config.grads is not None else qc.PlainReduce()
         self.group = group
         self.error_feedback = error_feedback
         self.stats = qc.CommStats()
@@ -67,7 +67,7 @@ class DDPCompression:
         """Set by :func:`register`: the model's parameters by name (residual shapes)."""
         self._calls: dict[int, int] = {}
         self._splits: dict[tuple, qc.Split | None] = {}
-        self._buckets: dict[int, tuple[int, qc.Split | None]] = {}
+        self._buckets: dict[int, tuple[int, int, qc.Split | None]] = {}
         self._residuals: dict[str, torch.Tensor] = {}
         mode = config.nonfinite
         self.check = None if mode is NonFinite.PROPAGATE else NonfiniteCheck(mode.value)
@@ -81,12 +81,8 @@ class DDPCompression:
         index = bucket.index()
         step = self._calls.get(index, 0)
         self._calls[index] = step + 1
-        if self.plan is None:  # uncompressed, counted: DDP's own all-reduce
-            self.stats.count_call("all_reduce")
-            work = _plain_all_reduce(tensor, self.group, self.stats)
-            return self._checked(work.get_future(), tensor, params, index)
         split = self._split(index, params)
-        self._buckets[index] = (tensor.numel(), split)
+        self._buckets[index] = (tensor.numel(), tensor.element_size(), split)
         if self.error_feedback:
             self._feed_back(tensor, params, split, step=step, bucket=index)
         work = self.plan.all_reduce(
@@ -188,11 +184,9 @@ class DDPCompression:
         """Bytes one step hands to ``torch.distributed`` by the ``*_wire_bytes`` rules, for the
         buckets of the latest step (DDP rebuilds them after the first)."""
         world = dist.get_world_size(self.group)
-        if self.plan is None:
-            return sum(4 * numel for numel, _ in self._buckets.values())
         return sum(
-            self.plan.all_reduce_wire_bytes(numel, world, split=split)
-            for numel, split in self._buckets.values()
+            self.plan.all_reduce_wire_bytes(numel, world, split=split, element_size=size)
+            for numel, size, split in self._buckets.values()
         )
 
     @property
@@ -236,15 +230,6 @@ class _BucketReport:
     def name(self, names: list[str]) -> None:
         more = " ..." if len(names) > 6 else ""
         self.where = f"the DDP bucket holding {names[:6]}{more}"
-
-
-def _plain_all_reduce(
-    tensor: torch.Tensor, group: dist.ProcessGroup | None, stats: qc.CommStats
-) -> dist.Work:
-    """DDP's own all-reduce (average), counted by qsdp's convention (the whole tensor)."""
-    tensor.div_(dist.get_world_size(group))
-    stats.add_bytes("all_reduce", tensor.numel() * tensor.element_size())
-    return dist.all_reduce(tensor, group=group, async_op=True)
 
 
 def register(

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from .. import comm as qc
 from ..runtime import NonfiniteCheck
-from ._hooks import _Context, _Counter
+from ._hooks import _Context, _Counter, _usable
 
 __all__ = ["ReplicateAllReduce", "ReplicateCounter"]
 
@@ -35,7 +35,7 @@ class ReplicateAllReduce:
     def __init__(
         self,
         *,
-        plan: qc.ReducePlan | None,
+        plan: qc.ReducePlan,
         replicate: dist.ProcessGroup,
         shard: dist.ProcessGroup,
         seed: int,
@@ -55,26 +55,16 @@ class ReplicateAllReduce:
     def __call__(self, reduce_output: torch.Tensor) -> None:
         with _Context("replicate all-reduce", self.module_name):
             flat = reduce_output.view(-1)
-            if self.plan is None:  # uncompressed, counted
-                self.stats.count_call("all_reduce_replicate")
-                self.stats.add_bytes("all_reduce_replicate", flat.numel() * flat.element_size())
-                dist.all_reduce(flat, op=dist.ReduceOp.AVG, group=self.replicate)
-            else:
-                split = (
-                    self.split
-                    if self.split is not None and self.split.chunk == flat.numel()
-                    else None
-                )
-                self.plan.all_reduce(
-                    flat,
-                    self.replicate,
-                    op="avg",
-                    split=split,
-                    seed=self.seed,
-                    step=self._steps.next(),
-                    bucket=self.bucket,
-                    stats=self.stats,
-                )
+            self.plan.all_reduce(
+                flat,
+                self.replicate,
+                op="avg",
+                split=_usable(self.split, flat.numel(), self.stats),
+                seed=self.seed,
+                step=self._steps.next(),
+                bucket=self.bucket,
+                stats=self.stats,
+            )
             if self.check is not None:
                 # identical on the replicas after the all-reduce; MAX over the shard group
                 # makes every rank hold the same flags

@@ -12,6 +12,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from .. import comm as qc
 from ..comm import CommStats
 from ..config import (
     CompressionConfig,
@@ -136,7 +137,12 @@ def compress_fsdp(
         model.register_load_state_dict_post_hook(clock.request_resync)
     plan = config.grads.plan(mesh=mesh) if config.grads is not None else None
     if replicate_pg is not None:  # the gradients' config is for the replicate all-reduce
-        replicate_plan, plan = plan, None
+        replicate_plan = plan or qc.PlainReduce(name="all_reduce_replicate")
+        plan = None
+
+    def split_of(layout: list | None) -> qc.Split | None:
+        return policy.split(layout) if policy is not None and layout else None
+
     gathers: list[WeightDiffAllGather] = []
     hooks: list[object] = []
     for i, module in enumerate(modules):
@@ -150,9 +156,9 @@ def compress_fsdp(
                 replicate=replicate_pg,
                 shard=groups[module][0],
                 # uncompressed: as native HSDP, NaN/Inf travel as they are
-                check=check if replicate_plan is not None else None,
+                check=check if config.grads is not None else None,
                 layout=[(n, k) for n, k, _ in layout] if layout else None,
-                split=policy.split(layout) if policy is not None and layout else None,
+                split=split_of(layout),
                 seed=config.seed,
                 bucket=2 * len(modules) + i,
                 stats=stats,
@@ -176,8 +182,7 @@ def compress_fsdp(
             gather = QuantizedMasterAllGather(weights.spec, clock=clock, params=params, **key)
         elif isinstance(weights, QuantizedWeights):
             layout = _layout(module, names[module], grads_only=False)
-            split = policy.split(layout) if policy is not None and layout else None
-            gather = QuantizedAllGather(weights.spec, split=split, **key)
+            gather = QuantizedAllGather(weights.spec, split=split_of(layout), **key)
         if gather is not None:
             module.set_custom_all_gather(gather)
             hooks.append(gather)
@@ -188,7 +193,7 @@ def compress_fsdp(
                 plan=plan,
                 check=check,
                 layout=[(n, k) for n, k, _ in layout] if layout else None,
-                split=policy.split(layout) if policy is not None and layout else None,
+                split=split_of(layout),
                 **key,
             )
             module.set_custom_reduce_scatter(reduce)

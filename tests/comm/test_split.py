@@ -145,3 +145,24 @@ def test_split_validates():
         Split(chunk=5, runs=((0, 3, True),))
     with pytest.raises(ValueError, match="in order"):
         Split(chunk=5, runs=((0, 3, True), (4, 1, False)))
+
+
+def _wrong_split(rank: int, world: int) -> None:
+    x = torch.randn(world * (M + 1))
+    calls = {
+        "reduce_scatter": lambda: qc.reduce_scatter(torch.empty(M + 1), x, spec=SPEC, split=SPLIT),
+        "all_gather": lambda: qc.all_gather(torch.empty(M + 1), x, spec=SPEC, split=SPLIT),
+        "integer_reduce_scatter": lambda: qc.integer_reduce_scatter(
+            torch.empty(M + 1), x, split=SPLIT
+        ),
+        "integer_all_reduce": lambda: qc.integer_all_reduce(x.clone(), split=SPLIT),
+        "two_phase_all_reduce": lambda: qc.two_phase_all_reduce(x.clone(), spec=SPEC, split=SPLIT),
+    }
+    for name, call in calls.items():  # refused before any communication
+        with pytest.raises(ValueError, match=f"covers {M} elements, but .* has {M + 1}"):
+            call()
+            pytest.fail(f"{name} accepted a split of another chunk")
+
+
+def test_a_split_of_another_chunk_is_refused():
+    run_distributed(_wrong_split, 1)

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from ..quant import Backend, QuantSpec, decode_rows, encode, flagged_groups
 from . import _common as C
-from ._split import Split, fused_row
+from ._split import Split, check_split, fused_row
 from ._stats import CommStats
 
 __all__ = ["all_gather", "all_gather_payloads", "all_gather_wire_bytes"]
@@ -133,11 +133,8 @@ def _all_gather_stages(
             f"output has {output.numel()} elements; all_gather of {m} elements over {n} ranks "
             f"needs world_size * input.numel() = {n * m}"
         )
-    if split is not None and split.chunk != m:
-        raise ValueError(
-            f"split covers {split.chunk} elements but the input has {m}; build the split for "
-            "this chunk (ParamPolicy.split of its layout)"
-        )
+    if split is not None:
+        check_split(split, m, "the input")
     if count_call:
         stats.count_call(name)
     if split is not None:

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from ..quant import NonFinite, QuantSpec
-from ._split import Split
+from ._split import Split, check_split
 from ._stats import CommStats, comm_stats
 
 Works = Sequence[dist.Work]
@@ -156,11 +156,7 @@ def all_reduce_split(
 ) -> Stages:
     """Stages of an all-reduce of ``tensor`` in place whose policy ``split``'s compressed part
     runs ``run(comp)`` and whose raw part a plain SUM all-reduce (see :func:`with_raw_part`)."""
-    if not isinstance(split, Split) or split.chunk != tensor.numel():
-        raise ValueError(
-            f"split={split!r} must be a qsdp.comm.Split covering the {tensor.numel()} elements "
-            "of the tensor"
-        )
+    check_split(split, tensor.numel(), "the tensor")
     comp, raw = split.take(tensor.view(1, -1))
     comp, raw = comp.view(-1), raw.view(-1)
 

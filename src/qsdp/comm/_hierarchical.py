@@ -40,7 +40,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from ..quant import Backend, QuantSpec, decode_sum, decode_sum_encode, encode, flagged_groups
 from . import _common as C
 from ._reduce_scatter import _reduce_scatter_stages, check_chunks, reduce_scatter_wire_bytes
-from ._split import Split
+from ._split import Split, check_split
 from ._stats import CommStats
 
 __all__ = ["hierarchical_reduce_scatter", "hierarchical_reduce_scatter_wire_bytes"]
@@ -295,8 +295,7 @@ def hierarchical_reduce_scatter(
     C.check_key(seed, step, bucket)
     m = check_chunks(output, input, na * nb, "hierarchical_reduce_scatter")
     if split is not None:
-        if split.chunk != m:
-            raise ValueError(f"split covers {split.chunk} elements but each chunk has {m}")
+        check_split(split, m, "each chunk")
         if group is None and mesh.size() != dist.get_world_size():
             raise ValueError(
                 "hierarchical_reduce_scatter(split=...) on a mesh smaller than the world needs "

@@ -20,7 +20,7 @@ from ..quant import group_absmax as _group_absmax
 from ..quant.global_int import nonfinite_mode
 from . import _common as C
 from ._reduce_scatter import check_chunks
-from ._split import Split
+from ._split import Split, check_split
 from ._stats import CommStats
 
 __all__ = [
@@ -193,13 +193,6 @@ def integer_all_reduce(
     return C.run_stages(stages, async_op, result=tensor)
 
 
-def _check_split(split: Split, numel: int, what: str) -> None:
-    if not isinstance(split, Split) or split.chunk != numel:
-        raise ValueError(
-            f"split={split!r} must be a qsdp.comm.Split covering the {numel} elements of {what}"
-        )
-
-
 def _all_reduce_stages(
     tensor, pg, n, carrier, op, group_size, rnd, levels, seed, step, bucket, stats, nonfinite
 ) -> C.Stages:
@@ -282,7 +275,7 @@ def integer_reduce_scatter(
     if split is None:
         stages = _reduce_scatter_stages(output, input, pg, n, m, *args)
         return C.run_stages(stages, async_op, result=output)
-    _check_split(split, m, "each chunk")
+    check_split(split, m, "each chunk")
     comp, raw = split.take(input.reshape(n, m))
     comp_out = torch.empty(split.n_comp, dtype=output.dtype, device=output.device)
     raw_out = torch.empty(split.n_raw, dtype=raw.dtype, device=raw.device)

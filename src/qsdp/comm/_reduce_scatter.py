@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from ..quant import Backend, QuantSpec, decode_sum, encode, flagged_groups
 from . import _common as C
-from ._split import Split, fused_row
+from ._split import Split, check_split, fused_row
 from ._stats import CommStats
 
 __all__ = ["reduce_scatter", "reduce_scatter_wire_bytes"]
@@ -155,11 +155,8 @@ def _reduce_scatter_stages(
     C.check_key(seed, step, bucket)
     pg, n, r = C.group_info(group)
     m = check_chunks(output, input, n, "reduce_scatter")
-    if split is not None and split.chunk != m:
-        raise ValueError(
-            f"split covers {split.chunk} elements but each chunk has {m}; build the split for "
-            "this chunk (ParamPolicy.split of its layout)"
-        )
+    if split is not None:
+        check_split(split, m, "each chunk")
     if count_call:
         stats.count_call(name)
     if split is not None:

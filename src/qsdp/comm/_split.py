@@ -19,7 +19,7 @@ import torch
 
 from ..quant import QuantSpec
 
-__all__ = ["Split", "fused_row"]
+__all__ = ["Split", "check_split", "fused_row"]
 
 
 @dataclass(frozen=True)
@@ -86,3 +86,14 @@ def fused_row(spec: QuantSpec, n_comp: int, raw_bytes: int) -> tuple[int, int]:
     parts start on a scale-word (and float) boundary."""
     at = -(-spec.payload_bytes(n_comp) // 16) * 16
     return at, at + -(-raw_bytes // 16) * 16
+
+
+def check_split(split: object, numel: int, what: str) -> None:
+    """Refuse a ``split=`` argument that is not a :class:`Split` of ``numel`` elements (the
+    chunk ``what`` names)."""
+    if not isinstance(split, Split) or split.chunk != numel:
+        covers = f"covers {split.chunk} elements" if isinstance(split, Split) else "is no Split"
+        raise ValueError(
+            f"split={split!r} {covers}, but {what} has {numel}; build it for this chunk: "
+            "ParamPolicy.split of its layout"
+        )

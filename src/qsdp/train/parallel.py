@@ -160,8 +160,7 @@ def build(
     fully_shard(gpt, mesh=shard_mesh, mp_policy=mp)
     if mode == "hsdp":
         compress_fsdp(gpt, config, replicate=replicate)
-        shard = ws // _nodes(nodes, ws)
     else:
         compress_fsdp(gpt, config, mesh=_mesh(config, device, two_level))
-        shard = ws
+    shard = shard_mesh.size() if shard_mesh is not None else ws
     return Parallel(mode, gpt, gpt, fsdp_comm_stats(gpt), comm_state(gpt), shard_size=shard)

@@ -14,6 +14,12 @@ on ``socket`` where every GPU is a node).
 Rows: median seconds per step, tokens/s, ratio to both baselines, peak memory, first and last
 loss (all variants start from the same weights and see the same batches). ``--device cpu``
 runs a gloo smoke test with a tiny model.
+
+``--hsdp`` (run it in the ``2x2`` regime): HSDP over 2 nodes, a (replicate, shard) mesh of
+2 x world/2. The baselines are native HSDP (``fully_shard`` on the 2-D mesh) with fp32 and with
+bf16 reduce (its replicate all-reduce crosses the nodes in that dtype); each recipe (default
+``cgx``, ``global-qsgd``) is compressed HSDP: modules sharded on the intra-node mesh, the
+replicate all-reduce through ``compress_fsdp(..., replicate=mesh["replicate"])``.
 """
 
 from __future__ import annotations
@@ -91,17 +97,36 @@ def two_level_mesh(regime: str, device: torch.device):
     return init_device_mesh(device.type, shape, mesh_dim_names=("inter", "intra"))
 
 
+def hsdp_mesh(device: torch.device):
+    """HSDP's (replicate, shard) mesh: 2 nodes of world/2 GPUs."""
+    ws = dist.get_world_size()
+    if ws % 2:
+        raise SystemExit(f"--hsdp needs an even number of GPUs (2 nodes), got {ws}")
+    return init_device_mesh(device.type, (2, ws // 2), mesh_dim_names=("replicate", "shard"))
+
+
 def build(
-    c: ModelConfig, device: torch.device, reduce_dtype, recipe: str | None, compute_dtype, mesh=None
+    c: ModelConfig,
+    device: torch.device,
+    reduce_dtype,
+    recipe: str | None,
+    compute_dtype,
+    mesh=None,
+    hsdp=None,
 ):
+    """The sharded GPT. ``hsdp``: the (replicate, shard) mesh: native HSDP without a recipe,
+    compressed HSDP (sharded inside the node, replicate all-reduce by qsdp) with one."""
     torch.manual_seed(0)
     with device:
         model = GPT(c)
     mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=reduce_dtype)
+    shard_on = None if hsdp is None else (hsdp if recipe is None else hsdp["shard"])
     for block in model.blocks:
-        fully_shard(block, mp_policy=mp)
-    fully_shard(model, mp_policy=mp)
-    if recipe is not None:
+        fully_shard(block, mesh=shard_on, mp_policy=mp)
+    fully_shard(model, mesh=shard_on, mp_policy=mp)
+    if recipe is not None and hsdp is not None:
+        qsdp.compress_fsdp(model, recipe, replicate=hsdp["replicate"])
+    elif recipe is not None:
         two_level = qsdp.recipe(recipe).two_level
         qsdp.compress_fsdp(model, recipe, mesh=mesh if two_level else None)
     return model
@@ -112,8 +137,9 @@ def run_variant(name, c, args, device, recipe, reduce_dtype, compute_dtype) -> t
         left = torch.cuda.memory_allocated(device)
         if left > 2**28 and dist.get_rank() == 0:
             print(f"  warning: {left / 2**30:.2f} GiB still allocated before {name}", flush=True)
-    mesh = two_level_mesh(args.regime, device)
-    model = build(c, device, reduce_dtype, recipe, compute_dtype, mesh)
+    hsdp = hsdp_mesh(device) if args.hsdp else None
+    mesh = None if args.hsdp else two_level_mesh(args.regime, device)
+    model = build(c, device, reduce_dtype, recipe, compute_dtype, mesh, hsdp)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     g = torch.Generator(device=device).manual_seed(100 + dist.get_rank())
     times, cpu_times, losses = [], [], []
@@ -230,7 +256,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--regime", choices=sorted(regimes.REGIMES), required=True)
     p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--recipes", nargs="*", default=["qsdp-w8g8", "global-qsgd", "sdp4bit"])
+    p.add_argument("--recipes", nargs="*", help="default: qsdp-w8g8 global-qsgd sdp4bit "
+                   "(with --hsdp: cgx global-qsgd)")
+    p.add_argument("--hsdp", action="store_true", help="HSDP on 2 nodes (see the docstring)")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--batch", type=int, default=8)
@@ -256,13 +284,16 @@ def main() -> None:
         compute = torch.float32  # gloo has no bf16 reduce for the baselines
     c = TINY if a.tiny else GPT_1_4B
     ws = dist.get_world_size()
-    variants = [("fsdp2-fp32-reduce", None, torch.float32), ("fsdp2-bf16-reduce", None, compute)]
+    if a.recipes is None:
+        a.recipes = ["cgx", "global-qsgd"] if a.hsdp else ["qsdp-w8g8", "global-qsgd", "sdp4bit"]
+    base = "hsdp" if a.hsdp else "fsdp2"
+    variants = [(f"{base}-fp32-reduce", None, torch.float32), (f"{base}-bf16-reduce", None, compute)]
     variants += [(r, r, compute) for r in a.recipes]
     results = {}
     for vname, recipe, reduce_dtype in variants:
         results[vname] = run_variant(vname, c, a, device, recipe, reduce_dtype, compute)
     tokens = a.batch * c.block_size * ws
-    base32, base16 = results["fsdp2-fp32-reduce"][0], results["fsdp2-bf16-reduce"][0]
+    base32, base16 = results[f"{base}-fp32-reduce"][0], results[f"{base}-bf16-reduce"][0]
     rows = [
         Row(
             v,
@@ -294,6 +325,7 @@ def main() -> None:
             "world_size": ws,
             "torch": torch.__version__,
             "regime": a.regime,
+            "hsdp": a.hsdp,
             "env": env,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "model": model_meta(c),

@@ -3,6 +3,8 @@
 # docs/gpu.md, in the network regimes given as arguments (default: socket nvlink 2x2).
 #   RESULTS_DIR=out bash benchmarks/run_fsdp_step.sh socket nvlink
 # NPROC=2 runs on 2 GPUs (scaling; the JSON name gets _ws2); FSDP_ARGS adds bench arguments.
+# HSDP=1: the HSDP rows (native HSDP vs compressed, 2 nodes; JSON name fsdp_step_hsdp_...):
+#   HSDP=1 bash benchmarks/run_fsdp_step.sh 2x2
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=src PYTHONUNBUFFERED=1
@@ -22,6 +24,6 @@ for regime in "${regimes[@]}"; do
   esac
   echo "== regime $regime"
   env ${extra[@]+"${extra[@]}"} torchrun --standalone --nproc-per-node "${NPROC:-4}" \
-    benchmarks/bench_fsdp_step.py --regime "$regime" \
-    --out "${RESULTS_DIR}/fsdp_step_${regime}${NPROC:+_ws$NPROC}_${gpu}_${day}.json" ${FSDP_ARGS:-}
+    benchmarks/bench_fsdp_step.py --regime "$regime" ${HSDP:+--hsdp} \
+    --out "${RESULTS_DIR}/fsdp_step_${HSDP:+hsdp_}${regime}${NPROC:+_ws$NPROC}_${gpu}_${day}.json" ${FSDP_ARGS:-}
 done

@@ -52,8 +52,8 @@ def _philox(c0, c1, c2, c3, k0, k1):
 
 
 @triton.jit
-def _counter_words(ctr, stream, step, key0, key1):
-    """Philox words for integer counters ``ctr`` with counter words (lo, hi, stream, step)."""
+def _counter_words(ctr, rng_stream, step, key0, key1):
+    """Philox words for integer counters ``ctr`` with counter words (lo, hi, rng_stream, step)."""
     c64 = ctr.to(tl.int64)
     c0 = (c64 & 0xFFFFFFFF).to(tl.uint32)
     c1 = (c64 >> 32).to(tl.uint32)
@@ -61,7 +61,7 @@ def _counter_words(ctr, stream, step, key0, key1):
     return _philox(
         c0=c0,
         c1=c1,
-        c2=zero + stream.to(tl.uint32),
+        c2=zero + rng_stream.to(tl.uint32),
         c3=zero + step.to(tl.uint32),
         k0=zero + key0.to(tl.uint32),
         k1=zero + key1.to(tl.uint32),
@@ -70,7 +70,7 @@ def _counter_words(ctr, stream, step, key0, key1):
 
 @triton.jit
 def _element_noise(
-    gidx, key0, key1, stream, step, ROWS: tl.constexpr, GPB: tl.constexpr, HB: tl.constexpr
+    gidx, key0, key1, rng_stream, step, ROWS: tl.constexpr, GPB: tl.constexpr, HB: tl.constexpr
 ):
     """U(0,1) for the tile: element e is half e % 2 of word (e % 8) // 2 of counter e // 8."""
     GROUP: tl.constexpr = GPB * HB
@@ -79,7 +79,7 @@ def _element_noise(
         + (tl.arange(0, GPB) * (HB // 8))[None, :, None]
         + tl.arange(0, HB // 8)[None, None, :]
     )
-    w0, w1, w2, w3 = _counter_words(ctr, stream=stream, step=step, key0=key0, key1=key1)
+    w0, w1, w2, w3 = _counter_words(ctr, rng_stream=rng_stream, step=step, key0=key0, key1=key1)
     w = tl.reshape(tl.join(tl.join(w0, w2), tl.join(w1, w3)), (ROWS, GPB, HB // 8, 4))
     halves = tl.reshape(tl.join(w & 0xFFFF, w >> 16), (ROWS, GPB, HB))
     return (halves.to(tl.float32) + 0.5) * 1.52587890625e-05
@@ -87,9 +87,9 @@ def _element_noise(
 
 @triton.jit
 def _group_uniform(gidx, key0, key1, step):
-    """One U[0,1) per group (the shift-lattice dither): word 0 of counter g, stream 2^32-1."""
+    """One U[0,1) per group (the shift-lattice dither): word 0 of counter g, rng_stream 2^32-1."""
     w0, w1, w2, w3 = _counter_words(
-        gidx, stream=tl.full((), 0xFFFFFFFF, tl.uint32), step=step, key0=key0, key1=key1
+        gidx, rng_stream=tl.full((), 0xFFFFFFFF, tl.uint32), step=step, key0=key0, key1=key1
     )
     return (w0 >> 8).to(tl.float32) * 5.9604644775390625e-08
 
@@ -297,7 +297,7 @@ def _quantize_store(
     n_groups,
     key0,
     key1,
-    stream,
+    rng_stream,
     step,
     BITS: tl.constexpr,
     ROWS: tl.constexpr,
@@ -325,7 +325,7 @@ def _quantize_store(
     nonfinite = (ax != ax) | (ax == INF)
     if STOCHASTIC:
         u = _element_noise(
-            gidx, key0=key0, key1=key1, stream=stream, step=step, ROWS=ROWS, GPB=GPB, HB=HB
+            gidx, key0=key0, key1=key1, rng_stream=rng_stream, step=step, ROWS=ROWS, GPB=GPB, HB=HB
         )
     else:
         u = 0.5
@@ -468,7 +468,7 @@ def _decode_sum(
 
 
 # --- kernels ------------------------------------------------------------------------------------
-@triton.jit(do_not_specialize=["key0", "key1", "stream", "step"])
+@triton.jit(do_not_specialize=["key0", "key1", "rng_stream", "step"])
 def encode_kernel(
     x_ptr,
     ref_ptr,
@@ -480,7 +480,7 @@ def encode_kernel(
     n_groups,
     key0,
     key1,
-    stream,
+    rng_stream,
     step,
     inv_sqrt_h,
     pid_base,
@@ -531,7 +531,7 @@ def encode_kernel(
         n_groups=n_groups,
         key0=key0,
         key1=key1,
-        stream=stream,
+        rng_stream=rng_stream,
         step=step,
         BITS=BITS,
         ROWS=ROWS,
@@ -624,7 +624,7 @@ def decode_kernel(
         tl.store(out_ptr + offs, acc)
 
 
-@triton.jit(do_not_specialize=["key0", "key1", "stream", "step"])
+@triton.jit(do_not_specialize=["key0", "key1", "rng_stream", "step"])
 def decode_sum_encode_kernel(
     in_ptr,
     chunk_stride,
@@ -637,7 +637,7 @@ def decode_sum_encode_kernel(
     n_groups,
     key0,
     key1,
-    stream,
+    rng_stream,
     step,
     pid_base,
     IN_BITS: tl.constexpr,
@@ -687,7 +687,7 @@ def decode_sum_encode_kernel(
         n_groups=n_groups,
         key0=key0,
         key1=key1,
-        stream=stream,
+        rng_stream=rng_stream,
         step=step,
         BITS=BITS,
         ROWS=ROWS,
@@ -703,7 +703,7 @@ def decode_sum_encode_kernel(
     )
 
 
-@triton.jit(do_not_specialize=["key0", "key1", "stream", "step"])
+@triton.jit(do_not_specialize=["key0", "key1", "rng_stream", "step"])
 def global_int_encode_kernel(
     x_ptr,
     scale_ptr,
@@ -713,7 +713,7 @@ def global_int_encode_kernel(
     levels,
     key0,
     key1,
-    stream,
+    rng_stream,
     step,
     pid_base,
     ROWS: tl.constexpr,
@@ -731,7 +731,7 @@ def global_int_encode_kernel(
     inv = tl.where(m > 0, tl.math.div_rn(lv, m), 0.0)
     if STOCHASTIC:
         u = _element_noise(
-            gidx, key0=key0, key1=key1, stream=stream, step=step, ROWS=ROWS, GPB=1, HB=GROUP
+            gidx, key0=key0, key1=key1, rng_stream=rng_stream, step=step, ROWS=ROWS, GPB=1, HB=GROUP
         )
     else:
         u = 0.5

@@ -35,7 +35,8 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import qsdp
-import regimes  # benchmarks/, the script's own folder
+import profiling  # benchmarks/, the script's own folder
+import regimes
 from qsdp.train.model import GPT, PRESETS
 
 GPT_125M = PRESETS["gpt-125m"].with_vocab(50257)
@@ -76,7 +77,11 @@ def _hook_bytes(name: str, model: DDP, numel: int, state) -> int | None:
 def run_variant(name: str, a, cfg, device: torch.device, rank: int) -> dict:
     torch.manual_seed(0)
     module = GPT(cfg).to(device)
-    model = DDP(module, device_ids=[device.index] if device.type == "cuda" else None)
+    model = DDP(
+        module,
+        device_ids=[device.index] if device.type == "cuda" else None,
+        bucket_cap_mb=a.bucket_mb,
+    )
     hook_state = None
     qsdp_state = None
     if name == "bf16_compress_hook":
@@ -104,6 +109,8 @@ def run_variant(name: str, a, cfg, device: torch.device, rank: int) -> dict:
         if i >= a.warmup:
             times.append(time.perf_counter() - t0)
         losses.append(float(loss.detach()))
+    if a.profile is not None:  # one more step, profiled, after the measured ones
+        _profiled_step(name, a, cfg, model, opt, amp, device, rank)
     for x, y in _batches(cfg, 3, a.batch, device, rank + 100):  # the compute bound
         _sync(device)
         t0 = time.perf_counter()
@@ -138,6 +145,23 @@ def run_variant(name: str, a, cfg, device: torch.device, rank: int) -> dict:
     }
 
 
+def _profiled_step(name, a, cfg, model, opt, amp, device, rank) -> None:
+    (x, y), prof = next(_batches(cfg, 1, a.batch, device, rank + 200)), profiling.profiler(device)
+    _sync(device)
+    t0 = time.perf_counter()
+    with prof:
+        with amp:
+            _, loss = model(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        _sync(device)
+    if rank == 0:
+        profiling.write_profile(
+            prof, a.profile / f"ddp_{a.regime}_{name}.txt", time.perf_counter() - t0
+        )
+
+
 def all_reduce_bandwidth(device: torch.device, mib: int = 256) -> float:
     """Bytes per second of a plain fp32 all-reduce by qsdp's convention (tensor bytes / time)."""
     x = torch.randn(mib * 2**18, device=device)
@@ -166,6 +190,8 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--tiny", action="store_true", help="a 2-layer d-128 model (smoke tests)")
+    p.add_argument("--bucket-mb", type=float, default=25.0, help="DDP's bucket_cap_mb")
+    p.add_argument("--profile", type=Path, help="profile one extra step per variant into DIR")
     a = p.parse_args()
     local = int(os.environ.get("LOCAL_RANK", "0"))
     regimes.apply(a.regime, local, a.device)
@@ -213,6 +239,7 @@ def main() -> None:
                 "params": sum(p.numel() for p in GPT(cfg).parameters()),
             },
             "micro_batch": a.batch,
+            "bucket_cap_mb": a.bucket_mb,
             "all_reduce_bytes_per_s": bw,
             "rows": rows,
         }

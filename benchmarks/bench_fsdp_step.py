@@ -41,7 +41,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import qsdp
-import regimes  # benchmarks/, the script's own folder
+import profiling  # benchmarks/, the script's own folder
+import regimes
 from qsdp.train.model import GPT, ModelConfig
 
 # The GPT of docs/gpu.md, 1.42 B parameters: qsdp's model with the options that reproduce this
@@ -147,8 +148,8 @@ def run_variant(name, c, args, device, recipe, reduce_dtype, compute_dtype) -> t
         torch.cuda.reset_peak_memory_stats(device)
     timed = args.warmup + args.steps
     for i in range(timed + (1 if args.profile else 0)):
-        profiling = i == timed  # one extra step, after the measured ones
-        prof = _profiler(device) if profiling else None
+        profiled = i == timed  # one extra step, after the measured ones
+        prof = profiling.profiler(device) if profiled else None
         if prof is not None:
             prof.__enter__()
         if args.mem_trace and device.type == "cuda" and dist.get_rank() == 0:
@@ -162,7 +163,7 @@ def run_variant(name, c, args, device, recipe, reduce_dtype, compute_dtype) -> t
             torch.cuda.synchronize(device)
         dist.barrier()
         t0 = time.perf_counter()
-        phases = _Phases(device, profiling)
+        phases = _Phases(device, profiled)
         # the loss outside the model, as before the model moved to the package: FSDP's root
         # pre-backward hook (the last block's prefetch) fires on the logits, after its backward
         logits, _ = model(batch[:, :-1])
@@ -181,7 +182,7 @@ def run_variant(name, c, args, device, recipe, reduce_dtype, compute_dtype) -> t
             prof.__exit__(None, None, None)
             if dist.get_rank() == 0:
                 path = args.profile / f"{args.regime}_{name}.txt"
-                _write_profile(prof, path, elapsed, phases.report())
+                profiling.write_profile(prof, path, elapsed, phases.report())
             continue
         slowest = torch.tensor([elapsed], device=device, dtype=torch.float64)
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
@@ -204,13 +205,6 @@ def run_variant(name, c, args, device, recipe, reduce_dtype, compute_dtype) -> t
             later = torch.cuda.memory_allocated(device) / 2**30
             print(f"  {name}: {left:.2f} GiB left after del+gc, {later:.2f} GiB 2 s later")
     return [statistics.median(times), statistics.median(cpu_times), losses, peak]
-
-
-def _profiler(device: torch.device):
-    acts = [torch.profiler.ProfilerActivity.CPU]
-    if device.type == "cuda":
-        acts.append(torch.profiler.ProfilerActivity.CUDA)
-    return torch.profiler.profile(activities=acts)
 
 
 class _Phases:
@@ -238,18 +232,6 @@ class _Phases:
             f"memory {n:<10} allocated after {a / 2**30:6.2f} GiB, peak during {p / 2**30:6.2f} GiB"
             for n, a, p in self.rows
         )
-
-
-def _write_profile(prof, path: Path, elapsed: float, memory: str) -> None:
-    """Rank 0's profile of one step: the top ops by host time and by device time."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    ka = prof.key_averages()
-    dev_key = "self_device_time_total" if hasattr(ka[0], "self_device_time_total") else None
-    parts = [f"step wall {elapsed * 1e3:.1f} ms (profiled, includes profiler overhead)", memory]
-    parts.append(ka.table(sort_by="self_cpu_time_total", row_limit=40))
-    if dev_key is not None:
-        parts.append(ka.table(sort_by=dev_key, row_limit=40))
-    path.write_text("\n\n".join(parts))
 
 
 def main() -> None:

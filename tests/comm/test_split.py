@@ -106,6 +106,10 @@ def _worker(rank: int, world: int) -> None:
             work = call(out, split=SPLIT, stats=stats, async_op=True, **KEY)
             assert work.get_future().wait() is out
         _check(name, out, ref, raw_sum, stats, sent, wire)
+        if name == "two_phase_all_reduce":  # the raw part rides in the two phases' calls
+            # two all-reduces: each phase's NaN/Inf verdict; none for the raw part
+            assert sent.calls.get("all_reduce", 0) == 2, sent.calls
+            assert sent.calls.get("all_to_all_single", 0) == (1 if n > 1 else 0), sent.calls
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])

@@ -43,7 +43,7 @@ def _train(rank: int, world: int, recipe: str | None) -> list[float]:
     for step in range(STEPS):
         g = torch.Generator().manual_seed(1000 * step + rank)
         x = torch.randint(0, 512, (32, 4), generator=g).to(dev)
-        y = (x.sum(1) * 7) % 512
+        y = x[:, 0]  # learnable in a few steps (a sum modulo 512 is not)
         with torch.autocast("cuda", dtype=torch.bfloat16):
             loss = nn.functional.cross_entropy(ddp(x).float(), y)
         opt.zero_grad()
@@ -57,11 +57,15 @@ def _train(rank: int, world: int, recipe: str | None) -> list[float]:
     return losses
 
 
+def _tail(losses: list[float]) -> float:
+    return sum(losses[-5:]) / 5  # the same batches for every run: the noise is shared
+
+
 def test_ddp_recipes_train_like_ddp_on_nccl():
     world = min(torch.cuda.device_count(), 4)
     plain = run_distributed(_train, world, None, backend="nccl")[0]
-    assert plain[0] - plain[-1] > 0.5, plain
+    assert plain[0] - _tail(plain) > 1.0, plain
     for recipe in ("cgx", "global-qsgd", "qsdp-g8"):
         got = run_distributed(_train, world, recipe, backend="nccl")[0]
-        rel = abs(got[-1] - plain[-1]) / plain[-1]
-        assert rel < 0.03, (recipe, got[-1], plain[-1])
+        rel = abs(_tail(got) - _tail(plain)) / _tail(plain)
+        assert rel < 0.03, (recipe, got, plain)

@@ -4,6 +4,15 @@ Phase 1 is :func:`~qsdp.comm.reduce_scatter` over ``n`` chunks (the input padded
 ``n * ceil(numel / n)`` elements); rank ``r`` then owns the reduced chunk ``r``. Phase 2 is
 :func:`~qsdp.comm.all_gather` of the owners' re-encoded chunks; every rank, the owner included,
 decodes every chunk, so all ranks end with bit-identical tensors.
+
+[Note: a split in two phases]
+With a policy split the raw elements ride in the same two calls as the codes, as in the FSDP
+collectives: the compressed part and the raw part are each cut into ``n`` chunks and chunk
+``j`` of both forms row ``j`` of an ``n x (mc + mr)`` buffer, so that every row has the same
+``[mc compressed | mr raw]`` layout; phase 1 is the fused reduce-scatter of those rows (the raw
+values summed exactly in float32 on the owner), phase 2 the fused all-gather of the owner's row.
+One all-to-all and one all-gather per call, as without a split (a third, plain all-reduce of
+the raw part cost a collective's latency per DDP bucket).
 """
 
 from __future__ import annotations
@@ -13,9 +22,9 @@ import torch.distributed as dist
 
 from ..quant import Backend, QuantSpec
 from . import _common as C
-from ._all_gather import _all_gather_stages
-from ._reduce_scatter import _reduce_scatter_stages
-from ._split import Split
+from ._all_gather import _all_gather_stages, all_gather_wire_bytes
+from ._reduce_scatter import _reduce_scatter_stages, reduce_scatter_wire_bytes
+from ._split import Split, check_split
 from ._stats import CommStats
 
 __all__ = ["two_phase_all_reduce", "two_phase_all_reduce_wire_bytes"]
@@ -36,12 +45,21 @@ def two_phase_all_reduce_wire_bytes(
     Returns:
         ``world_size * spec.payload_bytes(m)`` with ``m = ceil(numel / world_size)``:
         ``world_size - 1`` payloads in the all-to-all, one in the all-gather (the uncompressed
-        all-reduce hands over ``numel * element_size``); with a split, that of its compressed
-        elements plus ``n_raw * element_size`` (the raw part's plain all-reduce).
+        all-reduce hands over ``numel * element_size``); with a split, ``world_size - 1``
+        ``[codes | raw]`` rows of the chunked split in the all-to-all (raw elements of
+        ``element_size`` bytes) and one in the all-gather (raw float32, the owner's sum), see
+        [Note: a split in two phases].
     """
     if split is not None:
-        comp = two_phase_all_reduce_wire_bytes(split.n_comp, world_size, spec)
-        return comp + split.n_raw * element_size
+        per_chunk = _chunked(split, world_size)
+        rs = reduce_scatter_wire_bytes(
+            per_chunk.chunk * world_size,
+            world_size,
+            spec,
+            split=per_chunk,
+            element_size=element_size,
+        )
+        return rs + all_gather_wire_bytes(per_chunk.chunk, spec, split=per_chunk, element_size=4)
     m = -(-numel // world_size)
     return world_size * spec.payload_bytes(m)
 
@@ -97,18 +115,56 @@ def two_phase_all_reduce(
     stats = C.resolve_stats(stats)
     stats.count_call(_NAME)
     if split is not None:
-        stages = C.all_reduce_split(
-            tensor,
-            split,
-            lambda comp: _phases(comp, pg, n, op, spec, seed, step, bucket, backend, stats),
-            pg,
-            op,
-            stats,
-            _NAME,
-        )
+        check_split(split, tensor.numel(), "the tensor")
+        stages = _split_phases(tensor, split, pg, n, op, spec, seed, step, bucket, backend, stats)
         return C.run_stages(stages, async_op, result=tensor)
     stages = _phases(tensor, pg, n, op, spec, seed, step, bucket, backend, stats)
     return C.run_stages(stages, async_op, result=tensor)
+
+
+def _chunked(split: Split, n: int) -> Split:
+    """The ``[mc compressed | mr raw]`` split of each of the ``n`` rows (see
+    [Note: a split in two phases])."""
+    mc, mr = -(-split.n_comp // n), -(-split.n_raw // n)
+    runs = tuple(run for run in ((0, mc, True), (mc, mr, False)) if run[1] > 0)
+    return Split(chunk=mc + mr, runs=runs, raw_names=split.raw_names)
+
+
+def _split_phases(tensor, split, pg, n, op, spec, seed, step, bucket, backend, stats) -> C.Stages:
+    """Both phases with the raw part in the same calls; the first's encodes run before this
+    returns."""
+    per_chunk = _chunked(split, n)
+    mc, mr = per_chunk.n_comp, per_chunk.n_raw
+    comp, raw = split.take(tensor.view(1, -1))
+    comp_pad = torch.zeros(n * mc, dtype=tensor.dtype, device=tensor.device)
+    raw_pad = torch.zeros(n * mr, dtype=tensor.dtype, device=tensor.device)
+    comp_pad[: split.n_comp] = comp.view(-1)
+    raw_pad[: split.n_raw] = raw.view(-1)
+    rows = torch.cat([comp_pad.view(n, mc), raw_pad.view(n, mr)], dim=1)
+    common = dict(
+        spec=spec,
+        seed=seed,
+        step=step,
+        bucket=bucket,
+        backend=backend,
+        stats=stats,
+        name=_NAME,
+        count_call=False,
+        split=per_chunk,
+    )
+    reduced = torch.empty(mc + mr, dtype=torch.float32, device=tensor.device)
+    phase1 = _reduce_scatter_stages(reduced, rows.view(-1), pg, op=op, hop=0, **common)
+    return _split_stages(tensor, split, reduced, phase1, pg, n, mc, common)
+
+
+def _split_stages(tensor, split, reduced, phase1, pg, n, mc, common) -> C.Stages:
+    for works, _ in phase1:
+        yield works, False
+    gathered = torch.empty(n, reduced.numel(), dtype=torch.float32, device=tensor.device)
+    yield from _all_gather_stages(gathered.view(-1), reduced, pg, hop=1, **common)
+    comp = gathered[:, :mc].reshape(1, -1)[:, : split.n_comp]
+    raw = gathered[:, mc:].reshape(1, -1)[:, : split.n_raw]
+    split.put(tensor.view(1, -1), comp, raw)
 
 
 def _phases(tensor, pg, n, op, spec, seed, step, bucket, backend, stats) -> C.Stages:

@@ -34,8 +34,8 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-import qsdp
 import profiling  # benchmarks/, the script's own folder
+import qsdp
 import regimes
 from qsdp.train.model import GPT, PRESETS
 

@@ -40,8 +40,8 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-import qsdp
 import profiling  # benchmarks/, the script's own folder
+import qsdp
 import regimes
 from qsdp.train.model import GPT, ModelConfig
 
@@ -238,8 +238,11 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--regime", choices=sorted(regimes.REGIMES), required=True)
     p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--recipes", nargs="*", help="default: qsdp-w8g8 global-qsgd sdp4bit "
-                   "(with --hsdp: cgx global-qsgd)")
+    p.add_argument(
+        "--recipes",
+        nargs="*",
+        help="default: qsdp-w8g8 global-qsgd sdp4bit (with --hsdp: cgx global-qsgd)",
+    )
     p.add_argument("--hsdp", action="store_true", help="HSDP on 2 nodes (see the docstring)")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
@@ -269,7 +272,10 @@ def main() -> None:
     if a.recipes is None:
         a.recipes = ["cgx", "global-qsgd"] if a.hsdp else ["qsdp-w8g8", "global-qsgd", "sdp4bit"]
     base = "hsdp" if a.hsdp else "fsdp2"
-    variants = [(f"{base}-fp32-reduce", None, torch.float32), (f"{base}-bf16-reduce", None, compute)]
+    variants = [
+        (f"{base}-fp32-reduce", None, torch.float32),
+        (f"{base}-bf16-reduce", None, compute),
+    ]
     variants += [(r, r, compute) for r in a.recipes]
     results = {}
     for vname, recipe, reduce_dtype in variants:

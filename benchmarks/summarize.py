@@ -1,12 +1,20 @@
-"""Markdown tables for the README from the committed results (nothing is typed in by hand).
+"""Markdown tables of the committed results (nothing is typed in by hand).
 
-python benchmarks/summarize.py            # prints both tables
+    python benchmarks/summarize.py                          # print every table
+    python benchmarks/summarize.py --update docs/results.md # rewrite its generated blocks
+    python benchmarks/summarize.py --check docs/results.md  # exit 1 if a block is stale
+
+A generated block of a markdown file sits between ``<!-- summarize:NAME -->`` and
+``<!-- /summarize -->``; NAME is a key of :func:`tables`.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import re
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -96,8 +104,8 @@ def fsdp_table(paths: list[Path]) -> str:
     meta = None
     for p in paths:
         d = json.loads(p.read_text())
-        if d["world_size"] != 4:
-            continue  # scaling points: scaling_table
+        if d["world_size"] != 4 or d.get("hsdp"):
+            continue  # scaling points: scaling_table; HSDP: hsdp_table
         meta = d
         runs[d["regime"]] = {r["variant"]: r for r in d["rows"]}
         stamps[d["regime"]] = d["date"][:16].replace("T", " ")
@@ -138,6 +146,8 @@ def scaling_table(paths: list[Path]) -> str:
     rows: dict[tuple[str, str], dict[int, float]] = {}
     for p in paths:
         d = json.loads(p.read_text())
+        if d.get("hsdp"):
+            continue
         for r in d["rows"]:
             regime = "1 GPU" if d["world_size"] == 1 else d["regime"]
             rows.setdefault((regime, r["variant"]), {})[d["world_size"]] = (
@@ -159,20 +169,203 @@ def scaling_table(paths: list[Path]) -> str:
     return "\n".join(out)
 
 
+def hsdp_table(paths: list[Path]) -> str:
+    """Native HSDP beside compressed HSDP (``bench_fsdp_step.py --hsdp``)."""
+    out = []
+    for p in paths:
+        d = json.loads(p.read_text())
+        if not d.get("hsdp"):
+            continue
+        m = d["model"]
+        out += [
+            f"HSDP training step, {d['world_size']}x {d['device']} as 2 nodes x "
+            f"{d['world_size'] // 2} GPUs ({d['regime']} regime), torch {d['torch']}, "
+            f"{d['date'][:16].replace('T', ' ')} UTC: GPT {d['params'] / 1e9:.2f} B "
+            f"({m['layers']} layers, d {m['d']}, seq {m['seq']}), micro-batch {d['micro_batch']}, "
+            "bf16 compute, AdamW; median seconds per step (x speed-up vs native HSDP with fp32 / "
+            "bf16 reduce), host time per step, peak memory.\n",
+            "| variant | s/step | host s/step | tokens/s | peak GiB |",
+            "|---|---|---|---|---|",
+        ]
+        for r in d["rows"]:
+            out.append(
+                f"| {r['variant']} | {r['s_per_step']:.3f} (x{r['ratio_vs_fp32_reduce']:.2f} / "
+                f"x{r['ratio_vs_bf16_reduce']:.2f}) | {r['cpu_s_per_step']:.3f} | "
+                f"{r['tokens_per_s']:.0f} | {r['peak_mem_gib']:.1f} |"
+            )
+    return "\n".join(out)
+
+
+def ddp_table(paths: list[Path]) -> str:
+    """DDP and PyTorch's hooks beside qsdp's recipes (``bench_ddp_step.py``), one column pair
+    per regime."""
+    runs = {}
+    for p in paths:
+        d = json.loads(p.read_text())
+        runs[d["regime"]] = d
+    regimes = [r for r in ("socket", "2x2", "nvlink") if r in runs]
+    if not regimes:
+        return ""
+    meta = runs[regimes[0]]
+    head = (
+        f"DDP training step, {meta['world_size']}x {meta['device']}, torch {meta['torch']}: "
+        f"GPT-125M ({meta['model']['params'] / 1e6:.0f} M parameters, seq 1024), micro-batch "
+        f"{meta['micro_batch']}, bf16 autocast, AdamW, DDP buckets of "
+        f"{meta.get('bucket_cap_mb', 25):g} MiB; median seconds per step (x speed-up vs DDP's "
+        "fp32 all-reduce / `bf16_compress_hook`), and the wire time of the step's bytes at the "
+        "all-reduce bandwidth measured in the same run. One run per regime: "
+        + ", ".join(
+            f"{r} {runs[r]['date'][:16].replace('T', ' ')} "
+            f"({runs[r]['all_reduce_bytes_per_s'] / 1e9:.1f} GB/s all-reduce)"
+            for r in regimes
+        )
+        + " UTC. Compute alone (the same step under `no_sync()`): "
+        + ", ".join(f"{r} {min(x['compute_s'] for x in runs[r]['rows']):.3f} s" for r in regimes)
+        + ".\n"
+    )
+    out = [
+        head,
+        "| variant | bytes/step | "
+        + " | ".join(f"{r} s/step | {r} wire s" for r in regimes)
+        + " | peak GiB |",
+        "|---" * (3 + 2 * len(regimes)) + "|",
+    ]
+    names = list(dict.fromkeys(x["variant"] for r in regimes for x in runs[r]["rows"]))
+    for name in names:
+        cells = []
+        row = None
+        for reg in regimes:
+            r = next((x for x in runs[reg]["rows"] if x["variant"] == name), None)
+            row = row or r
+            if r is None:
+                cells += ["", ""]
+                continue
+            ratio = (
+                f" (x{r['x_ddp-fp32']:.2f} / x{r['x_bf16_compress_hook']:.2f})"
+                if "x_bf16_compress_hook" in r
+                else ""
+            )
+            cells += [f"{r['median_s']:.3f}{ratio}", f"{r['wire_s']:.3f}"]
+        out.append(
+            f"| {name} | {row['bytes_per_step'] / 1e6:.1f} MB | "
+            + " | ".join(cells)
+            + f" | {row['peak_gib']:.1f} |"
+        )
+    return "\n".join(out)
+
+
+def headline_table() -> str:
+    """The README's one table: each integration's best recipe against PyTorch's best plain
+    baseline of the same run."""
+
+    def load(pattern: str, regime: str, key: str = "variant") -> tuple[dict, dict]:
+        for p in sorted(RESULTS.glob(pattern)):
+            d = json.loads(p.read_text())
+            if d["regime"] == regime and d["world_size"] == 4:
+                return d, {r[key]: r for r in d["rows"]}
+        raise SystemExit(f"no {pattern} result for regime {regime!r} under {RESULTS}")
+
+    rows = []
+    for regime, label in (("socket", "sockets"), ("nvlink", "NVLink")):
+        d, by = load("fsdp_step_[!h]*.json", regime)
+        base, best = by["fsdp2-bf16-reduce"], by["sdp4bit"]
+        rows.append(
+            (
+                f"FSDP2, GPT {d['params'] / 1e9:.2f} B, {label}",
+                "FSDP2 bf16 reduce",
+                base["s_per_step"],
+                "`sdp4bit`",
+                best["s_per_step"],
+                d["date"][:10],
+            )
+        )
+    d, by = load("fsdp_step_hsdp_*.json", "2x2")
+    rows.append(
+        (
+            f"HSDP, GPT {d['params'] / 1e9:.2f} B, 2 nodes x 2",
+            "native HSDP bf16 reduce",
+            by["hsdp-bf16-reduce"]["s_per_step"],
+            "`cgx`",
+            by["cgx"]["s_per_step"],
+            d["date"][:10],
+        )
+    )
+    for regime, label in (("socket", "sockets"), ("nvlink", "NVLink")):
+        d, by = load("ddp_step_*.json", regime)
+        for recipe in ("cgx", "global-qsgd"):
+            rows.append(
+                (
+                    f"DDP, GPT-125M, {label}",
+                    "`bf16_compress_hook`",
+                    by["bf16_compress_hook"]["median_s"],
+                    f"`{recipe}`",
+                    by[recipe]["median_s"],
+                    d["date"][:10],
+                )
+            )
+    out = [
+        f"4x {d['device']}, torch {d['torch']}; median seconds per training step, baseline "
+        "and qsdp measured side by side in one run (details: docs/results.md).\n",
+        "| setting | baseline | s/step | qsdp | s/step | speed-up | date |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for setting, bname, b, qname, q, date in rows:
+        out.append(f"| {setting} | {bname} | {b:.3f} | {qname} | {q:.3f} | x{b / q:.2f} | {date} |")
+    return "\n".join(out)
+
+
+def tables() -> dict[str, Callable[[], str]]:
+    """Every generated table by block name."""
+    glob = lambda pattern: sorted(RESULTS.glob(pattern))  # noqa: E731
+    coll = glob("collectives_*.json")
+    out: dict[str, Callable[[], str]] = {
+        "quant": lambda: "\n\n".join(quant_table(q) for q in glob("quant_*.json")),
+        "fsdp": lambda: fsdp_table(glob("fsdp_step_*.json")),
+        "scaling": lambda: scaling_table(glob("fsdp_step_*.json")),
+        "hsdp": lambda: hsdp_table(glob("fsdp_step_hsdp_*.json")),
+        "ddp": lambda: ddp_table(glob("ddp_step_*.json")),
+        "headline": headline_table,
+    }
+    for size, dtype in ((1024, "bfloat16"), (256, "bfloat16"), (1024, "float32")):
+        out[f"collectives-{size}-{dtype}"] = lambda size=size, dtype=dtype: collectives_table(
+            coll, size, dtype
+        )
+    return out
+
+
+_BLOCK = re.compile(r"(<!-- summarize:([\w.-]+) -->\n)(.*?)(<!-- /summarize -->)", re.DOTALL)
+
+
+def update(text: str) -> str:
+    """``text`` with every generated block rewritten from the results."""
+    made = tables()
+
+    def fill(m: re.Match) -> str:
+        name = m.group(2)
+        if name not in made:
+            raise SystemExit(f"unknown summarize block {name!r}; known: {', '.join(made)}")
+        return f"{m.group(1)}{made[name]()}\n{m.group(4)}"
+
+    return _BLOCK.sub(fill, text)
+
+
 def main() -> None:
-    quant = sorted(RESULTS.glob("quant_*.json"))
-    coll = sorted(RESULTS.glob("collectives_*.json"))
-    if not quant and not coll:
-        sys.exit(f"no results under {RESULTS}")
-    for q in quant:
-        print(quant_table(q), end="\n\n")
-    fsdp = sorted(RESULTS.glob("fsdp_step_*.json"))
-    if fsdp:
-        print(fsdp_table(fsdp), end="\n\n")
-        print(scaling_table(fsdp), end="\n\n")
-    if coll:
-        for size, dtype in ((1024, "bfloat16"), (256, "bfloat16"), (1024, "float32")):
-            print(collectives_table(coll, size, dtype), end="\n\n")
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--update", type=Path, help="rewrite the generated blocks of this file")
+    g.add_argument("--check", type=Path, help="exit 1 if this file's generated blocks are stale")
+    a = p.parse_args()
+    if a.update or a.check:
+        path = a.update or a.check
+        text = path.read_text()
+        new = update(text)
+        if a.update:
+            path.write_text(new)
+        elif new != text:
+            sys.exit(f"{path} is stale: run python benchmarks/summarize.py --update {path}")
+        return
+    for name, make in tables().items():
+        print(f"<!-- {name} -->\n{make()}\n")
 
 
 if __name__ == "__main__":

@@ -170,3 +170,55 @@ def _wrong_split(rank: int, world: int) -> None:
 
 def test_a_split_of_another_chunk_is_refused():
     run_distributed(_wrong_split, 1)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5])
+def test_two_phase_rows_layout(n):
+    """The two-phase all-reduce's ``[mc compressed | mr raw]`` rows, filled piece by piece from
+    the split's runs, equal the parts padded and stacked (and map back exactly)."""
+    from qsdp.comm._two_phase import _chunked
+
+    g = torch.Generator().manual_seed(n)
+    for _ in range(20):
+        lengths = torch.randint(1, 40, (int(torch.randint(1, 9, (1,), generator=g)),), generator=g)
+        runs, at, kind = [], 0, bool(torch.randint(0, 2, (1,), generator=g))
+        for length in lengths.tolist():
+            runs.append((at, length, kind))
+            at, kind = at + length, not kind
+        split = Split(chunk=at, runs=tuple(runs))
+        x = torch.randn(at, generator=g)
+        per_chunk, pieces = _chunked(split, n)
+        mc, mr = per_chunk.n_comp, per_chunk.n_raw
+        assert (mc, mr) == (-(-split.n_comp // n), -(-split.n_raw // n))
+        rows = torch.zeros(n * (mc + mr))
+        for s, d, k in pieces:
+            rows[d : d + k] = x[s : s + k]
+        comp, raw = split.take(x.view(1, -1))
+        want = torch.cat(
+            [
+                torch.cat([comp.view(-1), torch.zeros(n * mc - split.n_comp)]).view(n, mc),
+                torch.cat([raw.view(-1), torch.zeros(n * mr - split.n_raw)]).view(n, mr),
+            ],
+            dim=1,
+        )
+        assert torch.equal(rows.view(n, mc + mr), want), (split, n)
+        back = torch.full_like(x, float("nan"))
+        for s, d, k in pieces:
+            back[s : s + k] = rows[d : d + k]
+        assert torch.equal(back, x)
+        assert all(k <= (mc if d % (mc + mr) < mc else mr) for _, d, k in pieces)
+
+
+def test_views_equal_take_and_copy_nothing_when_one_run_each():
+    rows = torch.randn(3, M)
+    for split, shared in (
+        (SPLIT, False),
+        (Split(chunk=M, runs=((0, 90, True), (90, 7, False))), True),
+        (Split(chunk=M, runs=((0, M, True),)), True),
+        (Split(chunk=M, runs=((0, M, False),)), True),
+    ):
+        assert split.one_run_each == shared
+        for got, want in zip(split.views(rows), split.take(rows), strict=True):
+            assert torch.equal(got, want)
+            if shared and got.numel():
+                assert got.untyped_storage().data_ptr() == rows.untyped_storage().data_ptr()

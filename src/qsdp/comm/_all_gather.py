@@ -171,8 +171,9 @@ def _fused_stages(
     output, input, pg, n, spec, split, seed, step, bucket, hop, backend, stats, name
 ) -> C.Stages:
     """A policy split's all-gather: ``[codes | raw bytes]`` rows in one ``torch.distributed``
-    call, decoded and put back in place (``input`` may alias ``output``: it is copied first)."""
-    comp, raw = split.take(input.reshape(1, -1))
+    call, decoded and put back in place (``input`` may alias ``output``: it is read into the send
+    buffer before anything is written)."""
+    comp, raw = split.views(input.reshape(1, -1))  # read before the exchange, never written
     comp, raw = comp.reshape(-1), raw.reshape(-1)
     raw_bytes = raw.numel() * raw.element_size()
     at, row = fused_row(spec, comp.numel(), raw_bytes)

@@ -217,7 +217,7 @@ def _fused_stages(
 ) -> C.Stages:
     """A policy split's reduce-scatter: ``[codes | raw bytes]`` rows in one all-to-all; the
     receiver decodes the codes and sums the raw values in float32, onto its own chunk (exact)."""
-    comp, raw = split.take(input.reshape(n, m))
+    comp, raw = split.views(input.reshape(n, m))  # only read
     raw_bytes = split.n_raw * raw.element_size()
     at, row = fused_row(spec, split.n_comp, raw_bytes)
     nbytes = spec.payload_bytes(split.n_comp)
@@ -254,6 +254,11 @@ def _fused_stages(
         peers = recv[:, at : at + raw_bytes].contiguous().view(raw.dtype).view(n - 1, -1)
         for j in range(n - 1):  # in rank order, as the codes
             acc_raw += peers[j].float()
+    if split.one_run_each:  # straight into the output's two parts
+        comp_out, raw_out = split.views(output.view(1, -1))
+        C.finish_into(comp_out, acc, op, n)
+        C.finish_into(raw_out, acc_raw, op, n)
+        return
     comp_out = torch.empty(split.n_comp, dtype=output.dtype, device=output.device)
     raw_out = torch.empty(split.n_raw, dtype=output.dtype, device=output.device)
     C.finish_into(comp_out, acc, op, n)

@@ -69,6 +69,21 @@ class Split:
             out.append(torch.cat(pieces, dim=1) if pieces else rows.new_empty((rows.shape[0], 0)))
         return out[0], out[1]
 
+    @property
+    def one_run_each(self) -> bool:
+        """Whether each part is at most one run (then :meth:`views` copies nothing)."""
+        return sum(c for _, _, c in self.runs) <= 1 and sum(not c for _, _, c in self.runs) <= 1
+
+    def views(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """As :meth:`take`, but views of ``rows`` when :attr:`one_run_each` (each row of a view
+        is contiguous; writing through a view writes ``rows``), copies otherwise."""
+        if not self.one_run_each:
+            return self.take(rows)
+        parts = {True: rows[:, :0], False: rows[:, :0]}
+        for start, n, c in self.runs:
+            parts[c] = rows[:, start : start + n]
+        return parts[True], parts[False]
+
     def put(self, rows: torch.Tensor, comp: torch.Tensor, raw: torch.Tensor) -> None:
         """Write ``comp`` (``[k, n_comp]``) and ``raw`` (``[k, n_raw]``) back into ``rows``."""
         dst, src, offset = [], [], {True: 0, False: 0}

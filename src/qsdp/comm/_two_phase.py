@@ -17,6 +17,8 @@ the raw part cost a collective's latency per DDP bucket).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 
@@ -51,7 +53,7 @@ def two_phase_all_reduce_wire_bytes(
         [Note: a split in two phases].
     """
     if split is not None:
-        per_chunk = _chunked(split, world_size)
+        per_chunk, _ = _chunked(split, world_size)
         rs = reduce_scatter_wire_bytes(
             per_chunk.chunk * world_size,
             world_size,
@@ -122,25 +124,38 @@ def two_phase_all_reduce(
     return C.run_stages(stages, async_op, result=tensor)
 
 
-def _chunked(split: Split, n: int) -> Split:
-    """The ``[mc compressed | mr raw]`` split of each of the ``n`` rows (see
-    [Note: a split in two phases])."""
+@functools.lru_cache(maxsize=1024)
+def _chunked(split: Split, n: int) -> tuple[Split, tuple[tuple[int, int, int], ...]]:
+    """The ``[mc compressed | mr raw]`` split of each of the ``n`` rows, and where the tensor's
+    runs go in the flat ``n x (mc + mr)`` rows: ``(tensor start, rows start, length)`` pieces,
+    cut at row ends (see [Note: a split in two phases]). Cached: DDP hands the same layouts
+    every step."""
     mc, mr = -(-split.n_comp // n), -(-split.n_raw // n)
     runs = tuple(run for run in ((0, mc, True), (mc, mr, False)) if run[1] > 0)
-    return Split(chunk=mc + mr, runs=runs, raw_names=split.raw_names)
+    per_chunk = Split(chunk=mc + mr, runs=runs, raw_names=split.raw_names)
+    pieces, seen = [], {True: 0, False: 0}
+    for start, length, compressed in split.runs:
+        width, col0 = (mc, 0) if compressed else (mr, mc)
+        k, end = seen[compressed], seen[compressed] + length
+        while k < end:  # element k of its part sits in row k // width, column k % width
+            take = min(end - k, width - k % width)
+            pieces.append(
+                (start + k - seen[compressed], (k // width) * (mc + mr) + col0 + k % width, take)
+            )
+            k += take
+        seen[compressed] = end
+    return per_chunk, tuple(pieces)
 
 
 def _split_phases(tensor, split, pg, n, op, spec, seed, step, bucket, backend, stats) -> C.Stages:
     """Both phases with the raw part in the same calls; the first's encodes run before this
     returns."""
-    per_chunk = _chunked(split, n)
-    mc, mr = per_chunk.n_comp, per_chunk.n_raw
-    comp, raw = split.take(tensor.view(1, -1))
-    comp_pad = torch.zeros(n * mc, dtype=tensor.dtype, device=tensor.device)
-    raw_pad = torch.zeros(n * mr, dtype=tensor.dtype, device=tensor.device)
-    comp_pad[: split.n_comp] = comp.view(-1)
-    raw_pad[: split.n_raw] = raw.view(-1)
-    rows = torch.cat([comp_pad.view(n, mc), raw_pad.view(n, mr)], dim=1)
+    per_chunk, pieces = _chunked(split, n)
+    flat = tensor.view(-1)
+    rows = torch.zeros(n * per_chunk.chunk, dtype=tensor.dtype, device=tensor.device)
+    torch._foreach_copy_(
+        [rows[d : d + k] for _, d, k in pieces], [flat[s : s + k] for s, _, k in pieces]
+    )
     common = dict(
         spec=spec,
         seed=seed,
@@ -152,19 +167,19 @@ def _split_phases(tensor, split, pg, n, op, spec, seed, step, bucket, backend, s
         count_call=False,
         split=per_chunk,
     )
-    reduced = torch.empty(mc + mr, dtype=torch.float32, device=tensor.device)
-    phase1 = _reduce_scatter_stages(reduced, rows.view(-1), pg, op=op, hop=0, **common)
-    return _split_stages(tensor, split, reduced, phase1, pg, n, mc, common)
+    reduced = torch.empty(per_chunk.chunk, dtype=torch.float32, device=tensor.device)
+    phase1 = _reduce_scatter_stages(reduced, rows, pg, op=op, hop=0, **common)
+    return _split_stages(flat, pieces, reduced, phase1, pg, n, common)
 
 
-def _split_stages(tensor, split, reduced, phase1, pg, n, mc, common) -> C.Stages:
+def _split_stages(flat, pieces, reduced, phase1, pg, n, common) -> C.Stages:
     for works, _ in phase1:
         yield works, False
-    gathered = torch.empty(n, reduced.numel(), dtype=torch.float32, device=tensor.device)
-    yield from _all_gather_stages(gathered.view(-1), reduced, pg, hop=1, **common)
-    comp = gathered[:, :mc].reshape(1, -1)[:, : split.n_comp]
-    raw = gathered[:, mc:].reshape(1, -1)[:, : split.n_raw]
-    split.put(tensor.view(1, -1), comp, raw)
+    gathered = torch.empty(n * reduced.numel(), dtype=torch.float32, device=flat.device)
+    yield from _all_gather_stages(gathered, reduced, pg, hop=1, **common)
+    torch._foreach_copy_(
+        [flat[s : s + k] for s, _, k in pieces], [gathered[d : d + k] for _, d, k in pieces]
+    )
 
 
 def _phases(tensor, pg, n, op, spec, seed, step, bucket, backend, stats) -> C.Stages:

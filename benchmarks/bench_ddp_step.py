@@ -100,11 +100,7 @@ def run_variant(name: str, a, cfg, device: torch.device, rank: int) -> dict:
     for i, (x, y) in enumerate(_batches(cfg, a.warmup + a.steps, a.batch, device, rank)):
         _sync(device)
         t0 = time.perf_counter()
-        with amp:
-            _, loss = model(x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        loss = _step(model, opt, amp, x, y)
         _sync(device)
         if i >= a.warmup:
             times.append(time.perf_counter() - t0)
@@ -145,16 +141,22 @@ def run_variant(name: str, a, cfg, device: torch.device, rank: int) -> dict:
     }
 
 
+def _step(model, opt, amp, x, y) -> torch.Tensor:
+    """One training step (forward under ``amp``, backward, AdamW); returns the loss."""
+    with amp:
+        _, loss = model(x, y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss
+
+
 def _profiled_step(name, a, cfg, model, opt, amp, device, rank) -> None:
     (x, y), prof = next(_batches(cfg, 1, a.batch, device, rank + 200)), profiling.profiler(device)
     _sync(device)
     t0 = time.perf_counter()
     with prof:
-        with amp:
-            _, loss = model(x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        _step(model, opt, amp, x, y)
         _sync(device)
     if rank == 0:
         profiling.write_profile(

@@ -147,6 +147,21 @@ def _chunked(split: Split, n: int) -> tuple[Split, tuple[tuple[int, int, int], .
     return per_chunk, tuple(pieces)
 
 
+def _stage_args(spec, seed, step, bucket, backend, stats, split=None) -> dict:
+    """The keyword arguments both phases' stages share."""
+    return dict(
+        spec=spec,
+        seed=seed,
+        step=step,
+        bucket=bucket,
+        backend=backend,
+        stats=stats,
+        name=_NAME,
+        count_call=False,
+        split=split,
+    )
+
+
 def _split_phases(tensor, split, pg, n, op, spec, seed, step, bucket, backend, stats) -> C.Stages:
     """Both phases with the raw part in the same calls; the first's encodes run before this
     returns."""
@@ -156,17 +171,7 @@ def _split_phases(tensor, split, pg, n, op, spec, seed, step, bucket, backend, s
     torch._foreach_copy_(
         [rows[d : d + k] for _, d, k in pieces], [flat[s : s + k] for s, _, k in pieces]
     )
-    common = dict(
-        spec=spec,
-        seed=seed,
-        step=step,
-        bucket=bucket,
-        backend=backend,
-        stats=stats,
-        name=_NAME,
-        count_call=False,
-        split=per_chunk,
-    )
+    common = _stage_args(spec, seed, step, bucket, backend, stats, split=per_chunk)
     reduced = torch.empty(per_chunk.chunk, dtype=torch.float32, device=tensor.device)
     phase1 = _reduce_scatter_stages(reduced, rows, pg, op=op, hop=0, **common)
     return _split_stages(flat, pieces, reduced, phase1, pg, n, common)
@@ -193,16 +198,7 @@ def _phases(tensor, pg, n, op, spec, seed, step, bucket, backend, stats) -> C.St
         # Pad inside so any length works; the tail is dropped after the gather.
         padded = torch.zeros(n * m, dtype=tensor.dtype, device=tensor.device)
         padded[:numel] = flat
-    common = dict(
-        spec=spec,
-        seed=seed,
-        step=step,
-        bucket=bucket,
-        backend=backend,
-        stats=stats,
-        name=_NAME,
-        count_call=False,
-    )
+    common = _stage_args(spec, seed, step, bucket, backend, stats)
     reduced = torch.empty(m, dtype=torch.float32, device=tensor.device)
     # Encodes the reduce-scatter's chunks now; `padded` is free to be overwritten afterwards.
     phase1 = _reduce_scatter_stages(reduced, padded, pg, op=op, hop=0, **common)

@@ -219,6 +219,10 @@ class CompressionConfig:
     error feedback keeps small tensors accurate)."""
     seed: int = 0
     """Key of the stochastic-rounding noise, the same on every rank (streams differ by rank)."""
+    staleness: int = 0
+    """``1``: each step applies the previous step's reduced gradient while its own gradient's
+    reduction overlaps the next step (bounded staleness, the elastic-consistency seed); ``0``:
+    synchronous. DDP so far (``qsdp.ddp.register``; see its [Note: staleness 1])."""
 
     def __post_init__(self) -> None:
         if self.weights is not None and not isinstance(self.weights, Weights):
@@ -242,6 +246,12 @@ class CompressionConfig:
             raise TypeError("CompressionConfig.policy must be a qsdp.policy.ParamPolicy or None")
         if not isinstance(self.seed, int) or not 0 <= self.seed < 2**64:
             raise ValueError(f"CompressionConfig.seed={self.seed!r} must be an int in [0, 2**64)")
+        if self.staleness not in (0, 1) or isinstance(self.staleness, bool):
+            raise ValueError(
+                f"CompressionConfig.staleness={self.staleness!r} must be 0 (synchronous) or 1 "
+                "(apply the previous step's gradient while this step's reduction overlaps the "
+                "next step)"
+            )
 
     @property
     def two_level(self) -> bool:

@@ -73,3 +73,50 @@ def test_ddp_recipes_train_like_ddp_on_nccl():
         got = run_distributed(_train, world, recipe, backend="nccl")[0]
         made = (got[0] - _tail(got)) / (plain[0] - _tail(plain))
         assert made > 0.95, (recipe, made, got, plain)
+
+
+def _stale_vs_by_hand(rank: int, world: int) -> None:
+    """Staleness 1 on NCCL against the synchronous hook delayed by hand (as on gloo in
+    tests/ddp/test_staleness.py): the stream ordering of the send buffers and of the previous
+    step's result is what only CUDA can get wrong."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+
+    def build(staleness: int):
+        torch.manual_seed(0)
+        model = nn.Sequential(
+            nn.Embedding(512, D), nn.Flatten(), nn.Linear(4 * D, D), nn.GELU(), nn.Linear(D, 512)
+        ).to(dev)
+        ddp = DDP(model, device_ids=[dev.index], bucket_cap_mb=0.25)
+        hook = qsdp.ddp.register(ddp, qsdp.recipe("cgx", staleness=staleness))
+        return ddp, hook, torch.optim.AdamW(ddp.parameters(), lr=3e-3)
+
+    def loss(ddp, step):
+        g = torch.Generator().manual_seed(1000 * step + rank)
+        x = torch.randint(0, 512, (32, 4), generator=g).to(dev)
+        return nn.functional.cross_entropy(ddp(x).float(), x[:, 0])
+
+    ddp, hook, opt = build(1)
+    for step in range(6):
+        loss(ddp, step).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+    hook.drain()
+    opt.step()
+    ref, _, ref_opt = build(0)
+    previous = [torch.zeros_like(p) for p in ref.parameters()]
+    for step in range(7):
+        if step < 6:
+            loss(ref, step).backward()
+        current = [p.grad.clone() for p in ref.parameters()]
+        for p, g in zip(ref.parameters(), previous, strict=True):
+            p.grad.copy_(g)
+        ref_opt.step()
+        ref_opt.zero_grad(set_to_none=False)
+        previous = current
+    for a, b in zip(ddp.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-5, atol=1e-6)
+        assert_same_on_all_ranks(a.detach())
+
+
+def test_staleness_1_on_nccl():
+    run_distributed(_stale_vs_by_hand, min(torch.cuda.device_count(), 4), backend="nccl")

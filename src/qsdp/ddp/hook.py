@@ -32,9 +32,26 @@ backward with the wire (measured on 4 GPUs over sockets: the compute stream idle
 the step). So on CUDA the hook runs the plan on a stream of its own, which first waits for the
 compute stream (the bucket is complete there); the compute stream meets the result only through
 the returned future, which DDP waits on when the backward ends, as for its own all-reduce.
+
+[Note: staleness 1]
+With ``CompressionConfig.staleness=1`` step ``t`` applies the reduced gradient of step ``t - 1``
+and the reduction of its own gradient runs while step ``t + 1`` computes (the elastic-consistency
+schedule, staleness bounded by one step). The hook copies the bucket into a send buffer of its
+own (DDP refills the bucket in the next backward), starts the plan's all-reduce on it, and hands
+DDP the previous step's result for the same parameters: complete by then, so the backward's end
+waits for no communication. Pending results are kept per parameter, so DDP's bucket rebuild after
+the first step (other buckets, other offsets) is followed by copying the pieces. The first step
+has no previous gradient and gets zeros; after the last backward, :meth:`DDPCompression.drain`
+puts the reductions still in flight into ``.grad`` for one more ``optimizer.step()``. NaN/Inf is
+checked on the gradient a step applies, when it applies it. Memory: the send buffers (one
+gradient in flight per rank) and, while DDP copies it out, the previous result. The noise keys
+are those of the synchronous schedule, so staleness 1 applies exactly the gradients staleness 0
+would have reduced, one step late (tested).
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -84,6 +101,8 @@ class DDPCompression:
         self.check = None if mode is NonFinite.PROPAGATE else NonfiniteCheck(mode.value)
         self._reports: dict[int, _BucketReport] = {}  # one per bucket index, reused
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
+        self._pending: dict[int, _Pending] = {}
+        """Staleness 1: by parameter id, where its gradient of the last step is being reduced."""
 
     # --- the hook ---------------------------------------------------------------------------
     def reduce(self, bucket: dist.GradBucket) -> torch.futures.Future:
@@ -107,7 +126,22 @@ class DDPCompression:
         self._buckets[index] = (tensor.numel(), tensor.element_size(), split)
         if self.error_feedback:
             self._feed_back(tensor, params, split, step=step, bucket=index)
-        work = self.plan.all_reduce(
+        if not self.config.staleness:
+            work = self._all_reduce(tensor, split, step, index)
+            return self._checked(work.get_future(), tensor, params, index)
+        # [Note: staleness 1]: reduce a copy, hand DDP the previous step's result
+        send = tensor.clone()
+        work = self._all_reduce(send, split, step, index)
+        previous = self._previous(params, like=tensor)
+        offset = 0
+        future = work.get_future()
+        for p in params:
+            self._pending[id(p)] = _Pending(send, offset, p.numel(), future)
+            offset += p.numel()
+        return self._checked(_completed(previous), previous, params, index)
+
+    def _all_reduce(self, tensor: torch.Tensor, split, step: int, index: int) -> qc.CommWork:
+        return self.plan.all_reduce(
             tensor,
             self.group,
             op="avg",
@@ -118,7 +152,69 @@ class DDPCompression:
             stats=self.stats,
             async_op=True,
         )
-        return self._checked(work.get_future(), tensor, params, index)
+
+    def _previous(self, params: list[nn.Parameter], *, like: torch.Tensor) -> torch.Tensor:
+        """The previous step's reduced gradients of ``params`` laid out as their bucket
+        ``like`` (zeros where there is none: the first step)."""
+        sources = [self._pending.get(id(p)) for p in params]
+        if all(src is None for src in sources):
+            return torch.zeros_like(like)
+        for fut in {id(src.future): src.future for src in sources if src and src.future}.values():
+            fut.wait()  # CUDA: the current stream waits, the host does not
+        first = sources[0]
+        offsets = [0]
+        for p in params:
+            offsets.append(offsets[-1] + p.numel())
+        same = first is not None and first.buffer.numel() == like.numel()
+        same = same and all(
+            src is not None and src.buffer is first.buffer and src.offset == offsets[i]
+            for i, src in enumerate(sources)
+        )
+        if same:  # the same bucket as last step: its send buffer is the result
+            return first.buffer
+        out = torch.zeros_like(like)  # DDP rebuilt its buckets: gather the pieces
+        pieces = [(i, src) for i, src in enumerate(sources) if src is not None]
+        torch._foreach_copy_(
+            [out[offsets[i] : offsets[i] + src.numel] for i, src in pieces],
+            [src.buffer[src.offset : src.offset + src.numel] for _, src in pieces],
+        )
+        return out
+
+    def drain(self) -> None:
+        """Staleness 1, after the last backward: wait for the reductions still in flight and put
+        them into the parameters' ``.grad`` (then call ``optimizer.step()`` once more); checked
+        for NaN/Inf as every applied gradient. A no-op when nothing is in flight.
+
+        Raises:
+            ValueError: the config is synchronous (``staleness=0``), or a drained gradient is
+                non-finite with ``nonfinite="raise"`` (on every rank: the result is the same).
+        """
+        if not self.config.staleness:
+            raise ValueError("drain() is for staleness=1; a synchronous hook has nothing in flight")
+        pending, self._pending = self._pending, {}
+        if not pending:
+            return
+        for fut in {id(src.future): src.future for src in pending.values() if src.future}.values():
+            fut.wait()
+        by_id = {id(p): p for p in self._params.values()}
+        params = [by_id[i] for i in pending]
+        grads = [
+            src.buffer[src.offset : src.offset + src.numel].view_as(by_id[i])
+            for i, src in pending.items()
+        ]
+        if self.check is not None:
+            bad = torch.stack([~torch.isfinite(g).all() for g in grads]).any()
+            for g in grads:
+                g.masked_fill_(bad, 0)
+            report = _BucketReport()
+            report.name([self._names.get(id(p), "?") for p in params])
+            report.where = report.where.replace("the DDP bucket", "the drained gradients")
+            self.check.add(report, bad.reshape(1).to(torch.int32))  # outside a backward: now
+        for p, g in zip(params, grads, strict=True):
+            if p.grad is None:
+                p.grad = g.to(p.dtype).clone()
+            else:
+                p.grad.copy_(g)
 
     def _checked(
         self,
@@ -227,6 +323,19 @@ class DDPCompression:
         for index, n in self._calls.items():
             calls[index] = n
         state = {"calls": calls}
+        if self.config.staleness:  # the reductions in flight, saved with the checkpoint
+            state["pending"] = torch.tensor([1 if self._pending else 0])
+            for fut in {
+                id(s.future): s.future for s in self._pending.values() if s.future
+            }.values():
+                fut.wait()
+            for name, p in self._params.items():
+                src = self._pending.get(id(p))
+                state[f"pending.{name}"] = (
+                    src.buffer[src.offset : src.offset + src.numel].view_as(p).clone()
+                    if src is not None
+                    else torch.zeros_like(p.detach())
+                )
         if self.error_feedback:
             for name, p in self._params.items():
                 r = self._residuals.get(name)
@@ -235,9 +344,31 @@ class DDPCompression:
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         self._calls = {i: int(n) for i, n in enumerate(state["calls"].tolist()) if n}
+        self._pending = {}
+        if self.config.staleness and int(state["pending"]):
+            for name, p in self._params.items():
+                g = state[f"pending.{name}"].reshape(-1).to(p.device).clone()
+                self._pending[id(p)] = _Pending(g, 0, g.numel(), None)
         self._residuals = {
             k[len("residual.") :]: v.clone() for k, v in state.items() if k.startswith("residual.")
         }
+
+
+class _Pending(NamedTuple):
+    """Where one parameter's gradient of the last step is reduced (staleness 1)."""
+
+    buffer: torch.Tensor
+    offset: int
+    numel: int
+    future: torch.futures.Future | None  # None: complete (restored from a checkpoint)
+
+
+def _completed(value: torch.Tensor) -> torch.futures.Future:
+    """A future already holding ``value`` (on CUDA it records the current stream, which DDP's
+    wait then follows)."""
+    fut = torch.futures.Future(devices=[value.device] if value.is_cuda else None)
+    fut.set_result(value)
+    return fut
 
 
 class _BucketReport:

@@ -94,6 +94,11 @@ def compress_fsdp(
         raise TypeError(
             f"config must be a qsdp.CompressionConfig or a recipe name, got {type(config).__name__}"
         )
+    if config.staleness:
+        raise ValueError(
+            f"staleness={config.staleness} is implemented for DDP (qsdp.ddp.register) so far, not "
+            "for FSDP2 or HSDP; use staleness=0 with compress_fsdp"
+        )
     if mesh is not None:
         if not config.two_level:
             raise ValueError(

@@ -1,0 +1,154 @@
+"""Staleness 1 in qsdp.ddp: each step applies the previous step's reduced gradient.
+
+The reference is the synchronous hook with the delay done by hand (the gradient a backward
+leaves in ``.grad`` is kept and applied one step later, zeros on the first step): staleness 1
+must give the same parameters bit for bit, through DDP's bucket rebuild, on every rank."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import qsdp
+from qsdp.testing import assert_same_on_all_ranks, run_distributed
+
+D = 40
+STEPS = 7
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Embedding(64, D),
+        nn.Flatten(),
+        nn.Linear(4 * D, D),
+        nn.GELU(),
+        nn.LayerNorm(D),
+        nn.Linear(D, 64),
+    )
+
+
+def _loss(ddp: DDP, rank: int, step: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    x = torch.randint(0, 64, (16, 4), generator=g)
+    return nn.functional.cross_entropy(ddp(x), (x.sum(1) * 7) % 64)
+
+
+def _build(recipe: str, staleness: int):
+    ddp = DDP(_model(), bucket_cap_mb=0.01)  # several buckets, rebuilt after the first step
+    hook = qsdp.ddp.register(ddp, qsdp.recipe(recipe, staleness=staleness))
+    return ddp, hook, torch.optim.AdamW(ddp.parameters(), lr=3e-3)
+
+
+def _stale(rank: int, recipe: str, steps: range, state=None):
+    ddp, hook, opt = _build(recipe, 1)
+    if state is not None:
+        ddp.module.load_state_dict(state["model"])
+        opt.load_state_dict(state["opt"])
+        hook.load_state_dict(state["hook"])
+    for step in steps:
+        _loss(ddp, rank, step).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+    return ddp, hook, opt
+
+
+def _by_hand(rank: int, recipe: str) -> list[torch.Tensor]:
+    ddp, _, opt = _build(recipe, 0)
+    previous = [torch.zeros_like(p) for p in ddp.parameters()]
+    for step in range(STEPS + 1):  # the last iteration applies the last gradient only
+        if step < STEPS:
+            _loss(ddp, rank, step).backward()
+        current = [p.grad.clone() for p in ddp.parameters()]
+        for p, g in zip(ddp.parameters(), previous, strict=True):
+            p.grad.copy_(g)
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+        previous = current
+    return [p.detach().clone() for p in ddp.parameters()]
+
+
+def _same_as_by_hand(rank: int, world: int, recipe: str) -> None:
+    want = _by_hand(rank, recipe)
+    ddp, hook, opt = _stale(rank, recipe, range(STEPS))
+    hook.drain()
+    opt.step()
+    hook.drain()  # nothing left in flight: a no-op
+    for p, w in zip(ddp.parameters(), want, strict=True):
+        assert torch.equal(p.detach(), w), (recipe, rank)
+        assert_same_on_all_ranks(p.detach())
+
+
+@pytest.mark.parametrize("recipe", ["bf16", "cgx", "global-qsgd"])
+def test_staleness_1_applies_the_synchronous_gradients_one_step_late(recipe):
+    run_distributed(_same_as_by_hand, 3, recipe)
+
+
+def _resume(rank: int, world: int) -> None:
+    straight, hook, opt = _stale(rank, "bf16", range(STEPS))
+    hook.drain()
+    opt.step()
+    first, hook, opt = _stale(rank, "bf16", range(3))
+    state = {  # the in-flight reduction goes into the checkpoint
+        "model": {k: v.clone() for k, v in first.module.state_dict().items()},
+        "opt": opt.state_dict(),
+        "hook": {k: v.clone() for k, v in hook.state_dict().items()},
+    }
+    assert int(state["hook"]["pending"]) == 1
+    resumed, hook, opt = _stale(rank, "bf16", range(3, STEPS), state=state)
+    hook.drain()
+    opt.step()
+    for a, b in zip(straight.parameters(), resumed.parameters(), strict=True):
+        assert torch.equal(a.detach(), b.detach())
+
+
+def test_resume_continues_exactly():
+    # 2 ranks: a sum of two floats does not depend on the bucket layout, which DDP rebuilds
+    run_distributed(_resume, 2)
+
+
+def _nan_late(rank: int, world: int) -> tuple[int, str, float]:
+    ddp, hook, opt = _build("cgx", 1)
+    for step in range(4):
+        loss = _loss(ddp, rank, step)
+        if step == 1 and rank == world - 1:
+            loss = loss * float("nan")
+        start = time.monotonic()
+        try:
+            loss.backward()
+        except Exception as e:  # DDP re-raises the hook future's error
+            return step, str(e), time.monotonic() - start
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+    return -1, "no error", 0.0
+
+
+def test_nan_raises_on_every_rank_when_its_gradient_is_applied():
+    results = run_distributed(_nan_late, 3, pg_timeout_s=30)
+    # step 1's NaN is applied by step 2: its backward raises, on every rank alike
+    assert {step for step, _, _ in results} == {2}, results
+    assert len({msg for _, msg, _ in results}) == 1
+    assert "non-finite gradient" in results[0][1]
+    assert max(t for _, _, t in results) < 5
+
+
+def _refusals(rank: int, world: int) -> None:
+    ddp = DDP(_model())
+    hook = qsdp.ddp.register(ddp, "cgx")
+    with pytest.raises(ValueError, match="drain\\(\\) is for staleness=1"):
+        hook.drain()
+    with pytest.raises(ValueError, match="implemented for DDP"):
+        qsdp.compress_fsdp(ddp.module, qsdp.recipe("cgx", staleness=1))
+    dist.barrier()
+
+
+def test_refusals():
+    for bad in (2, -1, True, 0.5):
+        with pytest.raises(ValueError, match="staleness"):
+            qsdp.recipe("cgx", staleness=bad)
+    run_distributed(_refusals, 1)

@@ -14,26 +14,10 @@ import qsdp
 import qsdp.comm as qc
 from qsdp.testing import assert_same_on_all_ranks, count_dist_bytes, run_distributed
 
+from ..models import batch as _batch
+from ..models import classifier as _model
+
 STEPS = 25
-D = 48
-
-
-def _model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(
-        nn.Embedding(64, D),
-        nn.Flatten(),
-        nn.Linear(4 * D, D),
-        nn.GELU(),
-        nn.LayerNorm(D),
-        nn.Linear(D, 64),
-    )
-
-
-def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1000 * step + rank)
-    x = torch.randint(0, 64, (16, 4), generator=g)
-    return x, (x.sum(1) * 7) % 64  # a learnable target
 
 
 def _train(rank: int, recipe: str | None, *, error_feedback: bool = False, bucket_mb=0.01):

@@ -15,6 +15,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import qsdp
 from qsdp.testing import assert_same_on_all_ranks, run_distributed
 
+from ..models import train_delayed_by_hand
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 or more GPUs"),
@@ -103,16 +105,7 @@ def _stale_vs_by_hand(rank: int, world: int) -> None:
     hook.drain()
     opt.step()
     ref, _, ref_opt = build(0)
-    previous = [torch.zeros_like(p) for p in ref.parameters()]
-    for step in range(7):
-        if step < 6:
-            loss(ref, step).backward()
-        current = [p.grad.clone() for p in ref.parameters()]
-        for p, g in zip(ref.parameters(), previous, strict=True):
-            p.grad.copy_(g)
-        ref_opt.step()
-        ref_opt.zero_grad(set_to_none=False)
-        previous = current
+    train_delayed_by_hand(ref, ref_opt, lambda step: loss(ref, step).backward(), 6)
     for a, b in zip(ddp.parameters(), ref.parameters(), strict=True):
         torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-5, atol=1e-6)
         assert_same_on_all_ranks(a.detach())

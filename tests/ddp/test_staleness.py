@@ -17,30 +17,18 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import qsdp
 from qsdp.testing import assert_same_on_all_ranks, run_distributed
 
-D = 40
+from ..models import batch, classifier, train_delayed_by_hand
+
 STEPS = 7
 
 
-def _model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(
-        nn.Embedding(64, D),
-        nn.Flatten(),
-        nn.Linear(4 * D, D),
-        nn.GELU(),
-        nn.LayerNorm(D),
-        nn.Linear(D, 64),
-    )
-
-
 def _loss(ddp: DDP, rank: int, step: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(1000 * step + rank)
-    x = torch.randint(0, 64, (16, 4), generator=g)
-    return nn.functional.cross_entropy(ddp(x), (x.sum(1) * 7) % 64)
+    x, y = batch(rank, step)
+    return nn.functional.cross_entropy(ddp(x), y)
 
 
 def _build(recipe: str, staleness: int):
-    ddp = DDP(_model(), bucket_cap_mb=0.01)  # several buckets, rebuilt after the first step
+    ddp = DDP(classifier(), bucket_cap_mb=0.01)  # several buckets, rebuilt after the first step
     hook = qsdp.ddp.register(ddp, qsdp.recipe(recipe, staleness=staleness))
     return ddp, hook, torch.optim.AdamW(ddp.parameters(), lr=3e-3)
 
@@ -60,16 +48,7 @@ def _stale(rank: int, recipe: str, steps: range, state=None):
 
 def _by_hand(rank: int, recipe: str) -> list[torch.Tensor]:
     ddp, _, opt = _build(recipe, 0)
-    previous = [torch.zeros_like(p) for p in ddp.parameters()]
-    for step in range(STEPS + 1):  # the last iteration applies the last gradient only
-        if step < STEPS:
-            _loss(ddp, rank, step).backward()
-        current = [p.grad.clone() for p in ddp.parameters()]
-        for p, g in zip(ddp.parameters(), previous, strict=True):
-            p.grad.copy_(g)
-        opt.step()
-        opt.zero_grad(set_to_none=False)
-        previous = current
+    train_delayed_by_hand(ddp, opt, lambda step: _loss(ddp, rank, step).backward(), STEPS)
     return [p.detach().clone() for p in ddp.parameters()]
 
 
@@ -138,7 +117,7 @@ def test_nan_raises_on_every_rank_when_its_gradient_is_applied():
 
 
 def _refusals(rank: int, world: int) -> None:
-    ddp = DDP(_model())
+    ddp = DDP(classifier())
     hook = qsdp.ddp.register(ddp, "cgx")
     with pytest.raises(ValueError, match="drain\\(\\) is for staleness=1"):
         hook.drain()

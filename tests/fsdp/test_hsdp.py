@@ -12,30 +12,18 @@ from torch.distributed.fsdp import fully_shard
 import qsdp
 from qsdp.testing import assert_same_on_all_ranks, run_distributed
 
-D = 48
+from ..models import batch as _batch
+from ..models import classifier
+
 STEPS = 25
 
 
 def _model(mesh) -> nn.Module:
-    torch.manual_seed(0)
-    model = nn.Sequential(
-        nn.Embedding(64, D),
-        nn.Flatten(),
-        nn.Linear(4 * D, D),
-        nn.GELU(),
-        nn.LayerNorm(D),
-        nn.Linear(D, 64),
-    )
+    model = classifier()
     for i in (2, 5):
         fully_shard(model[i], mesh=mesh)
     fully_shard(model, mesh=mesh)
     return model
-
-
-def _batch(rank: int, step: int):
-    g = torch.Generator().manual_seed(1000 * step + rank)
-    x = torch.randint(0, 64, (16, 4), generator=g)
-    return x, (x.sum(1) * 7) % 64
 
 
 def _train(rank: int, model) -> list[float]:

@@ -1,0 +1,48 @@
+"""The small classifier the DDP, HSDP and staleness tests train on gloo.
+
+Four tokens in, the class ``7 * sum(tokens) mod 64`` out: learnable in a few dozen steps, with 1-D
+parameters (biases, LayerNorm) that the default policy sends raw beside the quantized matrices."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+D = 48
+VOCAB = 64
+
+
+def classifier() -> nn.Sequential:
+    """The model, the same weights on every call and rank."""
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Embedding(VOCAB, D),
+        nn.Flatten(),
+        nn.Linear(4 * D, D),
+        nn.GELU(),
+        nn.LayerNorm(D),
+        nn.Linear(D, VOCAB),
+    )
+
+
+def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank ``rank``'s batch of step ``step`` (16 examples)."""
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    x = torch.randint(0, VOCAB, (16, 4), generator=g)
+    return x, (x.sum(1) * 7) % VOCAB
+
+
+def train_delayed_by_hand(model: nn.Module, opt, backward, steps: int) -> None:
+    """The staleness-1 schedule done by hand around a synchronous model: step ``t`` applies the
+    gradient the backward of step ``t - 1`` left in ``.grad`` (zeros at ``t = 0``), and one more
+    step applies the last one. ``backward(step)`` runs the forward and backward of a step."""
+    previous = [torch.zeros_like(p) for p in model.parameters()]
+    for step in range(steps + 1):
+        if step < steps:
+            backward(step)
+        current = [p.grad.clone() for p in model.parameters()]
+        for p, g in zip(model.parameters(), previous, strict=True):
+            p.grad.copy_(g)
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+        previous = current

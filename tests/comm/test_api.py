@@ -220,3 +220,16 @@ def _counts_bytes(rank, ws):
 
 def test_count_dist_bytes():
     run_distributed(_counts_bytes, 2)
+
+
+def _tensor_result(rank, ws):
+    return {"rank": rank, "t": torch.arange(1000, dtype=torch.float32) * (rank + 1)}
+
+
+def test_run_distributed_returns_tensors_by_value_after_the_workers_exit():
+    """Results travel by value: a tensor sent as a shared-memory handle had to be fetched from
+    its worker, which may have exited first (a 'connection reset by peer' flake in CI)."""
+    out = run_distributed(_tensor_result, 3)
+    assert [o["rank"] for o in out] == [0, 1, 2]
+    for r, o in enumerate(out):
+        assert torch.equal(o["t"], torch.arange(1000, dtype=torch.float32) * (r + 1))

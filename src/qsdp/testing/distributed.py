@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import pickle
 import signal
 import tempfile
 import time
@@ -67,7 +68,9 @@ def _worker(
             timeout=datetime.timedelta(seconds=pg_timeout_s),
             **options,
         )
-        results.put((rank, True, fn(rank, world_size, *args, **kwargs)))
+        # by value: a tensor put as it is travels as a shared-memory handle that the parent
+        # fetches from this process, which may have exited by then ("connection reset by peer")
+        results.put((rank, True, pickle.dumps(fn(rank, world_size, *args, **kwargs))))
     except BaseException:  # noqa: B036 - every failure, KeyboardInterrupt included, must reach the parent
         # Report before leaving the group: leaving makes the peers fail too, and the parent
         # names the first report as the cause.
@@ -174,7 +177,7 @@ def _collect(procs, results, world_size: int, timeout_s: float, fn) -> list[Any]
         rank, ok, value = results.get()
         deaths.pop(rank, None)
         if ok:
-            values[rank] = value
+            values[rank] = pickle.loads(value)
         else:
             failures[rank] = value
             grace_end = grace_end or time.monotonic() + 2.0

@@ -72,6 +72,14 @@ def parser() -> argparse.ArgumentParser:
         help="--hsdp: nodes (default: torchrun's WORLD_SIZE / LOCAL_WORLD_SIZE, or 2 emulated "
         "on one machine)",
     )
+    p.add_argument(
+        "--staleness",
+        type=int,
+        default=0,
+        choices=[0, 1],
+        help="1: apply each step's gradient one step late, its reduction overlapping the next "
+        "step (--ddp so far)",
+    )
     p.add_argument("--nproc", type=int, default=2, help="CPU processes when not under torchrun")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--tensorboard", action=argparse.BooleanOptionalAction, default=None)
@@ -103,6 +111,7 @@ def config_from(args: argparse.Namespace) -> TrainConfig:
         seed=args.seed,
         parallel="ddp" if args.ddp else "hsdp" if args.hsdp else "fsdp",
         nodes=args.nodes,
+        staleness=args.staleness,
         tensorboard=args.tensorboard,
         progress=not args.no_progress,
     )

@@ -132,6 +132,7 @@ def build(
     bf16: bool,
     two_level: bool,
     nodes: int | None,
+    staleness: int = 0,
 ) -> Parallel:
     """Build the GPT on ``device`` from ``seed`` and parallelise it as ``mode`` says."""
     if mode not in MODES:
@@ -139,7 +140,7 @@ def build(
     torch.manual_seed(seed)
     with device:
         gpt = GPT(mc)
-    config = recipe(recipe_name)
+    config = recipe(recipe_name, staleness=staleness)
     if mode == "ddp":
         model = DDP(gpt, device_ids=[device.index] if device.type == "cuda" else None)
         state = qddp.register(model, config)

@@ -73,6 +73,7 @@ RESUME_MUST_MATCH = (
     "two_level",
     "parallel",
     "nodes",
+    "staleness",
 )
 """Keys of ``config.json`` that ``--resume`` requires to equal the saved run's."""
 

@@ -106,6 +106,11 @@ class TrainConfig:
     """``fsdp``, ``hsdp`` (FSDP2 inside a node, the recipe's gradients compress the all-reduce
     across nodes) or ``ddp`` (DistributedDataParallel with qsdp's comm hook); see
     ``parallel.py``."""
+    staleness: int = 0
+    """``1``: each step applies the previous step's gradient while its own reduction overlaps the
+    next step (``--ddp`` so far; the last gradient is applied by one more optimizer step at the
+    end, with the last step's learning rate and clipping). See [Note: staleness 1] in
+    ``qsdp.ddp``."""
     nodes: int | None = None
     """``hsdp``: the number of nodes (default: torchrun's ``WORLD_SIZE / LOCAL_WORLD_SIZE``, or 2
     emulated nodes on one machine)."""
@@ -133,6 +138,13 @@ class TrainConfig:
             raise ValueError(f"parallel={self.parallel!r} must be one of {MODES}")
         if self.nodes is not None and (self.parallel != "hsdp" or self.nodes < 2):
             raise ValueError(f"--nodes={self.nodes} is for --hsdp, and at least 2")
+        if self.staleness not in (0, 1):
+            raise ValueError(f"--staleness must be 0 or 1, got {self.staleness}")
+        if self.staleness and self.parallel != "ddp":
+            raise ValueError(
+                f"--staleness {self.staleness} is implemented for --ddp so far, not for "
+                f"--{self.parallel}; add --ddp or drop --staleness"
+            )
         config = recipe(self.recipe)
         if self.parallel != "fsdp" and config.two_level:
             raise ValueError(
@@ -320,9 +332,10 @@ def train_rank(cfg: TrainConfig, data: TokenData, device: torch.device) -> dict:
         bf16=_bf16_compute(cfg, device),
         two_level=cfg.two_level,
         nodes=cfg.nodes,
+        staleness=cfg.staleness,
     )
     model = par.model
-    config = recipe(cfg.recipe)
+    config = recipe(cfg.recipe, staleness=cfg.staleness)
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     opt = torch.optim.AdamW(
@@ -437,6 +450,12 @@ def train_rank(cfg: TrainConfig, data: TokenData, device: torch.device) -> dict:
             done = step + 1
             if cfg.ckpt_every and done % cfg.ckpt_every == 0 and done < end:
                 save_checkpoint(out, par, opt, done)
+        if cfg.staleness and start < end == cfg.steps:
+            # the last step's gradient is still in flight: one more optimizer step applies it
+            par.state.drain()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
         if start < end:
             save_checkpoint(out, par, opt, end)
     finally:

@@ -6,7 +6,10 @@ GPT-125M (12 layers, d 768, 12 heads, sequence 1024, GPT-2 vocabulary), micro-ba
 bf16 autocast, AdamW, ``DistributedDataParallel`` with its default 25 MiB buckets. Variants,
 side by side in one run on the same weights and batches: ``ddp-fp32`` (DDP's own all-reduce),
 ``bf16_compress_hook`` and ``powerSGD`` (rank 4, PyTorch's hooks), and each ``--recipes`` entry
-through ``qsdp.ddp.register``. Each figure is set against two bounds measured in the same run:
+through ``qsdp.ddp.register`` (``NAME+s1``: the recipe at staleness 1, whose steps apply the
+previous step's gradient while their own reduction overlaps the next step; their step ends
+when the compute stream is done). Each figure is set against two bounds measured in the same
+run:
 
 - compute: the same step under ``no_sync()`` (no communication at all);
 - wire: the variant's bytes per step (qsdp's counter, or the hook's known size) over the
@@ -46,6 +49,11 @@ TINY = replace(GPT_125M, n_layer=2, d_model=128, n_head=4, block_size=64, vocab_
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def _compute_sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
 
 
 def _batches(cfg, n: int, batch: int, device: torch.device, rank: int):
@@ -92,19 +100,28 @@ def run_variant(name: str, a, cfg, device: torch.device, rank: int) -> dict:
         )
         model.register_comm_hook(hook_state, powerSGD_hook.powerSGD_hook)
     elif name != "ddp-fp32":
-        qsdp_state = qsdp.ddp.register(model, name)
+        recipe, _, stale = name.partition("+s")
+        qsdp_state = qsdp.ddp.register(model, qsdp.recipe(recipe, staleness=int(stale or 0)))
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
     amp = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
     times, losses, compute = [], [], []
     numel = sum(p.numel() for p in model.parameters())
+    stale = qsdp_state is not None and qsdp_state.config.staleness
+    # a stale step ends when the compute stream is done: its reduction runs on into the next
+    # step (that is the point); a synchronous step's compute stream waits for every reduction
+    step_sync = _compute_sync if stale else _sync
     for i, (x, y) in enumerate(_batches(cfg, a.warmup + a.steps, a.batch, device, rank)):
         _sync(device)
         t0 = time.perf_counter()
         loss = _step(model, opt, amp, x, y)
-        _sync(device)
+        step_sync(device)
         if i >= a.warmup:
             times.append(time.perf_counter() - t0)
         losses.append(float(loss.detach()))
+    if stale:  # the last gradient, as a training loop ends
+        qsdp_state.drain()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
     if a.profile is not None:  # one more step, profiled, after the measured ones
         _profiled_step(name, a, cfg, model, opt, amp, device, rank)
     for x, y in _batches(cfg, 3, a.batch, device, rank + 100):  # the compute bound
@@ -185,7 +202,11 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--regime", choices=sorted(regimes.REGIMES), required=True)
     p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--recipes", nargs="*", default=["cgx", "global-qsgd", "qsdp-g8"])
+    p.add_argument(
+        "--recipes",
+        nargs="*",
+        default=["cgx", "global-qsgd", "qsdp-g8", "cgx+s1", "global-qsgd+s1"],
+    )
     p.add_argument("--baselines", nargs="*", default=["ddp-fp32", "bf16_compress_hook", "powerSGD"])
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=3)

@@ -14,9 +14,9 @@ from ._hooks import _Context, _Counter, _Hook, _usable
 __all__ = ["QuantizedReduceScatter"]
 
 
-class QuantizedReduceScatter(_Hook, ReduceScatter):
-    """FSDP2 gradient reduce-scatter through ``plan.reduce_scatter`` (quantized, two-level or
-    Global-QSGD integers, as the config's gradient sub-config built it)."""
+class _Reduction:
+    """What both FSDP2 gradient hooks (the reduce-scatter and HSDP's replicate all-reduce)
+    hold: the plan, its noise key, the byte counter, the policy split and the NaN/Inf check."""
 
     def __init__(
         self,
@@ -35,10 +35,23 @@ class QuantizedReduceScatter(_Hook, ReduceScatter):
         self.plan, self.check, self.layout, self.split = plan, check, layout, split
         self.module_name = module_name
         self.zeroed = 0
-        """Reduce-scatters whose output was zeroed for NaN/Inf (counted when the backward
-        ends, see ``qsdp.runtime.nonfinite``)."""
+        """Reductions whose output was zeroed for NaN/Inf (counted when the backward ends, see
+        ``qsdp.runtime.nonfinite``)."""
         self.seed, self.bucket, self.stats = seed, bucket, stats
         self._steps = _Counter()
+
+    def _agree(self, flags: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        """``flags`` MAX-reduced over ``group`` (every rank then holds the same), counted and
+        handed to the check; returns whether any is set, on the device (no host sync)."""
+        self.stats.add_bytes("nonfinite_check", flags.numel() * flags.element_size())
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+        self.check.add(self, flags)
+        return flags.any()
+
+
+class QuantizedReduceScatter(_Reduction, _Hook, ReduceScatter):
+    """FSDP2 gradient reduce-scatter through ``plan.reduce_scatter`` (quantized, two-level or
+    Global-QSGD integers, as the config's gradient sub-config built it)."""
 
     def __call__(
         self,
@@ -63,10 +76,7 @@ class QuantizedReduceScatter(_Hook, ReduceScatter):
             flags = nonfinite_flags(
                 input_tensor.reshape(group.size(), -1), self.layout, self.plan.value_limit()
             )
-            self.stats.add_bytes("nonfinite_check", flags.numel() * flags.element_size())
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
-            self.check.add(self, flags)
-            bad = flags.any()
+            bad = self._agree(flags, group)
         # AVG or SUM as FSDP asks; a PREMUL_SUM (set_gradient_divide_factor) raises with a fix.
         self.plan.reduce_scatter(
             output_tensor,

@@ -23,34 +23,20 @@ import torch
 import torch.distributed as dist
 
 from .. import comm as qc
-from ..runtime import NonfiniteCheck
-from ._hooks import _Context, _Counter, _usable
+from ._hooks import _Context, _usable
+from ._reduce import _Reduction
 
 __all__ = ["ReplicateAllReduce", "ReplicateCounter"]
 
 
-class ReplicateAllReduce:
+class ReplicateAllReduce(_Reduction):
     """FSDP2 all-reduce hook: the compressed replicate all-reduce of one module's shard."""
 
     def __init__(
-        self,
-        *,
-        plan: qc.ReducePlan,
-        replicate: dist.ProcessGroup,
-        shard: dist.ProcessGroup,
-        seed: int,
-        bucket: int,
-        stats: qc.CommStats,
-        check: NonfiniteCheck | None = None,
-        layout: list[tuple[str, int]] | None = None,
-        split: qc.Split | None = None,
-        module_name: str = "",
+        self, *, replicate: dist.ProcessGroup, shard: dist.ProcessGroup, **kwargs: object
     ) -> None:
-        self.plan, self.replicate, self.shard = plan, replicate, shard
-        self.seed, self.bucket, self.stats = seed, bucket, stats
-        self.check, self.layout, self.split, self.module_name = check, layout, split, module_name
-        self.zeroed = 0
-        self._steps = _Counter()
+        super().__init__(**kwargs)  # type: ignore[arg-type]
+        self.replicate, self.shard = replicate, shard
 
     def __call__(self, reduce_output: torch.Tensor) -> None:
         with _Context("replicate all-reduce", self.module_name):
@@ -69,10 +55,7 @@ class ReplicateAllReduce:
                 # identical on the replicas after the all-reduce; MAX over the shard group
                 # makes every rank hold the same flags
                 flags = (~torch.isfinite(flat)).any().reshape(1).to(torch.int32)
-                self.stats.add_bytes("nonfinite_check", flags.numel() * flags.element_size())
-                dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.shard)
-                self.check.add(self, flags)
-                flat.masked_fill_(flags.bool(), 0)
+                flat.masked_fill_(self._agree(flags, self.shard), 0)
 
 
 class ReplicateCounter:

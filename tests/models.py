@@ -6,6 +6,7 @@ parameters (biases, LayerNorm) that the default policy sends raw beside the quan
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 D = 48
@@ -30,6 +31,22 @@ def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1000 * step + rank)
     x = torch.randint(0, VOCAB, (16, 4), generator=g)
     return x, (x.sum(1) * 7) % VOCAB
+
+
+def train(model: nn.Module, rank: int, steps: int) -> list[float]:
+    """AdamW on :func:`batch` for ``steps`` steps; the loss of each step, averaged over ranks."""
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    for step in range(steps):
+        x, y = batch(rank, step)
+        loss = nn.functional.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        losses.append(float(mean) / dist.get_world_size())
+    return losses
 
 
 def train_delayed_by_hand(model: nn.Module, opt, backward, steps: int) -> None:

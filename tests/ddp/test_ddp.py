@@ -16,6 +16,7 @@ from qsdp.testing import assert_same_on_all_ranks, count_dist_bytes, run_distrib
 
 from ..models import batch as _batch
 from ..models import classifier as _model
+from ..models import train
 
 STEPS = 25
 
@@ -23,17 +24,7 @@ STEPS = 25
 def _train(rank: int, recipe: str | None, *, error_feedback: bool = False, bucket_mb=0.01):
     ddp = DDP(_model(), bucket_cap_mb=bucket_mb)
     hook = qsdp.ddp.register(ddp, recipe, error_feedback=error_feedback) if recipe else None
-    opt = torch.optim.AdamW(ddp.parameters(), lr=3e-3)
-    losses = []
-    for step in range(STEPS):
-        x, y = _batch(rank, step)
-        loss = nn.functional.cross_entropy(ddp(x), y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        mean = loss.detach().clone()
-        dist.all_reduce(mean)
-        losses.append(float(mean) / dist.get_world_size())
+    losses = train(ddp, rank, STEPS)
     for p in ddp.parameters():
         assert_same_on_all_ranks(p.detach())  # replicas bit-identical after training
     return losses, hook, ddp

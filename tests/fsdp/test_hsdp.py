@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -13,7 +11,7 @@ import qsdp
 from qsdp.testing import assert_same_on_all_ranks, run_distributed
 
 from ..models import batch as _batch
-from ..models import classifier
+from ..models import classifier, train
 
 STEPS = 25
 
@@ -26,30 +24,15 @@ def _model(mesh) -> nn.Module:
     return model
 
 
-def _train(rank: int, model) -> list[float]:
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    losses = []
-    for step in range(STEPS):
-        x, y = _batch(rank, step)
-        loss = nn.functional.cross_entropy(model(x), y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        mean = loss.detach().clone()
-        dist.all_reduce(mean)
-        losses.append(float(mean) / dist.get_world_size())
-    return losses
-
-
 def _worker(rank: int, world: int, shape: tuple[int, int]) -> dict:
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
     native = _model(mesh)  # FSDP2's own HSDP, uncompressed
     qsdp.compress_fsdp(native, "bf16")
-    out = {"native": _train(rank, native)[-1]}
+    out = {"native": train(native, rank, STEPS)[-1]}
     for recipe in ("cgx", "global-qsgd", "qsdp-g8"):
         model = _model(mesh["shard"])
         qsdp.compress_fsdp(model, recipe, replicate=mesh["replicate"])
-        out[recipe] = _train(rank, model)[-1]
+        out[recipe] = train(model, rank, STEPS)[-1]
         for p in model.parameters():  # the replicas of each shard stay bit-identical
             assert_same_on_all_ranks(p.to_local().detach(), group=mesh.get_group(0))
         stats = qsdp.fsdp_comm_stats(model)

@@ -12,19 +12,15 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1 | tr -c 'A-Za-z0-9\n' '_')
 day=$(date -u +%Y-%m-%d)
 RESULTS_DIR=${RESULTS_DIR:-benchmarks/results}
-run() {  # run <regime> [VAR=value ...]: torchrun under the regime's extra environment
+run() {  # run <regime>: its NCCL variables are set in every process by benchmarks/regimes.py
   local regime=$1
-  shift
   echo "== regime $regime"
-  env "$@" torchrun --standalone --nproc-per-node 4 benchmarks/bench_collectives.py \
+  torchrun --standalone --nproc-per-node 4 benchmarks/bench_collectives.py \
     --regime "$regime" --out "${RESULTS_DIR}/collectives_${regime}_${gpu}_${day}.json" \
     ${ARGS[@]+"${ARGS[@]}"}
 }
 ARGS=("$@")
 
 run nvlink
-run socket NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_IB_DISABLE=1 NCCL_NET=Socket \
-  NCCL_SOCKET_IFNAME=lo
-# 2 nodes x 2 GPUs: bench_collectives.py sets NCCL_HOSTID=node{LOCAL_RANK // 2} in each process
-# before init_process_group (it differs per process, so it cannot be set here).
-run 2x2 NCCL_IB_DISABLE=1 NCCL_SOCKET_IFNAME=lo
+run socket
+run 2x2

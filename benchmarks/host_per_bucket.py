@@ -1,0 +1,129 @@
+"""Host time of one DDP bucket's compressed all-reduce, without communication or kernels.
+
+    PYTHONPATH=src python benchmarks/host_per_bucket.py --out r.json [--recipes cgx ...]
+
+What a GPU step pays on the CPU per bucket besides the kernels' own launches: qsdp's Python,
+torch op dispatch and the collectives' calls. Runs on any machine: a ``fake`` process group of
+4 ranks (collectives return at once) and the quantizer kernels replaced by no-ops inside this
+process only (``--stub``, the default), so neither wire nor kernel time is counted. The bucket
+is a GPT block's (d 64, 12 parameters, the 1-D ones raw by the default policy). Rows: median
+microseconds per bucket over 200 calls, and the number of top-level torch ops of one call.
+The CPU matters: compare rows of one run (or of runs on the same machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import datetime
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+import qsdp
+import qsdp.quant.codec as codec
+from qsdp import comm as qc
+from qsdp.quant._triton import launch
+
+D = 64
+LAYOUT = [
+    ("mlp.fc2.bias", D),
+    ("mlp.fc2.weight", 4 * D * D),
+    ("mlp.fc1.bias", 4 * D),
+    ("mlp.fc1.weight", 4 * D * D),
+    ("ln2.bias", D),
+    ("ln2.weight", D),
+    ("attn.proj.bias", D),
+    ("attn.proj.weight", D * D),
+    ("attn.qkv.bias", 3 * D),
+    ("attn.qkv.weight", 3 * D * D),
+    ("ln1.bias", D),
+    ("ln1.weight", D),
+]
+
+
+class _NoKernels:
+    def __getattr__(self, name: str):
+        return lambda *args, **kwargs: None
+
+
+def _stub_kernels() -> None:
+    """Every Triton launch a no-op, and the Triton path taken on the CPU (this process only)."""
+    codec._resolve = lambda backend, device: "triton"
+    codec._launch = lambda: _NoKernels()
+    launch.global_int_encode = lambda *args, **kwargs: None
+    import qsdp.quant.global_int as global_int
+
+    global_int._resolve = codec._resolve
+
+
+def measure(name: str, calls: int) -> dict:
+    config = qsdp.recipe(name)
+    plan = config.grads.plan()
+    shapes = [(n, k, (k,) if k in (D, 3 * D, 4 * D) else (k // D, D)) for n, k in LAYOUT]
+    split = config.policy.split(shapes) if config.policy else None
+    t = torch.randn(sum(k for _, k in LAYOUT))
+    stats = qc.CommStats()
+
+    def call(i: int) -> None:
+        work = plan.all_reduce(
+            t, None, op="avg", split=split, seed=0, step=i, bucket=0, stats=stats, async_op=True
+        )
+        work.get_future().wait()
+
+    for i in range(20):
+        call(i)
+    times = []
+    for i in range(calls):
+        t0 = time.perf_counter()
+        call(i)
+        times.append(time.perf_counter() - t0)
+    with torch.profiler.profile() as prof:
+        call(0)
+    top = collections.Counter(e.name for e in prof.events() if e.cpu_parent is None)
+    return {
+        "recipe": name,
+        "us_per_bucket": statistics.median(times) * 1e6,
+        "top_level_ops": sum(top.values()),
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--recipes", nargs="*", default=["cgx", "global-qsgd", "qsdp-g8"])
+    p.add_argument("--calls", type=int, default=200)
+    p.add_argument("--label", default="", help="a name for this code version in the JSON")
+    a = p.parse_args()
+    _stub_kernels()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    rows = [measure(name, a.calls) for name in a.recipes]
+    for r in rows:
+        us, ops = r["us_per_bucket"], r["top_level_ops"]
+        print(f"{r['recipe']:12s} {us:7.0f} us per bucket, {ops} ops")
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(
+        json.dumps(
+            {
+                "benchmark": "host_per_bucket",
+                "label": a.label,
+                "cpu": platform.processor() or platform.machine(),
+                "torch": torch.__version__,
+                "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                "world_size": 4,
+                "rows": rows,
+            },
+            indent=2,
+        )
+    )
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -111,7 +111,7 @@ def run_variant(name: str, a, cfg, device: torch.device, rank: int) -> dict:
     # step (that is the point); a synchronous step's compute stream waits for every reduction
     step_sync = _compute_sync if stale else _sync
     for i, (x, y) in enumerate(_batches(cfg, a.warmup + a.steps, a.batch, device, rank)):
-        _sync(device)
+        step_sync(device)  # (a full sync would wait for a stale step's reduction untimed)
         t0 = time.perf_counter()
         loss = _step(model, opt, amp, x, y)
         step_sync(device)

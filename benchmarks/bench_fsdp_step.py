@@ -125,11 +125,14 @@ def build(
     for block in model.blocks:
         fully_shard(block, mesh=shard_on, mp_policy=mp)
     fully_shard(model, mesh=shard_on, mp_policy=mp)
-    if recipe is not None and hsdp is not None:
-        qsdp.compress_fsdp(model, recipe, replicate=hsdp["replicate"])
-    elif recipe is not None:
-        two_level = qsdp.recipe(recipe).two_level
-        qsdp.compress_fsdp(model, recipe, mesh=mesh if two_level else None)
+    if recipe is None:
+        return model
+    name, _, stale = recipe.partition("+s")  # NAME+s1: the recipe at staleness 1
+    config = qsdp.recipe(name, staleness=int(stale or 0))
+    if hsdp is not None:
+        qsdp.compress_fsdp(model, config, replicate=hsdp["replicate"])
+    else:
+        qsdp.compress_fsdp(model, config, mesh=mesh if config.two_level else None)
     return model
 
 
@@ -147,6 +150,11 @@ def run_variant(name, c, args, device, recipe, reduce_dtype, compute_dtype) -> t
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     timed = args.warmup + args.steps
+    state = qsdp.fsdp.comm_state(model) if recipe is not None else None
+    stale = state is not None and "+s" in recipe
+    # a stale step ends when the compute stream is done: its reduction runs on into the next
+    # step (that is the point), so no full device sync may wait for it, before or after a step
+    step_sync = _compute_sync if stale else _sync
     for i in range(timed + (1 if args.profile else 0)):
         profiled = i == timed  # one extra step, after the measured ones
         prof = profiling.profiler(device) if profiled else None
@@ -159,8 +167,7 @@ def run_variant(name, c, args, device, recipe, reduce_dtype, compute_dtype) -> t
         batch = torch.randint(
             0, c.vocab_size, (args.batch, c.block_size + 1), device=device, generator=g
         )
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        step_sync(device)
         dist.barrier()
         t0 = time.perf_counter()
         phases = _Phases(device, profiled)
@@ -171,12 +178,12 @@ def run_variant(name, c, args, device, recipe, reduce_dtype, compute_dtype) -> t
         phases.mark("forward")
         loss.backward()
         phases.mark("backward")
-        opt.step()
+        if not (stale and state.applied_nothing):  # a stale first step applies nothing
+            opt.step()
         opt.zero_grad(set_to_none=True)
         phases.mark("optimizer")
         cpu_elapsed = time.perf_counter() - t0  # the host's launch time; < elapsed: GPU-bound
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        step_sync(device)
         elapsed = time.perf_counter() - t0
         if prof is not None:
             prof.__exit__(None, None, None)
@@ -194,7 +201,12 @@ def run_variant(name, c, args, device, recipe, reduce_dtype, compute_dtype) -> t
             print(f"  {name} step {i}: {float(slowest):.3f} s loss {losses[-1]:.4f}", flush=True)
         if i == timed - 1:  # the measured steps' peak, before a profiled step resets it
             peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
-    del model, opt
+    if stale:  # the last gradient, as a training loop ends
+        state.drain()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        _sync(device)
+    del model, opt, state
     gc.collect()  # FSDP's module <-> state references form cycles: free them before the next
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -205,6 +217,16 @@ def run_variant(name, c, args, device, recipe, reduce_dtype, compute_dtype) -> t
             later = torch.cuda.memory_allocated(device) / 2**30
             print(f"  {name}: {left:.2f} GiB left after del+gc, {later:.2f} GiB 2 s later")
     return [statistics.median(times), statistics.median(cpu_times), losses, peak]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _compute_sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
 
 
 class _Phases:
@@ -241,7 +263,9 @@ def main() -> None:
     p.add_argument(
         "--recipes",
         nargs="*",
-        help="default: qsdp-w8g8 global-qsgd sdp4bit (with --hsdp: cgx global-qsgd)",
+        help="default: qsdp-w8g8 global-qsgd sdp4bit sdp4bit+s1 qsdp-w8g8+s1 (with --hsdp: cgx "
+        "global-qsgd cgx+s1); NAME+s1 is the recipe at staleness 1, its step timed to the end "
+        "of the compute stream (its reduction runs on into the next step), drained at the end",
     )
     p.add_argument("--hsdp", action="store_true", help="HSDP on 2 nodes (see the docstring)")
     p.add_argument("--steps", type=int, default=5)
@@ -270,7 +294,11 @@ def main() -> None:
     c = TINY if a.tiny else GPT_1_4B
     ws = dist.get_world_size()
     if a.recipes is None:
-        a.recipes = ["cgx", "global-qsgd"] if a.hsdp else ["qsdp-w8g8", "global-qsgd", "sdp4bit"]
+        a.recipes = (
+            ["cgx", "global-qsgd", "cgx+s1"]
+            if a.hsdp
+            else ["qsdp-w8g8", "global-qsgd", "sdp4bit", "sdp4bit+s1", "qsdp-w8g8+s1"]
+        )
     base = "hsdp" if a.hsdp else "fsdp2"
     variants = [
         (f"{base}-fp32-reduce", None, torch.float32),

@@ -5,9 +5,13 @@ parameters (biases, LayerNorm) that the default policy sends raw beside the quan
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 from torch import nn
+
+import qsdp
 
 D = 48
 VOCAB = 64
@@ -63,3 +67,44 @@ def train_delayed_by_hand(model: nn.Module, opt, backward, steps: int) -> None:
         opt.step()
         opt.zero_grad(set_to_none=False)
         previous = current
+
+
+GATED_STEPS = 5
+
+
+def train_gated(model: nn.Module, opt, state, backward) -> list[bool]:
+    """Staleness 1 with a gate that fires at every step applying a delayed gradient: drain and
+    apply the reduction in flight, run the next step synchronously, skip the steps that apply
+    nothing. Returns which steps the gate fired at."""
+    gate = qsdp.StalenessGate(1e-12)
+    fired, sync_next = [], False
+    for step in range(GATED_STEPS):
+        sync, sync_next = sync_next, False
+        with state.synchronous() if sync else contextlib.nullcontext():
+            backward(step)
+        fired.append(False)
+        if state.applied_nothing:
+            opt.zero_grad(set_to_none=False)
+            continue
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+        if not sync and gate.check(grad_norm=1.0, lr=1.0):
+            state.drain()
+            opt.step()
+            opt.zero_grad(set_to_none=False)
+            fired[-1] = sync_next = True
+    return fired
+
+
+def train_gated_by_hand(model: nn.Module, opt, backward) -> None:
+    """What :func:`train_gated` must do, around a synchronous model: the gradients of steps
+    0 and 1 applied at step 1, step 2's at once, 3's and 4's at step 4."""
+    kept = []
+    for step, apply in enumerate([[], [0, 1], [2], [], [3, 4]]):
+        backward(step)
+        kept.append([p.grad.clone() for p in model.parameters()])
+        for i in apply:
+            for p, g in zip(model.parameters(), kept[i], strict=True):
+                p.grad.copy_(g)
+            opt.step()
+        opt.zero_grad(set_to_none=False)

@@ -18,6 +18,7 @@ from .config import (
 )
 from .fsdp import compress_fsdp, fsdp_comm_stats
 from .quant import Encoded, QuantSpec, decode, encode
+from .runtime import StalenessGate
 
 __all__ = [
     "RECIPES",
@@ -29,6 +30,7 @@ __all__ = [
     "QuantizedGrads",
     "QuantizedMaster",
     "QuantizedWeights",
+    "StalenessGate",
     "TwoLevelGrads",
     "WeightDiffs",
     "compress_fsdp",

@@ -222,7 +222,8 @@ class CompressionConfig:
     staleness: int = 0
     """``1``: each step applies the previous step's reduced gradient while its own gradient's
     reduction overlaps the next step (bounded staleness, the elastic-consistency seed); ``0``:
-    synchronous. DDP so far (``qsdp.ddp.register``; see its [Note: staleness 1])."""
+    synchronous. For DDP (``qsdp.ddp.register``, its [Note: staleness 1]), FSDP2 and compressed
+    HSDP (``compress_fsdp``, [Note: staleness 1 in FSDP2]); ``qsdp.StalenessGate`` bounds it."""
 
     def __post_init__(self) -> None:
         if self.weights is not None and not isinstance(self.weights, Weights):

@@ -17,7 +17,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import qsdp
 from qsdp.testing import assert_same_on_all_ranks, run_distributed
 
-from ..models import batch, classifier, train_delayed_by_hand
+from ..models import batch, classifier, train_delayed_by_hand, train_gated, train_gated_by_hand
 
 STEPS = 7
 
@@ -121,8 +121,15 @@ def _refusals(rank: int, world: int) -> None:
     hook = qsdp.ddp.register(ddp, "cgx")
     with pytest.raises(ValueError, match="drain\\(\\) is for staleness=1"):
         hook.drain()
-    with pytest.raises(ValueError, match="implemented for DDP"):
-        qsdp.compress_fsdp(ddp.module, qsdp.recipe("cgx", staleness=1))
+    with pytest.raises(ValueError, match="synchronous\\(\\) is for staleness=1"):
+        with hook.synchronous():
+            pass
+    assert not hook.applied_nothing
+    stale, hook, _ = _build("bf16", 1)
+    _loss(stale, rank, 0).backward()  # a reduction in flight: a synchronous step would lose it
+    with pytest.raises(RuntimeError, match="call drain\\(\\)"):
+        with hook.synchronous():
+            _loss(stale, rank, 1).backward()
     dist.barrier()
 
 
@@ -131,3 +138,19 @@ def test_refusals():
         with pytest.raises(ValueError, match="staleness"):
             qsdp.recipe("cgx", staleness=bad)
     run_distributed(_refusals, 1)
+
+
+def _gated(rank: int, world: int) -> list[bool]:
+    ddp, _, opt = _build("cgx", 0)
+    train_gated_by_hand(ddp, opt, lambda step: _loss(ddp, rank, step).backward())
+    want = [p.detach().clone() for p in ddp.parameters()]
+    stale, hook, opt = _build("cgx", 1)
+    fired = train_gated(stale, opt, hook, lambda step: _loss(stale, rank, step).backward())
+    for p, w in zip(stale.parameters(), want, strict=True):
+        assert torch.equal(p.detach(), w)
+    return fired
+
+
+def test_the_gate_drains_and_the_next_step_is_the_synchronous_one():
+    fired = run_distributed(_gated, 3)
+    assert fired == [[False, True, False, False, True]] * 3, fired

@@ -116,3 +116,51 @@ def test_nan_gradient_on_one_rank_raises_everywhere_or_is_zeroed():
         assert r["error"] is not None and "blocks.1.down.weight" in r["error"], r
     for r in run_distributed(_nan, ws, "zero", backend="nccl", pg_timeout_s=60):
         assert r["error"] is None and r["finite"], r
+
+
+def _stale_vs_by_hand(rank: int, ws: int, recipe: str) -> None:
+    """Staleness 1 on NCCL against the synchronous model delayed by hand (as on gloo in
+    tests/fsdp/test_staleness.py): the hook's own stream, the twin communicators and the
+    lifetime of FSDP2's input buffer are what only CUDA can get wrong."""
+
+    def backward(model, dev, batch):
+        logits = model(batch[:, :-1].to(dev))
+        loss = nn.functional.cross_entropy(
+            logits.float().reshape(-1, 256), batch[:, 1:].to(dev).reshape(-1)
+        )
+        loss.backward()
+
+    batches = list(_batches(rank, ws))[:6]
+    stale, dev = _build(recipe, ws, torch.float32, config=qsdp.recipe(recipe, staleness=1))
+    opt = torch.optim.AdamW(stale.parameters(), lr=3e-3)
+    state = qsdp.fsdp.comm_state(stale)
+    for batch in batches:
+        backward(stale, dev, batch)
+        if not state.applied_nothing:  # the first step
+            opt.step()
+        opt.zero_grad(set_to_none=False)
+    state.drain()
+    opt.step()
+    ref, dev = _build(recipe, ws, torch.float32)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=3e-3)
+    kept = None
+    for batch in batches:  # the delay by hand
+        backward(ref, dev, batch)
+        now = [p.grad.clone() for p in ref.parameters()]
+        if kept is not None:
+            for p, g in zip(ref.parameters(), kept, strict=True):
+                p.grad.copy_(g)
+            ref_opt.step()
+        ref_opt.zero_grad(set_to_none=False)
+        kept = now
+    for p, g in zip(ref.parameters(), kept, strict=True):
+        p.grad.copy_(g)
+    ref_opt.step()
+    for a, b in zip(stale.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(a.to_local(), b.to_local(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("recipe", ["sdp4bit", "qsdp-w8g8", "global-qsgd"])
+def test_staleness_1_on_nccl(recipe):
+    ws = min(torch.cuda.device_count(), 4)
+    run_distributed(_stale_vs_by_hand, ws, recipe, backend="nccl", timeout_s=600)

@@ -186,12 +186,12 @@ def test_resume_checks_each_setting_and_lets_the_free_ones_change(run, files, mo
     with pytest.raises(ValueError, match="--nodes: saved 2, now 4"):
         hsdp = dataclasses.replace(saved, parallel="hsdp", nodes=4)
         validate(hsdp, data, world_size=2, columns=COLUMNS)
-    # --staleness 1 exists only with --ddp: a saved synchronous DDP run resumed with it is refused
+    # a saved synchronous run resumed at staleness 1 is refused
     config.write_text(config.read_text().replace('"parallel": "hsdp"', '"parallel": "ddp"'))
     with pytest.raises(ValueError, match="--staleness: saved 0, now 1"):
         stale = dataclasses.replace(saved, parallel="ddp", staleness=1)
         validate(stale, data, world_size=2, columns=COLUMNS)
-    assert set(CHANGED) | {"data", "tokenizer", "nodes", "staleness"} == set(
+    assert set(CHANGED) | {"data", "tokenizer", "nodes", "staleness", "stale_bound"} == set(
         RESUME_MUST_MATCH
     ) & set(f.name for f in dataclasses.fields(TrainConfig))
 

@@ -141,30 +141,56 @@ def test_ddp_and_hsdp_train_count_and_resume(data_dir, tmp_path):
 
 def _stale(rank: int, world: int, data: str, root: str) -> None:
     d, cpu = open_data(Path(data)), torch.device("cpu")
-    for name, kw in (
-        ("sync", {}),
-        ("straight", {"staleness": 1}),
-        ("resumed", {"staleness": 1, "stop_at": 3}),
-        ("resumed", {"staleness": 1, "resume": True}),
-    ):
-        cfg = _cfg(Path(root) / name, "bf16", parallel="ddp", steps=6, seed=3, **kw)
-        train_rank(cfg, d, cpu)
+    for parallel, recipe in (("ddp", "bf16"), ("fsdp", "qsdp-w8g8")):
+        for name, kw in (
+            ("sync", {}),
+            ("straight", {"staleness": 1}),
+            ("resumed", {"staleness": 1, "stop_at": 3}),
+            ("resumed", {"staleness": 1, "resume": True}),
+            ("gated", {"staleness": 1, "stale_bound": 1e-9}),
+            ("gated-resumed", {"staleness": 1, "stale_bound": 1e-9, "stop_at": 2}),
+            ("gated-resumed", {"staleness": 1, "stale_bound": 1e-9, "resume": True}),
+        ):
+            out = Path(root) / f"{parallel}-{name}"
+            cfg = _cfg(out, recipe, parallel=parallel, steps=6, seed=3, ckpt_every=0, **kw)
+            train_rank(cfg, d, cpu)
 
 
-def test_ddp_staleness_trains_late_and_resumes_exactly(data_dir, tmp_path):
+def test_staleness_trains_late_gates_and_resumes_exactly(data_dir, tmp_path):
     run_distributed(_stale, 2, str(data_dir), str(tmp_path), timeout_s=600)
+    for parallel in ("ddp", "fsdp"):
+        _check_stale(tmp_path, parallel)
+
+
+def _check_stale(tmp_path: Path, parallel: str) -> None:
+    def col(name: str, key: str) -> list:
+        return [r[key] for r in _rows(tmp_path / f"{parallel}-{name}")]
+
     sync, straight, resumed = (
-        [float(r["loss"]) for r in _rows(tmp_path / n)] for n in ("sync", "straight", "resumed")
+        [float(x) for x in col(n, "loss")] for n in ("sync", "straight", "resumed")
     )
     assert len(straight) == len(resumed) == 6
     # the checkpoint carries the reduction in flight: the resumed run is the straight one (2
     # ranks: a sum of two floats does not depend on DDP's bucket layout)
     assert straight == resumed
-    # the first step applies nothing (only AdamW's weight decay moves the weights), so the
-    # second step's loss is nearly the first's; the synchronous run moved already
-    assert sync[0] == straight[0]
-    assert abs(straight[1] - straight[0]) < abs(sync[1] - sync[0]) / 10
-    assert json.loads((tmp_path / "straight" / "config.json").read_text())["staleness"] == 1
+    # the first step applies nothing and takes no optimizer step: the second step computes on
+    # the initial weights, where the synchronous run moved already
+    assert sync[0] == straight[0] and sync[1] != straight[1]
+    # without a bound the gate only measures: lr * |g| of each applied gradient, never forced
+    gap = col("straight", "stale_gap")
+    assert gap[0] == "" and all(float(x) > 0 for x in gap[1:]), gap
+    assert col("straight", "sync_forced") == ["0"] * 6
+    # a bound below every update: each step that applies a delayed gradient forces a drain,
+    # the next runs synchronously (it moves like the synchronous run), the one after restarts
+    # the pipeline (applies nothing): forced at steps 1 and 4
+    assert col("gated", "sync_forced") == ["0", "1", "1", "1", "2", "2"]
+    gated = [float(x) for x in col("gated", "loss")]
+    assert gated[:2] == straight[:2] and gated[2] != straight[2]
+    # the gate's count and its pending synchronous step survive a resume
+    assert col("gated-resumed", "sync_forced") == col("gated", "sync_forced")
+    assert [float(x) for x in col("gated-resumed", "loss")] == gated
+    saved = json.loads((tmp_path / f"{parallel}-gated" / "config.json").read_text())
+    assert saved["staleness"] == 1 and saved["stale_bound"] == 1e-9
 
 
 def test_schedule_warms_up_then_decays_to_the_floor():
@@ -187,7 +213,8 @@ def test_schedule_warms_up_then_decays_to_the_floor():
         ({"parallel": "hsdp", "recipe": "tlq-hs-only"}, "has two-level gradients"),
         ({"nodes": 2}, "--nodes=2 is for --hsdp"),
         ({"parallel": "zero"}, "parallel='zero' must be one of"),
-        ({"staleness": 1}, "--staleness 1 is implemented for --ddp so far"),
+        ({"stale_bound": 0.1}, "--stale-bound=0.1 needs --staleness 1"),
+        ({"staleness": 1, "stale_bound": -1.0}, "a positive bound"),
         ({"staleness": 2, "parallel": "ddp", "recipe": "cgx"}, "--staleness must be 0 or 1"),
     ],
 )

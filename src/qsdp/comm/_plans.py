@@ -14,11 +14,12 @@ plan                     reduce_scatter                   all_reduce
 ``QuantizedReduce``      :func:`reduce_scatter`           :func:`two_phase_all_reduce` (CGX)
 ``TwoLevelReduce``       :func:`hierarchical_reduce_scatter`  (a reduce-scatter only)
 ``IntegerReduce``        :func:`integer_reduce_scatter`   :func:`integer_all_reduce`
-``PlainReduce``          (FSDP2's own)                    the backend's all-reduce, counted
+``PlainReduce``          the backend's, counted           the backend's all-reduce, counted
 =======================  ===============================  ==================================
 
-``PlainReduce`` is "uncompressed" for the integrations that run an all-reduce themselves (DDP,
-HSDP's replicate hook), so they need no second path for it.
+``PlainReduce`` is "uncompressed" for the integrations that run a reduction themselves (DDP,
+HSDP's replicate hook, FSDP2's reduce-scatter at staleness 1), so they need no second path for
+it. (A synchronous uncompressed FSDP2 reduce-scatter stays FSDP2's own: no hook is installed.)
 """
 
 from __future__ import annotations
@@ -104,8 +105,27 @@ class PlainReduce(ReducePlan):
 
         return C.run_stages(stages(), async_op, result=tensor)
 
+    def reduce_scatter(self, output, input, group, *, op="avg", stats=None, async_op=False, **_):
+        op, stats = C.parse_op(op), C.resolve_stats(stats)
+        name = "reduce_scatter" if self.name == "all_reduce" else self.name
+        stats.count_call(name)
+        # the backend's own AVG, as FSDP2's reduce-scatter runs it: the same bits
+        reduce_op = dist.ReduceOp.AVG if op == "avg" else dist.ReduceOp.SUM
+
+        def stages() -> C.Stages:
+            stats.add_bytes(name, (input.numel() - output.numel()) * input.element_size())
+            yield (
+                [C.dist_reduce_scatter()(output, input, op=reduce_op, group=group, async_op=True)],
+                True,
+            )
+
+        return C.run_stages(stages(), async_op, result=output)
+
     def all_reduce_wire_bytes(self, numel, world_size, *, split=None, element_size=4):
         return numel * element_size
+
+    def reduce_scatter_wire_bytes(self, numel, world_size, *, split=None, element_size=4):
+        return (numel - numel // world_size) * element_size
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -51,6 +51,8 @@ would have reduced, one step late (tested).
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import NamedTuple
 
 import torch
@@ -103,6 +105,10 @@ class DDPCompression:
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._pending: dict[int, _Pending] = {}
         """Staleness 1: by parameter id, where its gradient of the last step is being reduced."""
+        self._synchronous = False
+        self.applied_nothing = bool(config.staleness)
+        """Staleness 1: the last backward applied no reduction (the first step, or the first
+        after :meth:`drain`): skip its ``optimizer.step()``. Always False at staleness 0."""
 
     # --- the hook ---------------------------------------------------------------------------
     def reduce(self, bucket: dist.GradBucket) -> torch.futures.Future:
@@ -126,10 +132,17 @@ class DDPCompression:
         self._buckets[index] = (tensor.numel(), tensor.element_size(), split)
         if self.error_feedback:
             self._feed_back(tensor, params, split, step=step, bucket=index)
-        if not self.config.staleness:
+        if not self.config.staleness or self._synchronous:
+            if self._synchronous and any(id(p) in self._pending for p in params):
+                raise RuntimeError(
+                    "qsdp staleness 1: a synchronous backward while a reduction is in flight "
+                    "would lose it; call drain() (and optimizer.step()) before synchronous()"
+                )
+            self.applied_nothing = False
             work = self._all_reduce(tensor, split, step, index)
             return self._checked(work.get_future(), tensor, params, index)
         # [Note: staleness 1]: reduce a copy, hand DDP the previous step's result
+        self.applied_nothing = all(id(p) not in self._pending for p in params)
         send = tensor.clone()
         work = self._all_reduce(send, split, step, index)
         previous = self._previous(params, like=tensor)
@@ -215,6 +228,19 @@ class DDPCompression:
                 p.grad = g.to(p.dtype).clone()
             else:
                 p.grad.copy_(g)
+
+    @contextlib.contextmanager
+    def synchronous(self) -> Iterator[None]:
+        """Staleness 1: the backwards inside reduce and apply their gradients at once, as at
+        staleness 0 (the step after the staleness gate fired; :meth:`drain` first). The step
+        after such a backward applies nothing."""
+        if not self.config.staleness:
+            raise ValueError("synchronous() is for staleness=1; this hook is synchronous already")
+        self._synchronous = True
+        try:
+            yield
+        finally:
+            self._synchronous = False
 
     def _checked(
         self,

@@ -10,6 +10,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 from .. import comm as qc
 from ..runtime import NonfiniteCheck, nonfinite_flags
 from ._hooks import _Context, _Counter, _Hook, _usable
+from ._stale import Delay, Pipeline
 
 __all__ = ["QuantizedReduceScatter"]
 
@@ -39,6 +40,45 @@ class _Reduction:
         ``qsdp.runtime.nonfinite``)."""
         self.seed, self.bucket, self.stats = seed, bucket, stats
         self._steps = _Counter()
+        self.delay: Delay | None = None
+        """Staleness 1: the reduction in flight (see [Note: staleness 1 in FSDP2])."""
+        self.pipeline: Pipeline | None = None
+        self.twins: dict[str, dist.ProcessGroup] = {}
+        self._group: dist.ProcessGroup | None = None
+        """The group the applied result's NaN/Inf flags are agreed over."""
+
+    def stale(self, *, pipeline: Pipeline, twins: dict[str, dist.ProcessGroup]) -> None:
+        """Run at staleness 1 within ``pipeline``, reducing over ``twins`` (by group name)."""
+        self.delay, self.pipeline, self.twins = Delay(), pipeline, twins
+
+    def _twin(self, group: dist.ProcessGroup) -> dist.ProcessGroup:
+        twin = self.twins.get(group.group_name)
+        if twin is None:
+            raise RuntimeError(
+                f"qsdp staleness 1: FSDP2 reduced over process group {group.group_name!r}, which "
+                "compress_fsdp did not see at installation; call compress_fsdp after fully_shard"
+            )
+        return twin
+
+    def _apply_previous(self, output: torch.Tensor, group: dist.ProcessGroup) -> None:
+        """Staleness 1: the previous step's result of this hook into ``output`` (zeros when
+        there is none), checked for NaN/Inf."""
+        self._group = group
+        result = self.delay.finish()
+        self.pipeline.applied_nothing = result is None
+        if result is None:
+            output.zero_()
+            return
+        output.copy_(result.view_as(output))
+        self.check_applied(output)
+
+    def check_applied(self, flat: torch.Tensor) -> None:
+        """Zero ``flat`` (a result about to be applied) on every rank if any rank's holds a
+        NaN/Inf: per-parameter flags agreed over the hook's group, decided by the check."""
+        if self.check is None:
+            return
+        flags = nonfinite_flags(flat.reshape(1, -1), self.layout)
+        flat.masked_fill_(self._agree(flags, self._group), 0)
 
     def _agree(self, flags: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
         """``flags`` MAX-reduced over ``group`` (every rank then holds the same), counted and
@@ -71,6 +111,30 @@ class QuantizedReduceScatter(_Reduction, _Hook, ReduceScatter):
         group: dist.ProcessGroup,
         op: dist.ReduceOp,
     ) -> None:
+        if self.delay is not None and self.pipeline.synchronous:
+            self.pipeline.check_synchronous(self)
+        elif self.delay is not None:  # [Note: staleness 1 in FSDP2]
+            self._apply_previous(output_tensor, group)
+            self.delay.op = "avg" if op == dist.ReduceOp.AVG else str(op)
+            step = self._steps.next()
+            twin = self._twin(group)
+            split = _usable(self.split, input_tensor.numel() // group.size(), self.stats)
+
+            def launch(result: torch.Tensor) -> None:
+                self.plan.reduce_scatter(
+                    result,
+                    input_tensor,
+                    twin,
+                    op=op,
+                    split=split,
+                    seed=self.seed,
+                    step=step,
+                    bucket=self.bucket,
+                    stats=self.stats,
+                )
+
+            self.delay.send(launch, like=output_tensor, input=input_tensor)
+            return None
         bad = None
         if self.check is not None:
             flags = nonfinite_flags(

@@ -41,6 +41,31 @@ class ReplicateAllReduce(_Reduction):
     def __call__(self, reduce_output: torch.Tensor) -> None:
         with _Context("replicate all-reduce", self.module_name):
             flat = reduce_output.view(-1)
+            if self.delay is not None and self.pipeline.synchronous:
+                self.pipeline.check_synchronous(self)
+            elif self.delay is not None:  # [Note: staleness 1 in FSDP2]
+                send = flat.clone()
+                self._apply_previous(flat, self.shard)
+                step = self._steps.next()
+                twin = self._twin(self.replicate)
+                split = _usable(self.split, flat.numel(), self.stats)
+
+                def launch(result: torch.Tensor) -> None:
+                    self.plan.all_reduce(
+                        result,
+                        twin,
+                        op="avg",
+                        split=split,
+                        seed=self.seed,
+                        step=step,
+                        bucket=self.bucket,
+                        stats=self.stats,
+                    )
+
+                self.delay.send(
+                    lambda result: (result.copy_(send), launch(result)), like=flat, input=send
+                )
+                return
             self.plan.all_reduce(
                 flat,
                 self.replicate,

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +32,7 @@ from ._gathers import QuantizedAllGather, QuantizedMasterAllGather, WeightDiffAl
 from ._hooks import StepClock
 from ._reduce import QuantizedReduceScatter
 from ._replicate import ReplicateAllReduce, ReplicateCounter
+from ._stale import Pipeline, twin_groups, twin_mesh
 
 __all__ = ["CommState", "comm_state", "compress_fsdp", "fsdp_comm_stats", "resync"]
 
@@ -41,6 +45,8 @@ class _Installed:
     gathers: list[WeightDiffAllGather]
     hooks: list[object]
     """Every installed all-gather and reduce-scatter, in installation order."""
+    pipeline: Pipeline | None = None
+    """Staleness 1: the reductions in flight."""
 
 
 _INSTALLED: weakref.WeakKeyDictionary[nn.Module, _Installed] = weakref.WeakKeyDictionary()
@@ -94,11 +100,6 @@ def compress_fsdp(
         raise TypeError(
             f"config must be a qsdp.CompressionConfig or a recipe name, got {type(config).__name__}"
         )
-    if config.staleness:
-        raise ValueError(
-            f"staleness={config.staleness} is implemented for DDP (qsdp.ddp.register) so far, not "
-            "for FSDP2 or HSDP; use staleness=0 with compress_fsdp"
-        )
     if mesh is not None:
         if not config.two_level:
             raise ValueError(
@@ -144,6 +145,16 @@ def compress_fsdp(
     if replicate_pg is not None:  # the gradients' config is for the replicate all-reduce
         replicate_plan = plan or qc.PlainReduce(name="all_reduce_replicate")
         plan = None
+    elif plan is None and config.staleness:  # the delay needs a hook: FSDP2's reduction, counted
+        plan = qc.PlainReduce(name="reduce_scatter")
+    pipeline = twins = None
+    if config.staleness:  # [Note: staleness 1 in FSDP2]
+        pipeline = Pipeline()
+        used = [replicate_pg] if replicate_pg is not None else []
+        used += [g for g, _ in groups.values() if g is not None and plan is not None]
+        twins = twin_groups(used)
+        if isinstance(plan, qc.TwoLevelReduce) and plan.mesh is not None:
+            plan = dataclasses.replace(plan, mesh=twin_mesh(plan.mesh))
 
     def split_of(layout: list | None) -> qc.Split | None:
         return policy.split(layout) if policy is not None and layout else None
@@ -171,6 +182,9 @@ def compress_fsdp(
             )
             module.set_all_reduce_hook(hook)
             hooks.append(hook)
+            if pipeline is not None and layout != []:
+                hook.stale(pipeline=pipeline, twins=twins)
+                pipeline.add(hook, _grad_params(model, layout))
         gather = None
         if isinstance(weights, WeightDiffs):
             gather = WeightDiffAllGather(
@@ -203,7 +217,10 @@ def compress_fsdp(
             )
             module.set_custom_reduce_scatter(reduce)
             hooks.append(reduce)
-    _INSTALLED[model] = _Installed(config, stats, clock, gathers, hooks)
+            if pipeline is not None and layout != []:
+                reduce.stale(pipeline=pipeline, twins=twins)
+                pipeline.add(reduce, _grad_params(model, layout))
+    _INSTALLED[model] = _Installed(config, stats, clock, gathers, hooks, pipeline)
     _HOOKED.update(modules)
     return model
 
@@ -300,6 +317,19 @@ def _layout(
         return None
 
 
+def _grad_params(
+    model: nn.Module, layout: list[tuple[str, int, tuple[int, ...]]] | None
+) -> list[tuple[nn.Parameter, int]]:
+    """(parameter, padded elements per rank) of a group's gradient chunk, for staleness 1."""
+    if layout is None:
+        raise ValueError(
+            "staleness=1 needs FSDP2's parameter layout, which this torch version does not "
+            "expose where qsdp reads it (see [Note: what compress_fsdp reads of FSDP2]); use "
+            "staleness=0"
+        )
+    return [(model.get_parameter(name), n) for name, n, _ in layout]
+
+
 def _master_params(
     model: nn.Module, module: FSDPModule, prefix: str
 ) -> list[tuple[nn.Parameter, int]]:
@@ -360,12 +390,51 @@ class CommState:
     def state_dict(self) -> dict[str, torch.Tensor]:
         inst = self._installed
         clock = inst.clock
-        return {
+        state = {
             "calls": torch.tensor([h._steps.calls for h in inst.hooks], dtype=torch.int64),
             "clock": torch.tensor(
                 [clock.epoch, clock.generation] if clock else [0, 0], dtype=torch.int64
             ),
         }
+        if inst.pipeline is not None:  # the reductions in flight, saved with the checkpoint
+            state.update(inst.pipeline.state_dict())
+        return state
+
+    def drain(self) -> None:
+        """Staleness 1, after the last backward: put the reductions still in flight into the
+        parameters' ``.grad``, for one more ``optimizer.step()`` (see [Note: staleness 1 in
+        FSDP2]). Call on every rank.
+
+        Raises:
+            ValueError: the model's config is synchronous, or a drained gradient holds NaN/Inf
+                with ``nonfinite="raise"`` (on every rank).
+        """
+        if self._installed.pipeline is None:
+            raise ValueError(
+                "drain() is for staleness=1; a synchronous model has nothing in flight"
+            )
+        self._installed.pipeline.drain()
+
+    @contextlib.contextmanager
+    def synchronous(self) -> Iterator[None]:
+        """Staleness 1: the backwards inside reduce and apply their gradients at once, as at
+        staleness 0 (the step after the staleness gate fired; drain first). The step after
+        such a backward applies nothing."""
+        pipeline = self._installed.pipeline
+        if pipeline is None:
+            raise ValueError("synchronous() is for staleness=1; this model is synchronous already")
+        pipeline.synchronous = True
+        try:
+            yield
+        finally:
+            pipeline.synchronous = False
+
+    @property
+    def applied_nothing(self) -> bool:
+        """Staleness 1: the last backward applied no reduction (the first step, or the first
+        after :meth:`drain`): skip its ``optimizer.step()``. Always False at staleness 0."""
+        pipeline = self._installed.pipeline
+        return pipeline is not None and pipeline.applied_nothing
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         inst = self._installed
@@ -380,6 +449,8 @@ class CommState:
         if inst.clock is not None:
             inst.clock.epoch = int(state["clock"][0])
             inst.clock.request_resync()
+        if inst.pipeline is not None:
+            inst.pipeline.load_state_dict(state)
 
 
 def comm_state(model: nn.Module) -> CommState:

@@ -77,8 +77,13 @@ def parser() -> argparse.ArgumentParser:
         type=int,
         default=0,
         choices=[0, 1],
-        help="1: apply each step's gradient one step late, its reduction overlapping the next "
-        "step (--ddp so far)",
+        help="1: apply each step's gradient one step late, its reduction overlapping the next step",
+    )
+    p.add_argument(
+        "--stale-bound",
+        type=float,
+        help="--staleness 1: force a synchronous step when lr * (clipped) gradient norm of the "
+        "applied gradient exceeds this (default: never; the proxy is logged as stale_gap)",
     )
     p.add_argument("--nproc", type=int, default=2, help="CPU processes when not under torchrun")
     p.add_argument("--no-progress", action="store_true")
@@ -112,6 +117,7 @@ def config_from(args: argparse.Namespace) -> TrainConfig:
         parallel="ddp" if args.ddp else "hsdp" if args.hsdp else "fsdp",
         nodes=args.nodes,
         staleness=args.staleness,
+        stale_bound=args.stale_bound,
         tensorboard=args.tensorboard,
         progress=not args.no_progress,
     )

@@ -74,6 +74,7 @@ RESUME_MUST_MATCH = (
     "parallel",
     "nodes",
     "staleness",
+    "stale_bound",
 )
 """Keys of ``config.json`` that ``--resume`` requires to equal the saved run's."""
 

@@ -19,6 +19,7 @@ checkpoint traffic is excluded.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -35,6 +36,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from .. import quant
 from ..config import RECIPES, CompressionConfig, QuantizedGrads, TwoLevelGrads, recipe
+from ..runtime import StalenessGate
 from .data import Batches, TokenData
 from .metrics import CONFIG_FILE, MetricsWriter, Progress
 from .model import GPT, PRESETS, ModelConfig
@@ -61,6 +63,8 @@ COLUMNS = (
     "compression_ratio",
     "quant_rel_err",
     "grad_norm",
+    "stale_gap",
+    "sync_forced",
 )
 
 
@@ -108,9 +112,14 @@ class TrainConfig:
     ``parallel.py``."""
     staleness: int = 0
     """``1``: each step applies the previous step's gradient while its own reduction overlaps the
-    next step (``--ddp`` so far; the last gradient is applied by one more optimizer step at the
-    end, with the last step's learning rate and clipping). See [Note: staleness 1] in
-    ``qsdp.ddp``."""
+    next step (the first step applies nothing and skips its optimizer step; the last gradient is
+    applied by one more optimizer step at the end, with the last step's learning rate and
+    clipping). See [Note: staleness 1] in ``qsdp.ddp`` and [Note: staleness 1 in FSDP2]."""
+    stale_bound: float | None = None
+    """Staleness 1: force a synchronous step when ``lr * ||g||`` (clipped) of the applied
+    gradient exceeds it (``qsdp.StalenessGate``, [Note: the staleness gate]); None never forces
+    one. Every step logs the proxy (``stale_gap``) and the forced steps so far
+    (``sync_forced``)."""
     nodes: int | None = None
     """``hsdp``: the number of nodes (default: torchrun's ``WORLD_SIZE / LOCAL_WORLD_SIZE``, or 2
     emulated nodes on one machine)."""
@@ -140,10 +149,10 @@ class TrainConfig:
             raise ValueError(f"--nodes={self.nodes} is for --hsdp, and at least 2")
         if self.staleness not in (0, 1):
             raise ValueError(f"--staleness must be 0 or 1, got {self.staleness}")
-        if self.staleness and self.parallel != "ddp":
+        if self.stale_bound is not None and (not self.staleness or not self.stale_bound > 0):
             raise ValueError(
-                f"--staleness {self.staleness} is implemented for --ddp so far, not for "
-                f"--{self.parallel}; add --ddp or drop --staleness"
+                f"--stale-bound={self.stale_bound} needs --staleness 1 and a positive bound "
+                "(the largest lr * gradient norm a delayed update may have)"
             )
         config = recipe(self.recipe)
         if self.parallel != "fsdp" and config.two_level:
@@ -230,19 +239,24 @@ def _evaluate(par: Parallel, batches: Batches, cfg: TrainConfig, device: torch.d
     return float(total[0] / total[1])
 
 
-def _checkpoint_state(par: Parallel, opt: torch.optim.Optimizer, step: int) -> dict:
+def _checkpoint_state(
+    par: Parallel, opt: torch.optim.Optimizer, step: int, gate: tuple[int, int] = (0, 0)
+) -> dict:
     msd, osd = get_state_dict(par.model, opt)
     return {
         "model": msd,
         "optim": osd,
         "qsdp": par.state,
-        "trainer": {"step": torch.tensor(step)},
+        # the staleness gate: synchronous steps forced so far, whether the next one is
+        "trainer": {"step": torch.tensor(step), "gate": torch.tensor(gate)},
     }
 
 
-def save_checkpoint(out: Path, par: Parallel, opt: torch.optim.Optimizer, step: int) -> Path:
+def save_checkpoint(
+    out: Path, par: Parallel, opt: torch.optim.Optimizer, step: int, gate: tuple[int, int] = (0, 0)
+) -> Path:
     path = out / "ckpt" / f"step_{step:07d}"
-    dcp.save(_checkpoint_state(par, opt, step), checkpoint_id=str(path))
+    dcp.save(_checkpoint_state(par, opt, step, gate), checkpoint_id=str(path))
     dist.barrier()
     if dist.get_rank() == 0:  # the marker goes last: a half-written checkpoint is never loaded
         tmp = out / "ckpt" / "latest.tmp"
@@ -252,7 +266,11 @@ def save_checkpoint(out: Path, par: Parallel, opt: torch.optim.Optimizer, step: 
     return path
 
 
-def load_checkpoint(out: Path, par: Parallel, opt: torch.optim.Optimizer) -> int:
+def load_checkpoint(
+    out: Path, par: Parallel, opt: torch.optim.Optimizer
+) -> tuple[int, tuple[int, int]]:
+    """Load the run's last checkpoint; returns its step and the staleness gate's state (steps
+    it forced to synchronise, whether the next step runs synchronously)."""
     marker = out / "ckpt" / "latest"
     if not marker.is_file():
         raise FileNotFoundError(
@@ -263,7 +281,8 @@ def load_checkpoint(out: Path, par: Parallel, opt: torch.optim.Optimizer) -> int
     state = _checkpoint_state(par, opt, 0)
     dcp.load(state, checkpoint_id=str(path))
     set_state_dict(par.model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    return int(state["trainer"]["step"])
+    fired, sync_next = state["trainer"]["gate"].tolist()
+    return int(state["trainer"]["step"]), (fired, sync_next)
 
 
 def _write_config(cfg: TrainConfig, out: Path, data: TokenData, device: torch.device) -> None:
@@ -344,7 +363,7 @@ def train_rank(cfg: TrainConfig, data: TokenData, device: torch.device) -> dict:
         betas=(0.9, 0.95),
         weight_decay=0.0,
     )
-    start = load_checkpoint(out, par, opt) if cfg.resume else 0
+    start, (forced, sync_next) = load_checkpoint(out, par, opt) if cfg.resume else (0, (0, 0))
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
         _write_config(cfg, out, data, device)
@@ -366,6 +385,9 @@ def train_rank(cfg: TrainConfig, data: TokenData, device: torch.device) -> dict:
         if rank == 0
         else None
     )
+    gate = StalenessGate(cfg.stale_bound or math.inf) if cfg.staleness else None
+    if gate is not None:
+        gate.fired = forced
     progress = Progress(cfg.steps, initial=start, disable=rank != 0 or not cfg.progress)
     last: dict = {}
     try:
@@ -379,6 +401,8 @@ def train_rank(cfg: TrainConfig, data: TokenData, device: torch.device) -> dict:
                 torch.cuda.synchronize(device)
             t0 = time.perf_counter()
             loss_sum = torch.zeros((), device=device)
+            # after the staleness gate fired, one step reduces and applies at once
+            sync_step, sync_next = bool(sync_next), False
             for micro in range(cfg.grad_accum):
                 x, y = batches.train_batch(
                     step,
@@ -389,13 +413,17 @@ def train_rank(cfg: TrainConfig, data: TokenData, device: torch.device) -> dict:
                     block_size=mc.block_size,
                     seed=cfg.seed,
                 )
-                with par.micro_step(micro == cfg.grad_accum - 1):
+                synchronous = par.state.synchronous() if sync_step else contextlib.nullcontext()
+                with par.micro_step(micro == cfg.grad_accum - 1), synchronous:
                     with par.autocast(device):
                         _, loss = model(x.to(device), y.to(device))
                     (loss / cfg.grad_accum).backward()
                 loss_sum += loss.detach() / cfg.grad_accum
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
             norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+            # staleness 1: a step whose backward applied no reduction (the first, the one after
+            # a forced synchronous step) takes no optimizer step; see [Note: the staleness gate]
+            applies = not (cfg.staleness and par.state.applied_nothing)
             # (DDP's and HSDP's gradients are the decoded all-reduce already: re-encoding them
             # measures nothing)
             sample = par.mode == "fsdp" and cfg.eval_every > 0
@@ -404,8 +432,18 @@ def train_rank(cfg: TrainConfig, data: TokenData, device: torch.device) -> dict:
                 if sample and (step % cfg.eval_every == 0 or step == cfg.steps - 1)
                 else None
             )
-            opt.step()
+            if applies:
+                opt.step()
             opt.zero_grad(set_to_none=True)
+            if gate is not None and applies and not sync_step:
+                if gate.check(grad_norm=norm, lr=lr, clip=cfg.grad_clip):
+                    # the same verdict on every rank (the norm is of the reduced gradient):
+                    # apply the reduction in flight now; the next step computes synchronously
+                    par.state.drain()
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+                    sync_next = True
             dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG)
             loss_val = float(loss_sum)  # waits for the step
             step_s = time.perf_counter() - t0
@@ -437,6 +475,8 @@ def train_rank(cfg: TrainConfig, data: TokenData, device: torch.device) -> dict:
                 compression_ratio=(full_ag + full_rs + full_ar) / wire if wire else None,
                 quant_rel_err=qerr,
                 grad_norm=float(norm),
+                stale_gap=gate.gap if gate is not None and applies and not sync_step else None,
+                sync_forced=gate.fired if gate is not None else None,
             )
             if writer is not None:
                 writer.log(step, **last)
@@ -449,7 +489,7 @@ def train_rank(cfg: TrainConfig, data: TokenData, device: torch.device) -> dict:
             )
             done = step + 1
             if cfg.ckpt_every and done % cfg.ckpt_every == 0 and done < end:
-                save_checkpoint(out, par, opt, done)
+                save_checkpoint(out, par, opt, done, (gate.fired if gate else 0, int(sync_next)))
         if cfg.staleness and start < end == cfg.steps:
             # the last step's gradient is still in flight: one more optimizer step applies it
             par.state.drain()
@@ -457,7 +497,7 @@ def train_rank(cfg: TrainConfig, data: TokenData, device: torch.device) -> dict:
             opt.step()
             opt.zero_grad(set_to_none=True)
         if start < end:
-            save_checkpoint(out, par, opt, end)
+            save_checkpoint(out, par, opt, end, (gate.fired if gate else 0, int(sync_next)))
     finally:
         progress.close()
         if writer is not None:

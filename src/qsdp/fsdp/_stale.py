@@ -1,0 +1,235 @@
+"""Staleness 1 for FSDP2's gradient hooks: each reduction is applied one step late.
+
+[Note: staleness 1 in FSDP2]
+With ``CompressionConfig.staleness=1`` the reduce-scatter hook (and, for compressed HSDP, the
+replicate all-reduce hook) of every FSDP group does, when FSDP2 calls it in step ``t``'s backward:
+
+1. *apply*: write the result of step ``t - 1``'s reduction of this group into FSDP2's output
+   (zeros in the first step, and after :meth:`Pipeline.drain`), so FSDP2 puts it into the
+   sharded ``.grad`` as it would its own; NaN/Inf is checked here, on the gradient the step
+   applies (per parameter, agreed over the hook's group, decided when the backward ends);
+2. *send*: start the reduction of step ``t``'s gradient on a stream of its own and on a second
+   communicator (a twin of each process group, made at installation): on one communicator NCCL
+   runs collectives in issue order, so the reduction would queue in front of step ``t + 1``'s
+   weight all-gathers instead of sharing the link with them in the other direction.
+
+FSDP2 hands the hook a freshly allocated input buffer, which the hook keeps (no copy) until the
+reduction has read it: the memory cost is that buffer (the group's unsharded gradient in the
+reduce dtype) and one result shard per group, while step ``t + 1`` computes. The noise keys are
+those of the synchronous schedule, so staleness 1 applies exactly the gradients staleness 0
+would have reduced, one step late (tested against the delay done by hand).
+
+With gradient accumulation the hook must run once per step: synchronise only the last
+micro-batch (``set_requires_gradient_sync(False)`` before the others, as ``qsdp train`` does).
+After the last backward, :meth:`Pipeline.drain` puts the reductions still in flight into
+``.grad`` for one more ``optimizer.step()``. A step that applied nothing (the first, or the one
+after a drain) is reported by :attr:`Pipeline.applied_nothing`: skip its ``optimizer.step()``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+
+__all__ = ["Delay", "Pipeline", "twin_groups", "twin_mesh"]
+
+
+def twin_groups(groups: list[dist.ProcessGroup]) -> dict[str, dist.ProcessGroup]:
+    """A second process group over the same ranks for each of ``groups``, by group name.
+
+    ``new_group`` is collective over the world, in the same order on every rank, so every
+    rank's groups (their rank lists, gathered) are made in one sorted order; a rank makes each
+    group, member or not. Call on every rank."""
+    mine = sorted({tuple(dist.get_process_group_ranks(g)) for g in groups})
+    everyone: list[list[tuple[int, ...]]] = [[] for _ in range(dist.get_world_size())]
+    dist.all_gather_object(everyone, mine)
+    made = {}
+    for ranks in sorted({r for lists in everyone for r in lists}):
+        made[ranks] = dist.new_group(list(ranks))
+    return {g.group_name: made[tuple(dist.get_process_group_ranks(g))] for g in groups}
+
+
+def twin_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """A 2-D mesh of the same layout on new communicators (a dimension that spans the whole
+    world stays on the default group, as ``DeviceMesh`` builds it). Call on every rank."""
+    return DeviceMesh(mesh.device_type, mesh.mesh, mesh_dim_names=mesh.mesh_dim_names)
+
+
+class Delay:
+    """One hook's reduction in flight: its result buffer, the input it reads, and (on CUDA)
+    the event that marks its end on the hook's own stream."""
+
+    def __init__(self) -> None:
+        self.result: torch.Tensor | None = None
+        """The last reduction's result, or None: nothing in flight."""
+        self._input: torch.Tensor | None = None
+        self._event: torch.cuda.Event | None = None
+        self._stream: torch.cuda.Stream | None = None
+        self.op: str = "avg"
+
+    def finish(self) -> torch.Tensor | None:
+        """The result, complete for the current stream (on CUDA the stream waits; the host
+        does not), or None."""
+        if self._event is not None:
+            torch.cuda.current_stream(self._event_device).wait_event(self._event)
+            self._event = None
+        self._input = None  # read by now (in stream order): FSDP2's buffer may be freed
+        return self.result
+
+    def send(
+        self, launch: Callable[[torch.Tensor], object], *, like: torch.Tensor, input: torch.Tensor
+    ) -> None:
+        """Start ``launch(result)`` (the plan's collective writing ``result``, shaped as
+        ``like``) after everything the current stream did; keeps ``input`` until it is read."""
+        if (
+            self.result is None
+            or self.result.shape != like.shape
+            or self.result.dtype != like.dtype
+        ):
+            self.result = torch.empty_like(like)
+            if like.is_cuda and self._stream is not None:
+                self.result.record_stream(self._stream)
+        self._input = input
+        if not like.is_cuda:
+            launch(self.result)  # gloo: synchronous, applied one step late all the same
+            return
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(like.device)
+            self.result.record_stream(self._stream)
+        # the caching allocator must not hand FSDP2's buffer out again before this stream read it
+        input.record_stream(self._stream)
+        self._stream.wait_stream(torch.cuda.current_stream(like.device))
+        with torch.cuda.stream(self._stream):
+            launch(self.result)
+            self._event = self._stream.record_event()
+        self._event_device = like.device
+
+    def clear(self) -> None:
+        self.finish()
+        self.result = None
+
+
+class Pipeline:
+    """Staleness 1 of one model: every gradient hook's :class:`Delay`, the parameters each
+    result belongs to, and the state a checkpoint keeps. See [Note: staleness 1 in FSDP2]."""
+
+    def __init__(self) -> None:
+        self.entries: list[tuple[object, list[tuple[nn.Parameter, int]]]] = []
+        """(hook, [(parameter, padded elements in the hook's flat shard)]) per hook."""
+        self.applied_nothing = True
+        """Whether the last backward's hooks applied no reduction (the first step, or the one
+        after a drain): skip that step's ``optimizer.step()``."""
+
+        self.synchronous = False
+        """Set by ``CommState.synchronous()``: the hooks reduce and apply at once."""
+
+    def check_synchronous(self, hook: object) -> None:
+        """A synchronous backward with this hook's reduction still in flight would drop it."""
+        if hook.delay.result is not None:
+            raise RuntimeError(
+                "qsdp staleness 1: a synchronous backward while a reduction is in flight would "
+                "lose it; call drain() (and optimizer.step()) before synchronous()"
+            )
+        self.applied_nothing = False
+
+    def add(self, hook: object, params: list[tuple[nn.Parameter, int]]) -> None:
+        self.entries.append((hook, params))
+
+    def drain(self) -> None:
+        """After the last backward: wait for every reduction in flight and put it into the
+        parameters' ``.grad`` (then call ``optimizer.step()`` once more). NaN/Inf is checked
+        as for every applied gradient (raised on every rank). A no-op when nothing is in flight.
+        Call on every rank."""
+        for hook, params in self.entries:
+            delay: Delay = hook.delay
+            result = delay.finish()
+            if result is None:
+                continue
+            if delay.op != "avg":
+                raise ValueError(
+                    f"qsdp staleness 1 cannot drain a reduction FSDP2 ran with op {delay.op!r} "
+                    "(it divides such gradients itself, with factors qsdp does not see): use a "
+                    "float32 or bfloat16 reduce_dtype, and no set_gradient_divide_factor"
+                )
+            hook.check_applied(result)
+            offset = 0
+            for p, padded in params:
+                local = p.to_local() if isinstance(p, DTensor) else p
+                grad = result[offset : offset + local.numel()].view(local.shape).to(p.dtype)
+                offset += padded
+                if p.grad is None:
+                    p.grad = (
+                        DTensor.from_local(
+                            grad.clone(),
+                            p.device_mesh,
+                            p.placements,
+                            run_check=False,
+                            shape=p.shape,
+                            stride=p.stride(),
+                        )
+                        if isinstance(p, DTensor)
+                        else grad.clone()
+                    )
+                else:
+                    (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad).copy_(grad)
+            delay.clear()
+        self.applied_nothing = True
+
+    # --- checkpoints ------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The results in flight, each as a DTensor sharded over its parameters' mesh (each
+        rank holds its own shard), zeros where none is."""
+        out: dict[str, torch.Tensor] = {
+            "pending": torch.tensor([int(any(h.delay.result is not None for h, _ in self.entries))])
+        }
+        for i, (hook, params) in enumerate(self.entries):
+            result = hook.delay.finish()
+            size = sum(n for _, n in params)
+            local = (
+                result.detach().float().clone()
+                if result is not None
+                else torch.zeros(size, device=_device(params))
+            )
+            out[f"pending.{i}"] = _sharded(local, params)
+        return out
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        pending = int(state["pending"])
+        for i, (hook, params) in enumerate(self.entries):
+            hook.delay.clear()
+            if pending:
+                value = state[f"pending.{i}"]
+                local = value.to_local() if isinstance(value, DTensor) else value
+                hook.delay.result = local.to(_device(params)).clone()
+        self.applied_nothing = not pending
+
+
+def _device(params: list[tuple[nn.Parameter, int]]) -> torch.device:
+    p = params[0][0]
+    return (p.to_local() if isinstance(p, DTensor) else p).device
+
+
+def _sharded(local: torch.Tensor, params: list[tuple[nn.Parameter, int]]) -> torch.Tensor:
+    """``local`` (this rank's flat shard) as a 1-D DTensor sharded like the parameters."""
+    p = params[0][0]
+    if not isinstance(p, DTensor):
+        return local
+    mesh = p.device_mesh
+    placements = [Shard(0) if isinstance(pl, Shard) else pl for pl in p.placements]
+    shards = 1
+    for dim, pl in enumerate(placements):
+        if isinstance(pl, Shard):
+            shards *= mesh.size(dim)
+    return DTensor.from_local(
+        local,
+        mesh,
+        placements,
+        run_check=False,
+        shape=torch.Size([local.numel() * shards]),
+        stride=(1,),
+    )

@@ -1,0 +1,170 @@
+"""Staleness 1 under FSDP2 and compressed HSDP: each step applies the previous step's reduction.
+
+The reference is the synchronous model with the delay done by hand (the gradient a backward
+leaves in ``.grad`` is kept and applied one step later, zeros on the first step): staleness 1 must
+give the same parameters bit for bit, on every rank, through ``drain``, a resume from the saved
+state, and the twin communicators the delayed reductions run on."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+import qsdp
+from qsdp.testing import assert_same_on_all_ranks, run_distributed
+
+from ..models import batch, classifier, train_delayed_by_hand, train_gated, train_gated_by_hand
+
+STEPS = 6
+
+
+def _build(recipe: str, staleness: int, *, mesh=None, replicate=None, two_level=None):
+    model = classifier()
+    for i in (2, 5):
+        fully_shard(model[i], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    config = qsdp.recipe(recipe, staleness=staleness)
+    qsdp.compress_fsdp(model, config, replicate=replicate, mesh=two_level)
+    return model, torch.optim.AdamW(model.parameters(), lr=3e-3)
+
+
+def _backward(model: nn.Module, rank: int, step: int, scale: float = 1.0) -> None:
+    x, y = batch(rank, step)
+    (nn.functional.cross_entropy(model(x), y) * scale).backward()
+
+
+def _stale_run(model, opt, rank: int, steps: range) -> list[bool]:
+    state = qsdp.fsdp.comm_state(model)
+    skipped = []
+    for step in steps:
+        _backward(model, rank, step)
+        skipped.append(state.applied_nothing)
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+    return skipped
+
+
+def _local(model: nn.Module) -> list[torch.Tensor]:
+    return [p.to_local().detach().clone() for p in model.parameters()]
+
+
+def _compare(rank: int, recipe: str, **where) -> None:
+    sync, opt = _build(recipe, 0, **where)
+    train_delayed_by_hand(sync, opt, lambda step: _backward(sync, rank, step), STEPS)
+    want = _local(sync)
+    stale, opt = _build(recipe, 1, **where)
+    skipped = _stale_run(stale, opt, rank, range(STEPS))
+    assert skipped == [True] + [False] * (STEPS - 1), skipped
+    state = qsdp.fsdp.comm_state(stale)
+    state.drain()
+    opt.step()
+    state.drain()  # nothing left in flight: a no-op
+    for got, w in zip(_local(stale), want, strict=True):
+        assert torch.equal(got, w), (recipe, rank, (got - w).abs().max())
+    for p in stale.parameters():  # the replicas of each shard (every rank for FSDP) agree
+        group = where["replicate"].get_group(0) if where.get("replicate") else None
+        if group is not None:
+            assert_same_on_all_ranks(p.to_local().detach(), group=group)
+
+
+def _flat(rank: int, world: int) -> None:
+    mesh = init_device_mesh("cpu", (world,))
+    for recipe in ("bf16", "qsdp-w8g8", "global-qsgd", "sdp4bit"):
+        _compare(rank, recipe, mesh=mesh)
+
+
+def test_fsdp_staleness_1_applies_the_synchronous_gradients_one_step_late():
+    run_distributed(_flat, 3)
+
+
+def _meshes(rank: int, world: int) -> None:
+    hsdp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    for recipe in ("cgx", "global-qsgd"):
+        _compare(rank, recipe, mesh=hsdp["shard"], replicate=hsdp["replicate"])
+    two = init_device_mesh("cpu", (2, 2), mesh_dim_names=("inter", "intra"))
+    _compare(rank, "sdp4bit", two_level=two)
+
+
+def test_staleness_1_on_hsdp_and_a_two_level_mesh():
+    run_distributed(_meshes, 4)
+
+
+def _resume(rank: int, world: int) -> None:
+    mesh = init_device_mesh("cpu", (world,))
+    straight, opt = _build("qsdp-w8g8", 1, mesh=mesh)
+    _stale_run(straight, opt, rank, range(STEPS))
+    first, opt = _build("qsdp-w8g8", 1, mesh=mesh)
+    _stale_run(first, opt, rank, range(3))
+    comm = qsdp.fsdp.comm_state(first).state_dict()
+    assert int(comm["pending"]) == 1
+    saved = {
+        "model": {k: v.clone() for k, v in first.state_dict().items()},
+        "opt": opt.state_dict(),
+        "comm": {k: v.clone() for k, v in comm.items()},
+    }
+    resumed, opt = _build("qsdp-w8g8", 1, mesh=mesh)
+    resumed.load_state_dict(saved["model"])
+    opt.load_state_dict(saved["opt"])
+    qsdp.fsdp.comm_state(resumed).load_state_dict(saved["comm"])
+    skipped = _stale_run(resumed, opt, rank, range(3, STEPS))
+    assert skipped == [False] * (STEPS - 3)  # the saved reduction is applied at once
+    for a, b in zip(_local(resumed), _local(straight), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_resume_continues_exactly_with_the_reduction_in_flight():
+    run_distributed(_resume, 3)
+
+
+def _nan(rank: int, world: int) -> list[str]:
+    mesh = init_device_mesh("cpu", (world,))
+    model, opt = _build("qsdp-w8g8", 1, mesh=mesh)
+    seen = []
+    for step in range(3):
+        try:  # rank 1's gradient of step 1 is NaN; it is applied (and judged) in step 2
+            _backward(model, rank, step, scale=float("nan") if (rank, step) == (1, 1) else 1.0)
+            seen.append("ok")
+        except ValueError as err:
+            assert "non-finite gradient" in str(err) and "5.weight" in str(err), err
+            seen.append("raised")
+        opt.zero_grad(set_to_none=False)
+    return seen
+
+
+def test_a_nan_raises_on_every_rank_in_the_step_that_applies_it():
+    results = run_distributed(_nan, 3)
+    assert results == [["ok", "ok", "raised"]] * 3, results
+
+
+def _refusals(rank: int, world: int) -> None:
+    mesh = init_device_mesh("cpu", (world,))
+    model, opt = _build("bf16", 0, mesh=mesh)
+    with pytest.raises(ValueError, match="drain\\(\\) is for staleness=1"):
+        qsdp.fsdp.comm_state(model).drain()
+    assert not qsdp.fsdp.comm_state(model).applied_nothing
+    assert dist.get_world_size() == world
+
+
+def test_drain_is_refused_at_staleness_0():
+    run_distributed(_refusals, 2)
+
+
+def _gated(rank: int, world: int) -> list[bool]:
+    mesh = init_device_mesh("cpu", (world,))
+    sync, opt = _build("global-qsgd", 0, mesh=mesh)
+    train_gated_by_hand(sync, opt, lambda step: _backward(sync, rank, step))
+    stale, opt = _build("global-qsgd", 1, mesh=mesh)
+    state = qsdp.fsdp.comm_state(stale)
+    fired = train_gated(stale, opt, state, lambda step: _backward(stale, rank, step))
+    for got, w in zip(_local(stale), _local(sync), strict=True):
+        assert torch.equal(got, w), (got - w).abs().max()
+    return fired
+
+
+def test_the_gate_drains_and_the_next_step_is_the_synchronous_one():
+    fired = run_distributed(_gated, 3)
+    assert fired == [[False, True, False, False, True]] * 3, fired

@@ -30,6 +30,7 @@ import gc
 import json
 import os
 import statistics
+import tempfile
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -43,6 +44,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 import profiling  # benchmarks/, the script's own folder
 import qsdp
 import regimes
+import wire_replay
 from qsdp.train.model import GPT, ModelConfig
 
 # The GPT of docs/gpu.md, 1.42 B parameters: qsdp's model with the options that reproduce this
@@ -86,6 +88,18 @@ class Row:
     first_loss: float
     last_loss: float
     steps: int
+    peak_alone_gib: float = 0.0
+    """The peak above what was allocated when the variant started (a previous variant's
+    leftover is not this variant's): its peak as if measured alone, with the model built."""
+    wire_serial_s: float | None = None
+    """--bounds: this step's collectives replayed with no compute, one after another."""
+    wire_concurrent_s: float | None = None
+    """--bounds: the same, gathers and reductions on two communicators at once."""
+    step_over_wire: float | None = None
+    """s_per_step / wire_serial_s."""
+    step_over_bound: float | None = None
+    """s_per_step / max(wire_concurrent_s, the compute-alone step)."""
+    wire: dict | None = None
 
 
 def two_level_mesh(regime: str, device: torch.device):
@@ -122,10 +136,12 @@ def build(
         model = GPT(c)
     mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=reduce_dtype)
     shard_on = None if hsdp is None else (hsdp if recipe is None else hsdp["shard"])
+    if recipe == "compute-alone":  # every rank alone: a 1-GPU step of the same shape
+        shard_on = _solo_mesh(device)
     for block in model.blocks:
         fully_shard(block, mesh=shard_on, mp_policy=mp)
     fully_shard(model, mesh=shard_on, mp_policy=mp)
-    if recipe is None:
+    if recipe is None or recipe == "compute-alone":
         return model
     name, _, stale = recipe.partition("+s")  # NAME+s1: the recipe at staleness 1
     config = qsdp.recipe(name, staleness=int(stale or 0))
@@ -134,6 +150,18 @@ def build(
     else:
         qsdp.compress_fsdp(model, config, mesh=mesh if config.two_level else None)
     return model
+
+
+def _solo_mesh(device: torch.device):
+    """A 1-rank mesh of this rank (``new_group`` is collective: every rank makes them all)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    mine = None
+    for r in range(dist.get_world_size()):
+        g = dist.new_group([r])
+        if r == dist.get_rank():
+            mine = g
+    return DeviceMesh.from_group(mine, device.type)
 
 
 def run_variant(name, c, args, device, recipe, reduce_dtype, compute_dtype) -> tuple[list, float]:
@@ -147,7 +175,10 @@ def run_variant(name, c, args, device, recipe, reduce_dtype, compute_dtype) -> t
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     g = torch.Generator(device=device).manual_seed(100 + dist.get_rank())
     times, cpu_times, losses = [], [], []
+    start = 0.0
     if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        start = torch.cuda.memory_allocated(device) / 2**30  # the model, and any leftover
         torch.cuda.reset_peak_memory_stats(device)
     timed = args.warmup + args.steps
     state = qsdp.fsdp.comm_state(model) if recipe is not None else None
@@ -155,9 +186,14 @@ def run_variant(name, c, args, device, recipe, reduce_dtype, compute_dtype) -> t
     # a stale step ends when the compute stream is done: its reduction runs on into the next
     # step (that is the point), so no full device sync may wait for it, before or after a step
     step_sync = _compute_sync if stale else _sync
-    for i in range(timed + (1 if args.profile else 0)):
-        profiled = i == timed  # one extra step, after the measured ones
-        prof = profiling.profiler(device) if profiled else None
+    # extra steps after the measured ones: one profiled (--profile), one whose collectives are
+    # read for the wire-alone replay (--bounds)
+    extra = (["profile"] if args.profile else []) + (["bounds"] if args.bounds else [])
+    wire: dict = {}
+    for i in range(timed + len(extra)):
+        what = extra[i - timed] if i >= timed else None
+        profiled = what == "profile"
+        prof = profiling.profiler(device) if what else None
         if prof is not None:
             prof.__enter__()
         if args.mem_trace and device.type == "cuda" and dist.get_rank() == 0:
@@ -187,7 +223,9 @@ def run_variant(name, c, args, device, recipe, reduce_dtype, compute_dtype) -> t
         elapsed = time.perf_counter() - t0
         if prof is not None:
             prof.__exit__(None, None, None)
-            if dist.get_rank() == 0:
+            if what == "bounds":
+                wire = _wire_alone(prof, device)
+            elif dist.get_rank() == 0:
                 path = args.profile / f"{args.regime}_{name}.txt"
                 profiling.write_profile(prof, path, elapsed, phases.report())
             continue
@@ -216,7 +254,7 @@ def run_variant(name, c, args, device, recipe, reduce_dtype, compute_dtype) -> t
             gc.collect()
             later = torch.cuda.memory_allocated(device) / 2**30
             print(f"  {name}: {left:.2f} GiB left after del+gc, {later:.2f} GiB 2 s later")
-    return [statistics.median(times), statistics.median(cpu_times), losses, peak]
+    return [statistics.median(times), statistics.median(cpu_times), losses, peak, start, wire]
 
 
 def _sync(device: torch.device) -> None:
@@ -227,6 +265,28 @@ def _sync(device: torch.device) -> None:
 def _compute_sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.current_stream(device).synchronize()
+
+
+def _wire_alone(prof, device: torch.device) -> dict:
+    """The profiled step's collectives (this rank's, in issue order) replayed with no compute,
+    serial and concurrent (see wire_replay.py)."""
+    fd, tmp = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    try:
+        prof.export_chrome_trace(tmp)
+        colls, skipped = wire_replay.parse(wire_replay.read_trace(Path(tmp)))
+    finally:
+        os.unlink(tmp)
+    replay = wire_replay.Replayer(colls, device)
+    out = {
+        "wire_serial_s": round(replay.time(concurrent=False), 4),
+        "wire_concurrent_s": round(replay.time(concurrent=True), 4),
+        **wire_replay.summarize(colls),
+    }
+    if skipped:
+        out["skipped"] = sorted(set(skipped))
+    del replay
+    return out
 
 
 class _Phases:
@@ -275,7 +335,15 @@ def main() -> None:
     p.add_argument("--tiny", action="store_true", help="a 2-layer d-128 model (smoke tests)")
     p.add_argument("--mem-trace", action="store_true", help="print allocated memory per step")
     p.add_argument("--profile", type=Path, help="profile one extra step per variant into DIR")
+    p.add_argument(
+        "--bounds",
+        action="store_true",
+        help="the physical bounds, in the same run: each variant's collectives replayed with no "
+        "compute (serial and concurrent, wire_replay.py; NCCL only) and a compute-alone row",
+    )
     a = p.parse_args()
+    if a.bounds and a.device != "cuda":
+        p.error("--bounds reads NCCL's record of each collective: it needs --device cuda")
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     env = regimes.apply(a.regime, local_rank, a.device)
     if a.device == "cuda":
@@ -305,26 +373,38 @@ def main() -> None:
         (f"{base}-bf16-reduce", None, compute),
     ]
     variants += [(r, r, compute) for r in a.recipes]
+    if a.bounds:  # the compute bound: no communication, each GPU its own 1-rank FSDP group
+        variants.append(("compute-alone", "compute-alone", compute))
     results = {}
     for vname, recipe, reduce_dtype in variants:
         results[vname] = run_variant(vname, c, a, device, recipe, reduce_dtype, compute)
     tokens = a.batch * c.block_size * ws
     base32, base16 = results[f"{base}-fp32-reduce"][0], results[f"{base}-bf16-reduce"][0]
-    rows = [
-        Row(
-            v,
-            round(t, 4),
-            round(cpu_t, 4),
-            round(tokens / t, 1),
-            round(base32 / t, 3),
-            round(base16 / t, 3),
-            round(peak, 2),
-            round(losses[0], 4),
-            round(losses[-1], 4),
-            a.steps,
+    compute_s = results["compute-alone"][0] if a.bounds else None
+    rows = []
+    for v, (t, cpu_t, losses, peak, start, wire) in results.items():
+        serial, both = wire.get("wire_serial_s"), wire.get("wire_concurrent_s")
+        bound = max(both, compute_s) if both and compute_s else None
+        rows.append(
+            Row(
+                v,
+                round(t, 4),
+                round(cpu_t, 4),
+                round(tokens / t, 1),
+                round(base32 / t, 3),
+                round(base16 / t, 3),
+                round(peak, 2),
+                round(losses[0], 4),
+                round(losses[-1], 4),
+                a.steps,
+                peak_alone_gib=round(peak - start, 2),
+                wire_serial_s=serial,
+                wire_concurrent_s=both,
+                step_over_wire=round(t / serial, 3) if serial else None,
+                step_over_bound=round(t / bound, 3) if bound else None,
+                wire=wire or None,
+            )
         )
-        for v, (t, cpu_t, losses, peak) in results.items()
-    ]
     if dist.get_rank() == 0:
         for r in rows:
             print(
@@ -335,6 +415,14 @@ def main() -> None:
                 f"loss {r.first_loss:.3f}->{r.last_loss:.3f}",
                 flush=True,
             )
+            if r.wire_serial_s:
+                print(
+                    f"        wire alone {r.wire_serial_s:.3f} s serial, "
+                    f"{r.wire_concurrent_s:.3f} s concurrent: step = x{r.step_over_wire:.2f} "
+                    f"serial wire, x{r.step_over_bound or 0:.2f} max(concurrent wire, compute "
+                    f"{compute_s or 0:.3f} s); peak alone {r.peak_alone_gib:.1f} GiB",
+                    flush=True,
+                )
         meta = {
             "benchmark": "bench_fsdp_step",
             "device": name,

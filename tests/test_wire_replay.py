@@ -1,0 +1,104 @@
+"""benchmarks/wire_replay.py: a step's collectives read from a profile and replayed with no
+compute (the wire-alone bound of bench_fsdp_step --bounds)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import torch
+
+from qsdp.testing import run_distributed
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _module():
+    spec = importlib.util.spec_from_file_location("wire_replay", ROOT / "benchmarks/wire_replay.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["wire_replay"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _event(ts: int, name: str, seq: int | None, **args) -> dict:
+    base = {"Collective name": name, "Process Group Name": "0", "Seq": seq}
+    return {"name": "record_param_comms", "ts": ts, "args": base | args}
+
+
+# what NCCL records for one step of a 2-rank group: an all-gather of a 4-bit payload, the
+# all-to-all of a reduce-scatter with its splits (recorded twice), a flag all-reduce, a barrier
+EVENTS = [
+    _event(
+        30,
+        "all_to_allv",
+        7,
+        dtype="Byte",
+        **{
+            "In msg nelems": 10,
+            "Out msg nelems": 10,
+            "In split size": "[5, 5]",
+            "Out split size": "[5, 5]",
+            "Process Group Ranks": "[0, 1]",
+        },
+    ),
+    _event(
+        10,
+        "_allgather_base",
+        5,
+        dtype="Byte",
+        **{"In msg nelems": 6, "Out msg nelems": 12, "Process Group Ranks": "[0, 1]"},
+    ),
+    _event(
+        31,
+        "all_to_allv",
+        7,
+        dtype="Byte",
+        **{
+            "In msg nelems": 10,
+            "Out msg nelems": 10,
+            "In split size": "[5, 5]",
+            "Out split size": "[5, 5]",
+            "Process Group Ranks": "[0, 1]",
+        },
+    ),
+    _event(
+        40,
+        "allreduce",
+        8,
+        dtype="Int",
+        **{"In msg nelems": 3, "Out msg nelems": 3, "Process Group Ranks": "[0, 1]"},
+    ),
+    _event(50, "barrier", 9, dtype="Byte", **{"Process Group Ranks": "[0, 1]"}),
+    {"name": "aten::mm", "ts": 20, "args": {}},
+]
+
+
+def test_parse_reads_the_collectives_in_issue_order_once():
+    wr = _module()
+    colls, skipped = wr.parse(EVENTS)
+    assert [c.kind for c in colls] == ["all_gather", "all_to_all", "all_reduce"]
+    assert skipped == ["barrier"]
+    assert colls[1].in_splits == (5, 5) and colls[1].ranks == (0, 1)
+    assert [c.phase for c in colls] == ["gather", "reduce", "reduce"]
+    assert wr.summarize(colls) == {
+        "all_gather_bytes": 6,
+        "all_gather_calls": 1,
+        "all_to_all_bytes": 10,
+        "all_to_all_calls": 1,
+        "all_reduce_bytes": 12,
+        "all_reduce_calls": 1,
+    }
+
+
+def _replay(rank: int, world: int) -> list[float]:
+    wr = _module()
+    colls, _ = wr.parse(EVENTS)
+    replay = wr.Replayer(colls, torch.device("cpu"))
+    return [replay.time(concurrent=False, repeats=1), replay.time(concurrent=True, repeats=1)]
+
+
+def test_every_rank_replays_the_same_collectives_serially_and_concurrently():
+    times = run_distributed(_replay, 2)
+    assert times[0] == times[1] and all(t > 0 for t in times[0])  # the slowest rank's time

@@ -181,7 +181,7 @@ def run_variant(name, c, args, device, recipe, reduce_dtype, compute_dtype) -> t
         start = torch.cuda.memory_allocated(device) / 2**30  # the model, and any leftover
         torch.cuda.reset_peak_memory_stats(device)
     timed = args.warmup + args.steps
-    state = qsdp.fsdp.comm_state(model) if recipe is not None else None
+    state = qsdp.fsdp.comm_state(model) if recipe not in (None, "compute-alone") else None
     stale = state is not None and "+s" in recipe
     # a stale step ends when the compute stream is done: its reduction runs on into the next
     # step (that is the point), so no full device sync may wait for it, before or after a step
@@ -269,7 +269,9 @@ def _compute_sync(device: torch.device) -> None:
 
 def _wire_alone(prof, device: torch.device) -> dict:
     """The profiled step's collectives (this rank's, in issue order) replayed with no compute,
-    serial and concurrent (see wire_replay.py)."""
+    serial and concurrent (see wire_replay.py); nothing on CPU (gloo records no collectives)."""
+    if device.type != "cuda":
+        return {}
     fd, tmp = tempfile.mkstemp(suffix=".json")
     os.close(fd)
     try:
@@ -278,7 +280,13 @@ def _wire_alone(prof, device: torch.device) -> dict:
     finally:
         os.unlink(tmp)
     replay = wire_replay.Replayer(colls, device)
+    if not colls:
+        raise RuntimeError(
+            "--bounds: the profiled step recorded no collectives (record_param_comms events); "
+            f"this torch's profiler may name them otherwise (skipped: {sorted(set(skipped))})"
+        )
     out = {
+        "collectives": len(colls),
         "wire_serial_s": round(replay.time(concurrent=False), 4),
         "wire_concurrent_s": round(replay.time(concurrent=True), 4),
         **wire_replay.summarize(colls),
@@ -339,11 +347,10 @@ def main() -> None:
         "--bounds",
         action="store_true",
         help="the physical bounds, in the same run: each variant's collectives replayed with no "
-        "compute (serial and concurrent, wire_replay.py; NCCL only) and a compute-alone row",
+        "compute (serial and concurrent, wire_replay.py; NCCL only: on CPU only the "
+        "compute-alone row runs) and a compute-alone row",
     )
     a = p.parse_args()
-    if a.bounds and a.device != "cuda":
-        p.error("--bounds reads NCCL's record of each collective: it needs --device cuda")
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     env = regimes.apply(a.regime, local_rank, a.device)
     if a.device == "cuda":
@@ -378,6 +385,9 @@ def main() -> None:
     results = {}
     for vname, recipe, reduce_dtype in variants:
         results[vname] = run_variant(vname, c, a, device, recipe, reduce_dtype, compute)
+        wire = results[vname][-1]
+        if wire and dist.get_rank() == 0:  # now: a later variant's failure keeps these
+            print(f"  {vname} wire alone: {json.dumps(wire)}", flush=True)
     tokens = a.batch * c.block_size * ws
     base32, base16 = results[f"{base}-fp32-reduce"][0], results[f"{base}-bf16-reduce"][0]
     compute_s = results["compute-alone"][0] if a.bounds else None

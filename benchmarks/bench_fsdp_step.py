@@ -188,7 +188,8 @@ def run_variant(name, c, args, device, recipe, reduce_dtype, compute_dtype) -> t
     step_sync = _compute_sync if stale else _sync
     # extra steps after the measured ones: one profiled (--profile), one whose collectives are
     # read for the wire-alone replay (--bounds)
-    extra = (["profile"] if args.profile else []) + (["bounds"] if args.bounds else [])
+    bounds = args.bounds and recipe != "compute-alone"  # (no communication to replay)
+    extra = (["profile"] if args.profile else []) + (["bounds"] if bounds else [])
     wire: dict = {}
     for i in range(timed + len(extra)):
         what = extra[i - timed] if i >= timed else None
@@ -293,7 +294,7 @@ def _wire_alone(prof, device: torch.device) -> dict:
     }
     if skipped:
         out["skipped"] = sorted(set(skipped))
-    del replay
+    replay.close()
     return out
 
 

@@ -177,11 +177,20 @@ class Replayer:
         )
 
     def _sync(self, works: list[dist.Work]) -> None:
+        # every work waited for (on CUDA: the stream waits), or c10d keeps it and its buffers
+        for w in works:
+            w.wait()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        else:  # gloo: the host waits
-            for w in works:
-                w.wait()
+
+    def close(self) -> None:
+        """Free the buffers and the communicators (NCCL holds buffers of its own per
+        communicator). Call on every rank."""
+        self.buffers = []
+        for pair in self.groups.values():
+            for group in pair:
+                dist.destroy_process_group(group)
+        self.groups = {}
 
     def _once(self, concurrent: bool) -> float:
         self._sync([])

@@ -96,7 +96,10 @@ def _replay(rank: int, world: int) -> list[float]:
     wr = _module()
     colls, _ = wr.parse(EVENTS)
     replay = wr.Replayer(colls, torch.device("cpu"))
-    return [replay.time(concurrent=False, repeats=1), replay.time(concurrent=True, repeats=1)]
+    times = [replay.time(concurrent=False, repeats=1), replay.time(concurrent=True, repeats=1)]
+    replay.close()
+    assert replay.groups == {} and replay.buffers == []
+    return times
 
 
 def test_every_rank_replays_the_same_collectives_serially_and_concurrently():

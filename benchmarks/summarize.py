@@ -254,6 +254,48 @@ def ddp_table(paths: list[Path]) -> str:
     return "\n".join(out)
 
 
+STALENESS = RESULTS / "staleness_2026-11-26"
+
+
+def staleness_table(paths: list[Path]) -> str:
+    """Staleness 1 beside the synchronous recipes with the step's physical bounds measured in
+    the same run (``bench_fsdp_step.py --bounds``): the wire alone, serial and concurrent, and
+    the compute alone."""
+    out = []
+    for p in paths:
+        d = json.loads(p.read_text())
+        by = {r["variant"]: r for r in d["rows"]}
+        compute = by.get("compute-alone", {}).get("s_per_step")
+        out += [
+            f"**{d['regime']}**, {d['world_size']}x {d['device']}, torch {d['torch']}, "
+            f"{d['date'][:16].replace('T', ' ')} UTC (`{p.name}`): GPT "
+            f"{d['params'] / 1e9:.2f} B, micro-batch {d['micro_batch']}; compute alone "
+            f"{compute:.3f} s/step. Wire alone: the step's collectives replayed with no compute, "
+            "one after another (serial) or gathers and reductions on two communicators at once "
+            "(concurrent). Peak alone: the peak above the variant's own start.\n",
+            "| variant | s/step | x fp32 / bf16 reduce | wire serial s | wire concurrent s "
+            "| step / serial wire | step / max(concurrent wire, compute) | peak alone GiB |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for r in d["rows"]:
+            if r["variant"] == "compute-alone":
+                continue
+            wire = r.get("wire_serial_s")
+            out.append(
+                f"| {r['variant']} | {r['s_per_step']:.3f} | x{r['ratio_vs_fp32_reduce']:.2f} / "
+                f"x{r['ratio_vs_bf16_reduce']:.2f} | "
+                + (
+                    f"{wire:.3f} | {r['wire_concurrent_s']:.3f} | x{r['step_over_wire']:.2f} | "
+                    f"x{r['step_over_bound']:.2f}"
+                    if wire
+                    else " |  |  | "
+                )
+                + f" | {r['peak_alone_gib']:.1f} |"
+            )
+        out.append("")
+    return "\n".join(out).rstrip()
+
+
 def headline_table() -> str:
     """The README's one table: each integration's best recipe against PyTorch's best plain
     baseline of the same run."""
@@ -288,6 +330,18 @@ def headline_table() -> str:
             "`cgx`",
             by["cgx"]["s_per_step"],
             d["date"][:10],
+        )
+    )
+    stale = json.loads((STALENESS / "fsdp_bounds_socket_ws4_NVIDIA_H200.json").read_text())
+    by = {r["variant"]: r for r in stale["rows"]}
+    rows.append(
+        (
+            f"FSDP2, GPT {stale['params'] / 1e9:.2f} B, sockets, staleness 1",
+            "FSDP2 bf16 reduce",
+            by["fsdp2-bf16-reduce"]["s_per_step"],
+            "`sdp4bit` staleness 1",
+            by["sdp4bit+s1"]["s_per_step"],
+            stale["date"][:10],
         )
     )
     for regime, label in (("socket", "sockets"), ("nvlink", "NVLink")):
@@ -325,6 +379,10 @@ def tables() -> dict[str, Callable[[], str]]:
         "hsdp": lambda: hsdp_table(glob("fsdp_step_hsdp_*.json")),
         "ddp": lambda: ddp_table(glob("ddp_step_*.json")),
         "headline": headline_table,
+        "staleness": lambda: staleness_table(sorted(STALENESS.glob("fsdp_bounds_*.json"))),
+        "staleness-ddp": lambda: ddp_table(
+            [STALENESS / "ddp_staleness_socket_ws4_NVIDIA_H200.json"]
+        ),
     }
     for size, dtype in ((1024, "bfloat16"), (256, "bfloat16"), (1024, "float32")):
         out[f"collectives-{size}-{dtype}"] = lambda size=size, dtype=dtype: collectives_table(

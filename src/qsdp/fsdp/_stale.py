@@ -13,9 +13,10 @@ replicate all-reduce hook) of every FSDP group does, when FSDP2 calls it in step
    runs collectives in issue order, so the reduction would queue in front of step ``t + 1``'s
    weight all-gathers instead of sharing the link with them in the other direction.
 
-FSDP2 hands the hook a freshly allocated input buffer, which the hook keeps (no copy) until the
-reduction has read it: the memory cost is that buffer (the group's unsharded gradient in the
-reduce dtype) and one result shard per group, while step ``t + 1`` computes. The noise keys are
+FSDP2 hands the hook a freshly allocated input buffer; the hook reduces it in place of a copy and
+marks it as used by its own stream (``record_stream``), so the caching allocator reuses that
+memory only after the reduction is done, early in step ``t + 1``'s forward. The memory cost is
+those buffers while their reductions run, and one result shard per group (reduce dtype). The noise keys are
 those of the synchronous schedule, so staleness 1 applies exactly the gradients staleness 0
 would have reduced, one step late (tested against the delay done by hand).
 
@@ -67,7 +68,6 @@ class Delay:
     def __init__(self) -> None:
         self.result: torch.Tensor | None = None
         """The last reduction's result, or None: nothing in flight."""
-        self._input: torch.Tensor | None = None
         self._event: torch.cuda.Event | None = None
         self._stream: torch.cuda.Stream | None = None
         self.op: str = "avg"
@@ -78,14 +78,16 @@ class Delay:
         if self._event is not None:
             torch.cuda.current_stream(self._event_device).wait_event(self._event)
             self._event = None
-        self._input = None  # read by now (in stream order): FSDP2's buffer may be freed
         return self.result
 
     def send(
         self, launch: Callable[[torch.Tensor], object], *, like: torch.Tensor, input: torch.Tensor
     ) -> None:
         """Start ``launch(result)`` (the plan's collective writing ``result``, shaped as
-        ``like``) after everything the current stream did; keeps ``input`` until it is read."""
+        ``like``) after everything the current stream did. ``input`` (what the collective
+        reads) is marked as used by the hook's stream, so the caching allocator hands its
+        memory out again only once that stream has passed the reduction: the hook keeps no
+        reference, and FSDP2's buffer is freed as soon as the reduction is done."""
         if (
             self.result is None
             or self.result.shape != like.shape
@@ -94,7 +96,6 @@ class Delay:
             self.result = torch.empty_like(like)
             if like.is_cuda and self._stream is not None:
                 self.result.record_stream(self._stream)
-        self._input = input
         if not like.is_cuda:
             launch(self.result)  # gloo: synchronous, applied one step late all the same
             return

@@ -16,9 +16,9 @@ replicate all-reduce hook) of every FSDP group does, when FSDP2 calls it in step
 FSDP2 hands the hook a freshly allocated input buffer; the hook reduces it in place of a copy and
 marks it as used by its own stream (``record_stream``), so the caching allocator reuses that
 memory only after the reduction is done, early in step ``t + 1``'s forward. The memory cost is
-those buffers while their reductions run, and one result shard per group (reduce dtype). The noise keys are
-those of the synchronous schedule, so staleness 1 applies exactly the gradients staleness 0
-would have reduced, one step late (tested against the delay done by hand).
+those buffers while their reductions run, and one result shard per group (reduce dtype). The
+noise keys are those of the synchronous schedule, so staleness 1 applies exactly the gradients
+staleness 0 would have reduced, one step late (tested against the delay done by hand).
 
 With gradient accumulation the hook must run once per step: synchronise only the last
 micro-batch (``set_requires_gradient_sync(False)`` before the others, as ``qsdp train`` does).

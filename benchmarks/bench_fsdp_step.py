@@ -143,8 +143,10 @@ def build(
     fully_shard(model, mesh=shard_on, mp_policy=mp)
     if recipe is None or recipe == "compute-alone":
         return model
-    name, _, stale = recipe.partition("+s")  # NAME+s1: the recipe at staleness 1
-    config = qsdp.recipe(name, staleness=int(stale or 0))
+    # NAME+s1: the recipe at staleness 1; NAME+own: its reduce-scatters on their own
+    # communicator (CompressionConfig.own_reduce_group)
+    name, *options = recipe.split("+")
+    config = qsdp.recipe(name, staleness=int("s1" in options), own_reduce_group="own" in options)
     if hsdp is not None:
         qsdp.compress_fsdp(model, config, replicate=hsdp["replicate"])
     else:
@@ -182,7 +184,7 @@ def run_variant(name, c, args, device, recipe, reduce_dtype, compute_dtype) -> t
         torch.cuda.reset_peak_memory_stats(device)
     timed = args.warmup + args.steps
     state = qsdp.fsdp.comm_state(model) if recipe not in (None, "compute-alone") else None
-    stale = state is not None and "+s" in recipe
+    stale = state is not None and "+s1" in recipe
     # a stale step ends when the compute stream is done: its reduction runs on into the next
     # step (that is the point), so no full device sync may wait for it, before or after a step
     step_sync = _compute_sync if stale else _sync
@@ -337,6 +339,14 @@ def main() -> None:
         "of the compute stream (its reduction runs on into the next step), drained at the end",
     )
     p.add_argument("--hsdp", action="store_true", help="HSDP on 2 nodes (see the docstring)")
+    p.add_argument(
+        "--baselines",
+        nargs="*",
+        choices=["fp32", "bf16"],
+        default=["fp32", "bf16"],
+        help="the plain FSDP2 (or native HSDP) reduce dtypes to run first; none: only --recipes "
+        "(e.g. one variant's peak memory in a process of its own)",
+    )
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--batch", type=int, default=8)
@@ -377,8 +387,7 @@ def main() -> None:
         )
     base = "hsdp" if a.hsdp else "fsdp2"
     variants = [
-        (f"{base}-fp32-reduce", None, torch.float32),
-        (f"{base}-bf16-reduce", None, compute),
+        (f"{base}-{b}-reduce", None, torch.float32 if b == "fp32" else compute) for b in a.baselines
     ]
     variants += [(r, r, compute) for r in a.recipes]
     if a.bounds:  # the compute bound: no communication, each GPU its own 1-rank FSDP group
@@ -390,7 +399,9 @@ def main() -> None:
         if wire and dist.get_rank() == 0:  # now: a later variant's failure keeps these
             print(f"  {vname} wire alone: {json.dumps(wire)}", flush=True)
     tokens = a.batch * c.block_size * ws
-    base32, base16 = results[f"{base}-fp32-reduce"][0], results[f"{base}-bf16-reduce"][0]
+    # (a run without a baseline, e.g. one variant's memory in a process of its own: ratios 0)
+    base32 = results.get(f"{base}-fp32-reduce", [0.0])[0]
+    base16 = results.get(f"{base}-bf16-reduce", [0.0])[0]
     compute_s = results["compute-alone"][0] if a.bounds else None
     rows = []
     for v, (t, cpu_t, losses, peak, start, wire) in results.items():

@@ -224,6 +224,12 @@ class CompressionConfig:
     reduction overlaps the next step (bounded staleness, the elastic-consistency seed); ``0``:
     synchronous. For DDP (``qsdp.ddp.register``, its [Note: staleness 1]), FSDP2 and compressed
     HSDP (``compress_fsdp``, [Note: staleness 1 in FSDP2]); ``qsdp.StalenessGate`` bounds it."""
+    own_reduce_group: bool = False
+    """FSDP2: run the gradient reduce-scatter on a communicator of its own (a second process
+    group over FSDP's ranks, made by ``compress_fsdp``). NCCL runs one communicator's collectives
+    in issue order, so on FSDP2's group a reduce-scatter and the next block's weight all-gather
+    (FSDP2 re-gathers in the backward) queue behind each other; on two communicators they share a
+    full-duplex link. Costs one more communicator's NCCL buffers. Staleness 1 always does this."""
 
     def __post_init__(self) -> None:
         if self.weights is not None and not isinstance(self.weights, Weights):
@@ -247,6 +253,10 @@ class CompressionConfig:
             raise TypeError("CompressionConfig.policy must be a qsdp.policy.ParamPolicy or None")
         if not isinstance(self.seed, int) or not 0 <= self.seed < 2**64:
             raise ValueError(f"CompressionConfig.seed={self.seed!r} must be an int in [0, 2**64)")
+        if not isinstance(self.own_reduce_group, bool):
+            raise TypeError(
+                f"CompressionConfig.own_reduce_group={self.own_reduce_group!r} must be a bool"
+            )
         if self.staleness not in (0, 1) or isinstance(self.staleness, bool):
             raise ValueError(
                 f"CompressionConfig.staleness={self.staleness!r} must be 0 (synchronous) or 1 "

@@ -168,3 +168,36 @@ def _gated(rank: int, world: int) -> list[bool]:
 def test_the_gate_drains_and_the_next_step_is_the_synchronous_one():
     fired = run_distributed(_gated, 3)
     assert fired == [[False, True, False, False, True]] * 3, fired
+
+
+def _own_group(rank: int, world: int) -> None:
+    mesh = init_device_mesh("cpu", (world,))
+    for recipe in ("qsdp-w8g8", "bf16"):
+        runs = []
+        for own in (False, True):
+            model = classifier()
+            for i in (2, 5):
+                fully_shard(model[i], mesh=mesh)
+            fully_shard(model, mesh=mesh)
+            qsdp.compress_fsdp(model, qsdp.recipe(recipe, own_reduce_group=own))
+            opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+            for step in range(3):
+                _backward(model, rank, step)
+                opt.step()
+                opt.zero_grad()
+            hooks = qsdp.fsdp.api._installed(model).hooks
+            reduce = [h for h in hooks if hasattr(h, "twins")]
+            # a twin of FSDP's group for every reduce-scatter hook, or none at all
+            assert all(bool(h.twins) == own for h in reduce) and (reduce or not own)
+            runs.append(_local(model))
+        for a, b in zip(*runs, strict=True):  # the same collectives on another communicator
+            assert torch.equal(a, b), recipe
+    with pytest.raises(ValueError, match="own_reduce_group is for FSDP2"):
+        qsdp.ddp.register(
+            torch.nn.parallel.DistributedDataParallel(classifier()),
+            qsdp.recipe("cgx", own_reduce_group=True),
+        )
+
+
+def test_own_reduce_group_reduces_the_same_on_a_second_communicator():
+    run_distributed(_own_group, 3)

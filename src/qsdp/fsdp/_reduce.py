@@ -55,7 +55,7 @@ class _Reduction:
         twin = self.twins.get(group.group_name)
         if twin is None:
             raise RuntimeError(
-                f"qsdp staleness 1: FSDP2 reduced over process group {group.group_name!r}, which "
+                f"qsdp: FSDP2 reduced over process group {group.group_name!r}, which "
                 "compress_fsdp did not see at installation; call compress_fsdp after fully_shard"
             )
         return twin
@@ -135,6 +135,8 @@ class QuantizedReduceScatter(_Reduction, _Hook, ReduceScatter):
 
             self.delay.send(launch, like=output_tensor, input=input_tensor)
             return None
+        if self.twins:  # CompressionConfig.own_reduce_group: off FSDP2's communicator
+            group = self._twin(group)
         bad = None
         if self.check is not None:
             flags = nonfinite_flags(

@@ -145,11 +145,13 @@ def compress_fsdp(
     if replicate_pg is not None:  # the gradients' config is for the replicate all-reduce
         replicate_plan = plan or qc.PlainReduce(name="all_reduce_replicate")
         plan = None
-    elif plan is None and config.staleness:  # the delay needs a hook: FSDP2's reduction, counted
-        plan = qc.PlainReduce(name="reduce_scatter")
+    elif plan is None and (config.staleness or config.own_reduce_group):
+        plan = qc.PlainReduce(name="reduce_scatter")  # a hook to move: FSDP2's reduction, counted
     pipeline = twins = None
+    own = config.staleness or (config.own_reduce_group and replicate_pg is None)
     if config.staleness:  # [Note: staleness 1 in FSDP2]
         pipeline = Pipeline()
+    if own:  # the reductions' own communicators (see CompressionConfig.own_reduce_group)
         used = [replicate_pg] if replicate_pg is not None else []
         used += [g for g, _ in groups.values() if g is not None and plan is not None]
         twins = twin_groups(used)
@@ -217,6 +219,7 @@ def compress_fsdp(
             )
             module.set_custom_reduce_scatter(reduce)
             hooks.append(reduce)
+            reduce.twins = twins or {}
             if pipeline is not None and layout != []:
                 reduce.stale(pipeline=pipeline, twins=twins)
                 pipeline.add(reduce, _grad_params(model, layout))

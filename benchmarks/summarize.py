@@ -262,17 +262,22 @@ def staleness_table(paths: list[Path]) -> str:
     the same run (``bench_fsdp_step.py --bounds``): the wire alone, serial and concurrent, and
     the compute alone."""
     out = []
-    for p in paths:
-        d = json.loads(p.read_text())
+    runs = sorted(((json.loads(p.read_text()), p) for p in paths), key=lambda x: x[0]["date"])
+    for d, p in runs:  # in the order they ran
         by = {r["variant"]: r for r in d["rows"]}
         compute = by.get("compute-alone", {}).get("s_per_step")
+        bounds = (
+            f"; compute alone {compute:.3f} s/step. Wire alone: the step's collectives replayed "
+            "with no compute, one after another (serial) or gathers and reductions on two "
+            "communicators at once (concurrent)"
+            if compute
+            else ""
+        )
         out += [
             f"**{d['regime']}**, {d['world_size']}x {d['device']}, torch {d['torch']}, "
             f"{d['date'][:16].replace('T', ' ')} UTC (`{p.name}`): GPT "
-            f"{d['params'] / 1e9:.2f} B, micro-batch {d['micro_batch']}; compute alone "
-            f"{compute:.3f} s/step. Wire alone: the step's collectives replayed with no compute, "
-            "one after another (serial) or gathers and reductions on two communicators at once "
-            "(concurrent). Peak alone: the peak above the variant's own start.\n",
+            f"{d['params'] / 1e9:.2f} B, micro-batch {d['micro_batch']}{bounds}. Peak alone: "
+            "the peak above the variant's own start.\n",
             "| variant | s/step | x fp32 / bf16 reduce | wire serial s | wire concurrent s "
             "| step / serial wire | step / max(concurrent wire, compute) | peak alone GiB |",
             "|---|---|---|---|---|---|---|---|",
@@ -290,10 +295,39 @@ def staleness_table(paths: list[Path]) -> str:
                     if wire
                     else " |  |  | "
                 )
-                + f" | {r['peak_alone_gib']:.1f} |"
+                + (f" | {r['peak_alone_gib']:.1f} |" if "peak_alone_gib" in r else " | |")
             )
         out.append("")
     return "\n".join(out).rstrip()
+
+
+def memory_alone_table(paths: list[Path]) -> str:
+    """Each variant's peak memory in processes of its own (``run_memory_alone.sh``), and what
+    it adds per parameter over plain FSDP2 with bf16 reduce."""
+    rows = [json.loads(p.read_text()) for p in paths]
+    if not rows:
+        return ""
+    peaks = {
+        d["rows"][0]["variant"]: d["rows"][0]
+        for d in sorted(rows, key=lambda d: d["rows"][0]["peak_mem_gib"])
+    }
+    base = peaks.get("fsdp2-bf16-reduce")
+    d = rows[0]
+    out = [
+        f"Peak memory per GPU, each variant in processes of its own, {d['regime']}, "
+        f"{d['world_size']}x {d['device']}, torch {d['torch']}, {d['date'][:10]}: GPT "
+        f"{d['params'] / 1e9:.2f} B, micro-batch {d['micro_batch']} (5 steps; the JSON rounds "
+        "to 0.01 GiB).\n",
+        "| variant | peak GiB | over FSDP2 bf16 reduce | bytes per parameter | s/step |",
+        "|---|---|---|---|---|",
+    ]
+    for name, r in peaks.items():
+        extra = r["peak_mem_gib"] - base["peak_mem_gib"] if base else 0.0
+        out.append(
+            f"| {name} | {r['peak_mem_gib']:.2f} | {extra:+.2f} GiB | "
+            f"{extra * 2**30 / d['params']:+.2f} | {r['s_per_step']:.3f} |"
+        )
+    return "\n".join(out)
 
 
 def headline_table() -> str:
@@ -379,7 +413,16 @@ def tables() -> dict[str, Callable[[], str]]:
         "hsdp": lambda: hsdp_table(glob("fsdp_step_hsdp_*.json")),
         "ddp": lambda: ddp_table(glob("ddp_step_*.json")),
         "headline": headline_table,
-        "staleness": lambda: staleness_table(sorted(STALENESS.glob("fsdp_bounds_*.json"))),
+        "staleness": lambda: staleness_table(
+            [
+                p
+                for p in sorted(STALENESS.glob("fsdp_*.json"))
+                if not p.name.startswith("fsdp_memory_alone")
+            ]
+        ),
+        "memory-alone": lambda: memory_alone_table(
+            sorted(STALENESS.glob("fsdp_memory_alone_*.json"))
+        ),
         "staleness-ddp": lambda: ddp_table(
             [STALENESS / "ddp_staleness_socket_ws4_NVIDIA_H200.json"]
         ),

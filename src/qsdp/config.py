@@ -30,6 +30,7 @@ from .quant import CARRIERS, NonFinite, QuantSpec, Rounding
 
 __all__ = [
     "RECIPES",
+    "AdaptiveWidths",
     "CompressionConfig",
     "IntegerGrads",
     "NonFinite",
@@ -195,6 +196,39 @@ def _unchecked(spec: QuantSpec) -> QuantSpec:
     return dataclasses.replace(spec, nonfinite=NonFinite.PROPAGATE)
 
 
+# --- adaptive widths -------------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class AdaptiveWidths:
+    """Layer-wise adaptive gradient widths (CGX): every ``every`` reducing steps, first after
+    ``warmup``, measure each reduction group's quantization error on its real gradients at each
+    of ``widths`` and give each group the width that minimises the bytes with the total error
+    at most the uniform config width's (``qsdp.policy.adaptive``, [Note: choosing widths])."""
+
+    every: int = 500
+    """Steps (backwards that reduce) between decisions."""
+    warmup: int = 50
+    """The first decision's step (after DDP's bucket rebuild and the first steps' transient)."""
+    widths: tuple[int, ...] = (2, 4, 8)
+    """The widths a group may take (the payload format packs 2, 4 and 8 bits)."""
+    sample: int = 1 << 16
+    """Elements per group the error is measured on (whole quantization groups)."""
+
+    def __post_init__(self) -> None:
+        for name in ("every", "sample"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"AdaptiveWidths.{name}={v!r} must be a positive int")
+        if not isinstance(self.warmup, int) or self.warmup < 0:
+            raise ValueError(f"AdaptiveWidths.warmup={self.warmup!r} must be an int >= 0")
+        widths = tuple(self.widths)
+        if not widths or any(w not in (2, 4, 8) for w in widths) or len(set(widths)) < len(widths):
+            raise ValueError(
+                f"AdaptiveWidths.widths={self.widths!r} must be distinct widths among (2, 4, 8) "
+                "(the payload format packs no others)"
+            )
+        object.__setattr__(self, "widths", tuple(sorted(widths)))
+
+
 # --- the whole config -------------------------------------------------------------------------
 @dataclass(frozen=True, kw_only=True)
 class CompressionConfig:
@@ -224,6 +258,10 @@ class CompressionConfig:
     reduction overlaps the next step (bounded staleness, the elastic-consistency seed); ``0``:
     synchronous. For DDP (``qsdp.ddp.register``, its [Note: staleness 1]), FSDP2 and compressed
     HSDP (``compress_fsdp``, [Note: staleness 1 in FSDP2]); ``qsdp.StalenessGate`` bounds it."""
+    adaptive: AdaptiveWidths | None = None
+    """Adaptive widths of the gradient quantizer (``QuantizedGrads``; ``TwoLevelGrads``: its
+    inter-node width); the config's width is the reference whose total error a plan may not
+    exceed. FSDP2 reduce-scatter and DDP all-reduce."""
     own_reduce_group: bool = False
     """FSDP2: run the gradient reduce-scatter on a communicator of its own (a second process
     group over FSDP's ranks, made by ``compress_fsdp``). NCCL runs one communicator's collectives
@@ -253,6 +291,26 @@ class CompressionConfig:
             raise TypeError("CompressionConfig.policy must be a qsdp.policy.ParamPolicy or None")
         if not isinstance(self.seed, int) or not 0 <= self.seed < 2**64:
             raise ValueError(f"CompressionConfig.seed={self.seed!r} must be an int in [0, 2**64)")
+        if self.adaptive is not None:
+            if not isinstance(self.adaptive, AdaptiveWidths):
+                raise TypeError("CompressionConfig.adaptive must be a qsdp.AdaptiveWidths or None")
+            spec = (
+                self.grads.spec
+                if isinstance(self.grads, QuantizedGrads)
+                else self.grads.inter
+                if isinstance(self.grads, TwoLevelGrads)
+                else None
+            )
+            if spec is None:
+                raise ValueError(
+                    f"CompressionConfig.adaptive needs quantized gradients (QuantizedGrads or "
+                    f"TwoLevelGrads) whose width can vary; grads={type(self.grads).__name__}"
+                )
+            if spec.bits not in self.adaptive.widths:
+                raise ValueError(
+                    f"AdaptiveWidths.widths={self.adaptive.widths} must include the gradients' "
+                    f"own width {spec.bits}: it is the reference a plan may not be worse than"
+                )
         if not isinstance(self.own_reduce_group, bool):
             raise TypeError(
                 f"CompressionConfig.own_reduce_group={self.own_reduce_group!r} must be a bool"

@@ -193,6 +193,20 @@ def _check_stale(tmp_path: Path, parallel: str) -> None:
     assert saved["staleness"] == 1 and saved["stale_bound"] == 1e-9
 
 
+def _adaptive(rank: int, world: int, data: str, root: str) -> None:
+    cfg = _cfg(Path(root) / "adaptive", "cgx", steps=6, adaptive_every=2, seed=1)
+    train_rank(cfg, open_data(Path(data)), torch.device("cpu"))
+
+
+def test_adaptive_widths_in_the_trainer(data_dir, tmp_path):
+    run_distributed(_adaptive, 2, str(data_dir), str(tmp_path), timeout_s=600)
+    saved = [r["grad_bytes_saved"] for r in _rows(tmp_path / "adaptive")]
+    # the first plan is decided in step 1's backward (warm-up: a tenth of the steps, at least 1)
+    assert saved[0] == "" and all(0 <= float(x) < 1 for x in saved[1:]), saved
+    config = json.loads((tmp_path / "adaptive" / "config.json").read_text())
+    assert config["adaptive_every"] == 2
+
+
 def test_schedule_warms_up_then_decays_to_the_floor():
     cfg = TrainConfig(out="x", steps=100, warmup=10, lr=1e-3, min_lr_ratio=0.1)
     assert lr_at(cfg, 0) == pytest.approx(1e-4) and lr_at(cfg, 9) == pytest.approx(1e-3)
@@ -214,6 +228,8 @@ def test_schedule_warms_up_then_decays_to_the_floor():
         ({"nodes": 2}, "--nodes=2 is for --hsdp"),
         ({"parallel": "zero"}, "parallel='zero' must be one of"),
         ({"stale_bound": 0.1}, "--stale-bound=0.1 needs --staleness 1"),
+        ({"recipe": "global-qsgd", "adaptive_every": 5}, "adaptive needs quantized gradients"),
+        ({"recipe": "cgx", "adaptive_every": 0}, "--adaptive-every must be positive"),
         ({"staleness": 1, "stale_bound": -1.0}, "a positive bound"),
         ({"staleness": 2, "parallel": "ddp", "recipe": "cgx"}, "--staleness must be 0 or 1"),
     ],

@@ -24,7 +24,7 @@ it. (A synchronous uncompressed FSDP2 reduce-scatter stays FSDP2's own: no hook 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -67,6 +67,15 @@ class ReducePlan:
             "replicate dimension) takes a quantized or integer gradient config, e.g. the "
             "recipes 'cgx', 'qsdp-g8' or 'global-qsgd'"
         )
+
+    @property
+    def width_spec(self) -> QuantSpec | None:
+        """The quantizer whose width adaptive widths vary (None: the plan has none)."""
+        return None
+
+    def with_bits(self, bits: int) -> ReducePlan:
+        """This plan with :attr:`width_spec` at ``bits`` bits."""
+        raise ValueError(f"{type(self).__name__} has no quantizer width to vary")
 
     def value_limit(self) -> float:
         """Largest ``|x|`` the plan's quantizers always represent (``QuantSpec.value_limit``):
@@ -134,6 +143,13 @@ class QuantizedReduce(ReducePlan):
 
     spec: QuantSpec
 
+    @property
+    def width_spec(self) -> QuantSpec:
+        return self.spec
+
+    def with_bits(self, bits: int) -> QuantizedReduce:
+        return self if bits == self.spec.bits else replace(self, spec=replace(self.spec, bits=bits))
+
     def value_limit(self) -> float:
         return self.spec.value_limit()
 
@@ -161,6 +177,15 @@ class TwoLevelReduce(ReducePlan):
     intra: QuantSpec
     inter: QuantSpec
     mesh: DeviceMesh | None = None
+
+    @property
+    def width_spec(self) -> QuantSpec:
+        return self.inter  # the slow link's quantizer
+
+    def with_bits(self, bits: int) -> TwoLevelReduce:
+        if bits == self.inter.bits:
+            return self
+        return replace(self, inter=replace(self.inter, bits=bits))
 
     def value_limit(self) -> float:
         return min(self.intra.value_limit(), self.inter.value_limit())

@@ -52,6 +52,7 @@ would have reduced, one step late (tested).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator
 from typing import NamedTuple
 
@@ -64,6 +65,7 @@ from .. import comm as qc
 from ..config import CompressionConfig, IntegerGrads, NonFinite, QuantizedGrads, recipe
 from ..quant import decode, encode
 from ..runtime import NonfiniteCheck
+from ..runtime.widths import WidthController
 
 __all__ = ["DDPCompression", "register"]
 
@@ -105,6 +107,15 @@ class DDPCompression:
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._pending: dict[int, _Pending] = {}
         """Staleness 1: by parameter id, where its gradient of the last step is being reduced."""
+        self.widths: WidthController | None = None
+        """Adaptive widths (``CompressionConfig.adaptive``): each bucket's width, by index."""
+        if config.adaptive is not None:
+            self.widths = WidthController(
+                config.adaptive,
+                reference=self.plan.width_spec.bits,
+                keys=_MAX_BUCKETS,
+                seed=config.seed,
+            )
         self._synchronous = False
         self.applied_nothing = bool(config.staleness)
         """Staleness 1: the last backward applied no reduction (the first step, or the first
@@ -132,6 +143,13 @@ class DDPCompression:
         self._buckets[index] = (tensor.numel(), tensor.element_size(), split)
         if self.error_feedback:
             self._feed_back(tensor, params, split, step=step, bucket=index)
+        if self.widths is not None:  # [Note: adaptive widths at run time]
+            rows = tensor.view(1, -1)
+            self.widths.observe(
+                index,
+                lambda: split.take(rows)[0] if split is not None else rows,
+                self._plan_for(index).width_spec,
+            )
         if not self.config.staleness or self._synchronous:
             if self._synchronous and any(id(p) in self._pending for p in params):
                 raise RuntimeError(
@@ -153,8 +171,13 @@ class DDPCompression:
             offset += p.numel()
         return self._checked(_completed(previous), previous, params, index)
 
+    def _plan_for(self, index: int) -> qc.ReducePlan:
+        if self.widths is None:
+            return self.plan
+        return self.plan.with_bits(self.widths.width(index))
+
     def _all_reduce(self, tensor: torch.Tensor, split, step: int, index: int) -> qc.CommWork:
-        return self.plan.all_reduce(
+        return self._plan_for(index).all_reduce(
             tensor,
             self.group,
             op="avg",
@@ -298,6 +321,8 @@ class DDPCompression:
                 view.add_(self._residuals[name])
             views.append((name, view))
         spec = self.config.grads.spec
+        if self.widths is not None:  # what this bucket's quantizer loses at its width
+            spec = dataclasses.replace(spec, bits=self.widths.width(bucket))
         rows = tensor.view(1, -1)
         comp = split.take(rows)[0].view(-1) if split is not None else tensor
         approx = decode(
@@ -329,8 +354,10 @@ class DDPCompression:
         buckets of the latest step (DDP rebuilds them after the first)."""
         world = dist.get_world_size(self.group)
         return sum(
-            self.plan.all_reduce_wire_bytes(numel, world, split=split, element_size=size)
-            for numel, size, split in self._buckets.values()
+            self._plan_for(index).all_reduce_wire_bytes(
+                numel, world, split=split, element_size=size
+            )
+            for index, (numel, size, split) in self._buckets.items()
         )
 
     @property
@@ -349,6 +376,8 @@ class DDPCompression:
         for index, n in self._calls.items():
             calls[index] = n
         state = {"calls": calls}
+        if self.widths is not None:
+            state.update(self.widths.state_dict())
         if self.config.staleness:  # the reductions in flight, saved with the checkpoint
             state["pending"] = torch.tensor([1 if self._pending else 0])
             for fut in {
@@ -370,6 +399,8 @@ class DDPCompression:
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         self._calls = {i: int(n) for i, n in enumerate(state["calls"].tolist()) if n}
+        if self.widths is not None:
+            self.widths.load_state_dict(state)
         self._pending = {}
         if self.config.staleness and int(state["pending"]):
             for name, p in self._params.items():

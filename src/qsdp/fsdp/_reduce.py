@@ -9,6 +9,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
 from .. import comm as qc
 from ..runtime import NonfiniteCheck, nonfinite_flags
+from ..runtime.widths import WidthController
 from ._hooks import _Context, _Counter, _Hook, _usable
 from ._stale import Delay, Pipeline
 
@@ -46,6 +47,23 @@ class _Reduction:
         self.twins: dict[str, dist.ProcessGroup] = {}
         self._group: dist.ProcessGroup | None = None
         """The group the applied result's NaN/Inf flags are agreed over."""
+        self.widths: WidthController | None = None
+        """Adaptive widths: the model's controller, and this group's key in it."""
+        self.width_key = 0
+
+    def _plan_now(self, rows: torch.Tensor, split: qc.Split | None) -> qc.ReducePlan:
+        """The plan at this group's width (``CompressionConfig.adaptive``); in a measuring
+        backward the group's compressed part of ``rows`` ([ranks or 1, chunk]) is measured
+        first (see [Note: adaptive widths at run time])."""
+        if self.widths is None:
+            return self.plan
+        plan = self.plan.with_bits(self.widths.width(self.width_key))
+        self.widths.observe(
+            self.width_key,
+            lambda: split.take(rows)[0] if split is not None else rows,
+            plan.width_spec,
+        )
+        return plan
 
     def stale(self, *, pipeline: Pipeline, twins: dict[str, dist.ProcessGroup]) -> None:
         """Run at staleness 1 within ``pipeline``, reducing over ``twins`` (by group name)."""
@@ -119,9 +137,10 @@ class QuantizedReduceScatter(_Reduction, _Hook, ReduceScatter):
             step = self._steps.next()
             twin = self._twin(group)
             split = _usable(self.split, input_tensor.numel() // group.size(), self.stats)
+            plan = self._plan_now(input_tensor.view(group.size(), -1), split)
 
             def launch(result: torch.Tensor) -> None:
-                self.plan.reduce_scatter(
+                plan.reduce_scatter(
                     result,
                     input_tensor,
                     twin,
@@ -137,19 +156,21 @@ class QuantizedReduceScatter(_Reduction, _Hook, ReduceScatter):
             return None
         if self.twins:  # CompressionConfig.own_reduce_group: off FSDP2's communicator
             group = self._twin(group)
+        split = _usable(self.split, input_tensor.numel() // group.size(), self.stats)
+        plan = self._plan_now(input_tensor.view(group.size(), -1), split)
         bad = None
         if self.check is not None:
             flags = nonfinite_flags(
-                input_tensor.reshape(group.size(), -1), self.layout, self.plan.value_limit()
+                input_tensor.reshape(group.size(), -1), self.layout, plan.value_limit()
             )
             bad = self._agree(flags, group)
         # AVG or SUM as FSDP asks; a PREMUL_SUM (set_gradient_divide_factor) raises with a fix.
-        self.plan.reduce_scatter(
+        plan.reduce_scatter(
             output_tensor,
             input_tensor,
             group,
             op=op,
-            split=_usable(self.split, input_tensor.numel() // group.size(), self.stats),
+            split=split,
             seed=self.seed,
             step=self._steps.next(),
             bucket=self.bucket,

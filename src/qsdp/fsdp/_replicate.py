@@ -49,9 +49,10 @@ class ReplicateAllReduce(_Reduction):
                 step = self._steps.next()
                 twin = self._twin(self.replicate)
                 split = _usable(self.split, flat.numel(), self.stats)
+                plan = self._plan_now(send.view(1, -1), split)
 
                 def launch(result: torch.Tensor) -> None:
-                    self.plan.all_reduce(
+                    plan.all_reduce(
                         result,
                         twin,
                         op="avg",
@@ -66,11 +67,12 @@ class ReplicateAllReduce(_Reduction):
                     lambda result: (result.copy_(send), launch(result)), like=flat, input=send
                 )
                 return
-            self.plan.all_reduce(
+            split = _usable(self.split, flat.numel(), self.stats)
+            self._plan_now(flat.view(1, -1), split).all_reduce(
                 flat,
                 self.replicate,
                 op="avg",
-                split=_usable(self.split, flat.numel(), self.stats),
+                split=split,
                 seed=self.seed,
                 step=self._steps.next(),
                 bucket=self.bucket,

@@ -28,6 +28,7 @@ from ..config import (
     recipe,
 )
 from ..runtime import NonfiniteCheck
+from ..runtime.widths import WidthController
 from ._gathers import QuantizedAllGather, QuantizedMasterAllGather, WeightDiffAllGather
 from ._hooks import StepClock
 from ._reduce import QuantizedReduceScatter
@@ -47,6 +48,8 @@ class _Installed:
     """Every installed all-gather and reduce-scatter, in installation order."""
     pipeline: Pipeline | None = None
     """Staleness 1: the reductions in flight."""
+    widths: WidthController | None = None
+    """Adaptive widths: each reduction group's width."""
 
 
 _INSTALLED: weakref.WeakKeyDictionary[nn.Module, _Installed] = weakref.WeakKeyDictionary()
@@ -161,6 +164,15 @@ def compress_fsdp(
     def split_of(layout: list | None) -> qc.Split | None:
         return policy.split(layout) if policy is not None and layout else None
 
+    widths = None
+    if config.adaptive is not None:  # [Note: adaptive widths at run time]
+        width_plan = replicate_plan if replicate_pg is not None else plan
+        widths = WidthController(
+            config.adaptive,
+            reference=width_plan.width_spec.bits,
+            keys=len(modules),
+            seed=config.seed,
+        )
     gathers: list[WeightDiffAllGather] = []
     hooks: list[object] = []
     for i, module in enumerate(modules):
@@ -184,6 +196,7 @@ def compress_fsdp(
             )
             module.set_all_reduce_hook(hook)
             hooks.append(hook)
+            hook.widths, hook.width_key = widths, i
             if pipeline is not None and layout != []:
                 hook.stale(pipeline=pipeline, twins=twins)
                 pipeline.add(hook, _grad_params(model, layout))
@@ -220,10 +233,11 @@ def compress_fsdp(
             module.set_custom_reduce_scatter(reduce)
             hooks.append(reduce)
             reduce.twins = twins or {}
+            reduce.widths, reduce.width_key = widths, i
             if pipeline is not None and layout != []:
                 reduce.stale(pipeline=pipeline, twins=twins)
                 pipeline.add(reduce, _grad_params(model, layout))
-    _INSTALLED[model] = _Installed(config, stats, clock, gathers, hooks, pipeline)
+    _INSTALLED[model] = _Installed(config, stats, clock, gathers, hooks, pipeline, widths)
     _HOOKED.update(modules)
     return model
 
@@ -401,7 +415,15 @@ class CommState:
         }
         if inst.pipeline is not None:  # the reductions in flight, saved with the checkpoint
             state.update(inst.pipeline.state_dict())
+        if inst.widths is not None:  # the adaptive widths, by module index
+            state.update(inst.widths.state_dict())
         return state
+
+    @property
+    def widths(self) -> WidthController | None:
+        """Adaptive widths (``CompressionConfig.adaptive``): each reduction group's width and
+        the last plan (``.plan``: bytes and error against the uniform width), or None."""
+        return self._installed.widths
 
     def drain(self) -> None:
         """Staleness 1, after the last backward: put the reductions still in flight into the
@@ -454,6 +476,8 @@ class CommState:
             inst.clock.request_resync()
         if inst.pipeline is not None:
             inst.pipeline.load_state_dict(state)
+        if inst.widths is not None:
+            inst.widths.load_state_dict(state)
 
 
 def comm_state(model: nn.Module) -> CommState:

@@ -85,6 +85,12 @@ def parser() -> argparse.ArgumentParser:
         help="--staleness 1: force a synchronous step when lr * (clipped) gradient norm of the "
         "applied gradient exceeds this (default: never; the proxy is logged as stale_gap)",
     )
+    p.add_argument(
+        "--adaptive-every",
+        type=int,
+        help="adaptive gradient widths (2/4/8 bits per group, CGX): re-decide every this many "
+        "steps (recipes with quantized gradients)",
+    )
     p.add_argument("--nproc", type=int, default=2, help="CPU processes when not under torchrun")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--tensorboard", action=argparse.BooleanOptionalAction, default=None)
@@ -118,6 +124,7 @@ def config_from(args: argparse.Namespace) -> TrainConfig:
         nodes=args.nodes,
         staleness=args.staleness,
         stale_bound=args.stale_bound,
+        adaptive_every=args.adaptive_every,
         tensorboard=args.tensorboard,
         progress=not args.no_progress,
     )

@@ -132,7 +132,7 @@ def build(
     bf16: bool,
     two_level: bool,
     nodes: int | None,
-    staleness: int = 0,
+    config: CompressionConfig | None = None,
 ) -> Parallel:
     """Build the GPT on ``device`` from ``seed`` and parallelise it as ``mode`` says."""
     if mode not in MODES:
@@ -140,7 +140,7 @@ def build(
     torch.manual_seed(seed)
     with device:
         gpt = GPT(mc)
-    config = recipe(recipe_name, staleness=staleness)
+    config = config or recipe(recipe_name)  # the recipe with the run's overrides
     if mode == "ddp":
         model = DDP(gpt, device_ids=[device.index] if device.type == "cuda" else None)
         state = qddp.register(model, config)

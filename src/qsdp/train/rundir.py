@@ -75,6 +75,7 @@ RESUME_MUST_MATCH = (
     "nodes",
     "staleness",
     "stale_bound",
+    "adaptive_every",
 )
 """Keys of ``config.json`` that ``--resume`` requires to equal the saved run's."""
 

@@ -35,7 +35,14 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from .. import quant
-from ..config import RECIPES, CompressionConfig, QuantizedGrads, TwoLevelGrads, recipe
+from ..config import (
+    RECIPES,
+    AdaptiveWidths,
+    CompressionConfig,
+    QuantizedGrads,
+    TwoLevelGrads,
+    recipe,
+)
 from ..runtime import StalenessGate
 from .data import Batches, TokenData
 from .metrics import CONFIG_FILE, MetricsWriter, Progress
@@ -65,6 +72,7 @@ COLUMNS = (
     "grad_norm",
     "stale_gap",
     "sync_forced",
+    "grad_bytes_saved",
 )
 
 
@@ -120,6 +128,10 @@ class TrainConfig:
     gradient exceeds it (``qsdp.StalenessGate``, [Note: the staleness gate]); None never forces
     one. Every step logs the proxy (``stale_gap``) and the forced steps so far
     (``sync_forced``)."""
+    adaptive_every: int | None = None
+    """Adaptive gradient widths (``qsdp.AdaptiveWidths``): re-decide each group's width among 2,
+    4 and 8 bits every this many steps (first after ``min(50, steps // 10)``); recipes with
+    quantized gradients. The last plan's saving is logged as ``grad_bytes_saved``."""
     nodes: int | None = None
     """``hsdp``: the number of nodes (default: torchrun's ``WORLD_SIZE / LOCAL_WORLD_SIZE``, or 2
     emulated nodes on one machine)."""
@@ -154,6 +166,9 @@ class TrainConfig:
                 f"--stale-bound={self.stale_bound} needs --staleness 1 and a positive bound "
                 "(the largest lr * gradient norm a delayed update may have)"
             )
+        if self.adaptive_every is not None and self.adaptive_every < 1:
+            raise ValueError(f"--adaptive-every must be positive, got {self.adaptive_every}")
+        self.compression()  # refuses adaptive widths for a recipe without quantized gradients
         config = recipe(self.recipe)
         if self.parallel != "fsdp" and config.two_level:
             raise ValueError(
@@ -165,6 +180,15 @@ class TrainConfig:
                 f"--recipe {self.recipe} compresses weights, which DDP does not gather; use a "
                 "gradient-only recipe with --ddp: cgx, qsdp-g8, global-qsgd or bf16"
             )
+
+    def compression(self) -> CompressionConfig:
+        """The recipe with this run's overrides (staleness, adaptive widths)."""
+        adaptive = None
+        if self.adaptive_every:
+            adaptive = AdaptiveWidths(
+                every=self.adaptive_every, warmup=min(50, max(1, self.steps // 10))
+            )
+        return recipe(self.recipe, staleness=self.staleness, adaptive=adaptive)
 
     def model_config(self, vocab_size: int) -> ModelConfig:
         base = PRESETS[self.preset]  # every option of the preset kept, these three replaced
@@ -250,6 +274,12 @@ def _checkpoint_state(
         # the staleness gate: synchronous steps forced so far, whether the next one is
         "trainer": {"step": torch.tensor(step), "gate": torch.tensor(gate)},
     }
+
+
+def _bytes_saved(par: Parallel) -> float | None:
+    """Adaptive widths: the share of the uniform width's gradient bytes the last plan saves."""
+    widths = getattr(par.state, "widths", None)
+    return widths.plan.bytes_saved if widths is not None and widths.plan is not None else None
 
 
 def save_checkpoint(
@@ -351,10 +381,10 @@ def train_rank(cfg: TrainConfig, data: TokenData, device: torch.device) -> dict:
         bf16=_bf16_compute(cfg, device),
         two_level=cfg.two_level,
         nodes=cfg.nodes,
-        staleness=cfg.staleness,
+        config=cfg.compression(),
     )
     model = par.model
-    config = recipe(cfg.recipe, staleness=cfg.staleness)
+    config = cfg.compression()
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     opt = torch.optim.AdamW(
@@ -477,6 +507,7 @@ def train_rank(cfg: TrainConfig, data: TokenData, device: torch.device) -> dict:
                 grad_norm=float(norm),
                 stale_gap=gate.gap if gate is not None and applies and not sync_step else None,
                 sync_forced=gate.fired if gate is not None else None,
+                grad_bytes_saved=_bytes_saved(par),
             )
             if writer is not None:
                 writer.log(step, **last)

@@ -1,0 +1,129 @@
+"""Adaptive widths in the hooks (FSDP2 reduce-scatter, DDP buckets): the plan is decided in a
+measuring backward, is the same on every rank, is applied (bytes on the wire follow each
+group's width), survives a checkpoint, and trains like the uniform width."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import qsdp
+from qsdp.config import AdaptiveWidths
+from qsdp.testing import assert_same_on_all_ranks, run_distributed
+
+from ..models import batch, classifier
+
+ADAPT = AdaptiveWidths(every=3, warmup=1, widths=(2, 4, 8), sample=4096)
+
+
+def _fsdp(recipe: str, adaptive):
+    model = classifier()
+    for i in (2, 5):
+        fully_shard(model[i])
+    fully_shard(model)
+    qsdp.compress_fsdp(model, qsdp.recipe(recipe, adaptive=adaptive))
+    return model
+
+
+def _train(model, rank: int, steps: range) -> float:
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    loss = torch.zeros(())
+    for step in steps:
+        x, y = batch(rank, step)
+        loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    mean = loss.detach().clone()
+    dist.all_reduce(mean)
+    return float(mean) / dist.get_world_size()
+
+
+def _expected_bytes(model, ws: int) -> int:
+    """The reduce-scatter bytes of one step at each hook's current width."""
+    inst = qsdp.fsdp.api._installed(model)
+    total = 0
+    for h in inst.hooks:
+        if not hasattr(h, "width_key"):
+            continue
+        numel = ws * sum(n for _, n in h.layout)
+        plan = h.plan.with_bits(inst.widths.width(h.width_key))
+        total += plan.reduce_scatter_wire_bytes(numel, ws, split=h.split)
+    return total
+
+
+def _fsdp_worker(rank: int, world: int) -> dict:
+    init_device_mesh("cpu", (world,))
+    model = _fsdp("cgx", ADAPT)
+    state = qsdp.fsdp.comm_state(model)
+    out = {"adaptive": _train(model, rank, range(25))}
+    widths = state.widths
+    assert (widths.decisions, widths.steps) == (8, 25), (widths.decisions, widths.steps)
+    assert widths.plan.bytes <= widths.plan.reference_bytes
+    assert widths.plan.error <= widths.plan.reference_error * (1 + 1e-9)
+    saved = state.state_dict()
+    assert_same_on_all_ranks(saved["widths"])  # rank 0's plan everywhere
+    # the hooks reduce at the plan's widths: force a mixed plan and count one step's bytes
+    forced = saved["widths"].clone()
+    forced[:] = torch.tensor([2, 8, 4])[: forced.numel()]
+    state.load_state_dict(saved | {"widths": forced, "width_steps": torch.tensor([2])})
+    stats = qsdp.fsdp_comm_stats(model)
+    before = stats["reduce_scatter"].bytes
+    x, y = batch(rank, 99)
+    nn.functional.cross_entropy(model(x), y).backward()
+    assert stats["reduce_scatter"].bytes - before == _expected_bytes(model, world)
+    uniform = stats["reduce_scatter"].bytes - before
+    state.load_state_dict(saved | {"widths": torch.zeros_like(forced)})
+    before = stats["reduce_scatter"].bytes
+    nn.functional.cross_entropy(model(x), y).backward()
+    assert stats["reduce_scatter"].bytes - before != uniform  # all at 4 bits now
+    # resume: a fresh model takes the widths and the step count
+    fresh = _fsdp("cgx", ADAPT)
+    qsdp.fsdp.comm_state(fresh).load_state_dict(saved)
+    assert qsdp.fsdp.comm_state(fresh).widths.widths == widths.widths
+    assert qsdp.fsdp.comm_state(fresh).widths.steps == 25
+    out["uniform"] = _train(_fsdp("cgx", None), rank, range(25))
+    return out
+
+
+def test_fsdp_adaptive_widths_agree_apply_resume_and_train():
+    out = run_distributed(_fsdp_worker, 3, timeout_s=300)[0]
+    assert abs(out["adaptive"] - out["uniform"]) < 0.05 * out["uniform"], out
+
+
+def _ddp_worker(rank: int, world: int) -> float:
+    ddp = DDP(classifier(), bucket_cap_mb=0.01)  # several buckets
+    hook = qsdp.ddp.register(ddp, qsdp.recipe("cgx", adaptive=ADAPT))
+    loss = _train(ddp, rank, range(10))
+    assert hook.widths.decisions == 3 and hook.widths.widths
+    for p in ddp.parameters():
+        assert_same_on_all_ranks(p.detach())  # one plan: the same bytes and sums everywhere
+    state = hook.state_dict()
+    assert_same_on_all_ranks(state["widths"])
+    # every bucket at its width: the counted bytes of one step
+    before = hook.stats["two_phase_all_reduce"].bytes
+    x, y = batch(rank, 99)
+    nn.functional.cross_entropy(ddp(x), y).backward()
+    assert hook.stats["two_phase_all_reduce"].bytes - before == hook.wire_bytes_per_step()
+    return loss
+
+
+def test_ddp_adaptive_widths_per_bucket():
+    losses = run_distributed(_ddp_worker, 3)
+    assert len(set(losses)) == 1
+
+
+def test_bad_adaptive_settings_are_refused():
+    with pytest.raises(ValueError, match="needs quantized gradients"):
+        qsdp.recipe("global-qsgd", adaptive=AdaptiveWidths())
+    with pytest.raises(ValueError, match="must include the gradients' own width 4"):
+        qsdp.recipe("cgx", adaptive=AdaptiveWidths(widths=(2, 8)))
+    with pytest.raises(ValueError, match="among \\(2, 4, 8\\)"):
+        AdaptiveWidths(widths=(3, 4))
+    with pytest.raises(ValueError, match="every=0 must be a positive int"):
+        AdaptiveWidths(every=0)

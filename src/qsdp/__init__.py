@@ -6,6 +6,7 @@ Importing qsdp imports neither triton nor CUDA: kernels load on first use on a C
 from . import ddp
 from .config import (
     RECIPES,
+    AdaptiveWidths,
     CompressionConfig,
     IntegerGrads,
     NonFinite,
@@ -22,6 +23,7 @@ from .runtime import StalenessGate
 
 __all__ = [
     "RECIPES",
+    "AdaptiveWidths",
     "CompressionConfig",
     "Encoded",
     "IntegerGrads",

@@ -194,17 +194,24 @@ def _check_stale(tmp_path: Path, parallel: str) -> None:
 
 
 def _adaptive(rank: int, world: int, data: str, root: str) -> None:
-    cfg = _cfg(Path(root) / "adaptive", "cgx", steps=6, adaptive_every=2, seed=1)
-    train_rank(cfg, open_data(Path(data)), torch.device("cpu"))
+    d, cpu = open_data(Path(data)), torch.device("cpu")
+    train_rank(_cfg(Path(root) / "adaptive", "cgx", steps=6, adaptive_every=2, seed=1), d, cpu)
+    for parallel in ("fsdp", "ddp"):
+        train_rank(
+            _cfg(Path(root) / f"auto-{parallel}", "auto", steps=2, parallel=parallel), d, cpu
+        )
 
 
-def test_adaptive_widths_in_the_trainer(data_dir, tmp_path):
+def test_adaptive_widths_and_auto_in_the_trainer(data_dir, tmp_path):
     run_distributed(_adaptive, 2, str(data_dir), str(tmp_path), timeout_s=600)
     saved = [r["grad_bytes_saved"] for r in _rows(tmp_path / "adaptive")]
     # the first plan is decided in step 1's backward (warm-up: a tenth of the steps, at least 1)
     assert saved[0] == "" and all(0 <= float(x) < 1 for x in saved[1:]), saved
     config = json.loads((tmp_path / "adaptive" / "config.json").read_text())
     assert config["adaptive_every"] == 2
+    for parallel in ("fsdp", "ddp"):  # "auto" measured, chose (gloo on one CPU: bf16), trained
+        rows = _rows(tmp_path / f"auto-{parallel}")
+        assert len(rows) == 2 and float(rows[-1]["compression_ratio"]) > 0
 
 
 def test_schedule_warms_up_then_decays_to_the_floor():
@@ -230,6 +237,7 @@ def test_schedule_warms_up_then_decays_to_the_floor():
         ({"stale_bound": 0.1}, "--stale-bound=0.1 needs --staleness 1"),
         ({"recipe": "global-qsgd", "adaptive_every": 5}, "adaptive needs quantized gradients"),
         ({"recipe": "cgx", "adaptive_every": 0}, "--adaptive-every must be positive"),
+        ({"recipe": "auto", "staleness": 1}, "--recipe auto picks a recipe"),
         ({"staleness": 1, "stale_bound": -1.0}, "a positive bound"),
         ({"staleness": 2, "parallel": "ddp", "recipe": "cgx"}, "--staleness must be 0 or 1"),
     ],

@@ -63,6 +63,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from .. import comm as qc
 from ..config import CompressionConfig, IntegerGrads, NonFinite, QuantizedGrads, recipe
+from ..policy import auto
 from ..quant import decode, encode
 from ..runtime import NonfiniteCheck
 from ..runtime.widths import WidthController
@@ -116,6 +117,9 @@ class DDPCompression:
                 keys=_MAX_BUCKETS,
                 seed=config.seed,
             )
+        self.decision: dict | None = None
+        """``register(model, "auto")``: the chosen recipe, the predicted seconds per step of
+        each option and the measured link."""
         self._synchronous = False
         self.applied_nothing = bool(config.staleness)
         """Staleness 1: the last backward applied no reduction (the first step, or the first
@@ -476,7 +480,11 @@ def register(
             f"qsdp.ddp.register needs a DistributedDataParallel module, got "
             f"{type(model).__name__}; wrap it first: DistributedDataParallel(model)"
         )
-    if isinstance(config, str):
+    decision = None
+    if config == "auto":  # measure, predict, pick: see qsdp.policy.auto
+        decision = _auto(model)
+        name, config = "auto", recipe(decision["recipe"])
+    elif isinstance(config, str):
         name = config
         config = recipe(config)
     elif isinstance(config, CompressionConfig):
@@ -510,8 +518,24 @@ def register(
         config, names=names, group=model.process_group, error_feedback=error_feedback
     )
     hook._params = dict(model.module.named_parameters())
+    hook.decision = decision
     model.register_comm_hook(hook, _ddp_hook)
     return hook
+
+
+def _auto(model: DDP) -> dict:
+    """``register(model, "auto")``: measure DDP's group and this device's quantizers, predict
+    each recipe's all-reduce per step in DDP's buckets, pick (qsdp.policy.auto)."""
+    params = [p for p in model.module.parameters() if p.requires_grad]
+    numel = sum(p.numel() for p in params)
+    cap = getattr(model, "bucket_bytes_cap", 25 * 2**20)
+    buckets = max(1, -(-numel * 4 // cap))
+    measured = auto.measure(model.process_group, params[0].device)
+    predicted = auto.predict_ddp(numel, measured, buckets=buckets)
+    choice = auto.choose(predicted)
+    if dist.get_rank() == 0:
+        print(auto.report(measured, predicted, choice), flush=True)
+    return {"recipe": choice, "predicted_s": predicted, "measured": measured}
 
 
 def _ddp_hook(state, bucket):  # noqa: ANN001, ANN202 - DDP checks unannotated or exact types

@@ -27,6 +27,7 @@ from ..config import (
     WeightDiffs,
     recipe,
 )
+from ..policy import auto
 from ..runtime import NonfiniteCheck
 from ..runtime.widths import WidthController
 from ._gathers import QuantizedAllGather, QuantizedMasterAllGather, WeightDiffAllGather
@@ -50,6 +51,8 @@ class _Installed:
     """Staleness 1: the reductions in flight."""
     widths: WidthController | None = None
     """Adaptive widths: each reduction group's width."""
+    decision: dict | None = None
+    """``"auto"``: what was measured, predicted and chosen."""
 
 
 _INSTALLED: weakref.WeakKeyDictionary[nn.Module, _Installed] = weakref.WeakKeyDictionary()
@@ -97,7 +100,11 @@ def compress_fsdp(
             to a one-level recipe or not covering FSDP's shard group (found with one all-reduce,
             so every rank raises), a model (or part of one) already compressed.
     """
-    if isinstance(config, str):
+    decision = None
+    if config == "auto":  # measure, predict, pick: see qsdp.policy.auto
+        decision = _auto(model, mesh=mesh, replicate=replicate)
+        config = recipe(decision["recipe"])
+    elif isinstance(config, str):
         config = recipe(config)
     elif not isinstance(config, CompressionConfig):
         raise TypeError(
@@ -237,9 +244,41 @@ def compress_fsdp(
             if pipeline is not None and layout != []:
                 reduce.stale(pipeline=pipeline, twins=twins)
                 pipeline.add(reduce, _grad_params(model, layout))
-    _INSTALLED[model] = _Installed(config, stats, clock, gathers, hooks, pipeline, widths)
+    _INSTALLED[model] = _Installed(config, stats, clock, gathers, hooks, pipeline, widths, decision)
     _HOOKED.update(modules)
     return model
+
+
+def _auto(model: nn.Module, *, mesh, replicate) -> dict:
+    """``compress_fsdp(model, "auto")``: measure FSDP's shard group and this device's
+    quantizers, predict each recipe's communication per step, pick (qsdp.policy.auto)."""
+    if mesh is not None or replicate is not None:
+        raise ValueError(
+            "recipe 'auto' decides for FSDP2 over one mesh level so far; name a recipe for "
+            "two-level meshes and compressed HSDP"
+        )
+    modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    groups = [_fsdp_groups(m) for m in modules]
+    shard = next((g for g, _ in groups if g is not None), None)
+    if shard is None or any(rep is not None for _, rep in groups):
+        raise ValueError(
+            "recipe 'auto' needs modules fully_shard-ed on one mesh dimension (no native HSDP)"
+        )
+    names = {m: name for name, m in model.named_modules()}
+    shards = []
+    for m in modules:
+        layout = _layout(m, names[m], grads_only=False)
+        if layout is None:
+            raise ValueError("recipe 'auto' needs FSDP2's parameter layout (torch >= 2.11)")
+        if layout:
+            shards.append(sum(n for _, n, _ in layout))
+    device = next(p.to_local().device for p in model.parameters() if isinstance(p, DTensor))
+    measured = auto.measure(shard, device)
+    predicted = auto.predict_fsdp(shards, measured)
+    choice = auto.choose(predicted)
+    if dist.get_rank() == 0:
+        print(auto.report(measured, predicted, choice), flush=True)
+    return {"recipe": choice, "predicted_s": predicted, "measured": measured}
 
 
 def _own_params(module: FSDPModule) -> list[nn.Parameter]:
@@ -418,6 +457,17 @@ class CommState:
         if inst.widths is not None:  # the adaptive widths, by module index
             state.update(inst.widths.state_dict())
         return state
+
+    @property
+    def config(self) -> CompressionConfig:
+        """The config the model's collectives run (for ``"auto"``: the recipe it chose)."""
+        return self._installed.config
+
+    @property
+    def decision(self) -> dict | None:
+        """``compress_fsdp(model, "auto")``: the chosen recipe, the predicted communication
+        seconds per step of each option and the measured link (None for a named recipe)."""
+        return self._installed.decision
 
     @property
     def widths(self) -> WidthController | None:

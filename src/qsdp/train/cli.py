@@ -26,7 +26,7 @@ def parser() -> argparse.ArgumentParser:
         "traceback.",
     )
     p.add_argument("--out", required=True, help="run directory (metrics.csv, config.json, ckpt/)")
-    p.add_argument("--recipe", default="sdp4bit", choices=sorted(RECIPES))
+    p.add_argument("--recipe", default="sdp4bit", choices=[*sorted(RECIPES), "auto"])
     p.add_argument("--preset", default="cpu-tiny", choices=sorted(PRESETS))
     p.add_argument(
         "--data",

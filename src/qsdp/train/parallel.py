@@ -53,6 +53,8 @@ class Parallel:
     stats: CommStats
     state: object
     """The collectives' ``torch.distributed.checkpoint`` ``Stateful``."""
+    config: CompressionConfig | None = None
+    """The compression config the model runs (for ``"auto"``: the recipe it chose)."""
     bf16_autocast: bool = False
     shard_size: int = 1
     """Ranks a parameter is sharded over (the world for FSDP2, a node for HSDP, 1 for DDP)."""
@@ -132,7 +134,7 @@ def build(
     bf16: bool,
     two_level: bool,
     nodes: int | None,
-    config: CompressionConfig | None = None,
+    config: CompressionConfig | str | None = None,
 ) -> Parallel:
     """Build the GPT on ``device`` from ``seed`` and parallelise it as ``mode`` says."""
     if mode not in MODES:
@@ -144,7 +146,9 @@ def build(
     if mode == "ddp":
         model = DDP(gpt, device_ids=[device.index] if device.type == "cuda" else None)
         state = qddp.register(model, config)
-        return Parallel(mode, model, gpt, state.stats, state, bf16_autocast=bf16)
+        return Parallel(
+            mode, model, gpt, state.stats, state, config=state.config, bf16_autocast=bf16
+        )
     mp = (
         MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         if bf16
@@ -161,7 +165,18 @@ def build(
     fully_shard(gpt, mesh=shard_mesh, mp_policy=mp)
     if mode == "hsdp":
         compress_fsdp(gpt, config, replicate=replicate)
+    elif config == "auto":
+        compress_fsdp(gpt, config)
     else:
         compress_fsdp(gpt, config, mesh=_mesh(config, device, two_level))
     shard = shard_mesh.size() if shard_mesh is not None else ws
-    return Parallel(mode, gpt, gpt, fsdp_comm_stats(gpt), comm_state(gpt), shard_size=shard)
+    state = comm_state(gpt)
+    return Parallel(
+        mode,
+        gpt,
+        gpt,
+        fsdp_comm_stats(gpt),
+        state,
+        config=state.config,
+        shard_size=shard,
+    )

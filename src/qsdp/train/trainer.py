@@ -139,8 +139,10 @@ class TrainConfig:
     progress: bool = True
 
     def __post_init__(self) -> None:
-        if self.recipe not in RECIPES:
-            raise ValueError(f"unknown recipe {self.recipe!r}; choose one of {sorted(RECIPES)}")
+        if self.recipe not in RECIPES and self.recipe != "auto":
+            raise ValueError(
+                f"unknown recipe {self.recipe!r}; choose one of {sorted(RECIPES)} or 'auto'"
+            )
         if self.preset not in PRESETS:
             raise ValueError(f"unknown preset {self.preset!r}; choose one of {sorted(PRESETS)}")
         for name in ("steps", "micro_batch", "grad_accum", "eval_batches"):
@@ -168,6 +170,13 @@ class TrainConfig:
             )
         if self.adaptive_every is not None and self.adaptive_every < 1:
             raise ValueError(f"--adaptive-every must be positive, got {self.adaptive_every}")
+        if self.recipe == "auto":
+            if self.staleness or self.adaptive_every or self.parallel == "hsdp":
+                raise ValueError(
+                    "--recipe auto picks a recipe for FSDP2 or DDP from measurements; it takes "
+                    "no --staleness, --adaptive-every or --hsdp yet: name a recipe for those"
+                )
+            return
         self.compression()  # refuses adaptive widths for a recipe without quantized gradients
         config = recipe(self.recipe)
         if self.parallel != "fsdp" and config.two_level:
@@ -181,8 +190,11 @@ class TrainConfig:
                 "gradient-only recipe with --ddp: cgx, qsdp-g8, global-qsgd or bf16"
             )
 
-    def compression(self) -> CompressionConfig:
-        """The recipe with this run's overrides (staleness, adaptive widths)."""
+    def compression(self) -> CompressionConfig | str:
+        """The recipe with this run's overrides (staleness, adaptive widths); ``"auto"`` is
+        decided when the model is built (``Parallel.config`` then holds the choice)."""
+        if self.recipe == "auto":
+            return "auto"
         adaptive = None
         if self.adaptive_every:
             adaptive = AdaptiveWidths(
@@ -384,7 +396,7 @@ def train_rank(cfg: TrainConfig, data: TokenData, device: torch.device) -> dict:
         config=cfg.compression(),
     )
     model = par.model
-    config = cfg.compression()
+    config = par.config  # for "auto": the recipe it chose
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     opt = torch.optim.AdamW(

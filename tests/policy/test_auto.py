@@ -1,0 +1,91 @@
+"""recipe="auto": the cost model keeps compression off a fast link and turns it on over a slow
+one (measured numbers injected), and the measurement is the same on every rank."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from qsdp.policy.auto import Measured, choose, measure, predict_ddp, predict_fsdp
+from qsdp.testing import run_distributed
+
+CODEC = {8: 2e-11, 4: 2.5e-11}  # ~50 G elements/s: a GPU's encode + decode
+GPT_1_4B = [1416302592 // 25 // 4] * 25  # per-rank shards of 25 groups on 4 ranks
+NVLINK = Measured(latency_s=20e-6, bytes_per_s=300e9, codec_s_per_element=CODEC, world=4)
+SOCKET = Measured(latency_s=200e-6, bytes_per_s=3e9, codec_s_per_element=CODEC, world=4)
+
+
+def test_fast_link_stays_uncompressed_slow_link_compresses():
+    fast, slow = predict_fsdp(GPT_1_4B, NVLINK), predict_fsdp(GPT_1_4B, SOCKET)
+    assert choose(fast) == "bf16"
+    assert choose(slow) == "sdp4bit"
+    # the bytes' ratio shows on the slow link: sdp4bit moves ~7x fewer bytes than bf16 there
+    assert slow["bf16"] / slow["sdp4bit"] > 4
+    assert slow["sdp4bit"] < slow["qsdp-w8g8"] < slow["bf16"]
+
+
+def test_ddp_picks_cgx_over_sockets_and_nothing_over_nvlink():
+    assert choose(predict_ddp(124_000_000, NVLINK, buckets=20)) == "bf16"
+    slow = predict_ddp(124_000_000, SOCKET, buckets=20)
+    assert choose(slow) == "cgx" and slow["cgx"] < slow["global-qsgd"] < slow["bf16"]
+
+
+def test_the_margin_keeps_a_marginal_gain_off():
+    assert choose({"bf16": 1.0, "cgx": 0.85}) == "bf16"
+    assert choose({"bf16": 1.0, "cgx": 0.75}) == "cgx"
+    assert choose({"bf16": 1.0, "cgx": 0.85}, margin=0.9) == "cgx"
+
+
+def _measure(rank: int, world: int) -> tuple:
+    m = measure(None, torch.device("cpu"), sizes=(1 << 10, 1 << 16), codec_elements=1 << 14)
+    return m.latency_s, m.bytes_per_s, tuple(sorted(m.codec_s_per_element.items())), m.world
+
+
+def test_measure_gives_every_rank_the_same_numbers():
+    results = run_distributed(_measure, 3)
+    assert len(set(results)) == 1
+    latency, bandwidth, codec, world = results[0]
+    assert world == 3 and latency >= 0 and bandwidth > 0 and all(t > 0 for _, t in codec)
+
+
+@pytest.mark.parametrize("world", [2, 8])
+def test_predictions_grow_with_the_world_on_a_ring(world):
+    m = Measured(latency_s=0.0, bytes_per_s=1e9, codec_s_per_element=CODEC, world=world)
+    p = predict_fsdp([1 << 20], m)
+    # an uncompressed step: 2 bf16 gathers + 1 fp32 reduce-scatter of n * m elements, ring
+    want = (world - 1) / world * world * (1 << 20) * (2 * 2 + 4) / 1e9
+    assert p["bf16"] == pytest.approx(want)
+
+
+def _integrations(rank: int, world: int) -> tuple:
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import qsdp
+
+    from ..models import batch, classifier
+
+    init_device_mesh("cpu", (world,))
+    model = classifier()
+    for i in (2, 5):
+        fully_shard(model[i])
+    fully_shard(model)
+    qsdp.compress_fsdp(model, "auto")
+    state = qsdp.fsdp.comm_state(model)
+    choice = state.decision["recipe"]
+    assert state.config == qsdp.recipe(choice)  # what runs is what was chosen
+    assert set(state.decision["predicted_s"]) == {"bf16", "qsdp-w8g8", "sdp4bit", "qsdp-g8", "cgx"}
+    x, y = batch(rank, 0)
+    nn.functional.cross_entropy(model(x), y).backward()  # it trains
+    ddp = DDP(classifier())
+    hook = qsdp.ddp.register(ddp, "auto")
+    assert hook.config == qsdp.recipe(hook.decision["recipe"])
+    nn.functional.cross_entropy(ddp(x), y).backward()
+    return choice, hook.decision["recipe"]
+
+
+def test_auto_in_compress_fsdp_and_ddp_agrees_on_every_rank():
+    choices = run_distributed(_integrations, 2)
+    assert len(set(choices)) == 1, choices

@@ -46,7 +46,7 @@ def _train(model, rank: int, steps: range) -> float:
 
 def _expected_bytes(model, ws: int) -> int:
     """The reduce-scatter bytes of one step at each hook's current width."""
-    inst = qsdp.fsdp.api._installed(model)
+    inst = qsdp.fsdp._state._installed(model)
     total = 0
     for h in inst.hooks:
         if not hasattr(h, "width_key"):

@@ -13,7 +13,8 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 import qsdp
 from qsdp.comm import fused_row
-from qsdp.fsdp.api import _installed, _layout
+from qsdp.fsdp._state import _installed
+from qsdp.fsdp.api import _layout
 from qsdp.testing import assert_same_on_all_ranks, count_dist_bytes, run_distributed
 from qsdp.train.model import GPT, ModelConfig
 from qsdp.train.quant_demo import corpus

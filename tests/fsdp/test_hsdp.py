@@ -37,7 +37,7 @@ def _worker(rank: int, world: int, shape: tuple[int, int]) -> dict:
             assert_same_on_all_ranks(p.to_local().detach(), group=mesh.get_group(0))
         stats = qsdp.fsdp_comm_stats(model)
         plan = qsdp.recipe(recipe).grads.plan()
-        hooks = qsdp.fsdp.api._installed(model).hooks
+        hooks = qsdp.fsdp._state._installed(model).hooks
         expect = sum(
             plan.all_reduce_wire_bytes(
                 sum(p.to_local().numel() for p in qsdp.fsdp.api._own_params(h_mod)),

@@ -185,7 +185,7 @@ def _own_group(rank: int, world: int) -> None:
                 _backward(model, rank, step)
                 opt.step()
                 opt.zero_grad()
-            hooks = qsdp.fsdp.api._installed(model).hooks
+            hooks = qsdp.fsdp._state._installed(model).hooks
             reduce = [h for h in hooks if hasattr(h, "twins")]
             # a twin of FSDP's group for every reduce-scatter hook, or none at all
             assert all(bool(h.twins) == own for h in reduce) and (reduce or not own)

@@ -3,7 +3,8 @@
 from ._gathers import QuantizedAllGather, QuantizedMasterAllGather, WeightDiffAllGather
 from ._hooks import StepClock
 from ._reduce import QuantizedReduceScatter
-from .api import CommState, comm_state, compress_fsdp, fsdp_comm_stats, resync
+from ._state import CommState, comm_state, fsdp_comm_stats, resync
+from .api import compress_fsdp
 
 __all__ = [
     "CommState",

@@ -1,0 +1,176 @@
+"""What ``compress_fsdp`` installed on a model, and its checkpointable state."""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..comm import CommStats
+from ..config import CompressionConfig
+from ..runtime.widths import WidthController
+from ._gathers import WeightDiffAllGather
+from ._hooks import StepClock
+from ._stale import Pipeline
+
+__all__ = ["CommState", "comm_state", "fsdp_comm_stats", "resync"]
+
+
+@dataclass
+class _Installed:
+    config: CompressionConfig
+    stats: CommStats
+    clock: StepClock | None
+    gathers: list[WeightDiffAllGather]
+    hooks: list[object]
+    """Every installed all-gather and reduce-scatter, in installation order."""
+    pipeline: Pipeline | None = None
+    """Staleness 1: the reductions in flight."""
+    widths: WidthController | None = None
+    """Adaptive widths: each reduction group's width."""
+    decision: dict | None = None
+    """``"auto"``: what was measured, predicted and chosen."""
+
+
+_INSTALLED: weakref.WeakKeyDictionary[nn.Module, _Installed] = weakref.WeakKeyDictionary()
+_INSTALLED: weakref.WeakKeyDictionary[nn.Module, _Installed] = weakref.WeakKeyDictionary()
+
+
+def _installed(model: nn.Module) -> _Installed:
+    if model not in _INSTALLED:
+        raise ValueError("this model was not passed to qsdp.compress_fsdp")
+    return _INSTALLED[model]
+
+
+def fsdp_comm_stats(model: nn.Module) -> CommStats:
+    """The byte counter of the collectives :func:`compress_fsdp` installed on ``model``.
+
+    It counts, by the convention of ``qsdp.comm._stats`` ([Note: one convention for bytes]),
+    every collective qsdp runs for the model (side channels included) and FSDP2's own HSDP
+    replicate all-reduce. A collective the recipe leaves uncompressed (the weights of
+    ``"global-qsgd"``, everything of ``"bf16"``) runs FSDP2's own implementation, untouched and
+    not counted here; ``qsdp train`` adds its bytes by the same convention.
+    """
+    return _installed(model).stats
+
+
+def resync(model: nn.Module) -> None:
+    """Make the next all-gather of every weight-difference group send full precision.
+
+    ``load_state_dict`` (and ``torch.distributed.checkpoint`` loads, which call it) does this by
+    itself. Call it on every rank.
+    """
+    clock = _installed(model).clock
+    if clock is None:
+        raise ValueError("this model's recipe has no weight differences to resync")
+    clock.request_resync()
+
+
+class CommState:
+    """The state of a model's compressed collectives, as a ``torch.distributed.checkpoint``
+    ``Stateful``: the noise counters of every hook and the step clock.
+
+    Save it beside the model and optimizer, e.g.
+    ``dcp.save({"model": ..., "optim": ..., "qsdp": qsdp.fsdp.comm_state(model)}, ...)``, and
+    load it the same way: the resumed run then draws the same stochastic-rounding noise as an
+    uninterrupted one. Weight-difference reconstructions are not saved; loading makes their next
+    gather full precision (as loading the model's state dict does).
+    """
+
+    def __init__(self, installed: _Installed) -> None:
+        self._installed = installed
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        inst = self._installed
+        clock = inst.clock
+        state = {
+            "calls": torch.tensor([h._steps.calls for h in inst.hooks], dtype=torch.int64),
+            "clock": torch.tensor(
+                [clock.epoch, clock.generation] if clock else [0, 0], dtype=torch.int64
+            ),
+        }
+        if inst.pipeline is not None:  # the reductions in flight, saved with the checkpoint
+            state.update(inst.pipeline.state_dict())
+        if inst.widths is not None:  # the adaptive widths, by module index
+            state.update(inst.widths.state_dict())
+        return state
+
+    @property
+    def config(self) -> CompressionConfig:
+        """The config the model's collectives run (for ``"auto"``: the recipe it chose)."""
+        return self._installed.config
+
+    @property
+    def decision(self) -> dict | None:
+        """``compress_fsdp(model, "auto")``: the chosen recipe, the predicted communication
+        seconds per step of each option and the measured link (None for a named recipe)."""
+        return self._installed.decision
+
+    @property
+    def widths(self) -> WidthController | None:
+        """Adaptive widths (``CompressionConfig.adaptive``): each reduction group's width and
+        the last plan (``.plan``: bytes and error against the uniform width), or None."""
+        return self._installed.widths
+
+    def drain(self) -> None:
+        """Staleness 1, after the last backward: put the reductions still in flight into the
+        parameters' ``.grad``, for one more ``optimizer.step()`` (see [Note: staleness 1 in
+        FSDP2]). Call on every rank.
+
+        Raises:
+            ValueError: the model's config is synchronous, or a drained gradient holds NaN/Inf
+                with ``nonfinite="raise"`` (on every rank).
+        """
+        if self._installed.pipeline is None:
+            raise ValueError(
+                "drain() is for staleness=1; a synchronous model has nothing in flight"
+            )
+        self._installed.pipeline.drain()
+
+    @contextlib.contextmanager
+    def synchronous(self) -> Iterator[None]:
+        """Staleness 1: the backwards inside reduce and apply their gradients at once, as at
+        staleness 0 (the step after the staleness gate fired; drain first). The step after
+        such a backward applies nothing."""
+        pipeline = self._installed.pipeline
+        if pipeline is None:
+            raise ValueError("synchronous() is for staleness=1; this model is synchronous already")
+        pipeline.synchronous = True
+        try:
+            yield
+        finally:
+            pipeline.synchronous = False
+
+    @property
+    def applied_nothing(self) -> bool:
+        """Staleness 1: the last backward applied no reduction (the first step, or the first
+        after :meth:`drain`): skip its ``optimizer.step()``. Always False at staleness 0."""
+        pipeline = self._installed.pipeline
+        return pipeline is not None and pipeline.applied_nothing
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        inst = self._installed
+        calls = state["calls"].tolist()
+        if len(calls) != len(inst.hooks):
+            raise ValueError(
+                f"this qsdp state has {len(calls)} hooks, the model {len(inst.hooks)}: it was "
+                "saved from another model or recipe"
+            )
+        for hook, n in zip(inst.hooks, calls, strict=True):
+            hook._steps.calls = int(n)
+        if inst.clock is not None:
+            inst.clock.epoch = int(state["clock"][0])
+            inst.clock.request_resync()
+        if inst.pipeline is not None:
+            inst.pipeline.load_state_dict(state)
+        if inst.widths is not None:
+            inst.widths.load_state_dict(state)
+
+
+def comm_state(model: nn.Module) -> CommState:
+    """The checkpointable state of the collectives :func:`compress_fsdp` installed on ``model``."""
+    return CommState(_installed(model))

@@ -89,3 +89,31 @@ def _integrations(rank: int, world: int) -> tuple:
 def test_auto_in_compress_fsdp_and_ddp_agrees_on_every_rank():
     choices = run_distributed(_integrations, 2)
     assert len(set(choices)) == 1, choices
+
+
+def _hsdp(rank: int, world: int) -> str:
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import qsdp
+
+    from ..models import batch, classifier
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    model = classifier()
+    for i in (2, 5):
+        fully_shard(model[i], mesh=mesh["shard"])
+    fully_shard(model, mesh=mesh["shard"])
+    qsdp.compress_fsdp(model, "auto", replicate=mesh["replicate"])
+    decision = qsdp.fsdp.comm_state(model).decision
+    # the all-reduce options across the nodes, measured on the replicate group (2 ranks)
+    assert set(decision["predicted_s"]) == {"bf16", "cgx", "qsdp-g8", "global-qsgd"}
+    assert decision["measured"].world == 2
+    x, y = batch(rank, 0)
+    nn.functional.cross_entropy(model(x), y).backward()
+    return decision["recipe"]
+
+
+def test_auto_for_compressed_hsdp_decides_the_replicate_all_reduce():
+    assert len(set(run_distributed(_hsdp, 4))) == 1

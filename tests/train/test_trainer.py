@@ -196,7 +196,7 @@ def _check_stale(tmp_path: Path, parallel: str) -> None:
 def _adaptive(rank: int, world: int, data: str, root: str) -> None:
     d, cpu = open_data(Path(data)), torch.device("cpu")
     train_rank(_cfg(Path(root) / "adaptive", "cgx", steps=6, adaptive_every=2, seed=1), d, cpu)
-    for parallel in ("fsdp", "ddp"):
+    for parallel in ("fsdp", "ddp", "hsdp"):
         train_rank(
             _cfg(Path(root) / f"auto-{parallel}", "auto", steps=2, parallel=parallel), d, cpu
         )
@@ -209,7 +209,7 @@ def test_adaptive_widths_and_auto_in_the_trainer(data_dir, tmp_path):
     assert saved[0] == "" and all(0 <= float(x) < 1 for x in saved[1:]), saved
     config = json.loads((tmp_path / "adaptive" / "config.json").read_text())
     assert config["adaptive_every"] == 2
-    for parallel in ("fsdp", "ddp"):  # "auto" measured, chose (gloo on one CPU: bf16), trained
+    for parallel in ("fsdp", "ddp", "hsdp"):  # "auto" measured, chose, trained
         rows = _rows(tmp_path / f"auto-{parallel}")
         assert len(rows) == 2 and float(rows[-1]["compression_ratio"]) > 0
 

@@ -234,13 +234,17 @@ def compress_fsdp(
 
 
 def _auto(model: nn.Module, *, mesh, replicate) -> dict:
-    """``compress_fsdp(model, "auto")``: measure FSDP's shard group and this device's
-    quantizers, predict each recipe's communication per step, pick (qsdp.policy.auto)."""
-    if mesh is not None or replicate is not None:
+    """``compress_fsdp(model, "auto")``: measure FSDP's shard group (compressed HSDP: the
+    replicate group, whose all-reduce is the one to compress; the gathers and reduce-scatters
+    inside the node stay FSDP2's own) and this device's quantizers, predict each recipe's
+    communication per step, pick (qsdp.policy.auto)."""
+    if mesh is not None:
         raise ValueError(
-            "recipe 'auto' decides for FSDP2 over one mesh level so far; name a recipe for "
-            "two-level meshes and compressed HSDP"
+            "recipe 'auto' decides over one mesh level (FSDP2) or the replicate level (HSDP) "
+            "so far; name a two-level recipe ('sdp4bit') for a two-level mesh"
         )
+    if isinstance(replicate, DeviceMesh):
+        replicate = replicate.get_group(0)
     modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
     groups = [_fsdp_groups(m) for m in modules]
     shard = next((g for g, _ in groups if g is not None), None)
@@ -257,8 +261,12 @@ def _auto(model: nn.Module, *, mesh, replicate) -> dict:
         if layout:
             shards.append(sum(n for _, n, _ in layout))
     device = next(p.to_local().device for p in model.parameters() if isinstance(p, DTensor))
-    measured = auto.measure(shard, device)
-    predicted = auto.predict_fsdp(shards, measured)
+    if replicate is None:
+        measured = auto.measure(shard, device)
+        predicted = auto.predict_fsdp(shards, measured)
+    else:  # one all-reduce of each module's fp32 shard across the nodes
+        measured = auto.measure(replicate, device)
+        predicted = auto.predict_ddp(sum(shards), measured, buckets=len(shards))
     choice = auto.choose(predicted)
     if dist.get_rank() == 0:
         print(auto.report(measured, predicted, choice), flush=True)

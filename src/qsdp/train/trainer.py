@@ -171,10 +171,10 @@ class TrainConfig:
         if self.adaptive_every is not None and self.adaptive_every < 1:
             raise ValueError(f"--adaptive-every must be positive, got {self.adaptive_every}")
         if self.recipe == "auto":
-            if self.staleness or self.adaptive_every or self.parallel == "hsdp":
+            if self.staleness or self.adaptive_every:
                 raise ValueError(
-                    "--recipe auto picks a recipe for FSDP2 or DDP from measurements; it takes "
-                    "no --staleness, --adaptive-every or --hsdp yet: name a recipe for those"
+                    "--recipe auto picks a recipe from measurements; it takes no --staleness or "
+                    "--adaptive-every yet: name a recipe for those"
                 )
             return
         self.compression()  # refuses adaptive widths for a recipe without quantized gradients

@@ -1,4 +1,4 @@
-"""``qsdp.ddp.register``: compressed gradient all-reduce as a DDP comm hook.
+"""The DDP comm hook: compressed gradient all-reduce (installed by ``qsdp.ddp.register``).
 
 [Note: a DDP comm hook over a reduce plan]
 DDP hands a comm hook one flat bucket of gradients at a time and waits, at the end of the
@@ -59,16 +59,14 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from .. import comm as qc
-from ..config import CompressionConfig, IntegerGrads, NonFinite, QuantizedGrads, recipe
-from ..policy import auto
+from ..config import CompressionConfig, NonFinite
 from ..quant import decode, encode
 from ..runtime import NonfiniteCheck
 from ..runtime.widths import WidthController
 
-__all__ = ["DDPCompression", "register"]
+__all__ = ["DDPCompression"]
 
 _MAX_BUCKETS = 4096  # counters kept in the checkpoint (DDP makes one bucket per ~25 MiB)
 
@@ -444,101 +442,3 @@ class _BucketReport:
     def name(self, names: list[str]) -> None:
         more = " ..." if len(names) > 6 else ""
         self.where = f"the DDP bucket holding {names[:6]}{more}"
-
-
-def register(
-    model: DDP,
-    config: CompressionConfig | str,
-    *,
-    error_feedback: bool = False,
-) -> DDPCompression:
-    """Compress ``model``'s gradient all-reduce: installs a DDP comm hook.
-
-    Call it after wrapping the model in ``DistributedDataParallel`` and before the first
-    backward, on every rank. The user's own ``torch.distributed`` calls are untouched.
-
-    Args:
-        model: a ``torch.nn.parallel.DistributedDataParallel`` module.
-        config: a :class:`qsdp.CompressionConfig` or a recipe name: ``"cgx"`` (CGX: two-phase
-            all-reduce, 4-bit min-max, buckets of 1024, stochastic), ``"global-qsgd"`` (integer
-            all-reduce, int8 carrier), ``"qsdp-g8"`` (8-bit min-max two-phase), or ``"bf16"``
-            (uncompressed, counted). Weights must be uncompressed (DDP gathers none).
-        error_feedback: keep what the local quantizer loses and add it to the next step's
-            gradient (quantized gradients only).
-
-    Returns:
-        The hook's :class:`DDPCompression`: its ``stats`` count the bytes; save it with
-        ``torch.distributed.checkpoint`` beside the model (it is a ``Stateful``).
-
-    Raises:
-        TypeError: ``model`` is not a DDP module, ``config`` of the wrong type.
-        ValueError: the config compresses weights, or has two-level gradients (a
-            reduce-scatter; DDP all-reduces), error feedback with integer gradients.
-    """
-    if not isinstance(model, DDP):
-        raise TypeError(
-            f"qsdp.ddp.register needs a DistributedDataParallel module, got "
-            f"{type(model).__name__}; wrap it first: DistributedDataParallel(model)"
-        )
-    decision = None
-    if config == "auto":  # measure, predict, pick: see qsdp.policy.auto
-        decision = _auto(model)
-        name, config = "auto", recipe(decision["recipe"])
-    elif isinstance(config, str):
-        name = config
-        config = recipe(config)
-    elif isinstance(config, CompressionConfig):
-        name = "the config"
-    else:
-        raise TypeError(
-            f"config must be a qsdp.CompressionConfig or a recipe name, got {type(config).__name__}"
-        )
-    if config.own_reduce_group:
-        raise ValueError(
-            "own_reduce_group is for FSDP2 (its reduce-scatters and weight all-gathers share a "
-            "communicator); DDP runs only its gradient all-reduce: drop it"
-        )
-    if config.weights is not None:
-        raise ValueError(
-            f"{name} compresses weights, which DDP does not gather; use a gradient-only recipe "
-            "('cgx', 'qsdp-g8', 'global-qsgd') or CompressionConfig(grads=...)"
-        )
-    if config.grads is not None and not isinstance(config.grads, (QuantizedGrads, IntegerGrads)):
-        raise ValueError(
-            f"{name} has {type(config.grads).__name__}, a reduce-scatter; DDP all-reduces: use "
-            "QuantizedGrads (CGX's two phases) or IntegerGrads (Global-QSGD)"
-        )
-    if error_feedback and not isinstance(config.grads, QuantizedGrads):
-        raise ValueError(
-            "error_feedback=True needs quantized gradients (QuantizedGrads: 'cgx', 'qsdp-g8'); "
-            "Global-QSGD's integer codes are unbiased and carry no local residual"
-        )
-    names = {id(p): n for n, p in model.module.named_parameters()}
-    hook = DDPCompression(
-        config, names=names, group=model.process_group, error_feedback=error_feedback
-    )
-    hook._params = dict(model.module.named_parameters())
-    hook.decision = decision
-    model.register_comm_hook(hook, _ddp_hook)
-    return hook
-
-
-def _auto(model: DDP) -> dict:
-    """``register(model, "auto")``: measure DDP's group and this device's quantizers, predict
-    each recipe's all-reduce per step in DDP's buckets, pick (qsdp.policy.auto)."""
-    params = [p for p in model.module.parameters() if p.requires_grad]
-    numel = sum(p.numel() for p in params)
-    cap = getattr(model, "bucket_bytes_cap", 25 * 2**20)
-    buckets = max(1, -(-numel * 4 // cap))
-    measured = auto.measure(model.process_group, params[0].device)
-    predicted = auto.predict_ddp(numel, measured, buckets=buckets)
-    choice = auto.choose(predicted)
-    if dist.get_rank() == 0:
-        print(auto.report(measured, predicted, choice), flush=True)
-    return {"recipe": choice, "predicted_s": predicted, "measured": measured}
-
-
-def _ddp_hook(state, bucket):  # noqa: ANN001, ANN202 - DDP checks unannotated or exact types
-    """The function DDP calls (it needs a named function); ``state`` is the model's
-    :class:`DDPCompression`."""
-    return state.reduce(bucket)

@@ -31,8 +31,6 @@ from typing import TypeVar
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from .. import quant
 from ..config import (
@@ -44,6 +42,7 @@ from ..config import (
     recipe,
 )
 from ..runtime import StalenessGate
+from .checkpoint import load_checkpoint, save_checkpoint
 from .data import Batches, TokenData
 from .metrics import CONFIG_FILE, MetricsWriter, Progress
 from .model import GPT, PRESETS, ModelConfig
@@ -275,56 +274,10 @@ def _evaluate(par: Parallel, batches: Batches, cfg: TrainConfig, device: torch.d
     return float(total[0] / total[1])
 
 
-def _checkpoint_state(
-    par: Parallel, opt: torch.optim.Optimizer, step: int, gate: tuple[int, int] = (0, 0)
-) -> dict:
-    msd, osd = get_state_dict(par.model, opt)
-    return {
-        "model": msd,
-        "optim": osd,
-        "qsdp": par.state,
-        # the staleness gate: synchronous steps forced so far, whether the next one is
-        "trainer": {"step": torch.tensor(step), "gate": torch.tensor(gate)},
-    }
-
-
 def _bytes_saved(par: Parallel) -> float | None:
     """Adaptive widths: the share of the uniform width's gradient bytes the last plan saves."""
     widths = getattr(par.state, "widths", None)
     return widths.plan.bytes_saved if widths is not None and widths.plan is not None else None
-
-
-def save_checkpoint(
-    out: Path, par: Parallel, opt: torch.optim.Optimizer, step: int, gate: tuple[int, int] = (0, 0)
-) -> Path:
-    path = out / "ckpt" / f"step_{step:07d}"
-    dcp.save(_checkpoint_state(par, opt, step, gate), checkpoint_id=str(path))
-    dist.barrier()
-    if dist.get_rank() == 0:  # the marker goes last: a half-written checkpoint is never loaded
-        tmp = out / "ckpt" / "latest.tmp"
-        tmp.write_text(path.name)
-        tmp.replace(out / "ckpt" / "latest")
-    dist.barrier()
-    return path
-
-
-def load_checkpoint(
-    out: Path, par: Parallel, opt: torch.optim.Optimizer
-) -> tuple[int, tuple[int, int]]:
-    """Load the run's last checkpoint; returns its step and the staleness gate's state (steps
-    it forced to synchronise, whether the next step runs synchronously)."""
-    marker = out / "ckpt" / "latest"
-    if not marker.is_file():
-        raise FileNotFoundError(
-            f"--resume: no finished checkpoint in {out / 'ckpt'} (the file 'latest' is written "
-            "after a save completes); run without --resume to start afresh"
-        )
-    path = out / "ckpt" / marker.read_text().strip()
-    state = _checkpoint_state(par, opt, 0)
-    dcp.load(state, checkpoint_id=str(path))
-    set_state_dict(par.model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    fired, sync_next = state["trainer"]["gate"].tolist()
-    return int(state["trainer"]["step"]), (fired, sync_next)
 
 
 def _write_config(cfg: TrainConfig, out: Path, data: TokenData, device: torch.device) -> None:

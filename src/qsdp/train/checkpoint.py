@@ -1,0 +1,62 @@
+"""``qsdp train``'s checkpoints: ``torch.distributed.checkpoint`` of the model, the optimizer,
+qsdp's collective state (noise counters, reductions in flight, adaptive widths) and the trainer's
+own (step, staleness gate); the ``latest`` marker is written last."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from .parallel import Parallel
+
+__all__ = ["load_checkpoint", "save_checkpoint"]
+
+
+def _checkpoint_state(
+    par: Parallel, opt: torch.optim.Optimizer, step: int, gate: tuple[int, int] = (0, 0)
+) -> dict:
+    msd, osd = get_state_dict(par.model, opt)
+    return {
+        "model": msd,
+        "optim": osd,
+        "qsdp": par.state,
+        # the staleness gate: synchronous steps forced so far, whether the next one is
+        "trainer": {"step": torch.tensor(step), "gate": torch.tensor(gate)},
+    }
+
+
+def save_checkpoint(
+    out: Path, par: Parallel, opt: torch.optim.Optimizer, step: int, gate: tuple[int, int] = (0, 0)
+) -> Path:
+    path = out / "ckpt" / f"step_{step:07d}"
+    dcp.save(_checkpoint_state(par, opt, step, gate), checkpoint_id=str(path))
+    dist.barrier()
+    if dist.get_rank() == 0:  # the marker goes last: a half-written checkpoint is never loaded
+        tmp = out / "ckpt" / "latest.tmp"
+        tmp.write_text(path.name)
+        tmp.replace(out / "ckpt" / "latest")
+    dist.barrier()
+    return path
+
+
+def load_checkpoint(
+    out: Path, par: Parallel, opt: torch.optim.Optimizer
+) -> tuple[int, tuple[int, int]]:
+    """Load the run's last checkpoint; returns its step and the staleness gate's state (steps
+    it forced to synchronise, whether the next step runs synchronously)."""
+    marker = out / "ckpt" / "latest"
+    if not marker.is_file():
+        raise FileNotFoundError(
+            f"--resume: no finished checkpoint in {out / 'ckpt'} (the file 'latest' is written "
+            "after a save completes); run without --resume to start afresh"
+        )
+    path = out / "ckpt" / marker.read_text().strip()
+    state = _checkpoint_state(par, opt, 0)
+    dcp.load(state, checkpoint_id=str(path))
+    set_state_dict(par.model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    fired, sync_next = state["trainer"]["gate"].tolist()
+    return int(state["trainer"]["step"]), (fired, sync_next)

@@ -200,6 +200,9 @@ def _adaptive(rank: int, world: int, data: str, root: str) -> None:
         train_rank(
             _cfg(Path(root) / f"auto-{parallel}", "auto", steps=2, parallel=parallel), d, cpu
         )
+    stop, resume = {"stop_at": 1, "ckpt_every": 0}, {"resume": True, "ckpt_every": 0}
+    for kw in (stop, resume):  # a resumed "auto" run keeps its choice, measures nothing
+        train_rank(_cfg(Path(root) / "auto-resumed", "auto", steps=2, **kw), d, cpu)
 
 
 def test_adaptive_widths_and_auto_in_the_trainer(data_dir, tmp_path):
@@ -209,9 +212,13 @@ def test_adaptive_widths_and_auto_in_the_trainer(data_dir, tmp_path):
     assert saved[0] == "" and all(0 <= float(x) < 1 for x in saved[1:]), saved
     config = json.loads((tmp_path / "adaptive" / "config.json").read_text())
     assert config["adaptive_every"] == 2
-    for parallel in ("fsdp", "ddp", "hsdp"):  # "auto" measured, chose, trained
+    for parallel in ("fsdp", "ddp", "hsdp"):  # "auto" measured, chose, recorded, trained
         rows = _rows(tmp_path / f"auto-{parallel}")
         assert len(rows) == 2 and float(rows[-1]["compression_ratio"]) > 0
+        auto = json.loads((tmp_path / f"auto-{parallel}" / "config.json").read_text())["auto"]
+        assert auto["recipe"] in auto["predicted_s"] and auto["bus_gb_per_s"] > 0
+    resumed = json.loads((tmp_path / "auto-resumed" / "config.json").read_text())["auto"]
+    assert "recipe" in resumed and len(_rows(tmp_path / "auto-resumed")) == 2
 
 
 def test_schedule_warms_up_then_decays_to_the_floor():

@@ -280,9 +280,34 @@ def _bytes_saved(par: Parallel) -> float | None:
     return widths.plan.bytes_saved if widths is not None and widths.plan is not None else None
 
 
-def _write_config(cfg: TrainConfig, out: Path, data: TokenData, device: torch.device) -> None:
+def _write_config(
+    cfg: TrainConfig, out: Path, data: TokenData, device: torch.device, auto: dict | None = None
+) -> None:
     info = run_info(cfg, data, world_size=dist.get_world_size(), device=device)
+    if auto is not None:  # --recipe auto: what it measured, predicted and chose
+        info["auto"] = auto
     (out / CONFIG_FILE).write_text(json.dumps(info, indent=2, default=str))
+
+
+def _choice_record(decision: dict) -> dict:
+    m = decision["measured"]
+    return {
+        "recipe": decision["recipe"],
+        "predicted_s": decision["predicted_s"],
+        "bus_gb_per_s": m.bytes_per_s / 1e9,
+        "latency_us": m.latency_s * 1e6,
+    }
+
+
+def _saved_choice(out: Path) -> dict:
+    """The recipe a resumed ``--recipe auto`` run chose when it started."""
+    saved = json.loads((out / CONFIG_FILE).read_text()).get("auto")
+    if not saved:
+        raise ValueError(
+            f"--resume with --recipe auto: {out / CONFIG_FILE} records no choice (the run was "
+            "started by an older qsdp); resume with the recipe it ran, --recipe NAME"
+        )
+    return saved
 
 
 _REBUILT = {
@@ -337,6 +362,8 @@ def train_rank(cfg: TrainConfig, data: TokenData, device: torch.device) -> dict:
     out = Path(cfg.out)
     mc = cfg.model_config(data.vocab_size)
     batches = Batches(data)
+    compression = cfg.compression()
+    chosen = _saved_choice(out) if cfg.resume and compression == "auto" else None
     par = build(
         mode=cfg.parallel,
         recipe_name=cfg.recipe,
@@ -346,10 +373,14 @@ def train_rank(cfg: TrainConfig, data: TokenData, device: torch.device) -> dict:
         bf16=_bf16_compute(cfg, device),
         two_level=cfg.two_level,
         nodes=cfg.nodes,
-        config=cfg.compression(),
+        # "auto" resumes with the recipe it chose, never a new measurement's
+        config=recipe(chosen["recipe"]) if chosen else compression,
     )
     model = par.model
     config = par.config  # for "auto": the recipe it chose
+    decision = getattr(par.state, "decision", None)
+    if decision is not None:
+        chosen = _choice_record(decision)
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     opt = torch.optim.AdamW(
@@ -361,7 +392,7 @@ def train_rank(cfg: TrainConfig, data: TokenData, device: torch.device) -> dict:
     start, (forced, sync_next) = load_checkpoint(out, par, opt) if cfg.resume else (0, (0, 0))
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
-        _write_config(cfg, out, data, device)
+        _write_config(cfg, out, data, device, auto=chosen)
     dist.barrier()
     compute_bytes = 2 if _bf16_compute(cfg, device) else 4
     (full_ag, full_rs, full_ar), (plain_ag, plain_rs, plain_ar) = par.reference_bytes(

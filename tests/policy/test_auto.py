@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qsdp.policy.auto import Measured, choose, measure, predict_ddp, predict_fsdp
+from qsdp.fsdp.api import auto_config
+from qsdp.policy.auto import Measured, choose, choose_fsdp, measure, predict_ddp, predict_fsdp
 from qsdp.testing import run_distributed
 
 CODEC = {8: 2e-11, 4: 2.5e-11}  # ~50 G elements/s: a GPU's encode + decode
@@ -17,11 +18,19 @@ SOCKET = Measured(latency_s=200e-6, bytes_per_s=3e9, codec_s_per_element=CODEC, 
 
 def test_fast_link_stays_uncompressed_slow_link_compresses():
     fast, slow = predict_fsdp(GPT_1_4B, NVLINK), predict_fsdp(GPT_1_4B, SOCKET)
-    assert choose(fast) == "bf16"
-    assert choose(slow) == "sdp4bit"
-    # the bytes' ratio shows on the slow link: sdp4bit moves ~7x fewer bytes than bf16 there
-    assert slow["bf16"] / slow["sdp4bit"] > 4
-    assert slow["sdp4bit"] < slow["qsdp-w8g8"] < slow["bf16"]
+    assert choose_fsdp(fast) == ("none", "none")
+    assert choose_fsdp(slow) == ("wd4", "g4")  # sdp4bit's two halves
+    # the bytes' ratio shows on the slow link: ~4x fewer gathered, ~7x fewer reduced bytes
+    assert slow["weights"]["none"] / slow["weights"]["wd4"] > 4
+    assert slow["grads"]["none"] / slow["grads"]["g4"] > 4
+    assert slow["grads"]["g4"] < slow["grads"]["g8"] < slow["grads"]["none"]
+
+
+def test_each_collective_is_chosen_apart():
+    # a link fast enough that 8-bit weights pay but 4-bit codecs do not
+    codec = {8: 1e-12, 4: 4e-10}
+    mid = Measured(latency_s=0.0, bytes_per_s=30e9, codec_s_per_element=codec, world=4)
+    assert choose_fsdp(predict_fsdp(GPT_1_4B, mid)) == ("w8", "g8")
 
 
 def test_ddp_picks_cgx_over_sockets_and_nothing_over_nvlink():
@@ -52,9 +61,10 @@ def test_measure_gives_every_rank_the_same_numbers():
 def test_predictions_grow_with_the_world_on_a_ring(world):
     m = Measured(latency_s=0.0, bytes_per_s=1e9, codec_s_per_element=CODEC, world=world)
     p = predict_fsdp([1 << 20], m)
-    # an uncompressed step: 2 bf16 gathers + 1 fp32 reduce-scatter of n * m elements, ring
-    want = (world - 1) / world * world * (1 << 20) * (2 * 2 + 4) / 1e9
-    assert p["bf16"] == pytest.approx(want)
+    # uncompressed: 2 bf16 gathers + 1 fp32 reduce-scatter of n * m elements, on a ring
+    ring = (world - 1) / world * world * (1 << 20) / 1e9
+    assert p["weights"]["none"] == pytest.approx(ring * 2 * 2)
+    assert p["grads"]["none"] == pytest.approx(ring * 4)
 
 
 def _integrations(rank: int, world: int) -> tuple:
@@ -75,8 +85,11 @@ def _integrations(rank: int, world: int) -> tuple:
     qsdp.compress_fsdp(model, "auto")
     state = qsdp.fsdp.comm_state(model)
     choice = state.decision["recipe"]
-    assert state.config == qsdp.recipe(choice)  # what runs is what was chosen
-    assert set(state.decision["predicted_s"]) == {"bf16", "qsdp-w8g8", "sdp4bit", "qsdp-g8", "cgx"}
+    # what runs is what was chosen, per collective
+    assert state.config == qsdp.fsdp.api.auto_config(state.decision)
+    assert set(state.decision["predicted_s"]) == {"weights", "grads"}
+    if (state.decision["weights"], state.decision["grads"]) == ("none", "none"):
+        assert choice == "bf16"
     x, y = batch(rank, 0)
     nn.functional.cross_entropy(model(x), y).backward()  # it trains
     ddp = DDP(classifier())
@@ -117,3 +130,14 @@ def _hsdp(rank: int, world: int) -> str:
 
 def test_auto_for_compressed_hsdp_decides_the_replicate_all_reduce():
     assert len(set(run_distributed(_hsdp, 4))) == 1
+
+
+def test_auto_config_rebuilds_the_named_recipes_from_their_parts():
+    import qsdp
+
+    assert auto_config({"weights": "wd4", "grads": "g4", "recipe": "x"}) == qsdp.recipe("sdp4bit")
+    assert auto_config({"weights": "w8", "grads": "g8", "recipe": "x"}) == qsdp.recipe("qsdp-w8g8")
+    assert auto_config({"weights": "none", "grads": "none", "recipe": "x"}) == qsdp.recipe("bf16")
+    assert auto_config({"recipe": "cgx"}) == qsdp.recipe("cgx")  # DDP, HSDP: a named recipe
+    with pytest.raises(ValueError, match="unknown 'auto' weights option 'w3'"):
+        auto_config({"weights": "w3", "grads": "none", "recipe": "x"})

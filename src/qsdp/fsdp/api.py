@@ -15,6 +15,7 @@ from torch.distributed.tensor import DTensor
 from .. import comm as qc
 from ..comm import CommStats
 from ..config import (
+    RECIPES,
     CompressionConfig,
     IntegerGrads,
     NonFinite,
@@ -37,7 +38,7 @@ from ._state import (
     _Installed,
 )
 
-__all__ = ["compress_fsdp"]
+__all__ = ["auto_config", "compress_fsdp"]
 
 
 # Every FSDPModule that carries qsdp's hooks, so a second compress_fsdp (on the model or on a
@@ -87,7 +88,7 @@ def compress_fsdp(
     decision = None
     if config == "auto":  # measure, predict, pick: see qsdp.policy.auto
         decision = _auto(model, mesh=mesh, replicate=replicate)
-        config = recipe(decision["recipe"])
+        config = auto_config(decision)
     elif isinstance(config, str):
         config = recipe(config)
     elif not isinstance(config, CompressionConfig):
@@ -261,16 +262,44 @@ def _auto(model: nn.Module, *, mesh, replicate) -> dict:
         if layout:
             shards.append(sum(n for _, n, _ in layout))
     device = next(p.to_local().device for p in model.parameters() if isinstance(p, DTensor))
-    if replicate is None:
+    if replicate is None:  # each collective apart: the weights' gathers, the gradients'
         measured = auto.measure(shard, device)
         predicted = auto.predict_fsdp(shards, measured)
+        weights, grads = auto.choose_fsdp(predicted)
+        decision = {"weights": weights, "grads": grads}
+        named = [n for n in RECIPES if recipe(n) == auto_config(decision)]
+        choice = named[0] if named else f"weights={weights}, grads={grads}"
     else:  # one all-reduce of each module's fp32 shard across the nodes
         measured = auto.measure(replicate, device)
         predicted = auto.predict_ddp(sum(shards), measured, buckets=len(shards))
-    choice = auto.choose(predicted)
+        choice = auto.choose(predicted)
+        decision = {}
     if dist.get_rank() == 0:
         print(auto.report(measured, predicted, choice), flush=True)
-    return {"recipe": choice, "predicted_s": predicted, "measured": measured}
+    return decision | {"recipe": choice, "predicted_s": predicted, "measured": measured}
+
+
+# what "auto"'s options are, as the named recipes' sub-configs (one definition of each)
+_AUTO_WEIGHTS = {"none": None, "w8": ("qsdp-w8g8", "weights"), "wd4": ("sdp4bit", "weights")}
+_AUTO_GRADS = {"none": None, "g8": ("qsdp-w8g8", "grads"), "g4": ("sdp4bit", "grads")}
+
+
+def auto_config(decision: dict) -> CompressionConfig:
+    """The config of an ``"auto"`` decision: per collective for FSDP2 (``"weights"`` and
+    ``"grads"`` options), else its named recipe. A resumed run rebuilds it from the record."""
+    if "weights" not in decision:
+        return recipe(decision["recipe"])
+
+    def part(table: dict, key: str, field: str):
+        if key not in table:
+            raise ValueError(f"unknown 'auto' {field} option {key!r}; known: {sorted(table)}")
+        source = table[key]
+        return None if source is None else getattr(recipe(source[0]), source[1])
+
+    return CompressionConfig(
+        weights=part(_AUTO_WEIGHTS, decision["weights"], "weights"),
+        grads=part(_AUTO_GRADS, decision["grads"], "grads"),
+    )
 
 
 def _own_params(module: FSDPModule) -> list[nn.Parameter]:

@@ -10,11 +10,12 @@ quantizer's encode + decode per element at each width on this device. A compress
 costs its payload's wire time plus the encodes and decodes of every element it touches
 (each rank encodes its input and decodes what it receives).
 
-Per training step (FSDP2, every group of ``m`` elements per rank, bf16 compute, fp32 reduce):
-uncompressed ``2 * gather(2 m) + reduce_scatter(4 n m)`` (FSDP2 gathers in the forward and again
-in the backward); ``qsdp-w8g8`` the same with 8-bit payloads plus the codec; ``sdp4bit`` one
-4-bit gather (the backward reuses the reconstruction) and a 4-bit reduce-scatter; ``qsdp-g8`` and
-``cgx`` compress only the gradients. DDP: one all-reduce of the fp32 gradients per step,
+Per training step (FSDP2, every group of ``m`` elements per rank, bf16 compute, fp32 reduce),
+each collective apart, since their times add: the weights uncompressed ``2 * gather(2 m)``
+(FSDP2 gathers in the forward and again in the backward), 8-bit (QSDP, the same two gathers of
+8-bit payloads plus the codec) or 4-bit weight differences (SDP4Bit, one gather: the backward
+reuses the reconstruction); the gradients uncompressed ``reduce_scatter(4 n m)``, 8-bit or 4-bit
+(SDP4Bit's Hadamard-smoothed quantizer). DDP: one all-reduce of the fp32 gradients per step,
 uncompressed or in CGX's two phases (``cgx``, ``qsdp-g8``) or Global-QSGD's int8 all-reduce.
 
 The model leaves out compute and the overlap with it, and the host's time per collective, so it
@@ -36,7 +37,15 @@ import torch.distributed as dist
 
 from ..quant import QuantSpec, decode, encode
 
-__all__ = ["Measured", "choose", "measure", "predict_ddp", "predict_fsdp", "report"]
+__all__ = [
+    "Measured",
+    "choose",
+    "choose_fsdp",
+    "measure",
+    "predict_ddp",
+    "predict_fsdp",
+    "report",
+]
 
 _SPECS = {
     8: QuantSpec(bits=8, group_size=128, scheme="minmax", rounding="stochastic"),
@@ -121,25 +130,35 @@ def _codec(m: Measured, bits: int, elements: float) -> float:
 
 def predict_fsdp(
     shards: Sequence[int], m: Measured, *, compute_bytes: int = 2, reduce_bytes: int = 4
-) -> dict[str, float]:
-    """Predicted communication seconds per step of each option, for FSDP2 groups of
-    ``shards[i]`` elements per rank (see [Note: the cost model])."""
+) -> dict[str, dict[str, float]]:
+    """Predicted communication seconds per step of each option of each FSDP2 collective, for
+    groups of ``shards[i]`` elements per rank (see [Note: the cost model]): the weight
+    all-gathers (``"none"``, ``"w8"``: QSDP's 8-bit weights, gathered twice; ``"wd4"``:
+    SDP4Bit's 4-bit weight differences, gathered once) and the gradient reduce-scatters
+    (``"none"``, ``"g8"``, ``"g4"``). The collectives' times add, so each is chosen alone."""
     n = m.world
     pay = {b: s.payload_bytes for b, s in _SPECS.items()}
-    out = {"bf16": 0.0, "qsdp-w8g8": 0.0, "sdp4bit": 0.0, "qsdp-g8": 0.0, "cgx": 0.0}
+    weights = {"none": 0.0, "w8": 0.0, "wd4": 0.0}
+    grads = {"none": 0.0, "g8": 0.0, "g4": 0.0}
     for k in shards:
-        gather = _wire(m, n * k * compute_bytes)
-        reduce = _wire(m, n * k * reduce_bytes)
-        gather8 = _wire(m, n * pay[8](k)) + _codec(m, 8, n * k)
-        gather4 = _wire(m, n * pay[4](k)) + _codec(m, 4, n * k)
-        reduce8 = _wire(m, n * pay[8](k)) + 2 * _codec(m, 8, n * k)
-        reduce4 = _wire(m, n * pay[4](k)) + 2 * _codec(m, 4, n * k)
-        out["bf16"] += 2 * gather + reduce
-        out["qsdp-w8g8"] += 2 * gather8 + reduce8
-        out["sdp4bit"] += gather4 + reduce4
-        out["qsdp-g8"] += 2 * gather + reduce8
-        out["cgx"] += 2 * gather + reduce4
-    return out
+        weights["none"] += 2 * _wire(m, n * k * compute_bytes)
+        weights["w8"] += 2 * (_wire(m, n * pay[8](k)) + _codec(m, 8, n * k))
+        weights["wd4"] += _wire(m, n * pay[4](k)) + _codec(m, 4, n * k)
+        grads["none"] += _wire(m, n * k * reduce_bytes)
+        grads["g8"] += _wire(m, n * pay[8](k)) + 2 * _codec(m, 8, n * k)
+        grads["g4"] += _wire(m, n * pay[4](k)) + 2 * _codec(m, 4, n * k)
+    return {"weights": weights, "grads": grads}
+
+
+def choose_fsdp(predicted: dict[str, dict[str, float]], *, margin: float = 0.8) -> tuple[str, str]:
+    """(weights, gradients) options, each the fastest of its collective but uncompressed
+    (``"none"``) unless predicted at most ``margin`` of uncompressed."""
+    picked = []
+    for part in ("weights", "grads"):
+        options = predicted[part]
+        best = min(options, key=options.get)
+        picked.append(best if options[best] <= margin * options["none"] else "none")
+    return picked[0], picked[1]
 
 
 def predict_ddp(numel: int, m: Measured, *, buckets: int = 1) -> dict[str, float]:
@@ -163,12 +182,19 @@ def choose(predicted: dict[str, float], *, margin: float = 0.8) -> str:
     return best if predicted[best] <= margin * predicted["bf16"] else "bf16"
 
 
-def report(m: Measured, predicted: dict[str, float], choice: str) -> str:
+def report(m: Measured, predicted: dict, choice: str) -> str:
     """One line of what ``"auto"`` measured, predicted and chose."""
-    options = ", ".join(
-        f"{k} {v * 1e3:.1f} ms" for k, v in sorted(predicted.items(), key=lambda kv: kv[1])
+
+    def ms(options: dict[str, float]) -> str:
+        ranked = sorted(options.items(), key=lambda kv: kv[1])
+        return ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in ranked)
+
+    parts = (
+        "; ".join(f"{part}: {ms(opts)}" for part, opts in predicted.items())
+        if all(isinstance(v, dict) for v in predicted.values())
+        else ms(predicted)
     )
     return (
         f"qsdp auto: {m.world} ranks, link {m.bytes_per_s / 1e9:.2f} GB/s bus, latency "
-        f"{m.latency_s * 1e6:.0f} us; predicted communication per step: {options}; chose {choice}"
+        f"{m.latency_s * 1e6:.0f} us; predicted communication per step: {parts}; chose {choice}"
     )

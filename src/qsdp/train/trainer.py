@@ -41,6 +41,7 @@ from ..config import (
     TwoLevelGrads,
     recipe,
 )
+from ..fsdp.api import auto_config
 from ..runtime import StalenessGate
 from .checkpoint import load_checkpoint, save_checkpoint
 from .data import Batches, TokenData
@@ -291,7 +292,7 @@ def _write_config(
 
 def _choice_record(decision: dict) -> dict:
     m = decision["measured"]
-    return {
+    return {k: decision[k] for k in ("weights", "grads") if k in decision} | {
         "recipe": decision["recipe"],
         "predicted_s": decision["predicted_s"],
         "bus_gb_per_s": m.bytes_per_s / 1e9,
@@ -374,7 +375,7 @@ def train_rank(cfg: TrainConfig, data: TokenData, device: torch.device) -> dict:
         two_level=cfg.two_level,
         nodes=cfg.nodes,
         # "auto" resumes with the recipe it chose, never a new measurement's
-        config=recipe(chosen["recipe"]) if chosen else compression,
+        config=auto_config(chosen) if chosen else compression,
     )
     model = par.model
     config = par.config  # for "auto": the recipe it chose

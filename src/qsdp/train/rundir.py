@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 
 from .data import TokenData
 from .metrics import CONFIG_FILE, METRICS_FILE, TENSORBOARD_DIR, _load_summary_writer
@@ -43,7 +44,15 @@ from .metrics import CONFIG_FILE, METRICS_FILE, TENSORBOARD_DIR, _load_summary_w
 if TYPE_CHECKING:
     from .trainer import TrainConfig
 
-__all__ = ["RESUME_MAY_CHANGE", "RESUME_MUST_MATCH", "run_info", "validate"]
+__all__ = [
+    "RESUME_MAY_CHANGE",
+    "RESUME_MUST_MATCH",
+    "choice_record",
+    "run_info",
+    "saved_choice",
+    "validate",
+    "write_config",
+]
 
 CKPT_DIR = "ckpt"
 RUN_FILES = (CONFIG_FILE, METRICS_FILE, CKPT_DIR, TENSORBOARD_DIR)
@@ -258,3 +267,35 @@ def validate(
     _check_out(out, cfg.resume)
     if cfg.resume:
         _check_resume(out, _settings(cfg, data, world_size), columns)
+
+
+def write_config(
+    cfg: TrainConfig, out: Path, data: TokenData, device: torch.device, auto: dict | None = None
+) -> None:
+    """Write ``OUT/config.json`` (rank 0): :func:`run_info`, and ``auto``'s choice."""
+    info = run_info(cfg, data, world_size=dist.get_world_size(), device=device)
+    if auto is not None:  # --recipe auto: what it measured, predicted and chose
+        info["auto"] = auto
+    (out / CONFIG_FILE).write_text(json.dumps(info, indent=2, default=str))
+
+
+def choice_record(decision: dict) -> dict:
+    """What ``config.json`` keeps of an ``"auto"`` decision (JSON: no measured object)."""
+    m = decision["measured"]
+    return {k: decision[k] for k in ("weights", "grads") if k in decision} | {
+        "recipe": decision["recipe"],
+        "predicted_s": decision["predicted_s"],
+        "bus_gb_per_s": m.bytes_per_s / 1e9,
+        "latency_us": m.latency_s * 1e6,
+    }
+
+
+def saved_choice(out: Path) -> dict:
+    """The recipe a resumed ``--recipe auto`` run chose when it started."""
+    saved = json.loads((out / CONFIG_FILE).read_text()).get("auto")
+    if not saved:
+        raise ValueError(
+            f"--resume with --recipe auto: {out / CONFIG_FILE} records no choice (the run was "
+            "started by an older qsdp); resume with the recipe it ran, --recipe NAME"
+        )
+    return saved

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import math
 import time
 from collections.abc import Callable
@@ -45,10 +44,10 @@ from ..fsdp.api import auto_config
 from ..runtime import StalenessGate
 from .checkpoint import load_checkpoint, save_checkpoint
 from .data import Batches, TokenData
-from .metrics import CONFIG_FILE, MetricsWriter, Progress
+from .metrics import MetricsWriter, Progress
 from .model import GPT, PRESETS, ModelConfig
 from .parallel import MODES, Parallel, build
-from .rundir import run_info, validate
+from .rundir import choice_record, saved_choice, validate, write_config
 
 __all__ = ["COLUMNS", "TrainConfig", "raise_together", "train_rank"]
 
@@ -281,36 +280,6 @@ def _bytes_saved(par: Parallel) -> float | None:
     return widths.plan.bytes_saved if widths is not None and widths.plan is not None else None
 
 
-def _write_config(
-    cfg: TrainConfig, out: Path, data: TokenData, device: torch.device, auto: dict | None = None
-) -> None:
-    info = run_info(cfg, data, world_size=dist.get_world_size(), device=device)
-    if auto is not None:  # --recipe auto: what it measured, predicted and chose
-        info["auto"] = auto
-    (out / CONFIG_FILE).write_text(json.dumps(info, indent=2, default=str))
-
-
-def _choice_record(decision: dict) -> dict:
-    m = decision["measured"]
-    return {k: decision[k] for k in ("weights", "grads") if k in decision} | {
-        "recipe": decision["recipe"],
-        "predicted_s": decision["predicted_s"],
-        "bus_gb_per_s": m.bytes_per_s / 1e9,
-        "latency_us": m.latency_s * 1e6,
-    }
-
-
-def _saved_choice(out: Path) -> dict:
-    """The recipe a resumed ``--recipe auto`` run chose when it started."""
-    saved = json.loads((out / CONFIG_FILE).read_text()).get("auto")
-    if not saved:
-        raise ValueError(
-            f"--resume with --recipe auto: {out / CONFIG_FILE} records no choice (the run was "
-            "started by an older qsdp); resume with the recipe it ran, --recipe NAME"
-        )
-    return saved
-
-
 _REBUILT = {
     t.__name__: t
     for t in (
@@ -364,7 +333,7 @@ def train_rank(cfg: TrainConfig, data: TokenData, device: torch.device) -> dict:
     mc = cfg.model_config(data.vocab_size)
     batches = Batches(data)
     compression = cfg.compression()
-    chosen = _saved_choice(out) if cfg.resume and compression == "auto" else None
+    chosen = saved_choice(out) if cfg.resume and compression == "auto" else None
     par = build(
         mode=cfg.parallel,
         recipe_name=cfg.recipe,
@@ -381,7 +350,7 @@ def train_rank(cfg: TrainConfig, data: TokenData, device: torch.device) -> dict:
     config = par.config  # for "auto": the recipe it chose
     decision = getattr(par.state, "decision", None)
     if decision is not None:
-        chosen = _choice_record(decision)
+        chosen = choice_record(decision)
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     opt = torch.optim.AdamW(
@@ -393,7 +362,7 @@ def train_rank(cfg: TrainConfig, data: TokenData, device: torch.device) -> dict:
     start, (forced, sync_next) = load_checkpoint(out, par, opt) if cfg.resume else (0, (0, 0))
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
-        _write_config(cfg, out, data, device, auto=chosen)
+        write_config(cfg, out, data, device, auto=chosen)
     dist.barrier()
     compute_bytes = 2 if _bf16_compute(cfg, device) else 4
     (full_ag, full_rs, full_ar), (plain_ag, plain_rs, plain_ar) = par.reference_bytes(

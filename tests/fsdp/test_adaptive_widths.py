@@ -127,3 +127,26 @@ def test_bad_adaptive_settings_are_refused():
         AdaptiveWidths(widths=(3, 4))
     with pytest.raises(ValueError, match="every=0 must be a positive int"):
         AdaptiveWidths(every=0)
+
+
+def _nan_at_the_measuring_step(rank: int, world: int) -> tuple:
+    ddp = DDP(classifier(), bucket_cap_mb=0.01)
+    config = qsdp.recipe("cgx", adaptive=ADAPT, nonfinite="zero")
+    hook = qsdp.ddp.register(ddp, config)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=3e-3)
+    for step in range(3):  # step 1 measures; rank `step` has a NaN gradient in it
+        x, y = batch(rank, step)
+        loss = nn.functional.cross_entropy(ddp(x), y)
+        if step == 1 and rank == (world - 1 if world > 1 else 0):
+            loss = loss * float("nan")
+        loss.backward()  # no rank waits alone in the plan's broadcast, none raises
+        opt.step()
+        opt.zero_grad()
+    assert hook.widths.decisions == 1 and hook.zeroed >= 1
+    return tuple(sorted(hook.widths.widths.items()))
+
+
+@pytest.mark.parametrize("world", [1, 3], ids=["rank0-nan", "rank2-nan"])
+def test_a_nan_in_the_measuring_step_neither_hangs_nor_splits_the_plan(world):
+    plans = run_distributed(_nan_at_the_measuring_step, world, pg_timeout_s=30)
+    assert len(set(plans)) == 1

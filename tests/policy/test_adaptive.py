@@ -97,7 +97,7 @@ def _agree(rank: int, world: int) -> tuple[int, ...]:
     # each rank measures its own gradients, so plans differ; rank 0's is applied everywhere
     errors = [{2: 1.0 + rank, 4: 0.5, 8: 0.1}, {2: 9.0, 4: 0.5 + rank, 8: 0.1}]
     nbytes = [{2: 10, 4: 20, 8: 40}, {2: 10, 4: 20, 8: 40}]
-    return agree(choose_widths(errors, nbytes, reference=4))
+    return agree(choose_widths(errors, nbytes, reference=4).widths)
 
 
 def test_every_rank_applies_rank_0s_plan():

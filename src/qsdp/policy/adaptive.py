@@ -197,10 +197,11 @@ def _sample(flat: torch.Tensor, group: int, sample: int) -> torch.Tensor:
     return flat[index[index < flat.numel()]]
 
 
-def agree(plan: WidthPlan, group: dist.ProcessGroup | None = None) -> tuple[int, ...]:
-    """Rank 0's widths on every rank of ``group`` (payload sizes must match on all ranks)."""
+def agree(widths: Sequence[int], group: dist.ProcessGroup | None = None) -> tuple[int, ...]:
+    """Rank 0's ``widths`` on every rank of ``group`` (payload sizes must match on all ranks).
+    Every rank calls it with as many widths (its own plan's, or its current ones)."""
     device = torch.device("cuda", torch.cuda.current_device()) if _nccl(group) else "cpu"
-    widths = torch.tensor(plan.widths, dtype=torch.int32, device=device)
+    widths = torch.tensor(tuple(widths), dtype=torch.int32, device=device)
     src = dist.get_global_rank(group, 0) if group is not None else 0
     dist.broadcast(widths, src=src, group=group)
     return tuple(int(w) for w in widths.tolist())

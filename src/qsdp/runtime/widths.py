@@ -17,6 +17,7 @@ count are part of the integration's checkpoint state (``state_dict``).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -88,14 +89,19 @@ class WidthController:
         self._queued = -1
         if self.measuring() and self._tables:
             keys = sorted(self._tables)
-            plan = choose_widths(
-                [self._tables[k][0] for k in keys],
-                [self._tables[k][1] for k in keys],
-                reference=self.reference,
-            )
-            widths = agree(plan) if dist.is_initialized() else plan.widths
+            errors = [self._tables[k][0] for k in keys]
+            plan = None
+            # a NaN/Inf gradient (judged by the NaN/Inf check) cannot be measured: this rank
+            # keeps its widths, and still takes part in the broadcast, so no rank waits alone
+            if all(math.isfinite(v) for e in errors for v in e.values()):
+                plan = choose_widths(
+                    errors, [self._tables[k][1] for k in keys], reference=self.reference
+                )
+            local = plan.widths if plan else tuple(self.width(k) for k in keys)
+            widths = agree(local) if dist.is_initialized() else local
             self.widths = dict(zip(keys, widths, strict=True))
-            self.plan, self.decisions = plan, self.decisions + 1
+            self.decisions += 1
+            self.plan = plan if plan and widths == plan.widths else self.plan
         self._tables = {}
         self.steps += 1
 

@@ -46,16 +46,6 @@ GPT_125M = PRESETS["gpt-125m"].with_vocab(50257)
 TINY = replace(GPT_125M, n_layer=2, d_model=128, n_head=4, block_size=64, vocab_size=512)
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _compute_sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.current_stream(device).synchronize()
-
-
 def _batches(cfg, n: int, batch: int, device: torch.device, rank: int):
     g = torch.Generator().manual_seed(1234 + rank)  # random data, never zeros
     for _ in range(n):
@@ -109,7 +99,7 @@ def run_variant(name: str, a, cfg, device: torch.device, rank: int) -> dict:
     stale = qsdp_state is not None and qsdp_state.config.staleness
     # a stale step ends when the compute stream is done: its reduction runs on into the next
     # step (that is the point); a synchronous step's compute stream waits for every reduction
-    step_sync = _compute_sync if stale else _sync
+    step_sync = profiling.compute_sync if stale else profiling.sync
     for i, (x, y) in enumerate(_batches(cfg, a.warmup + a.steps, a.batch, device, rank)):
         step_sync(device)  # (a full sync would wait for a stale step's reduction untimed)
         t0 = time.perf_counter()
@@ -125,12 +115,12 @@ def run_variant(name: str, a, cfg, device: torch.device, rank: int) -> dict:
     if a.profile is not None:  # one more step, profiled, after the measured ones
         _profiled_step(name, a, cfg, model, opt, amp, device, rank)
     for x, y in _batches(cfg, 3, a.batch, device, rank + 100):  # the compute bound
-        _sync(device)
+        profiling.sync(device)
         t0 = time.perf_counter()
         with model.no_sync(), amp:
             _, loss = model(x, y)
             loss.backward()
-        _sync(device)
+        profiling.sync(device)
         compute.append(time.perf_counter() - t0)
         opt.zero_grad(set_to_none=True)
     step_bytes = (
@@ -170,11 +160,11 @@ def _step(model, opt, amp, x, y) -> torch.Tensor:
 
 def _profiled_step(name, a, cfg, model, opt, amp, device, rank) -> None:
     (x, y), prof = next(_batches(cfg, 1, a.batch, device, rank + 200)), profiling.profiler(device)
-    _sync(device)
+    profiling.sync(device)
     t0 = time.perf_counter()
     with prof:
         _step(model, opt, amp, x, y)
-        _sync(device)
+        profiling.sync(device)
     if rank == 0:
         profiling.write_profile(
             prof, a.profile / f"ddp_{a.regime}_{name}.txt", time.perf_counter() - t0
@@ -186,12 +176,12 @@ def all_reduce_bandwidth(device: torch.device, mib: int = 256) -> float:
     x = torch.randn(mib * 2**18, device=device)
     for _ in range(2):
         dist.all_reduce(x)
-    _sync(device)
+    profiling.sync(device)
     runs = []
     for _ in range(3):
         t0 = time.perf_counter()
         dist.all_reduce(x)
-        _sync(device)
+        profiling.sync(device)
         runs.append(time.perf_counter() - t0)
     t = torch.tensor([statistics.median(runs)], device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)

@@ -187,7 +187,7 @@ def run_variant(name, c, args, device, recipe, reduce_dtype, compute_dtype) -> t
     stale = state is not None and "+s1" in recipe
     # a stale step ends when the compute stream is done: its reduction runs on into the next
     # step (that is the point), so no full device sync may wait for it, before or after a step
-    step_sync = _compute_sync if stale else _sync
+    step_sync = profiling.compute_sync if stale else profiling.sync
     # extra steps after the measured ones: one profiled (--profile), one whose collectives are
     # read for the wire-alone replay (--bounds)
     bounds = args.bounds and recipe != "compute-alone"  # (no communication to replay)
@@ -246,7 +246,7 @@ def run_variant(name, c, args, device, recipe, reduce_dtype, compute_dtype) -> t
         state.drain()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        _sync(device)
+        profiling.sync(device)
     del model, opt, state
     gc.collect()  # FSDP's module <-> state references form cycles: free them before the next
     if device.type == "cuda":
@@ -258,16 +258,6 @@ def run_variant(name, c, args, device, recipe, reduce_dtype, compute_dtype) -> t
             later = torch.cuda.memory_allocated(device) / 2**30
             print(f"  {name}: {left:.2f} GiB left after del+gc, {later:.2f} GiB 2 s later")
     return [statistics.median(times), statistics.median(cpu_times), losses, peak, start, wire]
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _compute_sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.current_stream(device).synchronize()
 
 
 def _wire_alone(prof, device: torch.device) -> dict:

@@ -1,4 +1,5 @@
-"""One profiled training step's summary, shared by the step benchmarks (``--profile DIR``)."""
+"""What the step benchmarks share: how a step is synchronised for timing, and one profiled
+training step's summary (``--profile DIR``)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,19 @@ import tempfile
 from pathlib import Path
 
 import torch
+
+
+def sync(device: torch.device) -> None:
+    """Wait for everything queued on ``device`` (every stream)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def compute_sync(device: torch.device) -> None:
+    """Wait for the compute stream only: a staleness-1 step ends there, its reduction runs on
+    into the next step (a full sync would wait for it, untimed)."""
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
 
 
 def profiler(device: torch.device):

@@ -7,13 +7,7 @@
 #   HSDP=1 bash benchmarks/run_fsdp_step.sh 2x2
 set -euo pipefail
 cd "$(dirname "$0")/.."
-export PYTHONPATH=src PYTHONUNBUFFERED=1
-# NVLink multicast off in every multi-GPU command: it can take the shared host's GPUs out of service.
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-# Each regime's NCCL variables are set in every process by benchmarks/regimes.py.
-gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1 | tr -c 'A-Za-z0-9\n' '_')
-day=$(date -u +%Y-%m-%d)
-RESULTS_DIR=${RESULTS_DIR:-benchmarks/results}
+source benchmarks/run_env.sh  # PYTHONPATH, GPU safety variables, gpu, day, RESULTS_DIR
 regimes=("$@")
 [ ${#regimes[@]} -gt 0 ] || regimes=(socket nvlink 2x2)
 for regime in "${regimes[@]}"; do

@@ -27,11 +27,10 @@ def _event(ts: int, name: str, seq: int | None, **args) -> dict:
     return {"name": "record_param_comms", "ts": ts, "args": base | args}
 
 
-# what NCCL records for one step of a 2-rank group: an all-gather of a 4-bit payload, the
-# all-to-all of a reduce-scatter with its splits (recorded twice), a flag all-reduce, a barrier
-EVENTS = [
-    _event(
-        30,
+def _all_to_all(ts: int) -> dict:
+    """A reduce-scatter's all-to-all with its splits (NCCL records it twice, same ``Seq``)."""
+    return _event(
+        ts,
         "all_to_allv",
         7,
         dtype="Byte",
@@ -42,7 +41,13 @@ EVENTS = [
             "Out split size": "[5, 5]",
             "Process Group Ranks": "[0, 1]",
         },
-    ),
+    )
+
+
+# what NCCL records for one step of a 2-rank group: an all-gather of a 4-bit payload, the
+# all-to-all of a reduce-scatter with its splits (recorded twice), a flag all-reduce, a barrier
+EVENTS = [
+    _all_to_all(30),
     _event(
         10,
         "_allgather_base",
@@ -50,19 +55,7 @@ EVENTS = [
         dtype="Byte",
         **{"In msg nelems": 6, "Out msg nelems": 12, "Process Group Ranks": "[0, 1]"},
     ),
-    _event(
-        31,
-        "all_to_allv",
-        7,
-        dtype="Byte",
-        **{
-            "In msg nelems": 10,
-            "Out msg nelems": 10,
-            "In split size": "[5, 5]",
-            "Out split size": "[5, 5]",
-            "Process Group Ranks": "[0, 1]",
-        },
-    ),
+    _all_to_all(31),
     _event(
         40,
         "allreduce",

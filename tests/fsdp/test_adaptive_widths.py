@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -16,7 +15,7 @@ import qsdp
 from qsdp.config import AdaptiveWidths
 from qsdp.testing import assert_same_on_all_ranks, run_distributed
 
-from ..models import batch, classifier
+from ..models import batch, classifier, train
 
 ADAPT = AdaptiveWidths(every=3, warmup=1, widths=(2, 4, 8), sample=4096)
 
@@ -28,20 +27,6 @@ def _fsdp(recipe: str, adaptive):
     fully_shard(model)
     qsdp.compress_fsdp(model, qsdp.recipe(recipe, adaptive=adaptive))
     return model
-
-
-def _train(model, rank: int, steps: range) -> float:
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    loss = torch.zeros(())
-    for step in steps:
-        x, y = batch(rank, step)
-        loss = nn.functional.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-    mean = loss.detach().clone()
-    dist.all_reduce(mean)
-    return float(mean) / dist.get_world_size()
 
 
 def _expected_bytes(model, ws: int) -> int:
@@ -61,7 +46,7 @@ def _fsdp_worker(rank: int, world: int) -> dict:
     init_device_mesh("cpu", (world,))
     model = _fsdp("cgx", ADAPT)
     state = qsdp.fsdp.comm_state(model)
-    out = {"adaptive": _train(model, rank, range(25))}
+    out = {"adaptive": train(model, rank, 25)[-1]}
     widths = state.widths
     assert (widths.decisions, widths.steps) == (8, 25), (widths.decisions, widths.steps)
     assert widths.plan.bytes <= widths.plan.reference_bytes
@@ -87,7 +72,7 @@ def _fsdp_worker(rank: int, world: int) -> dict:
     qsdp.fsdp.comm_state(fresh).load_state_dict(saved)
     assert qsdp.fsdp.comm_state(fresh).widths.widths == widths.widths
     assert qsdp.fsdp.comm_state(fresh).widths.steps == 25
-    out["uniform"] = _train(_fsdp("cgx", None), rank, range(25))
+    out["uniform"] = train(_fsdp("cgx", None), rank, 25)[-1]
     return out
 
 
@@ -99,7 +84,7 @@ def test_fsdp_adaptive_widths_agree_apply_resume_and_train():
 def _ddp_worker(rank: int, world: int) -> float:
     ddp = DDP(classifier(), bucket_cap_mb=0.01)  # several buckets
     hook = qsdp.ddp.register(ddp, qsdp.recipe("cgx", adaptive=ADAPT))
-    loss = _train(ddp, rank, range(10))
+    loss = train(ddp, rank, 10)[-1]
     assert hook.widths.decisions == 3 and hook.widths.widths
     for p in ddp.parameters():
         assert_same_on_all_ranks(p.detach())  # one plan: the same bytes and sums everywhere

@@ -62,13 +62,14 @@ def twin_mesh(mesh: DeviceMesh) -> DeviceMesh:
 
 
 class Delay:
-    """One hook's reduction in flight: its result buffer, the input it reads, and (on CUDA)
-    the event that marks its end on the hook's own stream."""
+    """One hook's reduction in flight: its result buffer and (on CUDA) the event that marks
+    its end on the hook's own stream."""
 
     def __init__(self) -> None:
         self.result: torch.Tensor | None = None
         """The last reduction's result, or None: nothing in flight."""
         self._event: torch.cuda.Event | None = None
+        self._event_device: torch.device | None = None
         self._stream: torch.cuda.Stream | None = None
         self.op: str = "avg"
 
@@ -125,7 +126,6 @@ class Pipeline:
         self.applied_nothing = True
         """Whether the last backward's hooks applied no reduction (the first step, or the one
         after a drain): skip that step's ``optimizer.step()``."""
-
         self.synchronous = False
         """Set by ``CommState.synchronous()``: the hooks reduce and apply at once."""
 

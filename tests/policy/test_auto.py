@@ -3,6 +3,8 @@ one (measured numbers injected), and the measurement is the same on every rank."
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -141,3 +143,66 @@ def test_auto_config_rebuilds_the_named_recipes_from_their_parts():
     assert auto_config({"recipe": "cgx"}) == qsdp.recipe("cgx")  # DDP, HSDP: a named recipe
     with pytest.raises(ValueError, match="unknown 'auto' weights option 'w3'"):
         auto_config({"weights": "w3", "grads": "none", "recipe": "x"})
+
+
+def test_two_levels_compress_the_slow_level_and_leave_the_fast_one_to_8_bits():
+    # 2 nodes of 2 GPUs: NVLink inside a node, sockets between; the shard group's gathers run
+    # at its slowest hop's speed
+    inter = Measured(latency_s=200e-6, bytes_per_s=3e9, codec_s_per_element=CODEC, world=2)
+    intra = Measured(latency_s=20e-6, bytes_per_s=300e9, codec_s_per_element=CODEC, world=2)
+    p = predict_fsdp(GPT_1_4B, SOCKET, levels=(inter, intra))
+    assert choose_fsdp(p) == ("wd4", "tl")
+    # between the nodes two levels send a third of one-level 4-bit codes' wire time (half the
+    # elements, over a 2-rank ring instead of 4); the 8-bit codec inside the node costs the rest
+    assert p["grads"]["tl"] < 0.7 * p["grads"]["g4"]
+    # all-slow levels: two levels still send every element at 8 bits, once more: one level wins
+    slow_intra = Measured(latency_s=200e-6, bytes_per_s=3e9, codec_s_per_element=CODEC, world=2)
+    assert choose_fsdp(predict_fsdp(GPT_1_4B, SOCKET, levels=(inter, slow_intra)))[1] == "g4"
+    with pytest.raises(ValueError, match="levels of 2 x 2 ranks do not make the shard group's 8"):
+        predict_fsdp(GPT_1_4B, replace(SOCKET, world=8), levels=(inter, intra))
+
+
+def _two_level_auto(rank: int, world: int, intra_gbps: float) -> tuple:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import qsdp
+    from qsdp.policy import auto
+
+    from ..models import classifier, train
+
+    def fake_measure(group, device, **kw):  # a 2x2 cluster: sockets, NVLink (or not) inside
+        n = torch.distributed.get_world_size(group)
+        inside = sorted(torch.distributed.get_process_group_ranks(group)) in ([0, 1], [2, 3])
+        bw = intra_gbps * 1e9 if inside else 3e9
+        return Measured(latency_s=0.0, bytes_per_s=bw, codec_s_per_element=CODEC, world=n)
+
+    auto.measure = fake_measure
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("inter", "intra"))
+
+    def build(config, mesh):
+        model = classifier()
+        for i in (2, 5):
+            fully_shard(model[i])
+        fully_shard(model)
+        return qsdp.compress_fsdp(model, config, mesh=mesh)
+
+    model = build("auto", mesh)
+    decision = qsdp.fsdp.comm_state(model).decision
+    two = decision["grads"] == "tl"
+    # what runs is the chosen config on the mesh (two levels) or without it (one level)
+    ref = build(auto_config(decision), mesh if two else None)
+    losses, ref_losses = train(model, rank, 3), train(ref, rank, 3)
+    assert losses == ref_losses
+    got, want = qsdp.fsdp_comm_stats(model), qsdp.fsdp_comm_stats(ref)
+    assert got.snapshot() == want.snapshot() and got.total_bytes > 0
+    return decision["weights"], decision["grads"], decision["recipe"]
+
+
+@pytest.mark.parametrize(("intra_gbps", "grads"), [(300.0, "tl"), (3.0, "g4")])
+def test_auto_on_a_two_level_mesh_runs_what_it_chose(intra_gbps, grads):
+    results = run_distributed(_two_level_auto, 4, intra_gbps)
+    assert len(set(results)) == 1
+    weights, chose, name = results[0]
+    assert (weights, chose) == ("wd4", grads)
+    assert name == ("sdp4bit (two levels, 2 x 2)" if grads == "tl" else "sdp4bit")

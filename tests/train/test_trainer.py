@@ -225,6 +225,23 @@ def test_adaptive_widths_and_auto_in_the_trainer(data_dir, tmp_path):
     assert "recipe" in resumed and len(_rows(tmp_path / "auto-resumed")) == 2
 
 
+def _emulated_nodes(rank: int, world: int, data: str, root: str) -> None:
+    d, cpu = open_data(Path(data)), torch.device("cpu")
+    for name, kw in (("flat", {}), ("nodes", {"nodes": 2})):
+        train_rank(_cfg(Path(root) / name, "sdp4bit", steps=2, **kw), d, cpu)
+
+
+def test_nodes_emulate_two_levels_for_fsdp(data_dir, tmp_path):
+    run_distributed(_emulated_nodes, 4, str(data_dir), str(tmp_path), timeout_s=600)
+    rs = {
+        name: int(_rows(tmp_path / name)[-1]["wire_bytes_reduce_scatter"])
+        for name in ("flat", "nodes")
+    }
+    # per piece of L elements on a 2 x 2 mesh, two levels send 2 * L 8-bit codes inside the node
+    # and L / 2 bytes of 4-bit codes between them (2.5 L); one level 3 * L / 2 (plus scales)
+    assert 1.5 < rs["nodes"] / rs["flat"] < 1.8, rs
+
+
 def test_schedule_warms_up_then_decays_to_the_floor():
     cfg = TrainConfig(out="x", steps=100, warmup=10, lr=1e-3, min_lr_ratio=0.1)
     assert lr_at(cfg, 0) == pytest.approx(1e-4) and lr_at(cfg, 9) == pytest.approx(1e-3)
@@ -243,7 +260,8 @@ def test_schedule_warms_up_then_decays_to_the_floor():
         ({"parallel": "ddp", "recipe": "sdp4bit"}, "has two-level gradients"),
         ({"parallel": "ddp", "recipe": "qsdp-w8g8"}, "which DDP does not gather"),
         ({"parallel": "hsdp", "recipe": "tlq-hs-only"}, "has two-level gradients"),
-        ({"nodes": 2}, "--nodes=2 is for --hsdp"),
+        ({"parallel": "ddp", "recipe": "cgx", "nodes": 2}, "--nodes=2 is for --hsdp or FSDP"),
+        ({"nodes": 1}, "--nodes=1 is for --hsdp or FSDP's two-level recipes, and at least 2"),
         ({"parallel": "zero"}, "parallel='zero' must be one of"),
         ({"stale_bound": 0.1}, "--stale-bound=0.1 needs --staleness 1"),
         ({"recipe": "global-qsgd", "adaptive_every": 5}, "adaptive needs quantized gradients"),

@@ -89,6 +89,8 @@ def compress_fsdp(
     if config == "auto":  # measure, predict, pick: see qsdp.policy.auto
         decision = _auto(model, mesh=mesh, replicate=replicate)
         config = auto_config(decision)
+        if decision.get("grads") != "tl":  # the mesh only serves two-level gradients
+            mesh = None
     elif isinstance(config, str):
         config = recipe(config)
     elif not isinstance(config, CompressionConfig):
@@ -239,10 +241,16 @@ def _auto(model: nn.Module, *, mesh, replicate) -> dict:
     replicate group, whose all-reduce is the one to compress; the gathers and reduce-scatters
     inside the node stay FSDP2's own) and this device's quantizers, predict each recipe's
     communication per step, pick (qsdp.policy.auto)."""
-    if mesh is not None:
+    if mesh is not None and replicate is not None:
         raise ValueError(
-            "recipe 'auto' decides over one mesh level (FSDP2) or the replicate level (HSDP) "
-            "so far; name a two-level recipe ('sdp4bit') for a two-level mesh"
+            "recipe 'auto' with replicate= decides the all-reduce across the nodes; the mesh is "
+            "for two-level reduce-scatters over FSDP's shard group: pass one of them"
+        )
+    if mesh is not None and (not isinstance(mesh, DeviceMesh) or mesh.ndim != 2):
+        raise ValueError(
+            f"mesh must be a 2-D DeviceMesh (inter-node, intra-node); got {mesh!r}; build it "
+            "with init_device_mesh(device, (nodes, gpus_per_node), "
+            "mesh_dim_names=('inter', 'intra'))"
         )
     if isinstance(replicate, DeviceMesh):
         replicate = replicate.get_group(0)
@@ -253,6 +261,8 @@ def _auto(model: nn.Module, *, mesh, replicate) -> dict:
         raise ValueError(
             "recipe 'auto' needs modules fully_shard-ed on one mesh dimension (no native HSDP)"
         )
+    if mesh is not None:  # before measuring on it (every rank raises together)
+        _check_mesh_covers(mesh, [shard], modules)
     names = {m: name for name, m in model.named_modules()}
     shards = []
     for m in modules:
@@ -264,11 +274,19 @@ def _auto(model: nn.Module, *, mesh, replicate) -> dict:
     device = next(p.to_local().device for p in model.parameters() if isinstance(p, DTensor))
     if replicate is None:  # each collective apart: the weights' gathers, the gradients'
         measured = auto.measure(shard, device)
-        predicted = auto.predict_fsdp(shards, measured)
+        levels = None
+        if mesh is not None:  # each level apart: the two-level option's two all-to-alls
+            levels = (
+                auto.measure(mesh.get_group(0), device),
+                auto.measure(mesh.get_group(1), device),
+            )
+        predicted = auto.predict_fsdp(shards, measured, levels=levels)
         weights, grads = auto.choose_fsdp(predicted)
         decision = {"weights": weights, "grads": grads}
         named = [n for n in RECIPES if recipe(n) == auto_config(decision)]
         choice = named[0] if named else f"weights={weights}, grads={grads}"
+        if grads == "tl":
+            choice += f" (two levels, {levels[0].world} x {levels[1].world})"
     else:  # one all-reduce of each module's fp32 shard across the nodes
         measured = auto.measure(replicate, device)
         predicted = auto.predict_ddp(sum(shards), measured, buckets=len(shards))
@@ -281,7 +299,13 @@ def _auto(model: nn.Module, *, mesh, replicate) -> dict:
 
 # what "auto"'s options are, as the named recipes' sub-configs (one definition of each)
 _AUTO_WEIGHTS = {"none": None, "w8": ("qsdp-w8g8", "weights"), "wd4": ("sdp4bit", "weights")}
-_AUTO_GRADS = {"none": None, "g8": ("qsdp-w8g8", "grads"), "g4": ("sdp4bit", "grads")}
+# "tl" and "g4" are one config: "tl" keeps compress_fsdp's mesh (two levels), "g4" drops it
+_AUTO_GRADS = {
+    "none": None,
+    "g8": ("qsdp-w8g8", "grads"),
+    "g4": ("sdp4bit", "grads"),
+    "tl": ("sdp4bit", "grads"),
+}
 
 
 def auto_config(decision: dict) -> CompressionConfig:

@@ -15,7 +15,12 @@ each collective apart, since their times add: the weights uncompressed ``2 * gat
 (FSDP2 gathers in the forward and again in the backward), 8-bit (QSDP, the same two gathers of
 8-bit payloads plus the codec) or 4-bit weight differences (SDP4Bit, one gather: the backward
 reuses the reconstruction); the gradients uncompressed ``reduce_scatter(4 n m)``, 8-bit or 4-bit
-(SDP4Bit's Hadamard-smoothed quantizer). DDP: one all-reduce of the fp32 gradients per step,
+(SDP4Bit's Hadamard-smoothed quantizer). On a two-level mesh of ``A`` nodes of ``B`` ranks, whose
+levels are measured apart, the gradients have a fourth option, ``"tl"`` (SDP4Bit's two levels):
+an 8-bit all-to-all of all ``n m`` elements inside the node, then a 4-bit all-to-all of the
+node's partial sums (``n m / B`` elements) between the nodes. The weights' gathers and the
+one-level options run over the whole shard group, whose measured bandwidth is its slowest hop's.
+DDP: one all-reduce of the fp32 gradients per step,
 uncompressed or in CGX's two phases (``cgx``, ``qsdp-g8``) or Global-QSGD's int8 all-reduce.
 
 The model leaves out compute and the overlap with it, and the host's time per collective, so it
@@ -129,14 +134,26 @@ def _codec(m: Measured, bits: int, elements: float) -> float:
 
 
 def predict_fsdp(
-    shards: Sequence[int], m: Measured, *, compute_bytes: int = 2, reduce_bytes: int = 4
+    shards: Sequence[int],
+    m: Measured,
+    *,
+    levels: tuple[Measured, Measured] | None = None,
+    compute_bytes: int = 2,
+    reduce_bytes: int = 4,
 ) -> dict[str, dict[str, float]]:
     """Predicted communication seconds per step of each option of each FSDP2 collective, for
     groups of ``shards[i]`` elements per rank (see [Note: the cost model]): the weight
     all-gathers (``"none"``, ``"w8"``: QSDP's 8-bit weights, gathered twice; ``"wd4"``:
     SDP4Bit's 4-bit weight differences, gathered once) and the gradient reduce-scatters
-    (``"none"``, ``"g8"``, ``"g4"``). The collectives' times add, so each is chosen alone."""
+    (``"none"``, ``"g8"``, ``"g4"``, and with ``levels``, the (inter-node, intra-node) groups of
+    a two-level mesh measured apart, ``"tl"``). ``m`` is the whole shard group's measurement.
+    The collectives' times add, so each is chosen alone."""
     n = m.world
+    if levels is not None and levels[0].world * levels[1].world != n:
+        raise ValueError(
+            f"levels of {levels[0].world} x {levels[1].world} ranks do not make the shard "
+            f"group's {n}: pass the (inter-node, intra-node) groups of the mesh FSDP shards on"
+        )
     pay = {b: s.payload_bytes for b, s in _SPECS.items()}
     weights = {"none": 0.0, "w8": 0.0, "wd4": 0.0}
     grads = {"none": 0.0, "g8": 0.0, "g4": 0.0}
@@ -147,6 +164,15 @@ def predict_fsdp(
         grads["none"] += _wire(m, n * k * reduce_bytes)
         grads["g8"] += _wire(m, n * pay[8](k)) + 2 * _codec(m, 8, n * k)
         grads["g4"] += _wire(m, n * pay[4](k)) + 2 * _codec(m, 4, n * k)
+        if levels is not None:
+            inter, intra = levels
+            node = n * k // intra.world  # the node's partial sums each rank sends on
+            grads["tl"] = grads.get("tl", 0.0) + (
+                _wire(intra, n * pay[8](k))
+                + 2 * _codec(m, 8, n * k)
+                + _wire(inter, pay[4](node))
+                + 2 * _codec(m, 4, node)
+            )
     return {"weights": weights, "grads": grads}
 
 

@@ -70,7 +70,8 @@ def parser() -> argparse.ArgumentParser:
         "--nodes",
         type=int,
         help="--hsdp: nodes (default: torchrun's WORLD_SIZE / LOCAL_WORLD_SIZE, or 2 emulated "
-        "on one machine)",
+        "on one machine); FSDP: the nodes of two-level recipes' and auto's mesh, emulated "
+        "(default: torchrun's)",
     )
     p.add_argument(
         "--staleness",

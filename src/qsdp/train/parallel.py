@@ -6,7 +6,8 @@ The training loop calls ``Parallel.model`` and asks ``Parallel`` for the rest: t
 synchronise runs (``micro_step``), and the uncompressed reference bytes (``reference_bytes``).
 
 - ``fsdp``: every block and the root ``fully_shard``-ed over the world, ``qsdp.compress_fsdp``;
-  two-level recipes get a (nodes, GPUs per node) mesh under torchrun on several nodes.
+  two-level recipes (and ``auto``, which may choose two levels) get a (nodes, GPUs per
+  node) mesh under torchrun on several nodes, or with ``--nodes`` emulated on one host.
 - ``hsdp``: every block and the root ``fully_shard``-ed over the GPUs of a node, and
   ``compress_fsdp(..., replicate=...)`` compresses the all-reduce across the nodes with the
   recipe's gradient config (a gradient-only or weight recipe whose gradients all-reduce: ``cgx``,
@@ -113,12 +114,21 @@ def _nodes(cfg_nodes: int | None, ws: int) -> int:
     return nodes
 
 
-def _mesh(config: CompressionConfig, device: torch.device, use: bool) -> DeviceMesh | None:
-    """The (inter, intra) mesh of a two-level recipe under torchrun on several nodes."""
-    if not config.two_level or not use:
+def _mesh(device: torch.device, use: bool, nodes: int | None) -> DeviceMesh | None:
+    """The (inter, intra) mesh of a two-level recipe (or ``auto``, which may choose two levels):
+    ``nodes`` emulated nodes, else torchrun's under torchrun on several nodes, else None."""
+    if not use:
         return None
     ws = dist.get_world_size()
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", ws))
+    if nodes is not None:
+        if ws % nodes or ws // nodes < 2:
+            raise ValueError(
+                f"--nodes={nodes} over {ws} ranks: two levels need the nodes to divide the ranks "
+                f"with at least 2 ranks per node (e.g. --nodes 2 with 4 ranks)"
+            )
+        local = ws // nodes
+    else:
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", ws))
     if local <= 1 or local >= ws or ws % local:
         return None  # one node (or one GPU per node): every peer is remote or all are local
     return init_device_mesh(device.type, (ws // local, local), mesh_dim_names=("inter", "intra"))
@@ -165,10 +175,10 @@ def build(
     fully_shard(gpt, mesh=shard_mesh, mp_policy=mp)
     if mode == "hsdp":
         compress_fsdp(gpt, config, replicate=replicate)
-    elif config == "auto":
-        compress_fsdp(gpt, config)
+    elif config == "auto":  # it may choose two levels on the mesh
+        compress_fsdp(gpt, config, mesh=_mesh(device, two_level, nodes))
     else:
-        compress_fsdp(gpt, config, mesh=_mesh(config, device, two_level))
+        compress_fsdp(gpt, config, mesh=_mesh(device, two_level and config.two_level, nodes))
     shard = shard_mesh.size() if shard_mesh is not None else ws
     state = comm_state(gpt)
     return Parallel(

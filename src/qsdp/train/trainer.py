@@ -133,7 +133,8 @@ class TrainConfig:
     quantized gradients. The last plan's saving is logged as ``grad_bytes_saved``."""
     nodes: int | None = None
     """``hsdp``: the number of nodes (default: torchrun's ``WORLD_SIZE / LOCAL_WORLD_SIZE``, or 2
-    emulated nodes on one machine)."""
+    emulated nodes on one machine). ``fsdp``: the nodes of two-level recipes' and ``auto``'s
+    (inter, intra) mesh, emulated on one host (default: torchrun's, as ``two_level`` says)."""
     tensorboard: bool | None = None
     progress: bool = True
 
@@ -158,8 +159,10 @@ class TrainConfig:
             raise ValueError(f"--lr must be in (0, 1), got {self.lr}")
         if self.parallel not in MODES:
             raise ValueError(f"parallel={self.parallel!r} must be one of {MODES}")
-        if self.nodes is not None and (self.parallel != "hsdp" or self.nodes < 2):
-            raise ValueError(f"--nodes={self.nodes} is for --hsdp, and at least 2")
+        if self.nodes is not None and (self.parallel == "ddp" or self.nodes < 2):
+            raise ValueError(
+                f"--nodes={self.nodes} is for --hsdp or FSDP's two-level recipes, and at least 2"
+            )
         if self.staleness not in (0, 1):
             raise ValueError(f"--staleness must be 0 or 1, got {self.staleness}")
         if self.stale_bound is not None and (not self.staleness or not self.stale_bound > 0):
@@ -341,7 +344,8 @@ def train_rank(cfg: TrainConfig, data: TokenData, device: torch.device) -> dict:
         device=device,
         seed=cfg.seed,
         bf16=_bf16_compute(cfg, device),
-        two_level=cfg.two_level,
+        # a resumed "auto" that chose one-level 4-bit gradients keeps them one-level
+        two_level=cfg.two_level and (chosen or {}).get("grads") != "g4",
         nodes=cfg.nodes,
         # "auto" resumes with the recipe it chose, never a new measurement's
         config=auto_config(chosen) if chosen else compression,

@@ -89,6 +89,8 @@ def run_variant(name: str, a, cfg, device: torch.device, rank: int) -> dict:
             process_group=None, matrix_approximation_rank=4, start_powerSGD_iter=2
         )
         model.register_comm_hook(hook_state, powerSGD_hook.powerSGD_hook)
+    elif name == "auto":  # measures DDP's group and picks (qsdp.policy.auto)
+        qsdp_state = qsdp.ddp.register(model, "auto")
     elif name != "ddp-fp32":
         recipe, _, stale = name.partition("+s")
         qsdp_state = qsdp.ddp.register(model, qsdp.recipe(recipe, staleness=int(stale or 0)))
@@ -137,14 +139,25 @@ def run_variant(name: str, a, cfg, device: torch.device, rank: int) -> dict:
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
+    decision = getattr(qsdp_state, "decision", None)
     return {
         "variant": name,
+        **({"auto": _choice(decision)} if decision else {}),
         "median_s": float(t[0]),
         "compute_s": float(t[1]),
         "bytes_per_step": step_bytes,
         "peak_gib": peak,
         "loss_first": losses[0],
         "loss_last": losses[-1],
+    }
+
+
+def _choice(decision: dict) -> dict:
+    """What ``auto`` chose and predicted, as JSON."""
+    m = decision["measured"]
+    return {"recipe": decision["recipe"], "predicted_s": decision["predicted_s"]} | {
+        "bus_gb_per_s": round(m.bytes_per_s / 1e9, 3),
+        "latency_us": round(m.latency_s * 1e6, 1),
     }
 
 

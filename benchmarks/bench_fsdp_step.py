@@ -10,7 +10,8 @@ AdamW, every block ``fully_shard``-ed. Variants, side by side in one run on the 
 ``fsdp2-fp32-reduce`` (torchtitan's default), ``fsdp2-bf16-reduce``, and each ``--recipes``
 entry through ``qsdp.compress_fsdp`` (bf16 gradients into the compressed reduce-scatter;
 two-level recipes get the regime's (inter, intra) mesh: 2x2 on ``2x2``, 1x4 on ``nvlink``, none
-on ``socket`` where every GPU is a node).
+on ``socket`` where every GPU is a node). Variant ``auto`` is ``compress_fsdp(model, "auto",
+mesh=...)`` on the same mesh: it measures, chooses and records its choice in its row.
 Rows: median seconds per step, tokens/s, ratio to both baselines, peak memory, first and last
 loss (all variants start from the same weights and see the same batches). ``--device cpu``
 runs a gloo smoke test with a tiny model.
@@ -100,6 +101,8 @@ class Row:
     step_over_bound: float | None = None
     """s_per_step / max(wire_concurrent_s, the compute-alone step)."""
     wire: dict | None = None
+    auto: dict | None = None
+    """Variant ``auto``: what it chose and the communication it predicted per step (s)."""
 
 
 def two_level_mesh(regime: str, device: torch.device):
@@ -146,6 +149,12 @@ def build(
     # NAME+s1: the recipe at staleness 1; NAME+own: its reduce-scatters on their own
     # communicator (CompressionConfig.own_reduce_group)
     name, *options = recipe.split("+")
+    if name == "auto":  # measures the regime's groups and picks (qsdp.policy.auto)
+        if options:
+            raise SystemExit(f"variant {recipe!r}: 'auto' takes no +options")
+        if hsdp is not None:
+            return qsdp.compress_fsdp(model, "auto", replicate=hsdp["replicate"])
+        return qsdp.compress_fsdp(model, "auto", mesh=mesh)
     config = qsdp.recipe(name, staleness=int("s1" in options), own_reduce_group="own" in options)
     if hsdp is not None:
         qsdp.compress_fsdp(model, config, replicate=hsdp["replicate"])
@@ -247,6 +256,7 @@ def run_variant(name, c, args, device, recipe, reduce_dtype, compute_dtype) -> t
         opt.step()
         opt.zero_grad(set_to_none=True)
         profiling.sync(device)
+    decision = _decision(state)
     del model, opt, state
     gc.collect()  # FSDP's module <-> state references form cycles: free them before the next
     if device.type == "cuda":
@@ -257,7 +267,27 @@ def run_variant(name, c, args, device, recipe, reduce_dtype, compute_dtype) -> t
             gc.collect()
             later = torch.cuda.memory_allocated(device) / 2**30
             print(f"  {name}: {left:.2f} GiB left after del+gc, {later:.2f} GiB 2 s later")
-    return [statistics.median(times), statistics.median(cpu_times), losses, peak, start, wire]
+    return [
+        statistics.median(times),
+        statistics.median(cpu_times),
+        losses,
+        peak,
+        start,
+        wire,
+        decision,
+    ]
+
+
+def _decision(state) -> dict | None:
+    """An ``auto`` variant's choice, as JSON."""
+    decision = getattr(state, "decision", None)
+    if decision is None:
+        return None
+    m = decision["measured"]
+    return {k: v for k, v in decision.items() if k != "measured"} | {
+        "bus_gb_per_s": round(m.bytes_per_s / 1e9, 3),
+        "latency_us": round(m.latency_s * 1e6, 1),
+    }
 
 
 def _wire_alone(prof, device: torch.device) -> dict:
@@ -385,7 +415,7 @@ def main() -> None:
     results = {}
     for vname, recipe, reduce_dtype in variants:
         results[vname] = run_variant(vname, c, a, device, recipe, reduce_dtype, compute)
-        wire = results[vname][-1]
+        wire = results[vname][5]
         if wire and dist.get_rank() == 0:  # now: a later variant's failure keeps these
             print(f"  {vname} wire alone: {json.dumps(wire)}", flush=True)
     tokens = a.batch * c.block_size * ws
@@ -394,7 +424,7 @@ def main() -> None:
     base16 = results.get(f"{base}-bf16-reduce", [0.0])[0]
     compute_s = results["compute-alone"][0] if a.bounds else None
     rows = []
-    for v, (t, cpu_t, losses, peak, start, wire) in results.items():
+    for v, (t, cpu_t, losses, peak, start, wire, decision) in results.items():
         serial, both = wire.get("wire_serial_s"), wire.get("wire_concurrent_s")
         bound = max(both, compute_s) if both and compute_s else None
         rows.append(
@@ -415,6 +445,7 @@ def main() -> None:
                 step_over_wire=round(t / serial, 3) if serial else None,
                 step_over_bound=round(t / bound, 3) if bound else None,
                 wire=wire or None,
+                auto=decision,
             )
         )
     if dist.get_rank() == 0:

@@ -275,7 +275,7 @@ def _auto(model: nn.Module, *, mesh, replicate) -> dict:
     if replicate is None:  # each collective apart: the weights' gathers, the gradients'
         measured = auto.measure(shard, device)
         levels = None
-        if mesh is not None:  # each level apart: the two-level option's two all-to-alls
+        if mesh is not None and min(mesh.shape) > 1:  # each level apart: two all-to-alls
             levels = (
                 auto.measure(mesh.get_group(0), device),
                 auto.measure(mesh.get_group(1), device),
@@ -283,6 +283,8 @@ def _auto(model: nn.Module, *, mesh, replicate) -> dict:
         predicted = auto.predict_fsdp(shards, measured, levels=levels)
         weights, grads = auto.choose_fsdp(predicted)
         decision = {"weights": weights, "grads": grads}
+        if levels is not None:
+            decision["levels_gb_per_s"] = [round(v.bytes_per_s / 1e9, 3) for v in levels]
         named = [n for n in RECIPES if recipe(n) == auto_config(decision)]
         choice = named[0] if named else f"weights={weights}, grads={grads}"
         if grads == "tl":

@@ -99,12 +99,12 @@ def measure(
     ``device``. Collective: call on every rank of ``group``; every rank gets the same result."""
     n = dist.get_world_size(group)
     times = []
+    # (torch >= 2.13 deprecates all_gather_into_tensor for all_gather_single)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     for size in sizes:
         inp = torch.zeros(size, dtype=torch.uint8, device=device)
         out = torch.empty(n * size, dtype=torch.uint8, device=device)
-        times.append(
-            _timed(lambda o=out, i=inp: dist.all_gather_into_tensor(o, i, group=group), device)
-        )
+        times.append(_timed(lambda o=out, i=inp: gather(o, i, group=group), device))
     x = torch.randn(codec_elements, device=device)
     codec = [
         _timed(lambda s=s: decode(encode(x, s)), device) / codec_elements for s in _SPECS.values()

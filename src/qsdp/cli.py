@@ -1,4 +1,4 @@
-"""The ``qsdp`` command: ``train``, ``demo``, ``plot`` and ``quant-demo``."""
+"""The ``qsdp`` command: ``train``, ``demo``, ``plot``, ``quant-demo`` and ``prepare-data``."""
 
 from __future__ import annotations
 
@@ -12,6 +12,9 @@ commands:
               table, write summary.json and a plot (qsdp demo -h)
   plot        plot loss and bytes on the wire of training runs into one PNG (qsdp plot -h)
   quant-demo  quantize a small trained transformer's weights and gradients; print error, bytes
+  prepare-data
+              fetch, tokenize and split a built-in corpus ("shakespeare", "debian-docs") once
+              into the data cache; print its directory (qsdp prepare-data -h)
 """
 
 
@@ -40,5 +43,10 @@ def main(argv: list[str] | None = None) -> None:
         from .train.plot import main as plot
 
         plot(rest)
+        return
+    if cmd == "prepare-data":
+        from .train.prepare_cli import main as prepare
+
+        prepare(rest)
         return
     sys.exit(f"qsdp: unknown command {cmd!r}\n{_USAGE}")

@@ -103,9 +103,9 @@ def test_several_models_no_sync_and_user_all_reduce():
     run_distributed(_several, 3)
 
 
-def _nan(rank: int, world: int, mode: str) -> tuple[str, float]:
+def _nan(rank: int, world: int, mode: str, name: str = "cgx") -> tuple[str, float]:
     ddp = DDP(_model(), bucket_cap_mb=0.01)
-    qsdp.ddp.register(ddp, qsdp.recipe("cgx", nonfinite=mode))
+    qsdp.ddp.register(ddp, qsdp.recipe(name, nonfinite=mode))
     x, y = _batch(rank, 0)
     loss = nn.functional.cross_entropy(ddp(x), y)
     if rank == world - 1:
@@ -127,6 +127,9 @@ def test_nan_on_one_rank_same_outcome_everywhere():
     assert max(t for _, t, _ in results) < 5
     zeroed = run_distributed(_nan, 2, "zero", pg_timeout_s=30)
     assert all(v == "ok" and finite for v, _, finite in zeroed)
+    # uncompressed: as DDP's own all-reduce, the NaN reaches every rank in the same sum
+    plain = run_distributed(_nan, 3, "raise", "bf16", pg_timeout_s=30)
+    assert all(v == "ok" and not finite for v, _, finite in plain)
 
 
 def test_register_refuses_bad_input():

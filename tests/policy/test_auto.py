@@ -48,15 +48,23 @@ def test_the_margin_keeps_a_marginal_gain_off():
 
 
 def _measure(rank: int, world: int) -> tuple:
-    m = measure(None, torch.device("cpu"), sizes=(1 << 10, 1 << 16), codec_elements=1 << 14)
-    return m.latency_s, m.bytes_per_s, tuple(sorted(m.codec_s_per_element.items())), m.world
+    m = measure(None, torch.device("cpu"), sizes=(1 << 10, 1 << 16), codec_sizes=(1 << 10, 1 << 14))
+    per_call = tuple(sorted(m.codec_s_per_call.items()))
+    return (
+        m.latency_s,
+        m.bytes_per_s,
+        tuple(sorted(m.codec_s_per_element.items())),
+        m.world,
+        per_call,
+    )
 
 
 def test_measure_gives_every_rank_the_same_numbers():
     results = run_distributed(_measure, 3)
     assert len(set(results)) == 1
-    latency, bandwidth, codec, world = results[0]
+    latency, bandwidth, codec, world, per_call = results[0]
     assert world == 3 and latency >= 0 and bandwidth > 0 and all(t > 0 for _, t in codec)
+    assert [b for b, _ in per_call] == [4, 8] and all(t >= 0 for _, t in per_call)
 
 
 @pytest.mark.parametrize("world", [2, 8])

@@ -28,7 +28,9 @@ def register(
         config: a :class:`qsdp.CompressionConfig` or a recipe name: ``"cgx"`` (CGX: two-phase
             all-reduce, 4-bit min-max, buckets of 1024, stochastic), ``"global-qsgd"`` (integer
             all-reduce, int8 carrier), ``"qsdp-g8"`` (8-bit min-max two-phase), or ``"bf16"``
-            (uncompressed, counted). Weights must be uncompressed (DDP gathers none).
+            (uncompressed, counted; as DDP's own all-reduce, NaN/Inf travel in the sum to every
+            rank), or ``"auto"`` (measured, see ``qsdp.policy.auto``). Weights must be
+            uncompressed (DDP gathers none).
         error_feedback: keep what the local quantizer loses and add it to the next step's
             gradient (quantized gradients only).
 

@@ -35,7 +35,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -69,6 +69,8 @@ class Measured:
     codec_s_per_element: dict[int, float]
     """Encode + decode time per element, by width."""
     world: int
+    codec_s_per_call: dict[int, float] = field(default_factory=dict)
+    """Encode + decode time per call whatever its size (launches), by width; 0 if absent."""
 
 
 def _sync(device: torch.device) -> None:
@@ -93,10 +95,11 @@ def measure(
     device: torch.device,
     *,
     sizes: tuple[int, int] = (1 << 16, 1 << 22),
-    codec_elements: int = 1 << 20,
+    codec_sizes: tuple[int, int] | None = None,
 ) -> Measured:
-    """Fit the link of ``group`` (all-gathers of two per-rank sizes) and time the quantizers on
-    ``device``. Collective: call on every rank of ``group``; every rank gets the same result."""
+    """Fit the link of ``group`` (all-gathers of two per-rank sizes) and the quantizers on
+    ``device`` (encode + decode of two sizes: a cost per call, the launches, and per element).
+    Collective: call on every rank of ``group``; every rank gets the same result."""
     n = dist.get_world_size(group)
     times = []
     # (torch >= 2.13 deprecates all_gather_into_tensor for all_gather_single)
@@ -105,21 +108,31 @@ def measure(
         inp = torch.zeros(size, dtype=torch.uint8, device=device)
         out = torch.empty(n * size, dtype=torch.uint8, device=device)
         times.append(_timed(lambda o=out, i=inp: gather(o, i, group=group), device))
-    x = torch.randn(codec_elements, device=device)
-    codec = [
-        _timed(lambda s=s: decode(encode(x, s)), device) / codec_elements for s in _SPECS.values()
-    ]
+    if codec_sizes is None:  # large enough on a GPU that launches do not hide the slope
+        codec_sizes = (1 << 18, 1 << 24) if device.type == "cuda" else (1 << 12, 1 << 16)
+    codec = []
+    for numel in codec_sizes:
+        x = torch.randn(numel, device=device)
+        codec += [_timed(lambda s=s, x=x: decode(encode(x, s)), device) for s in _SPECS.values()]
+        del x
     agreed = torch.tensor([*times, *codec], dtype=torch.float64, device=device)
     dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)  # the slowest rank's view
     t_small, t_large, *codec = agreed.tolist()
+    k = len(_SPECS)
+    per_element, per_call = {}, {}
+    for i, bits in enumerate(_SPECS):
+        small, large = codec[i], codec[k + i]
+        per_element[bits] = max(large - small, 1e-15) / (codec_sizes[1] - codec_sizes[0])
+        per_call[bits] = max(small - per_element[bits] * codec_sizes[0], 0.0)
     wire = (n - 1) / n * n * (sizes[1] - sizes[0])  # bus bytes between the two sizes
     slope = max(t_large - t_small, 1e-12) / wire
     latency = max(t_small - slope * (n - 1) * sizes[0], 0.0)
     return Measured(
         latency_s=latency,
         bytes_per_s=1 / slope,
-        codec_s_per_element=dict(zip(_SPECS, codec, strict=True)),
+        codec_s_per_element=per_element,
         world=n,
+        codec_s_per_call=per_call,
     )
 
 
@@ -130,7 +143,8 @@ def _wire(m: Measured, total_bytes: float) -> float:
 
 
 def _codec(m: Measured, bits: int, elements: float) -> float:
-    return m.codec_s_per_element[bits] * elements
+    """One encode + decode of ``elements`` (one call each)."""
+    return m.codec_s_per_call.get(bits, 0.0) + m.codec_s_per_element[bits] * elements
 
 
 def predict_fsdp(

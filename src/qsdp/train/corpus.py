@@ -37,7 +37,7 @@ import sys
 import tarfile
 import tempfile
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
@@ -63,6 +63,7 @@ __all__ = [
     "gpt2_ranks",
     "shakespeare_documents",
     "split_documents",
+    "split_names",
     "strip_gutenberg",
 ]
 
@@ -319,10 +320,8 @@ def split_documents(
 ) -> tuple[list[Document], list[Document]]:
     """Split works into train and val, deterministically and by work.
 
-    The rule: order the works by ``sha256("qsdp-split/" + name)``; val is the shortest prefix of
-    that order whose UTF-8 size reaches ``val_fraction`` of the corpus' size; train is the rest.
-    It reads only names and sizes, so it is the same for every tokenizer and every machine, and a
-    work never changes split unless ``val_fraction`` does.
+    The rule (``split_names``) reads only names and UTF-8 sizes, so it is the same for every
+    tokenizer and every machine, and a work never changes split unless ``val_fraction`` does.
 
     Args:
         docs: the works.
@@ -331,21 +330,37 @@ def split_documents(
     Returns:
         ``(train, val)``, each sorted by name.
     """
-    order = sorted(docs, key=lambda d: hashlib.sha256(f"qsdp-split/{d.name}".encode()).digest())
-    sizes = [len(d.text.encode("utf-8")) for d in order]
-    target, taken, n_val = val_fraction * sum(sizes), 0, 0
+    by_name = {d.name: d for d in docs}
+    if len(by_name) != len(docs):
+        raise ValueError("document names must be unique; two documents share a name")
+    train, val = split_names({d.name: len(d.text.encode("utf-8")) for d in docs}, val_fraction)
+    return [by_name[n] for n in train], [by_name[n] for n in val]
+
+
+def split_names(sizes: Mapping[str, int], val_fraction: float) -> tuple[list[str], list[str]]:
+    """Split documents, given by name and size, into train and val names.
+
+    The rule: order the names by ``sha256("qsdp-split/" + name)``; val is the shortest prefix of
+    that order whose total size reaches ``val_fraction`` of the corpus' size; train is the rest.
+
+    Args:
+        sizes: document name -> its size (UTF-8 bytes of its text).
+        val_fraction: the share of text for val, in (0, 1).
+
+    Returns:
+        ``(train, val)`` names, each sorted.
+    """
+    order = sorted(sizes, key=lambda n: hashlib.sha256(f"qsdp-split/{n}".encode()).digest())
+    target, taken, n_val = val_fraction * sum(sizes.values()), 0, 0
     while n_val < len(order) and taken < target:
-        taken += sizes[n_val]
+        taken += sizes[order[n_val]]
         n_val += 1
     if n_val == len(order):
         raise ValueError(
             f"val_fraction={val_fraction} puts all {len(order)} documents in val and none in "
             "train; use a smaller val_fraction"
         )
-    return (
-        sorted(order[n_val:], key=lambda d: d.name),
-        sorted(order[:n_val], key=lambda d: d.name),
-    )
+    return sorted(order[n_val:]), sorted(order[:n_val])
 
 
 # ---------------------------------------------------------------------------------------------

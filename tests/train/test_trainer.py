@@ -335,3 +335,21 @@ def test_accumulation_gathers_per_micro_step_and_reduces_once(data_dir, tmp_path
     assert int(two["wire_bytes_reduce_scatter"]) == int(one["wire_bytes_reduce_scatter"])
     assert int(two["tokens"]) == 2 * int(one["tokens"])
     assert np.isfinite(float(two["loss"]))
+
+
+def test_one_pass_refuses_a_run_longer_than_the_data(data_dir, tmp_path):
+    from qsdp.train.rundir import validate
+
+    data = open_data(data_dir)
+    windows = (data.train.size - 1) // 32
+    fits = windows // (2 * 2)  # micro-batch 2 on 2 ranks
+    ok = _cfg(tmp_path / "a", "bf16", data_order="pass", steps=fits)
+    validate(ok, data, world_size=2, columns=())
+    long = _cfg(tmp_path / "b", "bf16", data_order="pass", steps=fits + 1)
+    with pytest.raises(
+        ValueError, match=f"holds {windows} windows of 32 tokens; pass --steps {fits}"
+    ):
+        validate(long, data, world_size=2, columns=())
+    validate(_cfg(tmp_path / "c", "bf16", steps=fits + 1), data, world_size=2, columns=())
+    with pytest.raises(ValueError, match="--data-order 'epoch' must be one of"):
+        _cfg(tmp_path / "d", "bf16", data_order="epoch")

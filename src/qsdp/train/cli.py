@@ -54,6 +54,13 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--stop-at", type=int, help="stop (with a checkpoint) after this step")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--data-order",
+        choices=["random", "pass"],
+        default="random",
+        help="random: windows drawn anew every step; pass: one pass over the train split, no "
+        "window twice (a run longer than the split is refused)",
+    )
     mode = p.add_mutually_exclusive_group()
     mode.add_argument(
         "--ddp",
@@ -121,6 +128,7 @@ def config_from(args: argparse.Namespace) -> TrainConfig:
         resume=args.resume,
         stop_at=args.stop_at,
         seed=args.seed,
+        data_order=args.data_order,
         parallel="ddp" if args.ddp else "hsdp" if args.hsdp else "fsdp",
         nodes=args.nodes,
         staleness=args.staleness,

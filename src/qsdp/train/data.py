@@ -29,14 +29,13 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
+from .batches import Batches
 from .corpora import get_corpus
 from .corpus import (
     GPT2_RANKS_SHA256,
@@ -59,6 +58,8 @@ from .tokenfiles import read_meta as _read_meta
 from .tokenfiles import write_tokens as _write_tokens
 
 __all__ = ["FORMAT_VERSION", "Batches", "TokenData", "open_data", "prepare_data"]
+
+# (re-exported: the batches of a prepared directory live in batches.py)
 
 _CHUNK = 1 << 24  # tokens per read/write when copying token files
 
@@ -413,94 +414,3 @@ def open_data(path: Path) -> TokenData:
                 f"{meta['splits'][split]['tokens']}; delete {path} and prepare it again"
             )
     return TokenData(train, val, int(meta["vocab_size"]), meta["tokenizer"], meta)
-
-
-def _seed(*parts: object) -> int:
-    # A stable hash (not Python's hash(), which is salted per process) of the draw's identity.
-    digest = hashlib.sha256("/".join(map(str, parts)).encode()).digest()
-    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
-
-
-class Batches:
-    """Deterministic batches of ``(x, y)`` windows, ``y`` being ``x`` shifted by one token.
-
-    Train windows start at offsets drawn from a ``torch.Generator`` seeded by
-    ``(seed, step, micro, rank)`` alone, so a run with the same seed sees the same data in the same
-    order whatever else happens (resume, world size, other RNG use), and ranks differ. Val windows
-    are fixed: ``W = n_batches * world_size * micro_batch`` windows evenly spaced over the val
-    split, window ``j`` in batch ``j // (world_size * micro_batch)`` of rank
-    ``(j // micro_batch) % world_size``; the same for every call.
-    """
-
-    def __init__(self, data: TokenData) -> None:
-        self.data = data
-
-    def train_batch(
-        self,
-        step: int,
-        micro: int,
-        *,
-        rank: int,
-        world_size: int,
-        micro_batch: int,
-        block_size: int,
-        seed: int,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rank ``rank``'s micro-batch ``micro`` of optimizer step ``step``.
-
-        Returns:
-            ``(x, y)``, int64, shape ``[micro_batch, block_size]``.
-        """
-        tokens = self._check("train", rank, world_size, micro_batch, block_size)
-        if step < 0 or micro < 0:
-            raise ValueError(f"step={step} and micro={micro} must be >= 0")
-        gen = torch.Generator().manual_seed(_seed("train", seed, step, micro, rank))
-        starts = torch.randint(tokens.size - block_size, (micro_batch,), generator=gen)
-        return _windows(tokens, starts.tolist(), block_size)
-
-    def val_batches(
-        self, n_batches: int, *, rank: int, world_size: int, micro_batch: int, block_size: int
-    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """Rank ``rank``'s share of the fixed evaluation set: ``n_batches`` batches.
-
-        Returns:
-            An iterator of ``(x, y)``, int64, shape ``[micro_batch, block_size]``.
-        """
-        tokens = self._check("val", rank, world_size, micro_batch, block_size)
-        if n_batches < 1:
-            raise ValueError(f"n_batches={n_batches} must be >= 1")
-        total = n_batches * world_size * micro_batch
-        last = tokens.size - block_size - 1  # the largest valid start
-
-        def batches() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-            for b in range(n_batches):
-                first = (b * world_size + rank) * micro_batch
-                js = range(first, first + micro_batch)
-                starts = [j * last // max(total - 1, 1) for j in js]
-                yield _windows(tokens, starts, block_size)
-
-        return batches()
-
-    def _check(
-        self, split: str, rank: int, world_size: int, micro_batch: int, block_size: int
-    ) -> np.memmap:
-        if not 0 <= rank < world_size:
-            raise ValueError(f"rank={rank} must be in [0, world_size={world_size})")
-        if micro_batch < 1 or block_size < 1:
-            raise ValueError(f"micro_batch={micro_batch} and block_size={block_size} must be >= 1")
-        tokens = getattr(self.data, split)
-        if tokens.size < block_size + 1:
-            raise ValueError(
-                f"the {split} split has {tokens.size} tokens, too short for block_size="
-                f"{block_size}, which needs at least {block_size + 1}; use a smaller block_size "
-                "or more data"
-            )
-        return tokens
-
-
-def _windows(
-    tokens: np.ndarray, starts: list[int], block_size: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    buf = np.stack([tokens[s : s + block_size + 1] for s in starts]).astype(np.int64)
-    xy = torch.from_numpy(buf)
-    return xy[:, :-1].contiguous(), xy[:, 1:].contiguous()

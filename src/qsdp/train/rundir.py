@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from .batches import Batches
 from .data import TokenData
 from .metrics import CONFIG_FILE, METRICS_FILE, TENSORBOARD_DIR, _load_summary_writer
 
@@ -79,6 +80,7 @@ RESUME_MUST_MATCH = (
     "dropout",
     "eval_batches",
     "seed",
+    "data_order",
     "two_level",
     "parallel",
     "nodes",
@@ -254,6 +256,16 @@ def validate(
                 f"the {split} split of {source} has {n} tokens, too short for block_size="
                 f"{block}, which needs at least {block + 1}; pass a smaller --block-size or more "
                 "data"
+            )
+    if cfg.data_order == "pass":  # one pass: the run must fit in the train split
+        windows = Batches(data, order="pass").pass_windows(block)
+        per_step = cfg.grad_accum * world_size * cfg.micro_batch
+        if cfg.steps * per_step > windows:
+            raise ValueError(
+                f"--data-order pass: {cfg.steps} steps of {per_step} windows need "
+                f"{cfg.steps * per_step}, but one pass over the train split of {source} holds "
+                f"{windows} windows of {block} tokens; pass --steps {windows // per_step} or "
+                "less, or --data-order random"
             )
     if cfg.tensorboard:
         try:

@@ -42,8 +42,9 @@ from ..config import (
 )
 from ..fsdp.api import auto_config
 from ..runtime import StalenessGate
+from .batches import DATA_ORDERS, Batches
 from .checkpoint import load_checkpoint, save_checkpoint
-from .data import Batches, TokenData
+from .data import TokenData
 from .metrics import MetricsWriter, Progress
 from .model import GPT, PRESETS, ModelConfig
 from .parallel import MODES, Parallel, build
@@ -111,6 +112,9 @@ class TrainConfig:
     """End this process after this many steps (saving a checkpoint), as an interruption would;
     ``resume`` continues the same run. The schedule still spans ``steps``."""
     seed: int = 0
+    data_order: str = "random"
+    """``random`` (windows drawn anew each step) or ``pass`` (one pass over the train split,
+    no window twice; a run longer than the split is refused): see ``batches.py``."""
     two_level: bool = True
     """Two-level recipes get a (nodes, GPUs per node) mesh under torchrun when both exceed 1."""
     parallel: str = "fsdp"
@@ -157,6 +161,8 @@ class TrainConfig:
             raise ValueError("--block-size must be positive")
         if not 0 < self.lr < 1:
             raise ValueError(f"--lr must be in (0, 1), got {self.lr}")
+        if self.data_order not in DATA_ORDERS:
+            raise ValueError(f"--data-order {self.data_order!r} must be one of {DATA_ORDERS}")
         if self.parallel not in MODES:
             raise ValueError(f"parallel={self.parallel!r} must be one of {MODES}")
         if self.nodes is not None and (self.parallel == "ddp" or self.nodes < 2):
@@ -334,7 +340,7 @@ def train_rank(cfg: TrainConfig, data: TokenData, device: torch.device) -> dict:
     raise_together(lambda: validate(cfg, data, world_size=ws, columns=COLUMNS))
     out = Path(cfg.out)
     mc = cfg.model_config(data.vocab_size)
-    batches = Batches(data)
+    batches = Batches(data, order=cfg.data_order)
     compression = cfg.compression()
     chosen = saved_choice(out) if cfg.resume and compression == "auto" else None
     par = build(
@@ -412,6 +418,7 @@ def train_rank(cfg: TrainConfig, data: TokenData, device: torch.device) -> dict:
                     micro_batch=cfg.micro_batch,
                     block_size=mc.block_size,
                     seed=cfg.seed,
+                    grad_accum=cfg.grad_accum,
                 )
                 synchronous = par.state.synchronous() if sync_step else contextlib.nullcontext()
                 with par.micro_step(micro == cfg.grad_accum - 1), synchronous:

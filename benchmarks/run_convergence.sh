@@ -1,45 +1,54 @@
 #!/usr/bin/env bash
-# The convergence study of the trainer issue on one 4-GPU host: GPT-125M on the Shakespeare
-# corpus with GPT-2 BPE, every recipe with the same seed and data order, all recipes at once,
-# each on 2 GPUs (torchrun, NCCL; one node, so two-level recipes run their 4-bit inter-node
-# quantizer between both ranks). Metrics and configs go to $OUT/<recipe>/. RECIPES="a b" runs
-# a subset.
-#   DATA=path/to/prepared/shakespeare-gpt2 OUT=out bash benchmarks/run_convergence.sh
+# The convergence study on one 4-GPU host: GPT-125M (PRESET) for one pass over the debian-docs
+# corpus (>= 20 M GPT-2 tokens, --data-order pass: no window twice), every run with the same
+# seed, the same data order and the same schedule, one after another, each on all 4 GPUs.
+# FSDP runs shard over the 4 GPUs as 2 emulated nodes of 2 (--nodes 2), so two-level recipes
+# quantize inside a node at 8 bits and between the nodes at 4 bits; the transport is NVLink
+# (the mesh, not the transport, decides what is computed; speed is the step benchmarks' job).
+# DDP runs all-reduce over the 4 GPUs. Metrics and configs go to $OUT/<run>/, logs to
+# $OUT/<run>.log; each run has its own time limit, so one stuck run leaves the others'.
+#   DATA=~/.cache/qsdp/debian-docs-gpt2 OUT=out bash benchmarks/run_convergence.sh
+#   RUNS="bf16 sdp4bit" PRESET=gpt-350m ... runs a subset (names below)
 set -uo pipefail
 cd "$(dirname "$0")/.."
+source benchmarks/run_env.sh  # PYTHONPATH, GPU safety variables, gpu, day
 OUT=${OUT:-out}
-DATA=${DATA:?set DATA to a prepared directory (python -c "from qsdp.train.data import prepare_data; print(prepare_data(None, 'gpt2'))")}
-STEPS=${STEPS:-2000}
-LIMIT_S=${LIMIT_S:-480}
-RUNS=${RUNS:-/tmp/qsdp-study}
-export PYTHONPATH=src PYTHONUNBUFFERED=1
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-read -r -a recipes <<< "${RECIPES:-bf16 w4-direct qwd-only tlq-no-hadamard tlq-hs-only sdp4bit qsdp-w8g8 global-qsgd}"
-pairs=$(( $(nvidia-smi -L | wc -l) / 2 ))
-mkdir -p "$OUT" "$RUNS"
-pids=()
-for i in "${!recipes[@]}"; do
-  r=${recipes[$i]}
-  first=$(( (i % pairs) * 2 ))
-  CUDA_VISIBLE_DEVICES=$first,$((first + 1)) torchrun --nproc-per-node 2 \
-    --master-port $((29600 + i)) -m qsdp.train --out "$RUNS/$r" --recipe "$r" \
-    --preset gpt-125m --data "$DATA" --steps "$STEPS" --micro-batch 4 --block-size 256 \
-    --lr 6e-4 --warmup 100 --dropout 0.1 --eval-every 200 --eval-batches 20 \
-    > "$OUT/$r.log" 2>&1 &
-  pids+=($!)
-done
-start=$(date +%s)
-while [ $(( $(date +%s) - start )) -lt "$LIMIT_S" ]; do
-  alive=0
-  for p in "${pids[@]}"; do kill -0 "$p" 2>/dev/null && alive=1; done
-  [ $alive = 1 ] || break
-  sleep 5
-done
-for p in "${pids[@]}"; do kill -- "$p" 2>/dev/null; done
-pkill -f "qsdp.train" 2>/dev/null
-echo "finished after $(( $(date +%s) - start )) s"
-for r in "${recipes[@]}"; do
+DATA=${DATA:?set DATA to the prepared corpus: qsdp prepare-data --corpus debian-docs}
+PRESET=${PRESET:-gpt-125m}
+MICRO=${MICRO:-8}
+STEPS=${STEPS:-700}  # 700 x 4 GPUs x 8 x 1024 = 22.9 M tokens; the pass holds 713 such steps
+LIMIT_S=${LIMIT_S:-200}
+RUNS_DIR=${RUNS_DIR:-/tmp/qsdp-convergence}
+declare -A ARGS=(
+  [bf16]="--recipe bf16 --nodes 2"
+  [sdp4bit]="--recipe sdp4bit --nodes 2"
+  [qsdp-w8g8]="--recipe qsdp-w8g8 --nodes 2"
+  [global-qsgd]="--recipe global-qsgd --nodes 2"
+  [w4-direct]="--recipe w4-direct --nodes 2"
+  [qwd-only]="--recipe qwd-only --nodes 2"
+  [tlq-hs-only]="--recipe tlq-hs-only --nodes 2"
+  [sdp4bit-s1]="--recipe sdp4bit --nodes 2 --staleness 1"
+  [auto]="--recipe auto --nodes 2"
+  [ddp-bf16]="--ddp --recipe bf16"
+  [ddp-cgx]="--ddp --recipe cgx"
+  [ddp-cgx-adaptive]="--ddp --recipe cgx --adaptive-every 50"
+  [ddp-global-qsgd]="--ddp --recipe global-qsgd"
+)
+read -r -a runs <<< "${RUNS:-bf16 sdp4bit qsdp-w8g8 global-qsgd w4-direct sdp4bit-s1 ddp-cgx ddp-cgx-adaptive auto qwd-only tlq-hs-only ddp-bf16 ddp-global-qsgd}"
+mkdir -p "$OUT" "$RUNS_DIR"
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | head -n 1
+for r in "${runs[@]}"; do
+  [ -n "${ARGS[$r]:-}" ] || { echo "unknown run $r; known: ${!ARGS[*]}"; exit 2; }
+  start=$(date +%s)
+  rm -rf "${RUNS_DIR:?}/$r"
+  # shellcheck disable=SC2086
+  timeout "$LIMIT_S" torchrun --standalone --nproc-per-node 4 -m qsdp.train \
+    --out "$RUNS_DIR/$r" ${ARGS[$r]} --preset "$PRESET" --data "$DATA" --data-order pass \
+    --steps "$STEPS" --micro-batch "$MICRO" --lr 6e-4 --warmup 50 --min-lr-ratio 0.1 \
+    --eval-every 100 --eval-batches 20 --seed 0 --no-progress > "$OUT/$r.log" 2>&1
+  rc=$?
   mkdir -p "$OUT/$r"
-  cp "$RUNS/$r/metrics.csv" "$RUNS/$r/config.json" "$OUT/$r/" 2>/dev/null
-  echo "$r: $(tail -n 1 "$OUT/$r/metrics.csv" 2>/dev/null | cut -d, -f1-4)"
+  cp "$RUNS_DIR/$r/metrics.csv" "$RUNS_DIR/$r/config.json" "$OUT/$r/" 2>/dev/null
+  last_val=$(awk -F, 'NR==1{for(i=1;i<=NF;i++) if($i=="val_loss") c=i} NR>1 && $c!=""{v=$c} END{print v}' "$OUT/$r/metrics.csv" 2>/dev/null)
+  echo "$r: rc $rc, $(( $(date +%s) - start )) s, last val_loss ${last_val:-none}"
 done

@@ -180,10 +180,12 @@ def _two_level_auto(rank: int, world: int, intra_gbps: float) -> tuple:
     from ..models import classifier, train
 
     def fake_measure(group, device, **kw):  # a 2x2 cluster: sockets, NVLink (or not) inside
-        n = torch.distributed.get_world_size(group)
-        inside = sorted(torch.distributed.get_process_group_ranks(group)) in ([0, 1], [2, 3])
-        bw = intra_gbps * 1e9 if inside else 3e9
-        return Measured(latency_s=0.0, bytes_per_s=bw, codec_s_per_element=CODEC, world=n)
+        ranks = sorted(torch.distributed.get_process_group_ranks(group))
+        # each group sees its own link: node 1 is slower inside, one inter pair slower too,
+        # so only an agreement over the whole shard group makes every rank choose alike
+        gbps = {(0, 1): intra_gbps, (2, 3): intra_gbps / 3, (0, 2): 3.0, (1, 3): 2.0}
+        bw = gbps.get(tuple(ranks), 3.0) * 1e9
+        return Measured(latency_s=0.0, bytes_per_s=bw, codec_s_per_element=CODEC, world=len(ranks))
 
     auto.measure = fake_measure
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("inter", "intra"))
@@ -204,13 +206,14 @@ def _two_level_auto(rank: int, world: int, intra_gbps: float) -> tuple:
     assert losses == ref_losses
     got, want = qsdp.fsdp_comm_stats(model), qsdp.fsdp_comm_stats(ref)
     assert got.snapshot() == want.snapshot() and got.total_bytes > 0
-    return decision["weights"], decision["grads"], decision["recipe"]
+    return decision["weights"], decision["grads"], decision["recipe"], *decision["levels_gb_per_s"]
 
 
 @pytest.mark.parametrize(("intra_gbps", "grads"), [(300.0, "tl"), (3.0, "g4")])
 def test_auto_on_a_two_level_mesh_runs_what_it_chose(intra_gbps, grads):
     results = run_distributed(_two_level_auto, 4, intra_gbps)
     assert len(set(results)) == 1
-    weights, chose, name = results[0]
+    weights, chose, name, inter_gbps, intra_gbps = results[0]
     assert (weights, chose) == ("wd4", grads)
+    assert (inter_gbps, intra_gbps) == (2.0, 100.0 if grads == "tl" else 1.0)  # the slowest
     assert name == ("sdp4bit (two levels, 2 x 2)" if grads == "tl" else "sdp4bit")

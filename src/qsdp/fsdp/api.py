@@ -276,10 +276,8 @@ def _auto(model: nn.Module, *, mesh, replicate) -> dict:
         measured = auto.measure(shard, device)
         levels = None
         if mesh is not None and min(mesh.shape) > 1:  # each level apart: two all-to-alls
-            levels = (
-                auto.measure(mesh.get_group(0), device),
-                auto.measure(mesh.get_group(1), device),
-            )
+            inter, intra = (auto.measure(mesh.get_group(d), device) for d in (0, 1))
+            levels = tuple(auto.agree([inter, intra], shard, device))
         predicted = auto.predict_fsdp(shards, measured, levels=levels)
         weights, grads = auto.choose_fsdp(predicted)
         decision = {"weights": weights, "grads": grads}

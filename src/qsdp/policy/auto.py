@@ -44,6 +44,7 @@ from ..quant import QuantSpec, decode, encode
 
 __all__ = [
     "Measured",
+    "agree",
     "choose",
     "choose_fsdp",
     "measure",
@@ -134,6 +135,35 @@ def measure(
         world=n,
         codec_s_per_call=per_call,
     )
+
+
+def agree(
+    measured: Sequence[Measured], group: dist.ProcessGroup | None, device: torch.device
+) -> list[Measured]:
+    """``measured`` made the same on every rank of ``group`` (each number its MAX over the
+    group). Each level of a mesh is measured inside its own groups (node 0's intra-node group,
+    node 1's, ...), which agree only within themselves; the shard group's ranks must predict and
+    choose alike, or their collectives would not match. Collective over ``group``."""
+    bits = list(_SPECS)
+    rows = [
+        [m.latency_s, 1 / m.bytes_per_s]
+        + [m.codec_s_per_element[b] for b in bits]
+        + [m.codec_s_per_call.get(b, 0.0) for b in bits]
+        for m in measured
+    ]
+    t = torch.tensor(rows, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)  # the slowest group's view
+    k = len(bits)
+    return [
+        Measured(
+            latency_s=row[0],
+            bytes_per_s=1 / row[1],
+            codec_s_per_element=dict(zip(bits, row[2 : 2 + k], strict=True)),
+            world=m.world,
+            codec_s_per_call=dict(zip(bits, row[2 + k :], strict=True)),
+        )
+        for m, row in zip(measured, t.tolist(), strict=True)
+    ]
 
 
 def _wire(m: Measured, total_bytes: float) -> float:

@@ -33,6 +33,7 @@ declare -A ARGS=(
   [qwd-only]="--recipe qwd-only --nodes 2"
   [tlq-hs-only]="--recipe tlq-hs-only --nodes 2"
   [sdp4bit-s1]="--recipe sdp4bit --nodes 2 --staleness 1"
+  [bf16-s1]="--recipe bf16 --nodes 2 --staleness 1"
   [auto]="--recipe auto --nodes 2"
   [ddp-bf16]="--ddp --recipe bf16"
   [ddp-cgx]="--ddp --recipe cgx"

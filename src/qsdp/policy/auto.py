@@ -19,7 +19,12 @@ reuses the reconstruction); the gradients uncompressed ``reduce_scatter(4 n m)``
 levels are measured apart, the gradients have a fourth option, ``"tl"`` (SDP4Bit's two levels):
 an 8-bit all-to-all of all ``n m`` elements inside the node, then a 4-bit all-to-all of the
 node's partial sums (``n m / B`` elements) between the nodes. The weights' gathers and the
-one-level options run over the whole shard group, whose measured bandwidth is its slowest hop's.
+uncompressed reduce-scatter are NCCL rings over the whole shard group, predicted from its own
+measurement; the one-level codes' reduce-scatter is an all-to-all, whose bytes to the other
+nodes, ``(A - 1) / A`` of them, cross the measured inter-node level (on 4x H100 in the 2x2
+regime the shard group's ring measured 6.3 GB/s, the inter-node level 2.0 GB/s: the ring's
+figure made one-level 4-bit codes look faster than two levels, 119 against 156 ms, where the
+step measured 0.469 s against 0.379 s; ``benchmarks/results/auto_2026-11-26/run3_h100/``).
 DDP: one all-reduce of the fp32 gradients per step,
 uncompressed or in CGX's two phases (``cgx``, ``qsdp-g8``) or Global-QSGD's int8 all-reduce.
 
@@ -172,6 +177,19 @@ def _wire(m: Measured, total_bytes: float) -> float:
     return m.latency_s + (n - 1) / n * total_bytes / m.bytes_per_s
 
 
+def _all_to_all(levels: tuple[Measured, Measured], total_bytes: float) -> float:
+    """One all-to-all over a two-level mesh of ``A`` nodes of ``B`` ranks, each rank handing
+    over ``total_bytes``: ``(A - 1) B / (A B)`` of them leave the node over the inter-node
+    level, ``(B - 1) / (A B)`` stay inside over the intra-node level (the two in turn)."""
+    inter, intra = levels
+    n = inter.world * intra.world
+    return (
+        inter.latency_s
+        + (n - intra.world) / n * total_bytes / inter.bytes_per_s
+        + (intra.world - 1) / n * total_bytes / intra.bytes_per_s
+    )
+
+
 def _codec(m: Measured, bits: int, elements: float) -> float:
     """One encode + decode of ``elements`` (one call each)."""
     return m.codec_s_per_call.get(bits, 0.0) + m.codec_s_per_element[bits] * elements
@@ -201,13 +219,17 @@ def predict_fsdp(
     pay = {b: s.payload_bytes for b, s in _SPECS.items()}
     weights = {"none": 0.0, "w8": 0.0, "wd4": 0.0}
     grads = {"none": 0.0, "g8": 0.0, "g4": 0.0}
+    # the codes' reduce-scatter is an all-to-all: on a two-level mesh its bytes to other nodes
+    # go over the slow level (a ring's bus bandwidth, measured on the shard group, counts the
+    # fast hops too and would flatter it)
+    exchange = (lambda b: _wire(m, b)) if levels is None else (lambda b: _all_to_all(levels, b))
     for k in shards:
         weights["none"] += 2 * _wire(m, n * k * compute_bytes)
         weights["w8"] += 2 * (_wire(m, n * pay[8](k)) + _codec(m, 8, n * k))
         weights["wd4"] += _wire(m, n * pay[4](k)) + _codec(m, 4, n * k)
-        grads["none"] += _wire(m, n * k * reduce_bytes)
-        grads["g8"] += _wire(m, n * pay[8](k)) + 2 * _codec(m, 8, n * k)
-        grads["g4"] += _wire(m, n * pay[4](k)) + 2 * _codec(m, 4, n * k)
+        grads["none"] += _wire(m, n * k * reduce_bytes)  # NCCL's ring reduce-scatter
+        grads["g8"] += exchange(n * pay[8](k)) + 2 * _codec(m, 8, n * k)
+        grads["g4"] += exchange(n * pay[4](k)) + 2 * _codec(m, 4, n * k)
         if levels is not None:
             inter, intra = levels
             node = n * k // intra.world  # the node's partial sums each rank sends on

@@ -99,6 +99,27 @@ def _several(rank: int, world: int) -> dict:
     return {}
 
 
+def _plain_is_ddps_own(rank: int, world: int) -> None:
+    own, plain = DDP(_model(), bucket_cap_mb=0.01), DDP(_model(), bucket_cap_mb=0.01)
+    hp = qsdp.ddp.register(plain, "bf16")
+    numel = sum(p.numel() for p in plain.parameters())
+    for model in (own, plain):
+        with model.no_sync():  # accumulates locally: nothing sent, nothing counted
+            nn.functional.cross_entropy(model(_batch(rank, 0)[0]), _batch(rank, 0)[1]).backward()
+        assert hp.stats.total_bytes == 0
+        x, y = _batch(rank, 1)
+        nn.functional.cross_entropy(model(x), y).backward()
+    # DDP's own all-reduce, the same bits, counted once per synchronised backward
+    for a, b in zip(own.parameters(), plain.parameters(), strict=True):
+        assert torch.equal(a.grad, b.grad)
+    assert hp.stats.total_bytes == hp.wire_bytes_per_step() == 4 * numel
+    assert hp.stats["all_reduce"].calls == 1
+
+
+def test_uncompressed_is_ddps_own_all_reduce_counted():
+    run_distributed(_plain_is_ddps_own, 3)
+
+
 def test_several_models_no_sync_and_user_all_reduce():
     run_distributed(_several, 3)
 

@@ -96,7 +96,7 @@ class ReducePlan:
 
 @dataclass(frozen=True, kw_only=True)
 class PlainReduce(ReducePlan):
-    """Uncompressed: the backend's own SUM all-reduce, divided first for ``"avg"`` (as DDP's
+    """Uncompressed: the backend's own SUM all-reduce, scaled by 1/n first for ``"avg"`` (as DDP's
     default hook does), counted under ``name``. Every element travels as it is, so a split
     changes nothing and the noise key is unused."""
 
@@ -106,8 +106,8 @@ class PlainReduce(ReducePlan):
     def all_reduce(self, tensor, group, *, op="avg", stats=None, async_op=False, **_):
         op, stats = C.parse_op(op), C.resolve_stats(stats)
         stats.count_call(self.name)
-        if op == "avg":
-            tensor.div_(dist.get_world_size(group))
+        if op == "avg":  # times 1/n, as DDP's own all-reduce scales (the same bits)
+            tensor.mul_(1.0 / dist.get_world_size(group))
 
         def stages() -> C.Stages:
             yield [C.all_reduce(tensor, dist.ReduceOp.SUM, group, stats, self.name)], True

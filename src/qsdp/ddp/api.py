@@ -87,7 +87,12 @@ def register(
     )
     hook._params = dict(model.module.named_parameters())
     hook.decision = decision
-    model.register_comm_hook(hook, _ddp_hook)
+    if (
+        hook._plain
+    ):  # uncompressed: DDP's own all-reduce, counted (see [Note: the hook's own stream])
+        hook.count_native(model)
+    else:
+        model.register_comm_hook(hook, _ddp_hook)
     return hook
 
 

@@ -33,11 +33,13 @@ the step). So on CUDA the hook runs the plan on a stream of its own, which first
 compute stream (the bucket is complete there); the compute stream meets the result only through
 the returned future, which DDP waits on when the backward ends, as for its own all-reduce.
 
-Uncompressed and synchronous (recipe ``"bf16"``, or what ``"auto"`` picks on a fast link), the
-bucket's one all-reduce has no dependent stage: it runs on the compute stream as DDP's own does,
-and NaN/Inf travel in it as they are (every rank receives the same sum, as with DDP's own
-all-reduce and native HSDP). The own stream and the flag cost 5 ms of a 31 ms GPT-125M step over
-NVLink on 4x H200 (``benchmarks/results/auto_2026-11-26/``).
+Uncompressed and synchronous (recipe ``"bf16"``, or what ``"auto"`` picks on a fast link), there
+is nothing for a hook to do that DDP's own all-reduce does not: :func:`qsdp.ddp.register`
+installs no comm hook, and NaN/Inf travel in the sum as they are (every rank receives the same,
+as with native HSDP). :meth:`DDPCompression.count_native` counts its bytes, once per synchronised
+backward. Measured on 4x H200 over NVLink (GPT-125M, 31 ms steps,
+``benchmarks/results/auto_2026-11-26/``): the hook on its own stream with the flag cost 5 ms
+per step, on the compute stream without the flag still 2 ms (a Python call per bucket).
 
 [Note: staleness 1]
 With ``CompressionConfig.staleness=1`` step ``t`` applies the reduced gradient of step ``t - 1``
@@ -106,6 +108,8 @@ class DDPCompression:
         self._splits: dict[tuple, qc.Split | None] = {}
         self._buckets: dict[int, tuple[int, int, qc.Split | None]] = {}
         self._residuals: dict[str, torch.Tensor] = {}
+        self._native: int | None = None
+        """Uncompressed: the bytes of DDP's own all-reduce per step (see :meth:`count_native`)."""
         self._plain = config.grads is None and not config.staleness and not error_feedback
         """Uncompressed and synchronous: as DDP's own all-reduce (see [Note: the hook's own
         stream])."""
@@ -361,9 +365,26 @@ class DDPCompression:
             offset += view.numel()
 
     # --- reports and checkpoints ------------------------------------------------------------
+    def count_native(self, model: nn.Module) -> None:
+        """Count DDP's own all-reduce of ``model`` (no comm hook: see [Note: the hook's own
+        stream]): every parameter's gradient, once per backward that synchronises, counted
+        when the first parameter's gradient is accumulated (one Python call per backward)."""
+        params = [p for p in model.module.parameters() if p.requires_grad]
+        self._native = sum(p.numel() * p.element_size() for p in params)
+        name = self.plan.name
+
+        def count(_: torch.Tensor) -> None:
+            if model.require_backward_grad_sync:  # not inside no_sync()
+                self.stats.count_call(name)
+                self.stats.add_bytes(name, self._native)
+
+        params[-1].register_post_accumulate_grad_hook(count)  # (DDP's first bucket holds it)
+
     def wire_bytes_per_step(self) -> int:
         """Bytes one step hands to ``torch.distributed`` by the ``*_wire_bytes`` rules, for the
         buckets of the latest step (DDP rebuilds them after the first)."""
+        if self._native is not None:
+            return self._native
         world = dist.get_world_size(self.group)
         return sum(
             self._plan_for(index).all_reduce_wire_bytes(

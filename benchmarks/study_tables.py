@@ -1,0 +1,136 @@
+"""Generated tables of the convergence study and of recipe ``auto`` (used by summarize.py).
+
+Each reads committed results only: a convergence run is a directory holding the trainer's
+``metrics.csv`` and ``config.json``; an ``auto`` matrix is bench_fsdp_step.py's and
+bench_ddp_step.py's JSON, whose ``auto`` row records what it measured and chose.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+#: SDP4Bit (Jia et al., 2024) Table 1, GPT-125M, 80k steps on the Pile: final validation loss.
+SDP4BIT_TABLE1_125M = {
+    "bf16": 2.2939,
+    "w4-direct": 2.5731,
+    "qwd-only": 2.2927,
+    "sdp4bit": 2.2959,
+}
+
+
+def _run(path: Path) -> dict:
+    rows = list(csv.DictReader(open(path / "metrics.csv")))
+    config = json.loads((path / "config.json").read_text())
+    vals = [r for r in rows if r["val_loss"]]
+    return {
+        "name": path.name,
+        "config": config,
+        "val": float(vals[-1]["val_loss"]),
+        "val_step": int(vals[-1]["step"]),
+        "tokens": int(rows[-1]["tokens"]),
+        "steps": len(rows),
+        "wire": sum(float(r["wire_bytes"]) for r in rows),
+        "step_s": sorted(float(r["step_s"]) for r in rows[1:])[(len(rows) - 1) // 2],
+        "saved": next((r["grad_bytes_saved"] for r in reversed(rows) if r["grad_bytes_saved"]), ""),
+    }
+
+
+def _what(c: dict) -> str:
+    parts = [c["parallel"].upper() if c["parallel"] != "fsdp" else "FSDP2"]
+    if c.get("nodes"):
+        parts.append(f"{c['nodes']} nodes")
+    if c.get("staleness"):
+        parts.append(f"staleness {c['staleness']}")
+    if c.get("adaptive_every"):
+        parts.append(f"adaptive every {c['adaptive_every']}")
+    if c.get("seed"):
+        parts.append(f"seed {c['seed']}")
+    return ", ".join(parts)
+
+
+def convergence_table(root: Path) -> str:
+    """Final validation loss of every run under ``root`` against the uncompressed run of its
+    kind (FSDP2 runs against ``bf16``, DDP runs against ``ddp-bf16``), with the bytes on the
+    wire over the whole run against that run's."""
+    runs = {p.name: _run(p) for p in sorted(root.iterdir()) if (p / "metrics.csv").exists()}
+    first = runs["bf16"]["config"]
+    out = [
+        f"GPT-125M, one pass over `debian-docs` ({runs['bf16']['tokens'] / 1e6:.1f} M train "
+        f"tokens, `--data-order pass`), {runs['bf16']['steps']} steps of 4 GPUs x "
+        f"{first['micro_batch']} x {first['block_size']} tokens, AdamW {first['lr']:g} after "
+        f"{first['warmup']} warm-up steps, cosine to {first['min_lr_ratio']:g}x; validation on "
+        f"held-out pages ({first['eval_batches']} batches per rank, 655 K tokens) at the last "
+        "step; every run the same seed, data order and initial weights unless it says. FSDP2 "
+        "runs shard over 2 emulated nodes of 2 GPUs (`--nodes 2`); the transport is NVLink. "
+        "`vs base`: against `bf16` (FSDP2) or `ddp-bf16` (DDP); `bytes`: all bytes the run "
+        "handed to NCCL over the base run's; `s/step`: median, NVLink, not a speed figure.\n",
+        "| run | what | device | final val loss | vs base | bytes | s/step |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, r in runs.items():
+        base = runs["ddp-bf16" if r["config"]["parallel"] == "ddp" else "bf16"]
+        rel = "" if r is base else f"{(r['val'] / base['val'] - 1) * 100:+.2f}%"
+        device = r["config"].get("device", "?").replace("NVIDIA ", "").replace(" 80GB HBM3", "")
+        out.append(
+            f"| `{name}` | {_what(r['config'])} | {device} | {r['val']:.4f} | {rel} | "
+            f"{r['wire'] / base['wire']:.2f}x | {r['step_s']:.3f} |"
+        )
+    return "\n".join(out)
+
+
+def sdp4bit_table(root: Path) -> str:
+    """Ours beside SDP4Bit's Table 1 (125M): relative final validation loss."""
+    runs = {p.name: _run(p) for p in sorted(root.iterdir()) if (p / "metrics.csv").exists()}
+    paper, base = SDP4BIT_TABLE1_125M, runs["bf16"]["val"]
+    out = [
+        "| recipe | SDP4Bit paper, 125M, 80k steps | vs baseline | qsdp, 125M, 356 steps "
+        "(23.3 M tokens) | vs bf16 |",
+        "|---|---|---|---|---|",
+    ]
+    for name, loss in paper.items():
+        ours = runs.get(name)
+        cells = (
+            f"{ours['val']:.4f} | {(ours['val'] / base - 1) * 100:+.2f}%" if ours else "not run |"
+        )
+        rel = "" if name == "bf16" else f"{(loss / paper['bf16'] - 1) * 100:+.2f}%"
+        out.append(f"| `{name}` | {loss:.4f} | {rel} | {cells} |")
+    return "\n".join(out)
+
+
+def auto_table(paths: list[Path]) -> str:
+    """Each regime's ``auto`` row beside the baseline and the hand-picked recipes of its run."""
+    out = [
+        "| run | regime | device | baseline s/step | auto chose | auto s/step | best "
+        "hand-picked | its s/step | auto vs baseline | auto vs best |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for p in paths:
+        d = json.loads(p.read_text())
+        key = "s_per_step" if "s_per_step" in d["rows"][0] else "median_s"
+        by = {r["variant"]: r for r in d["rows"]}
+        if "auto" not in by:
+            continue
+        base_name = next(
+            b
+            for b in ("fsdp2-bf16-reduce", "bf16_compress_hook", "ddp-fp32")
+            if b in by
+        )
+        picks = {
+            v: r[key]
+            for v, r in by.items()
+            if v not in ("auto", base_name, "fsdp2-fp32-reduce", "ddp-fp32", "compute-alone")
+        }
+        picks[base_name] = by[base_name][key]
+        best = min(picks, key=picks.get)
+        auto = by["auto"]
+        chose = auto["auto"]["recipe"]
+        device = d["device"].replace("NVIDIA ", "").replace(" 80GB HBM3", "")
+        out.append(
+            f"| {p.parent.name} | {d['regime']} | {device} | {base_name} "
+            f"{by[base_name][key]:.3f} | `{chose}` | {auto[key]:.3f} | `{best}` | "
+            f"{picks[best]:.3f} | x{by[base_name][key] / auto[key]:.2f} | "
+            f"x{picks[best] / auto[key]:.2f} |"
+        )
+    return "\n".join(out)

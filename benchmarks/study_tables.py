@@ -113,9 +113,7 @@ def auto_table(paths: list[Path]) -> str:
         if "auto" not in by:
             continue
         base_name = next(
-            b
-            for b in ("fsdp2-bf16-reduce", "bf16_compress_hook", "ddp-fp32")
-            if b in by
+            b for b in ("fsdp2-bf16-reduce", "bf16_compress_hook", "ddp-fp32") if b in by
         )
         picks = {
             v: r[key]

@@ -18,6 +18,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
+sys.path.insert(0, str(RESULTS.parent))  # the study's tables, beside this script
+import study_tables  # noqa: E402
+
+CONVERGENCE = RESULTS / "convergence_debian_docs_2026-11-26" / "lr3e-4"
+AUTO = RESULTS / "auto_2026-11-26"
 
 
 def quant_table(path: Path) -> str:
@@ -426,6 +431,9 @@ def tables() -> dict[str, Callable[[], str]]:
         "staleness-ddp": lambda: ddp_table(
             [STALENESS / "ddp_staleness_socket_ws4_NVIDIA_H200.json"]
         ),
+        "convergence": lambda: study_tables.convergence_table(CONVERGENCE),
+        "sdp4bit-table1": lambda: study_tables.sdp4bit_table(CONVERGENCE),
+        "auto": lambda: study_tables.auto_table(sorted(AUTO.glob("*/*.json"))),
     }
     for size, dtype in ((1024, "bfloat16"), (256, "bfloat16"), (1024, "float32")):
         out[f"collectives-{size}-{dtype}"] = lambda size=size, dtype=dtype: collectives_table(

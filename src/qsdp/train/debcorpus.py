@@ -32,7 +32,7 @@ from typing import IO, Any
 
 import numpy as np
 
-from .corpus import GPT2_RANKS_SHA256, WHISPER, Tokenizer, get_tokenizer, split_names
+from .corpus import GPT2_RANKS_SHA256, Tokenizer, get_tokenizer, split_names, tokenizer_fields
 from .debdocs import DebPackage, PageText, debian_mirror, fetch_deb, package_pages
 from .tokenfiles import DTYPE, is_prepared, tmp_name, write_tokens
 from .tokenfiles import commit as commit_meta
@@ -268,16 +268,11 @@ def prepare_deb_corpus(
             "documents": [{"name": x, "tokens": where[x][2] + 1} for x in names],
         }
 
-    extra = {}
-    if tok_name == "gpt2":
-        extra["tokenizer_source"] = {"package": WHISPER.requirement, "sha256": GPT2_RANKS_SHA256}
     done = commit_meta(
         out,
         key,
         splits,
-        tokenizer=tok_name,
-        vocab_size=tok.vocab_size,
-        eot=tok.eot,
+        **tokenizer_fields(tok),
         source={
             "kind": "debian-docs",
             "corpus": corpus.name,
@@ -303,6 +298,5 @@ def prepare_deb_corpus(
         split_rule="by page: sha256('qsdp-split/'+package/path) order, val = shortest prefix "
         "reaching val_fraction of the UTF-8 text",
         val_fraction=vf,
-        **extra,
     )
     return done

@@ -11,6 +11,12 @@ from qsdp.train.demo import main as demo
 TEXT = "Shall I compare thee to a summer's day? Thou art more lovely and more temperate. " * 300
 
 
+@pytest.fixture(autouse=True)
+def _own_cache(tmp_path, monkeypatch):
+    # the prepared token files go to the test's folder, not the user's data cache
+    monkeypatch.setenv("QSDP_DATA_DIR", str(tmp_path / "cache"))
+
+
 def test_demo_writes_the_table_summary_and_plot(tmp_path, capsys):
     (tmp_path / "sonnet.txt").write_text(TEXT)
     out = tmp_path / "demo"

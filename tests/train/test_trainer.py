@@ -246,6 +246,26 @@ def test_staleness_counts_the_uncompressed_reduction_once(data_dir, tmp_path):
     assert sync == stale and int(sync[1]) > 0  # the stale hook's count, not twice
 
 
+def _stale_after(rank: int, world: int, data: str, root: str) -> None:
+    d, cpu = open_data(Path(data)), torch.device("cpu")
+    for parallel, recipe in (("fsdp", "sdp4bit"), ("ddp", "cgx")):
+        for name, kw in (("sync", {}), ("late", {"staleness": 1, "stale_after": 3})):
+            cfg = _cfg(Path(root) / f"{parallel}-{name}", recipe, steps=5, parallel=parallel)
+            train_rank(replace(cfg, **kw), d, cpu)
+
+
+def test_stale_after_runs_the_first_steps_synchronously(data_dir, tmp_path):
+    run_distributed(_stale_after, 2, str(data_dir), str(tmp_path), timeout_s=600)
+    for parallel in ("fsdp", "ddp"):
+        sync, late = (
+            [float(r["loss"]) for r in _rows(tmp_path / f"{parallel}-{n}")]
+            for n in ("sync", "late")
+        )
+        # steps 0-2 reduce and apply at once: the same bits as staleness 0; step 3 is the first
+        # stale one (it applies nothing, so step 4 starts from where step 3 did)
+        assert late[:4] == sync[:4] and late[4] != sync[4], (parallel, sync, late)
+
+
 def test_nodes_emulate_two_levels_for_fsdp(data_dir, tmp_path):
     run_distributed(_emulated_nodes, 4, str(data_dir), str(tmp_path), timeout_s=600)
     rs = {
@@ -283,6 +303,8 @@ def test_schedule_warms_up_then_decays_to_the_floor():
         ({"recipe": "cgx", "adaptive_every": 0}, "--adaptive-every must be positive"),
         ({"recipe": "auto", "staleness": 1}, "--recipe auto picks a recipe"),
         ({"staleness": 1, "stale_bound": -1.0}, "a positive bound"),
+        ({"stale_after": 5}, "--stale-after=5 needs --staleness 1"),
+        ({"staleness": 1, "stale_after": 200}, "a step in (0, --steps)"),
         ({"staleness": 2, "parallel": "ddp", "recipe": "cgx"}, "--staleness must be 0 or 1"),
     ],
 )

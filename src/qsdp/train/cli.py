@@ -88,6 +88,13 @@ def parser() -> argparse.ArgumentParser:
         help="1: apply each step's gradient one step late, its reduction overlapping the next step",
     )
     p.add_argument(
+        "--stale-after",
+        type=int,
+        default=0,
+        help="--staleness 1 from this step on; the steps before are synchronous (the delay "
+        "costs most early in training)",
+    )
+    p.add_argument(
         "--stale-bound",
         type=float,
         help="--staleness 1: force a synchronous step when lr * (clipped) gradient norm of the "
@@ -132,6 +139,7 @@ def config_from(args: argparse.Namespace) -> TrainConfig:
         parallel="ddp" if args.ddp else "hsdp" if args.hsdp else "fsdp",
         nodes=args.nodes,
         staleness=args.staleness,
+        stale_after=args.stale_after,
         stale_bound=args.stale_bound,
         adaptive_every=args.adaptive_every,
         tensorboard=args.tensorboard,

@@ -85,6 +85,7 @@ RESUME_MUST_MATCH = (
     "parallel",
     "nodes",
     "staleness",
+    "stale_after",
     "stale_bound",
     "adaptive_every",
 )

@@ -126,6 +126,10 @@ class TrainConfig:
     next step (the first step applies nothing and skips its optimizer step; the last gradient is
     applied by one more optimizer step at the end, with the last step's learning rate and
     clipping). See [Note: staleness 1] in ``qsdp.ddp`` and [Note: staleness 1 in FSDP2]."""
+    stale_after: int = 0
+    """Staleness 1 only from this step on: the steps before reduce and apply at once (the
+    pipeline's ``synchronous()``), the first stale step applies nothing. A one-step delay costs
+    most early in training (docs/results.md, the convergence study)."""
     stale_bound: float | None = None
     """Staleness 1: force a synchronous step when ``lr * ||g||`` (clipped) of the applied
     gradient exceeds it (``qsdp.StalenessGate``, [Note: the staleness gate]); None never forces
@@ -171,6 +175,10 @@ class TrainConfig:
             )
         if self.staleness not in (0, 1):
             raise ValueError(f"--staleness must be 0 or 1, got {self.staleness}")
+        if self.stale_after and (not self.staleness or not 0 < self.stale_after < self.steps):
+            raise ValueError(
+                f"--stale-after={self.stale_after} needs --staleness 1 and a step in (0, --steps)"
+            )
         if self.stale_bound is not None and (not self.staleness or not self.stale_bound > 0):
             raise ValueError(
                 f"--stale-bound={self.stale_bound} needs --staleness 1 and a positive bound "
@@ -408,7 +416,9 @@ def train_rank(cfg: TrainConfig, data: TokenData, device: torch.device) -> dict:
             t0 = time.perf_counter()
             loss_sum = torch.zeros((), device=device)
             # after the staleness gate fired, one step reduces and applies at once
-            sync_step, sync_next = bool(sync_next), False
+            # (and through --stale-after's first steps)
+            sync_step = bool(sync_next) or bool(cfg.staleness and step < cfg.stale_after)
+            sync_next = False
             for micro in range(cfg.grad_accum):
                 x, y = batches.train_batch(
                     step,

@@ -128,8 +128,8 @@ class TrainConfig:
     clipping). See [Note: staleness 1] in ``qsdp.ddp`` and [Note: staleness 1 in FSDP2]."""
     stale_after: int = 0
     """Staleness 1 only from this step on: the steps before reduce and apply at once (the
-    pipeline's ``synchronous()``), the first stale step applies nothing. A one-step delay costs
-    most early in training (docs/results.md, the convergence study)."""
+    pipeline's ``synchronous()``), the first stale step applies nothing. The delay costs most at
+    the end of the warm-up, but starting it later does not remove its cost (docs/results.md)."""
     stale_bound: float | None = None
     """Staleness 1: force a synchronous step when ``lr * ||g||`` (clipped) of the applied
     gradient exceeds it (``qsdp.StalenessGate``, [Note: the staleness gate]); None never forces

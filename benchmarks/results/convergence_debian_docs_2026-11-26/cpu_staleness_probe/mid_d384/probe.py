@@ -1,6 +1,7 @@
 """Staleness 0 or 1 on a 6-layer d-384 GPT on CPU (FSDP2 over gloo, recipe bf16, no CUDA):
 does the one-step delay alone cost what the GPU study measured? Prints step, loss averaged
-over ranks, gradient norm (rank 0). ``STALE_AFTER=N``: staleness 1 only from step N (the steps
+over ranks, gradient norm (rank 0). ``LR``: the peak learning rate (3e-4).
+``STALE_AFTER=N``: staleness 1 only from step N (the steps
 before reduce and apply at once, under ``synchronous()``).
 
     PYTHONPATH=src torchrun --standalone --nproc-per-node 4 probe.py {0,1}
@@ -32,12 +33,13 @@ def main(stale: int) -> None:
     fully_shard(model)
     qsdp.compress_fsdp(model, qsdp.recipe("bf16", staleness=stale))
     state = qsdp.fsdp.comm_state(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1)
+    peak = float(os.environ.get("LR", 3e-4))
+    opt = torch.optim.AdamW(model.parameters(), lr=peak, betas=(0.9, 0.95), weight_decay=0.1)
     data = Batches(open_data(DATA), order="pass")
     after = int(os.environ.get("STALE_AFTER", 0))
     for step in range(int(os.environ.get("STEPS", 40))):
         for group in opt.param_groups:
-            group["lr"] = 3e-4 * min(1.0, (step + 1) / 50)
+            group["lr"] = peak * min(1.0, (step + 1) / 50)
         x, y = data.train_batch(
             step, 0, rank=rank, world_size=ws, micro_batch=4, block_size=128, seed=0
         )

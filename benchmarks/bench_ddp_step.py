@@ -40,6 +40,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import profiling  # benchmarks/, the script's own folder
 import qsdp
 import regimes
+from qsdp.policy.auto import decision_record
 from qsdp.train.model import GPT, PRESETS
 
 GPT_125M = PRESETS["gpt-125m"].with_vocab(50257)
@@ -142,22 +143,13 @@ def run_variant(name: str, a, cfg, device: torch.device, rank: int) -> dict:
     decision = getattr(qsdp_state, "decision", None)
     return {
         "variant": name,
-        **({"auto": _choice(decision)} if decision else {}),
+        **({"auto": decision_record(decision)} if decision else {}),
         "median_s": float(t[0]),
         "compute_s": float(t[1]),
         "bytes_per_step": step_bytes,
         "peak_gib": peak,
         "loss_first": losses[0],
         "loss_last": losses[-1],
-    }
-
-
-def _choice(decision: dict) -> dict:
-    """What ``auto`` chose and predicted, as JSON."""
-    m = decision["measured"]
-    return {"recipe": decision["recipe"], "predicted_s": decision["predicted_s"]} | {
-        "bus_gb_per_s": round(m.bytes_per_s / 1e9, 3),
-        "latency_us": round(m.latency_s * 1e6, 1),
     }
 
 

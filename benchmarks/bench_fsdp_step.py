@@ -46,6 +46,7 @@ import profiling  # benchmarks/, the script's own folder
 import qsdp
 import regimes
 import wire_replay
+from qsdp.policy.auto import decision_record
 from qsdp.train.model import GPT, ModelConfig
 
 # The GPT of docs/gpu.md, 1.42 B parameters: qsdp's model with the options that reproduce this
@@ -256,7 +257,8 @@ def run_variant(name, c, args, device, recipe, reduce_dtype, compute_dtype) -> t
         opt.step()
         opt.zero_grad(set_to_none=True)
         profiling.sync(device)
-    decision = _decision(state)
+    decision = getattr(state, "decision", None)  # an "auto" variant's choice, as JSON
+    decision = decision_record(decision) if decision is not None else None
     del model, opt, state
     gc.collect()  # FSDP's module <-> state references form cycles: free them before the next
     if device.type == "cuda":
@@ -276,18 +278,6 @@ def run_variant(name, c, args, device, recipe, reduce_dtype, compute_dtype) -> t
         wire,
         decision,
     ]
-
-
-def _decision(state) -> dict | None:
-    """An ``auto`` variant's choice, as JSON."""
-    decision = getattr(state, "decision", None)
-    if decision is None:
-        return None
-    m = decision["measured"]
-    return {k: v for k, v in decision.items() if k != "measured"} | {
-        "bus_gb_per_s": round(m.bytes_per_s / 1e9, 3),
-        "latency_us": round(m.latency_s * 1e6, 1),
-    }
 
 
 def _wire_alone(prof, device: torch.device) -> dict:

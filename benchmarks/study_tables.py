@@ -21,7 +21,8 @@ SDP4BIT_TABLE1_125M = {
 
 
 def _run(path: Path) -> dict:
-    rows = list(csv.DictReader(open(path / "metrics.csv")))
+    with open(path / "metrics.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
     config = json.loads((path / "config.json").read_text())
     vals = [r for r in rows if r["val_loss"]]
     return {

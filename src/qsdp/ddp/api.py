@@ -103,12 +103,13 @@ def _auto(model: DDP) -> dict:
     numel = sum(p.numel() for p in params)
     cap = getattr(model, "bucket_bytes_cap", 25 * 2**20)
     buckets = max(1, -(-numel * 4 // cap))
-    measured = auto.measure(model.process_group, params[0].device)
-    predicted = auto.predict_ddp(numel, measured, buckets=buckets)
-    choice = auto.choose(predicted)
+    decision = auto.decide_all_reduce(
+        model.process_group, params[0].device, numel=numel, buckets=buckets
+    )
     if dist.get_rank() == 0:
-        print(auto.report(measured, predicted, choice), flush=True)
-    return {"recipe": choice, "predicted_s": predicted, "measured": measured}
+        measured, predicted = decision["measured"], decision["predicted_s"]
+        print(auto.report(measured, predicted, decision["recipe"]), flush=True)
+    return decision
 
 
 def _ddp_hook(state, bucket):  # noqa: ANN001, ANN202 - DDP checks unannotated or exact types

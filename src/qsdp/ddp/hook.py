@@ -111,11 +111,10 @@ class DDPCompression:
         self._native: int | None = None
         """Uncompressed: the bytes of DDP's own all-reduce per step (see :meth:`count_native`)."""
         self._plain = config.grads is None and not config.staleness and not error_feedback
-        """Uncompressed and synchronous: as DDP's own all-reduce (see [Note: the hook's own
-        stream])."""
+        """Uncompressed and synchronous: ``register`` installs no hook, DDP's own all-reduce runs
+        (see [Note: the hook's own stream])."""
         mode = config.nonfinite
-        plain_or_propagate = self._plain or mode is NonFinite.PROPAGATE
-        self.check = None if plain_or_propagate else NonfiniteCheck(mode.value)
+        self.check = None if mode is NonFinite.PROPAGATE else NonfiniteCheck(mode.value)
         self._reports: dict[int, _BucketReport] = {}  # one per bucket index, reused
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._pending: dict[int, _Pending] = {}
@@ -141,7 +140,7 @@ class DDPCompression:
     def reduce(self, bucket: dist.GradBucket) -> torch.futures.Future:
         """All-reduce one bucket (average); the future yields the bucket's buffer."""
         tensor = bucket.buffer()
-        if not tensor.is_cuda or self._plain:
+        if not tensor.is_cuda:
             return self._reduce(bucket, tensor)
         stream = self._streams.get(tensor.device)
         if stream is None:

@@ -38,7 +38,7 @@ from ._state import (
     _Installed,
 )
 
-__all__ = ["auto_config", "compress_fsdp"]
+__all__ = ["auto_config", "auto_uses_mesh", "compress_fsdp"]
 
 
 # Every FSDPModule that carries qsdp's hooks, so a second compress_fsdp (on the model or on a
@@ -89,7 +89,7 @@ def compress_fsdp(
     if config == "auto":  # measure, predict, pick: see qsdp.policy.auto
         decision = _auto(model, mesh=mesh, replicate=replicate)
         config = auto_config(decision)
-        if decision.get("grads") != "tl":  # the mesh only serves two-level gradients
+        if not auto_uses_mesh(decision):
             mesh = None
     elif isinstance(config, str):
         config = recipe(config)
@@ -103,12 +103,7 @@ def compress_fsdp(
                 "compress_fsdp(mesh=...) is for two-level gradients (grads=TwoLevelGrads(...), "
                 "e.g. 'sdp4bit'); this config reduces over FSDP's own group: drop the mesh"
             )
-        if not isinstance(mesh, DeviceMesh) or mesh.ndim != 2:
-            raise ValueError(
-                f"mesh must be a 2-D DeviceMesh (inter-node, intra-node); got {mesh!r}; build "
-                "it with init_device_mesh(device, (nodes, gpus_per_node), "
-                "mesh_dim_names=('inter', 'intra'))"
-            )
+        _check_two_dimensional(mesh)
     modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
     if not modules:
         raise ValueError(
@@ -246,12 +241,8 @@ def _auto(model: nn.Module, *, mesh, replicate) -> dict:
             "recipe 'auto' with replicate= decides the all-reduce across the nodes; the mesh is "
             "for two-level reduce-scatters over FSDP's shard group: pass one of them"
         )
-    if mesh is not None and (not isinstance(mesh, DeviceMesh) or mesh.ndim != 2):
-        raise ValueError(
-            f"mesh must be a 2-D DeviceMesh (inter-node, intra-node); got {mesh!r}; build it "
-            "with init_device_mesh(device, (nodes, gpus_per_node), "
-            "mesh_dim_names=('inter', 'intra'))"
-        )
+    if mesh is not None:
+        _check_two_dimensional(mesh)
     if isinstance(replicate, DeviceMesh):
         replicate = replicate.get_group(0)
     modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
@@ -287,14 +278,13 @@ def _auto(model: nn.Module, *, mesh, replicate) -> dict:
         choice = named[0] if named else f"weights={weights}, grads={grads}"
         if grads == "tl":
             choice += f" (two levels, {levels[0].world} x {levels[1].world})"
+        decision |= {"recipe": choice, "predicted_s": predicted, "measured": measured}
     else:  # one all-reduce of each module's fp32 shard across the nodes
-        measured = auto.measure(replicate, device)
-        predicted = auto.predict_ddp(sum(shards), measured, buckets=len(shards))
-        choice = auto.choose(predicted)
-        decision = {}
+        decision = auto.decide_all_reduce(replicate, device, numel=sum(shards), buckets=len(shards))
     if dist.get_rank() == 0:
-        print(auto.report(measured, predicted, choice), flush=True)
-    return decision | {"recipe": choice, "predicted_s": predicted, "measured": measured}
+        measured, predicted = decision["measured"], decision["predicted_s"]
+        print(auto.report(measured, predicted, decision["recipe"]), flush=True)
+    return decision
 
 
 # what "auto"'s options are, as the named recipes' sub-configs (one definition of each)
@@ -306,6 +296,12 @@ _AUTO_GRADS = {
     "g4": ("sdp4bit", "grads"),
     "tl": ("sdp4bit", "grads"),
 }
+
+
+def auto_uses_mesh(decision: dict) -> bool:
+    """Whether an ``"auto"`` decision reduces over the two-level mesh (SDP4Bit's two levels,
+    ``"tl"``); its other options ignore the mesh."""
+    return decision.get("grads") == "tl"
 
 
 def auto_config(decision: dict) -> CompressionConfig:
@@ -351,6 +347,15 @@ def _fsdp_groups(
     if mesh.ndim == 1:
         return mesh.get_group(0), None
     return mesh.get_group(mesh.ndim - 1), mesh.get_group(0)
+
+
+def _check_two_dimensional(mesh: object) -> None:
+    if not isinstance(mesh, DeviceMesh) or mesh.ndim != 2:
+        raise ValueError(
+            f"mesh must be a 2-D DeviceMesh (inter-node, intra-node); got {mesh!r}; build it "
+            "with init_device_mesh(device, (nodes, gpus_per_node), "
+            "mesh_dim_names=('inter', 'intra'))"
+        )
 
 
 def _check_mesh_covers(

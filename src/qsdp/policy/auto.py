@@ -45,12 +45,15 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from ..comm import dist_all_gather
 from ..quant import QuantSpec, decode, encode
 
 __all__ = [
     "Measured",
     "agree",
     "choose",
+    "decide_all_reduce",
+    "decision_record",
     "choose_fsdp",
     "measure",
     "predict_ddp",
@@ -108,8 +111,7 @@ def measure(
     Collective: call on every rank of ``group``; every rank gets the same result."""
     n = dist.get_world_size(group)
     times = []
-    # (torch >= 2.13 deprecates all_gather_into_tensor for all_gather_single)
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather = dist_all_gather()
     for size in sizes:
         inp = torch.zeros(size, dtype=torch.uint8, device=device)
         out = torch.empty(n * size, dtype=torch.uint8, device=device)
@@ -218,7 +220,7 @@ def predict_fsdp(
         )
     pay = {b: s.payload_bytes for b, s in _SPECS.items()}
     weights = {"none": 0.0, "w8": 0.0, "wd4": 0.0}
-    grads = {"none": 0.0, "g8": 0.0, "g4": 0.0}
+    grads = {"none": 0.0, "g8": 0.0, "g4": 0.0} | ({"tl": 0.0} if levels is not None else {})
     # the codes' reduce-scatter is an all-to-all: on a two-level mesh its bytes to other nodes
     # go over the slow level (a ring's bus bandwidth, measured on the shard group, counts the
     # fast hops too and would flatter it)
@@ -233,7 +235,7 @@ def predict_fsdp(
         if levels is not None:
             inter, intra = levels
             node = n * k // intra.world  # the node's partial sums each rank sends on
-            grads["tl"] = grads.get("tl", 0.0) + (
+            grads["tl"] += (
                 _wire(intra, n * pay[8](k))
                 + 2 * _codec(m, 8, n * k)
                 + _wire(inter, pay[4](node))
@@ -245,12 +247,7 @@ def predict_fsdp(
 def choose_fsdp(predicted: dict[str, dict[str, float]], *, margin: float = 0.8) -> tuple[str, str]:
     """(weights, gradients) options, each the fastest of its collective but uncompressed
     (``"none"``) unless predicted at most ``margin`` of uncompressed."""
-    picked = []
-    for part in ("weights", "grads"):
-        options = predicted[part]
-        best = min(options, key=options.get)
-        picked.append(best if options[best] <= margin * options["none"] else "none")
-    return picked[0], picked[1]
+    return _pick(predicted["weights"], "none", margin), _pick(predicted["grads"], "none", margin)
 
 
 def predict_ddp(numel: int, m: Measured, *, buckets: int = 1) -> dict[str, float]:
@@ -270,8 +267,33 @@ def predict_ddp(numel: int, m: Measured, *, buckets: int = 1) -> dict[str, float
 def choose(predicted: dict[str, float], *, margin: float = 0.8) -> str:
     """The fastest option, but uncompressed (``"bf16"``) unless that option is predicted at
     most ``margin`` of it."""
-    best = min(predicted, key=predicted.get)
-    return best if predicted[best] <= margin * predicted["bf16"] else "bf16"
+    return _pick(predicted, "bf16", margin)
+
+
+def _pick(options: dict[str, float], uncompressed: str, margin: float) -> str:
+    best = min(options, key=options.get)
+    return best if options[best] <= margin * options[uncompressed] else uncompressed
+
+
+def decide_all_reduce(
+    group: dist.ProcessGroup | None, device: torch.device, *, numel: int, buckets: int
+) -> dict:
+    """The recipe of a gradient all-reduce of ``numel`` fp32 elements in ``buckets`` calls per
+    step (DDP's buckets, compressed HSDP's replicate all-reduce): measure ``group``, predict each
+    option, choose. Collective over ``group``; every rank decides the same."""
+    measured = measure(group, device)
+    predicted = predict_ddp(numel, measured, buckets=buckets)
+    return {"recipe": choose(predicted), "predicted_s": predicted, "measured": measured}
+
+
+def decision_record(decision: dict) -> dict:
+    """A decision as JSON (config.json, benchmark rows): everything but the measured object,
+    with the link it measured."""
+    m = decision["measured"]
+    return {k: v for k, v in decision.items() if k != "measured"} | {
+        "bus_gb_per_s": m.bytes_per_s / 1e9,
+        "latency_us": m.latency_s * 1e6,
+    }
 
 
 def report(m: Measured, predicted: dict, choice: str) -> str:

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from ..policy import auto
 from .batches import Batches
 from .data import TokenData
 from .metrics import CONFIG_FILE, METRICS_FILE, TENSORBOARD_DIR, _load_summary_writer
@@ -294,13 +295,7 @@ def write_config(
 
 def choice_record(decision: dict) -> dict:
     """What ``config.json`` keeps of an ``"auto"`` decision (JSON: no measured object)."""
-    m = decision["measured"]
-    return {k: decision[k] for k in ("weights", "grads") if k in decision} | {
-        "recipe": decision["recipe"],
-        "predicted_s": decision["predicted_s"],
-        "bus_gb_per_s": m.bytes_per_s / 1e9,
-        "latency_us": m.latency_s * 1e6,
-    }
+    return auto.decision_record(decision)
 
 
 def saved_choice(out: Path) -> dict:

@@ -40,7 +40,7 @@ from ..config import (
     TwoLevelGrads,
     recipe,
 )
-from ..fsdp.api import auto_config
+from ..fsdp.api import auto_config, auto_uses_mesh
 from ..runtime import StalenessGate
 from .batches import DATA_ORDERS, Batches
 from .checkpoint import load_checkpoint, save_checkpoint
@@ -358,8 +358,8 @@ def train_rank(cfg: TrainConfig, data: TokenData, device: torch.device) -> dict:
         device=device,
         seed=cfg.seed,
         bf16=_bf16_compute(cfg, device),
-        # a resumed "auto" that chose one-level 4-bit gradients keeps them one-level
-        two_level=cfg.two_level and (chosen or {}).get("grads") != "g4",
+        # a resumed "auto" uses the mesh only if it chose two levels
+        two_level=cfg.two_level and (chosen is None or auto_uses_mesh(chosen)),
         nodes=cfg.nodes,
         # "auto" resumes with the recipe it chose, never a new measurement's
         config=auto_config(chosen) if chosen else compression,

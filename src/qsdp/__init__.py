@@ -19,7 +19,7 @@ from .config import (
 )
 from .fsdp import compress_fsdp, fsdp_comm_stats
 from .quant import Encoded, QuantSpec, decode, encode
-from .runtime import StalenessGate
+from .runtime import StalenessGate, WeightPrediction
 
 __all__ = [
     "RECIPES",
@@ -35,6 +35,7 @@ __all__ = [
     "StalenessGate",
     "TwoLevelGrads",
     "WeightDiffs",
+    "WeightPrediction",
     "compress_fsdp",
     "ddp",
     "decode",

@@ -192,8 +192,13 @@ def test_resume_checks_each_setting_and_lets_the_free_ones_change(run, files, mo
     with pytest.raises(ValueError, match="--staleness: saved 0, now 1"):
         stale = dataclasses.replace(saved, parallel="ddp", staleness=1)
         validate(stale, data, world_size=2, columns=COLUMNS)
+    # a stale run that predicted resumed without prediction is refused
+    config.write_text(config.read_text().replace('"staleness": 0', '"staleness": 1'))
+    with pytest.raises(ValueError, match="--predict: saved True, now False"):
+        as_is = dataclasses.replace(saved, parallel="ddp", staleness=1, predict=False)
+        validate(as_is, data, world_size=2, columns=COLUMNS)
     unchecked = {"data", "tokenizer", "nodes", "staleness", "stale_bound", "stale_after"}
-    unchecked |= {"adaptive_every"}
+    unchecked |= {"adaptive_every", "predict"}
     assert set(CHANGED) | unchecked == set(RESUME_MUST_MATCH) & set(
         f.name for f in dataclasses.fields(TrainConfig)
     )

@@ -146,6 +146,7 @@ def _stale(rank: int, world: int, data: str, root: str) -> None:
         for name, kw in (
             ("sync", {}),
             ("straight", {"staleness": 1}),
+            ("as-is", {"staleness": 1, "predict": False}),
             ("resumed", {"staleness": 1, "stop_at": 3}),
             ("resumed", {"staleness": 1, "resume": True}),
             ("gated", {"staleness": 1, "stale_bound": 1e-9}),
@@ -171,9 +172,13 @@ def _check_stale(tmp_path: Path, parallel: str) -> None:
         [float(x) for x in col(n, "loss")] for n in ("sync", "straight", "resumed")
     )
     assert len(straight) == len(resumed) == 6
-    # the checkpoint carries the reduction in flight: the resumed run is the straight one (2
-    # ranks: a sum of two floats does not depend on DDP's bucket layout)
+    # the checkpoint carries the reduction in flight and the weight prediction's last update:
+    # the resumed run is the straight one (2 ranks: a sum of two floats does not depend on
+    # DDP's bucket layout)
     assert straight == resumed
+    # weight prediction: step 1 applies the first update, step 2 computes ahead by it
+    as_is = [float(x) for x in col("as-is", "loss")]
+    assert as_is[:2] == straight[:2] and as_is[2] != straight[2], (as_is, straight)
     # the first step applies nothing and takes no optimizer step: the second step computes on
     # the initial weights, where the synchronous run moved already
     assert sync[0] == straight[0] and sync[1] != straight[1]
@@ -304,6 +309,7 @@ def test_schedule_warms_up_then_decays_to_the_floor():
         ({"recipe": "auto", "staleness": 1}, "--recipe auto picks a recipe"),
         ({"staleness": 1, "stale_bound": -1.0}, "a positive bound"),
         ({"stale_after": 5}, "--stale-after=5 needs --staleness 1"),
+        ({"predict": False}, "--no-predict is for --staleness 1"),
         ({"staleness": 1, "stale_after": 200}, "a step in (0, --steps)"),
         ({"staleness": 2, "parallel": "ddp", "recipe": "cgx"}, "--staleness must be 0 or 1"),
     ],

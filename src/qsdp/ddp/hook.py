@@ -136,6 +136,12 @@ class DDPCompression:
         """Staleness 1: the last backward applied no reduction (the first step, or the first
         after :meth:`drain`): skip its ``optimizer.step()``. Always False at staleness 0."""
 
+    @property
+    def in_flight(self) -> bool:
+        """Staleness 1: a reduction is in flight, to be applied by the next backward (whose
+        gradient :class:`qsdp.runtime.WeightPrediction` may then compute ahead)."""
+        return bool(self._pending)
+
     # --- the hook ---------------------------------------------------------------------------
     def reduce(self, bucket: dist.GradBucket) -> torch.futures.Future:
         """All-reduce one bucket (average); the future yields the bucket's buffer."""

@@ -138,6 +138,11 @@ class Pipeline:
             )
         self.applied_nothing = False
 
+    @property
+    def in_flight(self) -> bool:
+        """A reduction is in flight: the next backward applies it."""
+        return any(hook.delay.result is not None for hook, _ in self.entries)
+
     def add(self, hook: object, params: list[tuple[nn.Parameter, int]]) -> None:
         self.entries.append((hook, params))
 

@@ -152,6 +152,13 @@ class CommState:
         pipeline = self._installed.pipeline
         return pipeline is not None and pipeline.applied_nothing
 
+    @property
+    def in_flight(self) -> bool:
+        """Staleness 1: a reduction is in flight, to be applied by the next backward (whose
+        gradient :class:`qsdp.runtime.WeightPrediction` may then compute ahead)."""
+        pipeline = self._installed.pipeline
+        return pipeline is not None and pipeline.in_flight
+
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         inst = self._installed
         calls = state["calls"].tolist()

@@ -1,6 +1,7 @@
 """``qsdp train``'s checkpoints: ``torch.distributed.checkpoint`` of the model, the optimizer,
-qsdp's collective state (noise counters, reductions in flight, adaptive widths) and the trainer's
-own (step, staleness gate); the ``latest`` marker is written last."""
+qsdp's collective state (noise counters, reductions in flight, adaptive widths), staleness 1's
+weight prediction and the trainer's own (step, staleness gate); the ``latest`` marker is written
+last."""
 
 from __future__ import annotations
 
@@ -11,29 +12,43 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from ..runtime import WeightPrediction
 from .parallel import Parallel
 
 __all__ = ["load_checkpoint", "save_checkpoint"]
 
 
 def _checkpoint_state(
-    par: Parallel, opt: torch.optim.Optimizer, step: int, gate: tuple[int, int] = (0, 0)
+    par: Parallel,
+    opt: torch.optim.Optimizer,
+    step: int,
+    gate: tuple[int, int] = (0, 0),
+    predict: WeightPrediction | None = None,
 ) -> dict:
     msd, osd = get_state_dict(par.model, opt)
-    return {
+    state = {
         "model": msd,
         "optim": osd,
         "qsdp": par.state,
         # the staleness gate: synchronous steps forced so far, whether the next one is
         "trainer": {"step": torch.tensor(step), "gate": torch.tensor(gate)},
     }
+    if predict is not None:  # staleness 1's last update, which the next step computes ahead by
+        state["predict"] = predict
+    return state
 
 
 def save_checkpoint(
-    out: Path, par: Parallel, opt: torch.optim.Optimizer, step: int, gate: tuple[int, int] = (0, 0)
+    out: Path,
+    par: Parallel,
+    opt: torch.optim.Optimizer,
+    step: int,
+    gate: tuple[int, int] = (0, 0),
+    *,
+    predict: WeightPrediction | None = None,
 ) -> Path:
     path = out / "ckpt" / f"step_{step:07d}"
-    dcp.save(_checkpoint_state(par, opt, step, gate), checkpoint_id=str(path))
+    dcp.save(_checkpoint_state(par, opt, step, gate, predict), checkpoint_id=str(path))
     dist.barrier()
     if dist.get_rank() == 0:  # the marker goes last: a half-written checkpoint is never loaded
         tmp = out / "ckpt" / "latest.tmp"
@@ -44,7 +59,11 @@ def save_checkpoint(
 
 
 def load_checkpoint(
-    out: Path, par: Parallel, opt: torch.optim.Optimizer
+    out: Path,
+    par: Parallel,
+    opt: torch.optim.Optimizer,
+    *,
+    predict: WeightPrediction | None = None,
 ) -> tuple[int, tuple[int, int]]:
     """Load the run's last checkpoint; returns its step and the staleness gate's state (steps
     it forced to synchronise, whether the next step runs synchronously)."""
@@ -55,7 +74,7 @@ def load_checkpoint(
             "after a save completes); run without --resume to start afresh"
         )
     path = out / "ckpt" / marker.read_text().strip()
-    state = _checkpoint_state(par, opt, 0)
+    state = _checkpoint_state(par, opt, 0, predict=predict)
     dcp.load(state, checkpoint_id=str(path))
     set_state_dict(par.model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
     fired, sync_next = state["trainer"]["gate"].tolist()

@@ -95,6 +95,12 @@ def parser() -> argparse.ArgumentParser:
         "costs most early in training)",
     )
     p.add_argument(
+        "--no-predict",
+        action="store_true",
+        help="--staleness 1: apply the delayed gradient as is (default: computed at the "
+        "predicted parameters, the last update applied once more)",
+    )
+    p.add_argument(
         "--stale-bound",
         type=float,
         help="--staleness 1: force a synchronous step when lr * (clipped) gradient norm of the "
@@ -141,6 +147,7 @@ def config_from(args: argparse.Namespace) -> TrainConfig:
         staleness=args.staleness,
         stale_after=args.stale_after,
         stale_bound=args.stale_bound,
+        predict=not args.no_predict,
         adaptive_every=args.adaptive_every,
         tensorboard=args.tensorboard,
         progress=not args.no_progress,

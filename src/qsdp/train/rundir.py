@@ -88,6 +88,7 @@ RESUME_MUST_MATCH = (
     "staleness",
     "stale_after",
     "stale_bound",
+    "predict",
     "adaptive_every",
 )
 """Keys of ``config.json`` that ``--resume`` requires to equal the saved run's."""

@@ -1,0 +1,155 @@
+"""Weight prediction (staleness 1's remedy): the last optimizer update, added around a step's
+forward and backward, on plain parameters and on FSDP2's shards."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+import qsdp
+from qsdp.runtime import WeightPrediction
+from qsdp.testing import run_distributed
+
+from ..models import batch, classifier
+
+
+def _loss(model: nn.Module, rank: int, step: int) -> torch.Tensor:
+    x, y = batch(rank, step)
+    return nn.functional.cross_entropy(model(x), y)
+
+
+def _snapshot(model: nn.Module) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_the_update_is_the_last_step_and_ahead_adds_it():
+    model = classifier()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    predict = WeightPrediction(opt)
+    with predict.ahead():  # before the first step there is nothing to add
+        assert all(
+            torch.equal(a, b)
+            for a, b in zip(_snapshot(model), _snapshot(classifier()), strict=True)
+        )
+    for step in range(3):
+        before = _snapshot(model)
+        with predict.ahead():
+            _loss(model, 0, step).backward()
+        after_backward = _snapshot(model)
+        opt.step()
+        opt.zero_grad()
+        after = _snapshot(model)
+        # the buffer is exactly the step's update
+        for u, a, b in zip(predict.update, after, after_backward, strict=True):
+            assert torch.equal(u, a - b)
+        if step:  # ahead() undid its shift: the parameters are the step's, up to one rounding
+            for a, b in zip(after_backward, before, strict=True):
+                torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+    x = _snapshot(model)
+    with predict.ahead():
+        inside = _snapshot(model)
+        with pytest.raises(RuntimeError, match="not reentrant"):
+            with predict.ahead():
+                pass
+        with pytest.raises(RuntimeError, match=r"optimizer.step\(\) inside"):
+            opt.step()
+    for got, xi, u in zip(inside, x, predict.update, strict=True):
+        assert torch.equal(got, xi + u) and u.abs().max() > 0
+    x = _snapshot(model)
+    with predict.ahead(enabled=False):
+        assert all(torch.equal(a, b) for a, b in zip(_snapshot(model), x, strict=True))
+
+
+def test_the_gradient_is_taken_at_the_predicted_point():
+    model, twin = classifier(), classifier()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    predict = WeightPrediction(opt)
+    _loss(model, 0, 0).backward()
+    opt.step()
+    opt.zero_grad()
+    with torch.no_grad():  # the twin sits where the prediction points: x + (x - x_before)
+        for t, p, u in zip(twin.parameters(), model.parameters(), predict.update, strict=True):
+            t.copy_(p + u)
+    with predict.ahead():
+        _loss(model, 0, 1).backward()
+    _loss(twin, 0, 1).backward()
+    for p, t in zip(model.parameters(), twin.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, t.grad)
+
+
+def test_state_round_trips_and_refuses_another_model():
+    model = classifier()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    predict = WeightPrediction(opt)
+    assert int(predict.state_dict()["has_update"]) == 0
+    _loss(model, 0, 0).backward()
+    opt.step()
+    state = predict.state_dict()
+    fresh = WeightPrediction(torch.optim.AdamW(classifier().parameters(), lr=1e-2))
+    fresh.load_state_dict(state)
+    for a, b in zip(fresh.update, predict.update, strict=True):
+        assert torch.equal(a, b)
+    other = WeightPrediction(torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=1.0))
+    with pytest.raises(ValueError, match="has 7 parameters, the optimizer 2"):
+        other.load_state_dict(state)
+    with pytest.raises(TypeError, match="takes a torch.optim.Optimizer, got list"):
+        WeightPrediction(list(model.parameters()))
+    predict.remove()  # the optimizer's steps are no longer tracked
+    kept = [u.clone() for u in predict.update]
+    _loss(model, 0, 1).backward()
+    opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(kept, predict.update, strict=True))
+
+
+def _sharded(rank: int, world: int) -> None:
+    mesh = init_device_mesh("cpu", (world,))
+    model = classifier()
+    for i in (2, 5):
+        fully_shard(model[i], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    qsdp.compress_fsdp(model, qsdp.recipe("bf16", staleness=1))
+    state = qsdp.fsdp.comm_state(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    predict = WeightPrediction(opt)
+    seen = []
+    for step in range(4):
+        full = [p.full_tensor() for p in model.parameters()]
+        in_flight = state.in_flight
+        with predict.ahead(enabled=in_flight):
+            # FSDP2 computes on the shifted shards: an unsharded twin at x + u has its loss
+            shifted = full
+            if in_flight and predict.update is not None:
+                ups = [
+                    torch.distributed.tensor.DTensor.from_local(
+                        u, p.device_mesh, p.placements, shape=p.shape, stride=p.stride()
+                    ).full_tensor()
+                    for u, p in zip(predict.update, model.parameters(), strict=True)
+                ]
+                shifted = [f + u for f, u in zip(full, ups, strict=True)]
+            twin = classifier()
+            with torch.no_grad():
+                for t, s in zip(twin.parameters(), shifted, strict=True):
+                    t.copy_(s)
+            loss = _loss(model, rank, step)
+            torch.testing.assert_close(loss, _loss(twin, rank, step))
+            loss.backward()
+            seen.append(
+                (in_flight, any(not torch.equal(a, b) for a, b in zip(shifted, full, strict=True)))
+            )
+        if not state.applied_nothing:
+            opt.step()
+        opt.zero_grad()
+    # step 0: nothing in flight; step 1: in flight, but no update yet; steps 2, 3: ahead
+    assert seen == [(False, False), (True, False), (True, True), (True, True)], seen
+    state.drain()
+    assert not state.in_flight
+    opt.step()
+    dist.barrier()
+
+
+def test_fsdp2_computes_at_the_predicted_shards():
+    run_distributed(_sharded, 3)

@@ -23,6 +23,7 @@ step, wire time, peak memory, first and last loss. ``--device cpu`` is a gloo sm
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import gc
 import json
@@ -103,10 +104,16 @@ def run_variant(name: str, a, cfg, device: torch.device, rank: int) -> dict:
     # a stale step ends when the compute stream is done: its reduction runs on into the next
     # step (that is the point); a synchronous step's compute stream waits for every reduction
     step_sync = profiling.compute_sync if stale else profiling.sync
+    # staleness 1 computes ahead, as qsdp train does ([Note: weight prediction])
+    predict = qsdp.WeightPrediction(opt) if stale else None
     for i, (x, y) in enumerate(_batches(cfg, a.warmup + a.steps, a.batch, device, rank)):
         step_sync(device)  # (a full sync would wait for a stale step's reduction untimed)
         t0 = time.perf_counter()
-        loss = _step(model, opt, amp, x, y)
+        ahead = predict.ahead(enabled=qsdp_state.in_flight) if predict else contextlib.nullcontext()
+        with ahead:
+            loss = _forward_backward(model, amp, x, y)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
         step_sync(device)
         if i >= a.warmup:
             times.append(time.perf_counter() - t0)
@@ -153,11 +160,17 @@ def run_variant(name: str, a, cfg, device: torch.device, rank: int) -> dict:
     }
 
 
-def _step(model, opt, amp, x, y) -> torch.Tensor:
-    """One training step (forward under ``amp``, backward, AdamW); returns the loss."""
+def _forward_backward(model, amp, x, y) -> torch.Tensor:
+    """A training step's forward (under ``amp``) and backward; returns the loss."""
     with amp:
         _, loss = model(x, y)
     loss.backward()
+    return loss
+
+
+def _step(model, opt, amp, x, y) -> torch.Tensor:
+    """One training step (forward under ``amp``, backward, AdamW); returns the loss."""
+    loss = _forward_backward(model, amp, x, y)
     opt.step()
     opt.zero_grad(set_to_none=True)
     return loss

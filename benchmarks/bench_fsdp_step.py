@@ -26,6 +26,7 @@ replicate all-reduce through ``compress_fsdp(..., replicate=mesh["replicate"])``
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import gc
 import json
@@ -198,6 +199,9 @@ def run_variant(name, c, args, device, recipe, reduce_dtype, compute_dtype) -> t
     # a stale step ends when the compute stream is done: its reduction runs on into the next
     # step (that is the point), so no full device sync may wait for it, before or after a step
     step_sync = profiling.compute_sync if stale else profiling.sync
+    # staleness 1 computes ahead, as qsdp train does ([Note: weight prediction]): one more
+    # buffer of the local shards, in the peak memory
+    predict = qsdp.WeightPrediction(opt) if stale else None
     # extra steps after the measured ones: one profiled (--profile), one whose collectives are
     # read for the wire-alone replay (--bounds)
     bounds = args.bounds and recipe != "compute-alone"  # (no communication to replay)
@@ -222,11 +226,15 @@ def run_variant(name, c, args, device, recipe, reduce_dtype, compute_dtype) -> t
         phases = _Phases(device, profiled)
         # the loss outside the model, as before the model moved to the package: FSDP's root
         # pre-backward hook (the last block's prefetch) fires on the logits, after its backward
-        logits, _ = model(batch[:, :-1])
-        loss = F.cross_entropy(logits.float().reshape(-1, c.vocab_size), batch[:, 1:].reshape(-1))
-        phases.mark("forward")
-        loss.backward()
-        phases.mark("backward")
+        ahead = predict.ahead(enabled=state.in_flight) if predict else contextlib.nullcontext()
+        with ahead:
+            logits, _ = model(batch[:, :-1])
+            loss = F.cross_entropy(
+                logits.float().reshape(-1, c.vocab_size), batch[:, 1:].reshape(-1)
+            )
+            phases.mark("forward")
+            loss.backward()
+            phases.mark("backward")
         if not (stale and state.applied_nothing):  # a stale first step applies nothing
             opt.step()
         opt.zero_grad(set_to_none=True)

@@ -22,6 +22,7 @@ STEPS=${STEPS:-356}  # 356 x 4 GPUs x 16 x 1024 = 23.3 M tokens: the whole pass 
 LR=${LR:-3e-4}
 WARMUP=${WARMUP:-50}
 LIMIT_S=${LIMIT_S:-200}
+NPROC=${NPROC:-4}  # GPUs per run; with fewer, raise MICRO to keep the tokens per step
 RUNS_DIR=${RUNS_DIR:-/tmp/qsdp-convergence}
 declare -A ARGS=(
   [bf16]="--recipe bf16 --nodes 2"
@@ -34,6 +35,7 @@ declare -A ARGS=(
   [tlq-hs-only]="--recipe tlq-hs-only --nodes 2"
   [sdp4bit-s1]="--recipe sdp4bit --nodes 2 --staleness 1"
   [bf16-s1]="--recipe bf16 --nodes 2 --staleness 1"
+  [bf16-s1-as-is]="--recipe bf16 --nodes 2 --staleness 1 --no-predict"
   [auto]="--recipe auto --nodes 2"
   [ddp-bf16]="--ddp --recipe bf16"
   [ddp-cgx]="--ddp --recipe cgx"
@@ -48,7 +50,7 @@ for r in "${runs[@]}"; do
   start=$(date +%s)
   rm -rf "${RUNS_DIR:?}/$r"
   # shellcheck disable=SC2086
-  timeout "$LIMIT_S" torchrun --standalone --nproc-per-node 4 -m qsdp.train \
+  timeout "$LIMIT_S" torchrun --standalone --nproc-per-node "$NPROC" -m qsdp.train \
     --out "$RUNS_DIR/$r" --preset "$PRESET" --data "$DATA" --data-order pass \
     --steps "$STEPS" --micro-batch "$MICRO" --lr "$LR" --warmup "$WARMUP" --min-lr-ratio 0.1 \
     --eval-every 50 --eval-batches 10 --seed 0 --no-progress ${ARGS[$r]} > "$OUT/$r.log" 2>&1

@@ -147,6 +147,7 @@ def _stale(rank: int, world: int, data: str, root: str) -> None:
             ("sync", {}),
             ("straight", {"staleness": 1}),
             ("as-is", {"staleness": 1, "predict": False}),
+            ("accumulated", {"staleness": 1, "grad_accum": 2}),
             ("resumed", {"staleness": 1, "stop_at": 3}),
             ("resumed", {"staleness": 1, "resume": True}),
             ("gated", {"staleness": 1, "stale_bound": 1e-9}),
@@ -179,6 +180,9 @@ def _check_stale(tmp_path: Path, parallel: str) -> None:
     # weight prediction: step 1 applies the first update, step 2 computes ahead by it
     as_is = [float(x) for x in col("as-is", "loss")]
     assert as_is[:2] == straight[:2] and as_is[2] != straight[2], (as_is, straight)
+    # with gradient accumulation the step's micro-batches all compute ahead
+    accumulated = [float(x) for x in col("accumulated", "loss")]
+    assert len(accumulated) == 6 and accumulated[-1] < accumulated[0], accumulated
     # the first step applies nothing and takes no optimizer step: the second step computes on
     # the initial weights, where the synchronous run moved already
     assert sync[0] == straight[0] and sync[1] != straight[1]

@@ -432,29 +432,31 @@ def train_rank(cfg: TrainConfig, data: TokenData, device: torch.device) -> dict:
             # (and through --stale-after's first steps)
             sync_step = bool(sync_next) or bool(cfg.staleness and step < cfg.stale_after)
             sync_next = False
-            # a step whose backward applies a reduction in flight computes ahead
+            # a step whose backward applies a reduction in flight computes ahead, through
+            # all its micro-batches
             ahead = (
                 predict.ahead(enabled=not sync_step and par.state.in_flight)
                 if predict is not None
                 else contextlib.nullcontext()
             )
-            for micro in range(cfg.grad_accum):
-                x, y = batches.train_batch(
-                    step,
-                    micro,
-                    rank=rank,
-                    world_size=ws,
-                    micro_batch=cfg.micro_batch,
-                    block_size=mc.block_size,
-                    seed=cfg.seed,
-                    grad_accum=cfg.grad_accum,
-                )
-                synchronous = par.state.synchronous() if sync_step else contextlib.nullcontext()
-                with par.micro_step(micro == cfg.grad_accum - 1), synchronous, ahead:
-                    with par.autocast(device):
-                        _, loss = model(x.to(device), y.to(device))
-                    (loss / cfg.grad_accum).backward()
-                loss_sum += loss.detach() / cfg.grad_accum
+            with ahead:
+                for micro in range(cfg.grad_accum):
+                    x, y = batches.train_batch(
+                        step,
+                        micro,
+                        rank=rank,
+                        world_size=ws,
+                        micro_batch=cfg.micro_batch,
+                        block_size=mc.block_size,
+                        seed=cfg.seed,
+                        grad_accum=cfg.grad_accum,
+                    )
+                    synchronous = par.state.synchronous() if sync_step else contextlib.nullcontext()
+                    with par.micro_step(micro == cfg.grad_accum - 1), synchronous:
+                        with par.autocast(device):
+                            _, loss = model(x.to(device), y.to(device))
+                        (loss / cfg.grad_accum).backward()
+                    loss_sum += loss.detach() / cfg.grad_accum
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
             norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
             # staleness 1: a step whose backward applied no reduction (the first, the one after

@@ -1,0 +1,187 @@
+"""Staleness 1 done by hand on one GPU, without qsdp's collectives: is the convergence study's
+cost of staleness the one-step delay itself, and what does weight prediction recover?
+
+GPT-125M on the debian-docs corpus with the study's data, schedule and optimizer (the batches of
+4 ranks x MICRO sequences, one pass, AdamW 0.9/0.95, clipping 1.0, warm-up then cosine to a
+tenth), bf16 autocast, one process. Variants (one run each, the same seed and data):
+
+- ``sync``: each step applies its own gradient;
+- ``delay``: each step applies the previous step's gradient (none at step 0; the last one by one
+  more optimizer step), as ``staleness=1`` does;
+- ``predict``: ``delay``, the gradient computed at the parameters plus the last update
+  (``qsdp.WeightPrediction``, [Note: weight prediction]).
+
+Writes one CSV per variant (step, loss, val_loss at the eval steps, grad norm) and prints the
+final validation loss of each against ``sync``.
+
+    PYTHONPATH=src python benchmarks/staleness_reference.py --data data/debian-docs-gpt2 \
+        --out out/staleness_reference [--variants sync delay predict] [--lr 3e-4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import csv
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+
+import qsdp
+from qsdp.train.batches import Batches
+from qsdp.train.data import open_data
+from qsdp.train.model import GPT, PRESETS
+
+RANKS = 4  # the study's GPUs: each step is the batches of 4 ranks
+
+
+def lr_at(step: int, a: argparse.Namespace) -> float:
+    """The trainer's schedule: linear warm-up, cosine to a tenth at the last step."""
+    if step < a.warmup:
+        return a.lr * (step + 1) / a.warmup
+    progress = min(1.0, (step - a.warmup) / max(1, a.steps - a.warmup))
+    floor = a.lr * 0.1
+    return floor + 0.5 * (a.lr - floor) * (1 + math.cos(math.pi * progress))
+
+
+def evaluate(model: GPT, batches: Batches, a: argparse.Namespace, device) -> float:
+    model.eval()
+    total, n = 0.0, 0
+    with torch.no_grad():
+        for rank in range(RANKS):
+            for x, y in batches.val_batches(
+                10,
+                rank=rank,
+                world_size=RANKS,
+                micro_batch=a.micro,
+                block_size=PRESETS[a.preset].block_size,
+            ):
+                with torch.autocast(device.type, dtype=torch.bfloat16):
+                    _, loss = model(x.to(device), y.to(device))
+                total += float(loss) * x.numel()
+                n += x.numel()
+    model.train()
+    return total / n
+
+
+def run(variant: str, a: argparse.Namespace, device: torch.device) -> float:
+    data = open_data(Path(a.data))
+    batches = Batches(data, order="pass")
+    torch.manual_seed(0)
+    model = GPT(PRESETS[a.preset].with_vocab(data.vocab_size)).to(device)
+    params = list(model.parameters())
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay}],
+        lr=a.lr,
+        betas=(0.9, 0.95),
+        weight_decay=0.0,
+        fused=device.type == "cuda",
+    )
+    predict = qsdp.WeightPrediction(opt) if variant == "predict" else None
+    pending: list[torch.Tensor] | None = None
+    rows = []
+    t0 = time.perf_counter()
+    for step in range(a.steps + (variant != "sync")):
+        last = step == a.steps  # the delayed variants' extra step: the last gradient
+        lr = lr_at(min(step, a.steps - 1), a)
+        for group in opt.param_groups:
+            group["lr"] = lr
+        loss_sum = 0.0
+        if not last:
+            ahead = (
+                predict.ahead(enabled=pending is not None) if predict else contextlib.nullcontext()
+            )
+            with ahead:
+                for rank in range(RANKS):
+                    x, y = batches.train_batch(
+                        step,
+                        0,
+                        rank=rank,
+                        world_size=RANKS,
+                        micro_batch=a.micro,
+                        block_size=PRESETS[a.preset].block_size,
+                        seed=0,
+                    )
+                    with torch.autocast(device.type, dtype=torch.bfloat16):
+                        _, loss = model(x.to(device), y.to(device))
+                    (loss / RANKS).backward()
+                    loss_sum += float(loss) / RANKS
+        grads = [p.grad for p in params] if not last else None
+        if variant != "sync":  # apply the previous step's gradient, keep this one
+            for p in params:
+                p.grad = None
+            apply, pending = pending, grads
+            if apply is not None:
+                for p, g in zip(params, apply, strict=True):
+                    p.grad = g
+        norm = torch.nn.utils.clip_grad_norm_(params, 1.0) if params[0].grad is not None else None
+        if norm is not None:
+            opt.step()
+        opt.zero_grad(set_to_none=True)
+        if last:
+            break
+        val = (
+            evaluate(model, batches, a, device)
+            if (step + 1) % 50 == 0 or step == a.steps - 1
+            else None
+        )
+        rows.append(
+            dict(
+                step=step,
+                loss=loss_sum,
+                val_loss=val,
+                grad_norm=None if norm is None else float(norm),
+                lr=lr,
+            )
+        )
+        if step % 50 == 0:
+            print(
+                f"{variant} step {step}: loss {loss_sum:.4f} ({time.perf_counter() - t0:.0f} s)",
+                flush=True,
+            )
+    final = rows[-1]["val_loss"]  # at the last step, as qsdp train's metrics
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / f"{variant}.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    return final
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--data", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--variants", nargs="+", default=["sync", "delay", "predict"])
+    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--warmup", type=int, default=50)
+    p.add_argument("--steps", type=int, default=356)
+    p.add_argument("--micro", type=int, default=16)
+    p.add_argument("--preset", default="gpt-125m", choices=sorted(PRESETS))
+    a = p.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    finals = {}
+    for v in a.variants:
+        finals[v] = run(v, a, device)
+        print(f"{v}: final val loss {finals[v]:.4f}", flush=True)
+    base = finals.get("sync")
+    summary = {
+        "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "args": vars(a),
+        "final_val_loss": finals,
+        "vs_sync": {v: f / base - 1 for v, f in finals.items()} if base else None,
+    }
+    (Path(a.out) / "summary.json").write_text(json.dumps(summary, indent=1))
+    print(json.dumps(summary["vs_sync"]))
+
+
+if __name__ == "__main__":
+    main()

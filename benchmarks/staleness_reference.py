@@ -9,7 +9,12 @@ tenth), bf16 autocast, one process. Variants (one run each, the same seed and da
 - ``delay``: each step applies the previous step's gradient (none at step 0; the last one by one
   more optimizer step), as ``staleness=1`` does;
 - ``predict``: ``delay``, the gradient computed at the parameters plus the last update
-  (``qsdp.WeightPrediction``, [Note: weight prediction]).
+  (``qsdp.WeightPrediction``, [Note: weight prediction]);
+- ``local``: ``delay``, the gradient computed at the parameters AdamW would reach with the
+  gradient in flight estimated by one rank's own (unreduced) gradient of the previous step: the
+  next update's momentum part is known exactly, only the new gradient's share is estimated;
+- ``oracle``: ``local`` with the reduced gradient in flight itself (a check of the prediction's
+  arithmetic: it must train as ``sync`` does).
 
 Writes one CSV per variant (step, loss, val_loss at the eval steps, grad norm) and prints the
 final validation loss of each against ``sync``.
@@ -67,6 +72,32 @@ def evaluate(model: GPT, batches: Batches, a: argparse.Namespace, device) -> flo
     return total / n
 
 
+@torch.no_grad()
+def adamw_ahead(opt: torch.optim.AdamW, estimate: dict, clip: float) -> list:
+    """Move every parameter to where ``opt.step()`` would take it with the gradients
+    ``estimate`` (clipped by their own global norm); returns the saved parameters."""
+    norm = torch.linalg.vector_norm(
+        torch.stack([torch.linalg.vector_norm(g) for g in estimate.values()])
+    )
+    scale = min(1.0, clip / (float(norm) + 1e-6))
+    saved = []
+    for group in opt.param_groups:
+        b1, b2 = group["betas"]
+        for p in group["params"]:
+            state = opt.state.get(p)
+            if not state or p not in estimate:
+                continue
+            t = float(state["step"]) + 1
+            g = estimate[p] * scale
+            m = state["exp_avg"] * b1 + g * (1 - b1)
+            v = state["exp_avg_sq"] * b2 + g * g * (1 - b2)
+            denom = (v / (1 - b2**t)).sqrt_().add_(group["eps"])
+            saved.append((p, p.detach().clone()))
+            p.mul_(1 - group["lr"] * group["weight_decay"])
+            p.addcdiv_(m, denom, value=-group["lr"] / (1 - b1**t))
+    return saved
+
+
 def run(variant: str, a: argparse.Namespace, device: torch.device) -> float:
     data = open_data(Path(a.data))
     batches = Batches(data, order="pass")
@@ -84,6 +115,7 @@ def run(variant: str, a: argparse.Namespace, device: torch.device) -> float:
     )
     predict = qsdp.WeightPrediction(opt) if variant == "predict" else None
     pending: list[torch.Tensor] | None = None
+    estimate: dict = {}
     rows = []
     t0 = time.perf_counter()
     for step in range(a.steps + (variant != "sync")):
@@ -95,6 +127,13 @@ def run(variant: str, a: argparse.Namespace, device: torch.device) -> float:
         if not last:
             ahead = (
                 predict.ahead(enabled=pending is not None) if predict else contextlib.nullcontext()
+            )
+            if variant == "oracle" and pending is not None:  # the reduced gradient itself
+                estimate = dict(zip(params, pending, strict=True))
+            saved = (
+                adamw_ahead(opt, estimate, 1.0)
+                if variant in ("local", "oracle") and pending is not None and estimate
+                else []
             )
             with ahead:
                 for rank in range(RANKS):
@@ -111,6 +150,11 @@ def run(variant: str, a: argparse.Namespace, device: torch.device) -> float:
                         _, loss = model(x.to(device), y.to(device))
                     (loss / RANKS).backward()
                     loss_sum += float(loss) / RANKS
+                    if variant == "local" and rank == 0:  # rank 0's own gradient
+                        estimate = {p: p.grad.detach() * RANKS for p in params}
+            with torch.no_grad():
+                for p, x in saved:
+                    p.copy_(x)
         grads = [p.grad for p in params] if not last else None
         if variant != "sync":  # apply the previous step's gradient, keep this one
             for p in params:
@@ -158,7 +202,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--data", required=True)
     p.add_argument("--out", required=True)
-    p.add_argument("--variants", nargs="+", default=["sync", "delay", "predict"])
+    p.add_argument("--variants", nargs="+", default=["sync", "delay", "predict", "local"])
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--warmup", type=int, default=50)
     p.add_argument("--steps", type=int, default=356)

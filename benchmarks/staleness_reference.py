@@ -13,6 +13,7 @@ tenth), bf16 autocast, one process. Variants (one run each, the same seed and da
 - ``local``: ``delay``, the gradient computed at the parameters AdamW would reach with the
   gradient in flight estimated by one rank's own (unreduced) gradient of the previous step: the
   next update's momentum part is known exactly, only the new gradient's share is estimated;
+- ``blend``: ``local``, the estimate one rank's gradient and the momentum for the 3 others;
 - ``oracle``: ``local`` with the reduced gradient in flight itself (a check of the prediction's
   arithmetic: it must train as ``sync`` does).
 
@@ -73,9 +74,11 @@ def evaluate(model: GPT, batches: Batches, a: argparse.Namespace, device) -> flo
 
 
 @torch.no_grad()
-def adamw_ahead(opt: torch.optim.AdamW, estimate: dict, clip: float) -> list:
+def adamw_ahead(opt: torch.optim.AdamW, estimate: dict, clip: float, blend: int = 1) -> list:
     """Move every parameter to where ``opt.step()`` would take it with the gradients
-    ``estimate`` (clipped by their own global norm); returns the saved parameters."""
+    ``estimate`` (clipped by their own global norm); returns the saved parameters. ``blend``
+    ranks: the estimate is one rank's gradient, the other ``blend - 1`` ranks' are taken to be
+    the momentum (bias-corrected)."""
     norm = torch.linalg.vector_norm(
         torch.stack([torch.linalg.vector_norm(g) for g in estimate.values()])
     )
@@ -89,6 +92,8 @@ def adamw_ahead(opt: torch.optim.AdamW, estimate: dict, clip: float) -> list:
                 continue
             t = float(state["step"]) + 1
             g = estimate[p] * scale
+            if blend > 1:
+                g = (g + state["exp_avg"] * ((blend - 1) / (1 - b1 ** (t - 1)))) / blend
             m = state["exp_avg"] * b1 + g * (1 - b1)
             v = state["exp_avg_sq"] * b2 + g * g * (1 - b2)
             denom = (v / (1 - b2**t)).sqrt_().add_(group["eps"])
@@ -131,8 +136,8 @@ def run(variant: str, a: argparse.Namespace, device: torch.device) -> float:
             if variant == "oracle" and pending is not None:  # the reduced gradient itself
                 estimate = dict(zip(params, pending, strict=True))
             saved = (
-                adamw_ahead(opt, estimate, 1.0)
-                if variant in ("local", "oracle") and pending is not None and estimate
+                adamw_ahead(opt, estimate, 1.0, blend=RANKS if variant == "blend" else 1)
+                if variant in ("local", "blend", "oracle") and pending is not None and estimate
                 else []
             )
             with ahead:
@@ -150,7 +155,7 @@ def run(variant: str, a: argparse.Namespace, device: torch.device) -> float:
                         _, loss = model(x.to(device), y.to(device))
                     (loss / RANKS).backward()
                     loss_sum += float(loss) / RANKS
-                    if variant == "local" and rank == 0:  # rank 0's own gradient
+                    if variant in ("local", "blend") and rank == 0:  # rank 0's own gradient
                         estimate = {p: p.grad.detach() * RANKS for p in params}
             with torch.no_grad():
                 for p, x in saved:

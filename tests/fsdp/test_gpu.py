@@ -3,6 +3,8 @@ against plain FSDP2 on the same GPUs."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -118,10 +120,13 @@ def test_nan_gradient_on_one_rank_raises_everywhere_or_is_zeroed():
         assert r["error"] is None and r["finite"], r
 
 
-def _stale_vs_by_hand(rank: int, ws: int, recipe: str) -> None:
+def _stale_vs_by_hand(rank: int, ws: int, recipe: str, predict: bool) -> None:
     """Staleness 1 on NCCL against the synchronous model delayed by hand (as on gloo in
     tests/fsdp/test_staleness.py): the hook's own stream, the twin communicators and the
-    lifetime of FSDP2's input buffer are what only CUDA can get wrong."""
+    lifetime of FSDP2's input buffer are what only CUDA can get wrong. ``predict``: both compute
+    ahead (``qsdp.WeightPrediction``), the stale run when a reduction is in flight, the
+    reference when it holds a delayed gradient: the shifted shards must reach FSDP2's
+    all-gathers on their streams."""
 
     def backward(model, dev, batch):
         logits = model(batch[:, :-1].to(dev))
@@ -134,8 +139,10 @@ def _stale_vs_by_hand(rank: int, ws: int, recipe: str) -> None:
     stale, dev = _build(recipe, ws, torch.float32, config=qsdp.recipe(recipe, staleness=1))
     opt = torch.optim.AdamW(stale.parameters(), lr=3e-3)
     state = qsdp.fsdp.comm_state(stale)
+    prediction = qsdp.WeightPrediction(opt) if predict else None
     for batch in batches:
-        backward(stale, dev, batch)
+        with prediction.ahead(enabled=state.in_flight) if predict else contextlib.nullcontext():
+            backward(stale, dev, batch)
         if not state.applied_nothing:  # the first step
             opt.step()
         opt.zero_grad(set_to_none=False)
@@ -143,9 +150,14 @@ def _stale_vs_by_hand(rank: int, ws: int, recipe: str) -> None:
     opt.step()
     ref, dev = _build(recipe, ws, torch.float32)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=3e-3)
+    ref_prediction = qsdp.WeightPrediction(ref_opt) if predict else None
     kept = None
     for batch in batches:  # the delay by hand
-        backward(ref, dev, batch)
+        ahead = (
+            ref_prediction.ahead(enabled=kept is not None) if predict else contextlib.nullcontext()
+        )
+        with ahead:
+            backward(ref, dev, batch)
         now = [p.grad.clone() for p in ref.parameters()]
         if kept is not None:
             for p, g in zip(ref.parameters(), kept, strict=True):
@@ -160,7 +172,16 @@ def _stale_vs_by_hand(rank: int, ws: int, recipe: str) -> None:
         torch.testing.assert_close(a.to_local(), b.to_local(), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("recipe", ["sdp4bit", "qsdp-w8g8", "global-qsgd"])
-def test_staleness_1_on_nccl(recipe):
+@pytest.mark.parametrize(
+    "recipe, predict",
+    [
+        ("sdp4bit", False),
+        ("qsdp-w8g8", False),
+        ("global-qsgd", False),
+        ("bf16", True),
+        ("sdp4bit", True),
+    ],
+)
+def test_staleness_1_on_nccl(recipe, predict):
     ws = min(torch.cuda.device_count(), 4)
-    run_distributed(_stale_vs_by_hand, ws, recipe, backend="nccl", timeout_s=600)
+    run_distributed(_stale_vs_by_hand, ws, recipe, predict, backend="nccl", timeout_s=600)

@@ -37,6 +37,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
+from ..runtime.placement import like_param, local_of
+
 __all__ = ["Delay", "Pipeline", "twin_groups", "twin_mesh"]
 
 
@@ -165,24 +167,13 @@ class Pipeline:
             hook.check_applied(result)
             offset = 0
             for p, padded in params:
-                local = p.to_local() if isinstance(p, DTensor) else p
+                local = local_of(p)
                 grad = result[offset : offset + local.numel()].view(local.shape).to(p.dtype)
                 offset += padded
                 if p.grad is None:
-                    p.grad = (
-                        DTensor.from_local(
-                            grad.clone(),
-                            p.device_mesh,
-                            p.placements,
-                            run_check=False,
-                            shape=p.shape,
-                            stride=p.stride(),
-                        )
-                        if isinstance(p, DTensor)
-                        else grad.clone()
-                    )
+                    p.grad = like_param(grad.clone(), p)
                 else:
-                    (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad).copy_(grad)
+                    local_of(p.grad).copy_(grad)
             delay.clear()
         self.applied_nothing = True
 
@@ -210,14 +201,14 @@ class Pipeline:
             hook.delay.clear()
             if pending:
                 value = state[f"pending.{i}"]
-                local = value.to_local() if isinstance(value, DTensor) else value
+                local = local_of(value)
                 hook.delay.result = local.to(_device(params)).clone()
         self.applied_nothing = not pending
 
 
 def _device(params: list[tuple[nn.Parameter, int]]) -> torch.device:
     p = params[0][0]
-    return (p.to_local() if isinstance(p, DTensor) else p).device
+    return local_of(p).device
 
 
 def _sharded(local: torch.Tensor, params: list[tuple[nn.Parameter, int]]) -> torch.Tensor:

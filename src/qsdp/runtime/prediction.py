@@ -36,13 +36,10 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
-from torch.distributed.tensor import DTensor
+
+from .placement import like_param, local_of
 
 __all__ = ["WeightPrediction"]
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 class WeightPrediction:
@@ -72,7 +69,7 @@ class WeightPrediction:
         ]
 
     def _locals(self) -> list[torch.Tensor]:
-        return [_local(p.detach()) for p in self.params]
+        return [local_of(p.detach()) for p in self.params]
 
     def _before_step(self, *_: object) -> None:
         if self._ahead:
@@ -125,19 +122,8 @@ class WeightPrediction:
         has = int(self.update is not None)
         state: dict[str, torch.Tensor] = {"has_update": torch.tensor([has])}
         for i, p in enumerate(self.params):
-            local = self.update[i] if self.update is not None else torch.zeros_like(_local(p))
-            state[f"update.{i}"] = (
-                DTensor.from_local(
-                    local.clone(),
-                    p.device_mesh,
-                    p.placements,
-                    run_check=False,
-                    shape=p.shape,
-                    stride=p.stride(),
-                )
-                if isinstance(p, DTensor)
-                else local.clone()
-            )
+            local = self.update[i] if self.update is not None else torch.zeros_like(local_of(p))
+            state[f"update.{i}"] = like_param(local.clone(), p)
         return state
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
@@ -151,6 +137,6 @@ class WeightPrediction:
             self.update = None
             return
         self.update = [
-            _local(state[f"update.{i}"]).to(_local(p).device, _local(p).dtype).clone()
+            local_of(state[f"update.{i}"]).to(local_of(p).device, local_of(p).dtype).clone()
             for i, p in enumerate(self.params)
         ]

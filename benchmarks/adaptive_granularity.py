@@ -1,0 +1,153 @@
+"""How many gradient bytes can adaptive widths save, by the granularity of a width?
+
+CGX's plan (``qsdp.policy.adaptive.choose_widths``: the fewest bytes at no more squared error
+than every group at the reference width) on real gradients of a GPT trained for a few steps on
+the debian-docs corpus, for three groupings of the compressed parameters (the policy's: matrices
+of 1024+ elements; 1-D ones travel raw):
+
+- ``bucket``: DDP's buckets, 25 MiB of fp32 gradients in reverse parameter order (what
+  ``qsdp.ddp.register(..., adaptive=...)`` adapts today);
+- ``block``: one group per transformer block, plus the embeddings (FSDP2's groups);
+- ``parameter``: one group per parameter tensor (CGX's layer-wise widths).
+
+Prints and writes (``--out``, JSON) the share of the uniform width's bytes each plan saves at
+each measured step, with the widths qsdp packs (2, 4, 8; measured) and, modelled from the
+measured 4-bit error, with 2, 3, 4, 5, 6 and 8 bits (what packing more widths would give). No
+GPU: a CPU run of a few minutes.
+
+    PYTHONPATH=src python benchmarks/adaptive_granularity.py --data data/debian-docs-gpt2 \
+        --out benchmarks/results/adaptive_granularity_<date>.json [--preset gpt-125m]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+import qsdp
+from qsdp.policy.adaptive import choose_widths, measure_errors
+from qsdp.policy.params import ParamPolicy
+from qsdp.train.batches import Batches
+from qsdp.train.data import open_data
+from qsdp.train.model import GPT, PRESETS
+
+BUCKET_BYTES = 25 * 2**20
+
+
+def groupings(model: GPT, policy: ParamPolicy) -> dict[str, list[list[str]]]:
+    """Parameter names per group, for each granularity."""
+    named = [(n, p) for n, p in model.named_parameters() if policy.compresses(n, p.shape)]
+    per_param = [[n] for n, _ in named]
+    blocks: dict[str, list[str]] = {}
+    for n, _ in named:
+        key = ".".join(n.split(".")[:2]) if n.startswith("blocks.") else "embeddings"
+        blocks.setdefault(key, []).append(n)
+    buckets, current, size = [], [], 0
+    for n, p in reversed(named):  # DDP fills buckets in reverse order of the parameters
+        if current and size + p.numel() * 4 > BUCKET_BYTES:
+            buckets.append(current)
+            current, size = [], 0
+        current.append(n)
+        size += p.numel() * 4
+    if current:
+        buckets.append(current)
+    return {"bucket": buckets, "block": list(blocks.values()), "parameter": per_param}
+
+
+MODELLED = (2, 3, 4, 5, 6, 8)
+
+
+def modelled(errors: list[dict], nbytes: list[dict], sizes: list[int]) -> tuple[list, list]:
+    """Errors and bytes at widths the payload format does not pack (3, 5, 6), modelled from the
+    measured 4-bit error: a min-max step of range / (2^b - 1), so the squared error scales by
+    (15 / (2^b - 1))^2; codes of b bits per element plus the 4-bit payload's scales."""
+    errs, sizes_out = [], []
+    for err, size, n in zip(errors, nbytes, sizes, strict=True):
+        scales = size[4] - (n * 4 + 7) // 8
+        errs.append({b: err[4] * (15 / (2**b - 1)) ** 2 for b in MODELLED})
+        sizes_out.append({b: (n * b + 7) // 8 + scales for b in MODELLED})
+    return errs, sizes_out
+
+
+def saved(grads: dict[str, torch.Tensor], groups: list[list[str]], spec) -> dict:
+    flats = [torch.cat([grads[n].reshape(-1) for n in g]) for g in groups]
+    errors, nbytes = measure_errors(flats, spec)
+    plan = choose_widths(errors, nbytes, reference=spec.bits)
+    errs, sizes = modelled(errors, nbytes, [f.numel() for f in flats])
+    wide = choose_widths(errs, sizes, reference=spec.bits)
+    return {
+        "groups": len(groups),
+        "bytes_saved": plan.bytes_saved,
+        "widths": list(plan.widths),
+        "error_vs_reference": plan.error / plan.reference_error,
+        "modelled_2_to_8_bytes_saved": wide.bytes_saved,
+        "modelled_2_to_8_widths": list(wide.widths),
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--data", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--preset", default="gpt-125m", choices=sorted(PRESETS))
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--measure-at", type=int, nargs="+", default=[5, 15, 30])
+    p.add_argument("--micro", type=int, default=4)
+    p.add_argument("--block", type=int, default=256)
+    p.add_argument("--lr", type=float, default=3e-4)
+    a = p.parse_args()
+    torch.manual_seed(0)
+    data = open_data(Path(a.data))
+    batches = Batches(data, order="pass")
+    model = GPT(PRESETS[a.preset].with_vocab(data.vocab_size))
+    opt = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    spec = qsdp.recipe("cgx").grads.spec
+    groups = groupings(model, ParamPolicy())
+    results = []
+    t0 = time.perf_counter()
+    for step in range(1, a.steps + 1):
+        for g in opt.param_groups:
+            g["lr"] = a.lr * min(1.0, step / 10)
+        x, y = batches.train_batch(
+            step, 0, rank=0, world_size=1, micro_batch=a.micro, block_size=a.block, seed=0
+        )
+        _, loss = model(x, y)
+        loss.backward()
+        if step in a.measure_at:
+            grads = {n: q.grad for n, q in model.named_parameters() if q.grad is not None}
+            row = {"step": step, "loss": float(loss)}
+            row.update({k: saved(grads, g, spec) for k, g in groups.items()})
+            results.append(row)
+            print(
+                f"step {step} loss {float(loss):.3f}: "
+                + ", ".join(
+                    f"{k} ({row[k]['groups']} groups) saves {row[k]['bytes_saved']:.1%} "
+                    f"(modelled 2-8 bits: {row[k]['modelled_2_to_8_bytes_saved']:.1%})"
+                    for k in groups
+                )
+                + f" ({time.perf_counter() - t0:.0f} s)",
+                flush=True,
+            )
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    summary = {
+        "device": "cpu",
+        "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "args": vars(a),
+        "spec": {"bits": spec.bits, "group_size": spec.group_size, "scheme": spec.scheme},
+        "widths": [2, 4, 8],
+        "modelled_widths": list(MODELLED),
+        "results": results,
+    }
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps(summary, indent=1))
+
+
+if __name__ == "__main__":
+    main()

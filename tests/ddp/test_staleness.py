@@ -154,3 +154,40 @@ def _gated(rank: int, world: int) -> list[bool]:
 def test_the_gate_drains_and_the_next_step_is_the_synchronous_one():
     fired = run_distributed(_gated, 3)
     assert fired == [[False, True, False, False, True]] * 3, fired
+
+
+def _predicted(rank: int, world: int) -> list[float]:
+    """Staleness 1 with weight prediction against the delay and the prediction done by hand
+    around the synchronous hook: the same parameters bit for bit, replicas identical."""
+    ddp, hook, opt = _build("cgx", 1)
+    prediction = qsdp.WeightPrediction(opt)
+    shifted = []
+    for step in range(STEPS):
+        shifted.append(hook.in_flight and prediction.update is not None)
+        with prediction.ahead(enabled=hook.in_flight):
+            _loss(ddp, rank, step).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+    sync, _, ref_opt = _build("cgx", 0)
+    ref_prediction = qsdp.WeightPrediction(ref_opt)
+    kept = [torch.zeros_like(p) for p in sync.parameters()]
+    for step in range(STEPS):  # the delay by hand; the shift from the second update on
+        with ref_prediction.ahead(enabled=step > 0):
+            _loss(sync, rank, step).backward()
+        now = [p.grad.clone() for p in sync.parameters()]
+        for p, g in zip(sync.parameters(), kept, strict=True):
+            p.grad.copy_(g)
+        ref_opt.step()
+        ref_opt.zero_grad(set_to_none=False)
+        kept = now
+    for p, w in zip(ddp.parameters(), sync.parameters(), strict=True):
+        assert torch.equal(p.detach(), w.detach()), rank
+        assert_same_on_all_ranks(p.detach())
+    return shifted
+
+
+def test_weight_prediction_computes_ahead_and_keeps_replicas_identical():
+    for shifted in run_distributed(_predicted, 3):
+        # step 0: nothing in flight; from step 1 on a reduction is in flight and there is an
+        # update (step 0's optimizer step on zeros, as the delay by hand takes it: weight decay)
+        assert shifted == [False] + [True] * (STEPS - 1), shifted

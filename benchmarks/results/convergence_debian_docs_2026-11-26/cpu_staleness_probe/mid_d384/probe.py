@@ -37,6 +37,7 @@ def main(stale: int) -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=peak, betas=(0.9, 0.95), weight_decay=0.1)
     data = Batches(open_data(DATA), order="pass")
     after = int(os.environ.get("STALE_AFTER", 0))
+    predict = qsdp.WeightPrediction(opt) if stale and os.environ.get("PREDICT") == "1" else None
     for step in range(int(os.environ.get("STEPS", 40))):
         for group in opt.param_groups:
             group["lr"] = peak * min(1.0, (step + 1) / 50)
@@ -44,7 +45,12 @@ def main(stale: int) -> None:
             step, 0, rank=rank, world_size=ws, micro_batch=4, block_size=128, seed=0
         )
         sync = state.synchronous() if stale and step < after else contextlib.nullcontext()
-        with sync:
+        ahead = (
+            predict.ahead(enabled=state.in_flight and step >= after)
+            if predict is not None
+            else contextlib.nullcontext()
+        )
+        with sync, ahead:
             _, loss = model(x, y)
             loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

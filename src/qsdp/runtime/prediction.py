@@ -88,7 +88,7 @@ class WeightPrediction:
         torch._foreach_neg_(self.update)
 
     @contextlib.contextmanager
-    def ahead(self, enabled: bool = True) -> Iterator[None]:
+    def ahead(self, *, enabled: bool = True) -> Iterator[None]:
         """Within: the parameters are ``x + u`` (``u`` the last update); run the step's forward
         and backward here. ``enabled=False``, or before the first ``optimizer.step()``: the
         parameters as they are."""

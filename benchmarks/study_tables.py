@@ -40,10 +40,13 @@ def _run(path: Path) -> dict:
 
 def _what(c: dict) -> str:
     parts = [c["parallel"].upper() if c["parallel"] != "fsdp" else "FSDP2"]
-    if c.get("nodes"):
+    if c.get("nodes") and c.get("world_size", 4) >= 2 * c["nodes"]:  # else: no two levels
         parts.append(f"{c['nodes']} nodes")
-    if c.get("staleness"):
-        parts.append(f"staleness {c['staleness']}")
+    if c.get("staleness"):  # runs before weight prediction existed have no "predict"
+        how = "weight prediction" if c.get("predict") else "the delayed gradient as is"
+        parts.append(f"staleness {c['staleness']}, {how}")
+    if c.get("stale_after"):
+        parts.append(f"synchronous before step {c['stale_after']}")
     if c.get("adaptive_every"):
         parts.append(f"adaptive every {c['adaptive_every']}")
     if c.get("seed"):
@@ -57,14 +60,21 @@ def convergence_table(root: Path) -> str:
     wire over the whole run against that run's."""
     runs = {p.name: _run(p) for p in sorted(root.iterdir()) if (p / "metrics.csv").exists()}
     first = runs["bf16"]["config"]
+    gpus = first.get("world_size", 4)  # (the first study's configs say 4 GPUs in their device)
+    val = first["eval_batches"] * gpus * first["micro_batch"] * first["block_size"]
+    sharding = (
+        "FSDP2 runs shard over 2 emulated nodes of 2 GPUs (`--nodes 2`)"
+        if gpus == 4
+        else f"FSDP2 runs shard over the {gpus} GPUs"
+    )
     out = [
         f"GPT-125M, one pass over `debian-docs` ({runs['bf16']['tokens'] / 1e6:.1f} M train "
-        f"tokens, `--data-order pass`), {runs['bf16']['steps']} steps of 4 GPUs x "
+        f"tokens, `--data-order pass`), {runs['bf16']['steps']} steps of {gpus} GPUs x "
         f"{first['micro_batch']} x {first['block_size']} tokens, AdamW {first['lr']:g} after "
         f"{first['warmup']} warm-up steps, cosine to {first['min_lr_ratio']:g}x; validation on "
-        f"held-out pages ({first['eval_batches']} batches per rank, 655 K tokens) at the last "
-        "step; every run the same seed, data order and initial weights unless it says. FSDP2 "
-        "runs shard over 2 emulated nodes of 2 GPUs (`--nodes 2`); the transport is NVLink. "
+        f"held-out pages ({first['eval_batches']} batches per rank, {val / 1e3:.0f} K tokens) "
+        "at the last step; every run the same seed, data order and initial weights unless it "
+        f"says. {sharding}; the transport is NVLink. "
         "`vs base`: against `bf16` (FSDP2) or `ddp-bf16` (DDP); `bytes`: all bytes the run "
         "handed to NCCL over the base run's; `s/step`: median, NVLink, not a speed figure.\n",
         "| run | what | device | final val loss | vs base | bytes | s/step |",

@@ -22,6 +22,7 @@ sys.path.insert(0, str(RESULTS.parent))  # the study's tables, beside this scrip
 import study_tables  # noqa: E402
 
 CONVERGENCE = RESULTS / "convergence_debian_docs_2026-11-26" / "lr3e-4"
+STALENESS_2GPU = RESULTS / "convergence_debian_docs_2026-11-26" / "staleness_2gpu"
 AUTO = RESULTS / "auto_2026-11-26"
 
 
@@ -432,6 +433,10 @@ def tables() -> dict[str, Callable[[], str]]:
             [STALENESS / "ddp_staleness_socket_ws4_NVIDIA_H200.json"]
         ),
         "convergence": lambda: study_tables.convergence_table(CONVERGENCE),
+        "staleness-2gpu": lambda: study_tables.convergence_table(STALENESS_2GPU / "lr3e-4"),
+        "staleness-2gpu-lr1.5e-4": lambda: study_tables.convergence_table(
+            STALENESS_2GPU / "lr1.5e-4"
+        ),
         "sdp4bit-table1": lambda: study_tables.sdp4bit_table(CONVERGENCE),
         "auto": lambda: study_tables.auto_table(sorted(AUTO.glob("*/*.json"))),
     }

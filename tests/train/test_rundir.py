@@ -197,6 +197,18 @@ def test_resume_checks_each_setting_and_lets_the_free_ones_change(run, files, mo
     with pytest.raises(ValueError, match="--predict: saved True, now False"):
         as_is = dataclasses.replace(saved, parallel="ddp", staleness=1, predict=False)
         validate(as_is, data, world_size=2, columns=COLUMNS)
+    # a stale run from before weight prediction (no "predict" saved) resumes only without it
+    text = config.read_text().replace('"predict": true,', "")
+    config.write_text(text.replace('"nodes": 2', '"nodes": null'))
+    assert '"predict"' not in config.read_text()
+    with pytest.raises(ValueError, match="from before weight prediction.*--no-predict"):
+        validate(
+            dataclasses.replace(saved, parallel="ddp", staleness=1),
+            data,
+            world_size=2,
+            columns=COLUMNS,
+        )
+    validate(as_is, data, world_size=2, columns=COLUMNS)
     unchecked = {"data", "tokenizer", "nodes", "staleness", "stale_bound", "stale_after"}
     unchecked |= {"adaptive_every", "predict"}
     assert set(CHANGED) | unchecked == set(RESUME_MUST_MATCH) & set(

@@ -43,7 +43,11 @@ def _what(c: dict) -> str:
     if c.get("nodes") and c.get("world_size", 4) >= 2 * c["nodes"]:  # else: no two levels
         parts.append(f"{c['nodes']} nodes")
     if c.get("staleness"):  # runs before weight prediction existed have no "predict"
-        how = "weight prediction" if c.get("predict") else "the delayed gradient as is"
+        how = {
+            True: "weight prediction",  # (the first runs with it saved a bool)
+            "last": "weight prediction",
+            "local": "prediction from each rank's own gradient",
+        }.get(c.get("predict"), "the delayed gradient as is")
         parts.append(f"staleness {c['staleness']}, {how}")
     if c.get("stale_after"):
         parts.append(f"synchronous before step {c['stale_after']}")

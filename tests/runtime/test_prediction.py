@@ -153,3 +153,104 @@ def _sharded(rank: int, world: int) -> None:
 
 def test_fsdp2_computes_at_the_predicted_shards():
     run_distributed(_sharded, 3)
+
+
+class _Source:
+    """A stand-in for FSDP2's comm state: fixed local gradient estimates."""
+
+    def __init__(self, estimates: dict) -> None:
+        self.estimates, self.kept = estimates, False
+
+    def keep_local_gradients(self) -> None:
+        self.kept = True
+
+    def local_gradients(self) -> dict:
+        return self.estimates
+
+
+@pytest.mark.parametrize("clipped", [False, True])
+@pytest.mark.parametrize("kind", [torch.optim.AdamW, torch.optim.Adam])
+def test_local_prediction_is_the_optimizers_next_step_with_the_estimate(kind, clipped):
+    import copy
+
+    model = classifier()
+    opt = kind(model.parameters(), lr=1e-2, weight_decay=0.1)
+    for step in range(2):
+        _loss(model, 0, step).backward()
+        opt.step()
+        opt.zero_grad()
+    twin = copy.deepcopy(model)
+    twin_opt = kind(twin.parameters(), lr=1e-2, weight_decay=0.1)
+    twin_opt.load_state_dict(copy.deepcopy(opt.state_dict()))  # (its tensors are shared)
+    g = torch.Generator().manual_seed(5)
+    estimates = {p: torch.randn(p.shape, generator=g) for p in model.parameters()}
+    source = _Source(estimates)
+    predict = WeightPrediction(opt, local=source)
+    assert source.kept and predict.update is None
+    norm = torch.linalg.vector_norm(torch.cat([e.reshape(-1) for e in estimates.values()]))
+    for t, e in zip(twin.parameters(), estimates.values(), strict=True):
+        t.grad = e.clone()
+    clip = float(norm) / 2 if clipped else None
+    if clipped:  # as the trainer clips the gradient it applies
+        torch.nn.utils.clip_grad_norm_(twin.parameters(), clip)
+    twin_opt.step()  # torch's own step with the estimate
+    before = _snapshot(model)
+    with predict.ahead(clip=clip):
+        for p, t in zip(model.parameters(), twin.parameters(), strict=True):
+            torch.testing.assert_close(p, t, rtol=1e-6, atol=1e-7)
+    for a, b in zip(_snapshot(model), before, strict=True):  # restored bit for bit
+        assert torch.equal(a, b)
+    with predict.ahead(enabled=False):
+        assert all(torch.equal(a, b) for a, b in zip(_snapshot(model), before, strict=True))
+    assert predict.state_dict() == {"local": torch.tensor([1])}
+    with pytest.raises(ValueError, match="different sources"):
+        predict.load_state_dict({"has_update": torch.tensor([0])})
+
+
+def test_local_prediction_refuses_what_it_cannot_compute():
+    model = classifier()
+    with pytest.raises(TypeError, match="knows Adam and AdamW, not SGD"):
+        WeightPrediction(torch.optim.SGD(model.parameters(), lr=0.1), local=_Source({}))
+    with pytest.raises(ValueError, match="amsgrad=True is not it"):
+        WeightPrediction(torch.optim.AdamW(model.parameters(), amsgrad=True), local=_Source({}))
+
+
+def _local_estimates(rank: int, world: int) -> None:
+    mesh = init_device_mesh("cpu", (world,))
+    model = classifier()
+    for i in (2, 5):
+        fully_shard(model[i], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    # full-precision weights (the twin computes on the same ones), integer-coded gradients
+    qsdp.compress_fsdp(model, qsdp.recipe("global-qsgd", staleness=1))
+    state = qsdp.fsdp.comm_state(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    predict = WeightPrediction(opt, local=state)
+    assert state.local_gradients() == {}  # nothing in flight yet
+    twin = classifier()  # this rank's own gradient, unsharded
+    _loss(twin, rank, 0).backward()
+    _loss(model, rank, 0).backward()
+    estimates = state.local_gradients()
+    assert len(estimates) == 7
+    for p, t in zip(model.parameters(), twin.parameters(), strict=True):
+        rows = p.to_local().shape[0]
+        start = rank * -(-p.shape[0] // world)  # FSDP2 shards dim 0 in chunks of ceil(n / world)
+        torch.testing.assert_close(estimates[p], t.grad[start : start + rows])
+    opt.step()
+    opt.zero_grad()
+    with predict.ahead(enabled=state.in_flight):  # on the sharded DTensors: they move
+        moved = [p.full_tensor() for p in model.parameters()]
+    after = [p.full_tensor() for p in model.parameters()]
+    assert any(not torch.equal(a, b) for a, b in zip(moved, after, strict=True))
+    state.drain()
+    assert state.local_gradients() == {}
+    with pytest.raises(ValueError, match="not by ReplicateAllReduce"):
+        hsdp = classifier()
+        m2 = init_device_mesh("cpu", (1, world), mesh_dim_names=("replicate", "shard"))
+        fully_shard(hsdp, mesh=m2["shard"])
+        qsdp.compress_fsdp(hsdp, qsdp.recipe("cgx", staleness=1), replicate=m2["replicate"])
+        WeightPrediction(torch.optim.AdamW(hsdp.parameters()), local=qsdp.fsdp.comm_state(hsdp))
+
+
+def test_fsdp2_keeps_each_ranks_own_gradient_of_its_shard():
+    run_distributed(_local_estimates, 3)

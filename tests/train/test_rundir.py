@@ -194,14 +194,14 @@ def test_resume_checks_each_setting_and_lets_the_free_ones_change(run, files, mo
         validate(stale, data, world_size=2, columns=COLUMNS)
     # a stale run that predicted resumed without prediction is refused
     config.write_text(config.read_text().replace('"staleness": 0', '"staleness": 1'))
-    with pytest.raises(ValueError, match="--predict: saved True, now False"):
-        as_is = dataclasses.replace(saved, parallel="ddp", staleness=1, predict=False)
+    with pytest.raises(ValueError, match="--predict: saved 'last', now 'none'"):
+        as_is = dataclasses.replace(saved, parallel="ddp", staleness=1, predict="none")
         validate(as_is, data, world_size=2, columns=COLUMNS)
     # a stale run from before weight prediction (no "predict" saved) resumes only without it
-    text = config.read_text().replace('"predict": true,', "")
+    text = config.read_text().replace('"predict": "last",', "")
     config.write_text(text.replace('"nodes": 2', '"nodes": null'))
     assert '"predict"' not in config.read_text()
-    with pytest.raises(ValueError, match="from before weight prediction.*--no-predict"):
+    with pytest.raises(ValueError, match="from before weight prediction.*--predict none"):
         validate(
             dataclasses.replace(saved, parallel="ddp", staleness=1),
             data,

@@ -146,7 +146,7 @@ def _stale(rank: int, world: int, data: str, root: str) -> None:
         for name, kw in (
             ("sync", {}),
             ("straight", {"staleness": 1}),
-            ("as-is", {"staleness": 1, "predict": False}),
+            ("as-is", {"staleness": 1, "predict": "none"}),
             ("accumulated", {"staleness": 1, "grad_accum": 2}),
             ("resumed", {"staleness": 1, "stop_at": 3}),
             ("resumed", {"staleness": 1, "resume": True}),
@@ -157,12 +157,30 @@ def _stale(rank: int, world: int, data: str, root: str) -> None:
             out = Path(root) / f"{parallel}-{name}"
             cfg = _cfg(out, recipe, parallel=parallel, steps=6, seed=3, ckpt_every=0, **kw)
             train_rank(cfg, d, cpu)
+    # FSDP2: the prediction from each rank's own gradient, straight and resumed
+    for name, kw in (
+        ("local", {}),
+        ("local-resumed", {"stop_at": 3}),
+        ("local-resumed", {"resume": True}),
+    ):
+        out = Path(root) / f"fsdp-{name}"
+        cfg = _cfg(out, "qsdp-w8g8", steps=6, seed=3, ckpt_every=0, staleness=1, predict="local")
+        train_rank(replace(cfg, **kw), d, cpu)
 
 
 def test_staleness_trains_late_gates_and_resumes_exactly(data_dir, tmp_path):
     run_distributed(_stale, 2, str(data_dir), str(tmp_path), timeout_s=600)
     for parallel in ("ddp", "fsdp"):
         _check_stale(tmp_path, parallel)
+    last, local, resumed = (
+        [float(r["loss"]) for r in _rows(tmp_path / f"fsdp-{n}")]
+        for n in ("straight", "local", "local-resumed")
+    )
+    # step 1 has a gradient in flight but no optimizer state to step from yet; from step 2
+    # on the prediction from each rank's own gradient differs from the last update's
+    assert local[:2] == last[:2] and local[2] != last[2], (local, last)
+    # the checkpoint carries each rank's own gradient of the step in flight: resumed exactly
+    assert resumed == local
 
 
 def _check_stale(tmp_path: Path, parallel: str) -> None:
@@ -313,7 +331,12 @@ def test_schedule_warms_up_then_decays_to_the_floor():
         ({"recipe": "auto", "staleness": 1}, "--recipe auto picks a recipe"),
         ({"staleness": 1, "stale_bound": -1.0}, "a positive bound"),
         ({"stale_after": 5}, "--stale-after=5 needs --staleness 1"),
-        ({"predict": False}, "--no-predict is for --staleness 1"),
+        ({"predict": "none"}, "--predict none is for --staleness 1"),
+        ({"predict": "ahead"}, "--predict must be one of"),
+        (
+            {"predict": "local", "staleness": 1, "parallel": "ddp", "recipe": "cgx"},
+            "--predict local needs FSDP2's reduce-scatter",
+        ),
         ({"staleness": 1, "stale_after": 200}, "a step in (0, --steps)"),
         ({"staleness": 2, "parallel": "ddp", "recipe": "cgx"}, "--staleness must be 0 or 1"),
     ],

@@ -111,6 +111,9 @@ class QuantizedReduceScatter(_Reduction, _Hook, ReduceScatter):
     """FSDP2 gradient reduce-scatter through ``plan.reduce_scatter`` (quantized, two-level or
     Global-QSGD integers, as the config's gradient sub-config built it)."""
 
+    local_estimates = True
+    """At staleness 1 it can keep this rank's own gradient of its shard (weight prediction)."""
+
     def __call__(
         self,
         output_tensor: torch.Tensor,
@@ -152,7 +155,13 @@ class QuantizedReduceScatter(_Reduction, _Hook, ReduceScatter):
                     stats=self.stats,
                 )
 
-            self.delay.send(launch, like=output_tensor, input=input_tensor)
+            # weight prediction's estimate: this rank's row of the unreduced input
+            local = (
+                input_tensor.view(group.size(), -1)[group.rank()]
+                if self.pipeline.keep_local
+                else None
+            )
+            self.delay.send(launch, like=output_tensor, input=input_tensor, local=local)
             return None
         if self.twins:  # CompressionConfig.own_reduce_group: off FSDP2's communicator
             group = self._twin(group)

@@ -74,6 +74,9 @@ class Delay:
         self._event_device: torch.device | None = None
         self._stream: torch.cuda.Stream | None = None
         self.op: str = "avg"
+        self.local: torch.Tensor | None = None
+        """This rank's own share of the gradient in flight (its row of the unreduced input), kept
+        when the pipeline keeps local estimates ([Note: weight prediction])."""
 
     def finish(self) -> torch.Tensor | None:
         """The result, complete for the current stream (on CUDA the stream waits; the host
@@ -84,13 +87,20 @@ class Delay:
         return self.result
 
     def send(
-        self, launch: Callable[[torch.Tensor], object], *, like: torch.Tensor, input: torch.Tensor
+        self,
+        launch: Callable[[torch.Tensor], object],
+        *,
+        like: torch.Tensor,
+        input: torch.Tensor,
+        local: torch.Tensor | None = None,
     ) -> None:
         """Start ``launch(result)`` (the plan's collective writing ``result``, shaped as
         ``like``) after everything the current stream did. ``input`` (what the collective
         reads) is marked as used by the hook's stream, so the caching allocator hands its
         memory out again only once that stream has passed the reduction: the hook keeps no
-        reference, and FSDP2's buffer is freed as soon as the reduction is done."""
+        reference, and FSDP2's buffer is freed as soon as the reduction is done. ``local``:
+        this rank's share of it, copied (on the current stream) as :attr:`local`."""
+        self.local = None if local is None else local.clone()
         if (
             self.result is None
             or self.result.shape != like.shape
@@ -116,6 +126,7 @@ class Delay:
     def clear(self) -> None:
         self.finish()
         self.result = None
+        self.local = None
 
 
 class Pipeline:
@@ -130,6 +141,9 @@ class Pipeline:
         after a drain): skip that step's ``optimizer.step()``."""
         self.synchronous = False
         """Set by ``CommState.synchronous()``: the hooks reduce and apply at once."""
+        self.keep_local = False
+        """The hooks keep each rank's own share of the gradient in flight
+        (:meth:`keep_local_gradients`)."""
 
     def check_synchronous(self, hook: object) -> None:
         """A synchronous backward with this hook's reduction still in flight would drop it."""
@@ -147,6 +161,42 @@ class Pipeline:
 
     def add(self, hook: object, params: list[tuple[nn.Parameter, int]]) -> None:
         self.entries.append((hook, params))
+
+    def keep_local_gradients(self) -> None:
+        """From the next backward on, each reduce-scatter keeps this rank's row of its
+        unreduced input (the rank's own gradient of its shard: one shard per group, in the
+        reduce dtype), for :meth:`local_gradients`."""
+        if not self.entries:
+            raise ValueError("local gradient estimates: this model has no delayed reduction")
+        for hook, _ in self.entries:
+            if not getattr(hook, "local_estimates", False):
+                raise ValueError(
+                    f"local gradient estimates are kept by FSDP2's reduce-scatter hooks, not "
+                    f"by {type(hook).__name__} (compressed HSDP's replicate all-reduce): use the "
+                    "last-update prediction (WeightPrediction(optimizer))"
+                )
+        self.keep_local = True
+
+    def local_gradients(self) -> dict[nn.Parameter, torch.Tensor]:
+        """Each parameter's share of this rank's own gradient of the step in flight, shaped as
+        its local shard (an unbiased estimate of the averaged gradient the next backward
+        applies); empty when nothing is in flight."""
+        out: dict[nn.Parameter, torch.Tensor] = {}
+        for hook, params in self.entries:
+            delay: Delay = hook.delay
+            if delay.local is None:
+                continue
+            if delay.op != "avg":
+                raise ValueError(
+                    f"local gradient estimates need FSDP2's reduce op AVG, got {delay.op!r}: use "
+                    "a float32 or bfloat16 reduce_dtype, and no set_gradient_divide_factor"
+                )
+            offset = 0
+            for p, padded in params:
+                local = local_of(p)
+                out[p] = delay.local[offset : offset + local.numel()].view(local.shape)
+                offset += padded
+        return out
 
     def drain(self) -> None:
         """After the last backward: wait for every reduction in flight and put it into the
@@ -193,6 +243,14 @@ class Pipeline:
                 else torch.zeros(size, device=_device(params))
             )
             out[f"pending.{i}"] = _sharded(local, params)
+            if self.keep_local:  # this rank's share of it, for weight prediction
+                mine = hook.delay.local
+                mine = (
+                    mine.detach().float().clone()
+                    if mine is not None
+                    else torch.zeros(size, device=_device(params))
+                )
+                out[f"local.{i}"] = _sharded(mine, params)
         return out
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
@@ -203,6 +261,9 @@ class Pipeline:
                 value = state[f"pending.{i}"]
                 local = local_of(value)
                 hook.delay.result = local.to(_device(params)).clone()
+                if self.keep_local:
+                    mine = local_of(state[f"local.{i}"])
+                    hook.delay.local = mine.to(_device(params), hook.delay.result.dtype).clone()
         self.applied_nothing = not pending
 
 

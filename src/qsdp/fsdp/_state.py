@@ -152,6 +152,21 @@ class CommState:
         pipeline = self._installed.pipeline
         return pipeline is not None and pipeline.applied_nothing
 
+    def keep_local_gradients(self) -> None:
+        """Staleness 1: keep each rank's own (unreduced) gradient of its shards while their
+        reduction is in flight, for ``WeightPrediction(optimizer, local=state)``; FSDP2's
+        reduce-scatter only (not compressed HSDP). Memory: one shard per group."""
+        if self._installed.pipeline is None:
+            raise ValueError("local gradient estimates are for staleness=1")
+        self._installed.pipeline.keep_local_gradients()
+
+    def local_gradients(self) -> dict:
+        """Each parameter's share of this rank's own gradient of the step in flight (see
+        :meth:`keep_local_gradients`)."""
+        if self._installed.pipeline is None:
+            raise ValueError("local gradient estimates are for staleness=1")
+        return self._installed.pipeline.local_gradients()
+
     @property
     def in_flight(self) -> bool:
         """Staleness 1: a reduction is in flight, to be applied by the next backward (whose

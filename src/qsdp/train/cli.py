@@ -10,7 +10,7 @@ import traceback
 from ..config import RECIPES
 from .launch import _USER_ERRORS, TrainError, _describe, launch, under_torchrun
 from .model import PRESETS
-from .trainer import TrainConfig
+from .trainer import PREDICTIONS, TrainConfig
 
 
 def parser() -> argparse.ArgumentParser:
@@ -95,10 +95,12 @@ def parser() -> argparse.ArgumentParser:
         "costs most early in training)",
     )
     p.add_argument(
-        "--no-predict",
-        action="store_true",
-        help="--staleness 1: apply the delayed gradient as is (default: computed at the "
-        "predicted parameters, the last update applied once more)",
+        "--predict",
+        default="last",
+        choices=PREDICTIONS,
+        help="--staleness 1: compute each gradient at the parameters plus the last update "
+        "(last), at AdamW's next step with each rank's own gradient (local, FSDP2), or as they "
+        "are (none)",
     )
     p.add_argument(
         "--stale-bound",
@@ -147,7 +149,7 @@ def config_from(args: argparse.Namespace) -> TrainConfig:
         staleness=args.staleness,
         stale_after=args.stale_after,
         stale_bound=args.stale_bound,
-        predict=not args.no_predict,
+        predict=args.predict,
         adaptive_every=args.adaptive_every,
         tensorboard=args.tensorboard,
         progress=not args.no_progress,

@@ -214,11 +214,11 @@ def _check_resume(out: Path, info: dict[str, Any], columns: tuple) -> None:
             f"--resume would continue the run in {out} under other settings ({changes}); "
             f"resume with the settings in {config_path}, or choose another --out for a new run"
         )
-    if saved.get("staleness") and "predict" not in saved and info.get("predict"):
+    if saved.get("staleness") and "predict" not in saved and info.get("predict") != "none":
         # its checkpoints hold no weight prediction to continue from
         raise ValueError(
             f"--resume: the run in {out} is from before weight prediction (staleness 1 with the "
-            "delayed gradient as is); resume it with --no-predict"
+            "delayed gradient as is); resume it with --predict none"
         )
     metrics = out / METRICS_FILE
     if not metrics.is_file():

@@ -50,7 +50,10 @@ from .model import GPT, PRESETS, ModelConfig
 from .parallel import MODES, Parallel, build
 from .rundir import choice_record, saved_choice, validate, write_config
 
-__all__ = ["COLUMNS", "TrainConfig", "raise_together", "train_rank"]
+PREDICTIONS = ("last", "local", "none")
+"""``--predict``: where a staleness-1 step computes its gradient (see ``TrainConfig.predict``)."""
+
+__all__ = ["COLUMNS", "PREDICTIONS", "TrainConfig", "raise_together", "train_rank"]
 
 T = TypeVar("T")
 
@@ -130,11 +133,12 @@ class TrainConfig:
     """Staleness 1 only from this step on: the steps before reduce and apply at once (the
     pipeline's ``synchronous()``), the first stale step applies nothing. The delay costs most at
     the end of the warm-up, but starting it later does not remove its cost (docs/results.md)."""
-    predict: bool = True
-    """Staleness 1: compute each step's gradient at the predicted parameters, the last update
-    applied once more (``qsdp.runtime.WeightPrediction``, [Note: weight prediction]); without
-    it the delayed gradient costs +29% of the loss on GPT-125M (docs/results.md).
-    ``--no-predict`` applies the delayed gradient as is."""
+    predict: str = "last"
+    """Staleness 1: where each step's gradient is computed ([Note: weight prediction]):
+    ``last``, the parameters plus the last update (``qsdp.WeightPrediction(opt)``; GPT-125M:
+    +19% of the loss against +29% as is, docs/results.md); ``local`` (FSDP2), AdamW's next step
+    with each rank's own gradient of the step in flight (+6% where the same schedule was done by
+    hand); ``none``, the parameters as they are (the delayed gradient as is)."""
     stale_bound: float | None = None
     """Staleness 1: force a synchronous step when ``lr * ||g||`` (clipped) of the applied
     gradient exceeds it (``qsdp.StalenessGate``, [Note: the staleness gate]); None never forces
@@ -184,9 +188,17 @@ class TrainConfig:
             raise ValueError(
                 f"--stale-after={self.stale_after} needs --staleness 1 and a step in (0, --steps)"
             )
-        if not self.predict and not self.staleness:
+        if self.predict not in PREDICTIONS:
+            raise ValueError(f"--predict must be one of {PREDICTIONS}, got {self.predict!r}")
+        if self.predict != "last" and not self.staleness:
             raise ValueError(
-                "--no-predict is for --staleness 1 (a synchronous step predicts nothing)"
+                f"--predict {self.predict} is for --staleness 1 (a synchronous step predicts "
+                "nothing)"
+            )
+        if self.predict == "local" and self.parallel != "fsdp":
+            raise ValueError(
+                "--predict local needs FSDP2's reduce-scatter (each rank's own gradient of its "
+                f"shard); with --{self.parallel} use --predict last"
             )
         if self.stale_bound is not None and (not self.staleness or not self.stale_bound > 0):
             raise ValueError(
@@ -387,7 +399,11 @@ def train_rank(cfg: TrainConfig, data: TokenData, device: torch.device) -> dict:
         weight_decay=0.0,
     )
     # staleness 1: gradients computed at the predicted parameters ([Note: weight prediction])
-    predict = WeightPrediction(opt) if cfg.staleness and cfg.predict else None
+    predict = (
+        WeightPrediction(opt, local=par.state if cfg.predict == "local" else None)
+        if cfg.staleness and cfg.predict != "none"
+        else None
+    )
     start, (forced, sync_next) = (
         load_checkpoint(out, par, opt, predict=predict) if cfg.resume else (0, (0, 0))
     )
@@ -435,7 +451,7 @@ def train_rank(cfg: TrainConfig, data: TokenData, device: torch.device) -> dict:
             # a step whose backward applies a reduction in flight computes ahead, through
             # all its micro-batches
             ahead = (
-                predict.ahead(enabled=not sync_step and par.state.in_flight)
+                predict.ahead(enabled=not sync_step and par.state.in_flight, clip=cfg.grad_clip)
                 if predict is not None
                 else contextlib.nullcontext()
             )

@@ -37,7 +37,12 @@ def main(stale: int) -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=peak, betas=(0.9, 0.95), weight_decay=0.1)
     data = Batches(open_data(DATA), order="pass")
     after = int(os.environ.get("STALE_AFTER", 0))
-    predict = qsdp.WeightPrediction(opt) if stale and os.environ.get("PREDICT") == "1" else None
+    mode = os.environ.get("PREDICT", "")
+    predict = (
+        qsdp.WeightPrediction(opt, local=state if mode == "local" else None)
+        if stale and mode in ("1", "local")
+        else None
+    )
     for step in range(int(os.environ.get("STEPS", 40))):
         for group in opt.param_groups:
             group["lr"] = peak * min(1.0, (step + 1) / 50)
@@ -46,7 +51,7 @@ def main(stale: int) -> None:
         )
         sync = state.synchronous() if stale and step < after else contextlib.nullcontext()
         ahead = (
-            predict.ahead(enabled=state.in_flight and step >= after)
+            predict.ahead(enabled=state.in_flight and step >= after, clip=1.0)
             if predict is not None
             else contextlib.nullcontext()
         )

@@ -168,18 +168,16 @@ def _predicted(rank: int, world: int) -> list[float]:
             _loss(ddp, rank, step).backward()
         opt.step()
         opt.zero_grad(set_to_none=False)
+    hook.drain()
+    opt.step()
     sync, _, ref_opt = _build("cgx", 0)
     ref_prediction = qsdp.WeightPrediction(ref_opt)
-    kept = [torch.zeros_like(p) for p in sync.parameters()]
-    for step in range(STEPS):  # the delay by hand; the shift from the second update on
+
+    def backward(step: int) -> None:  # ahead from the second step (the first update) on
         with ref_prediction.ahead(enabled=step > 0):
             _loss(sync, rank, step).backward()
-        now = [p.grad.clone() for p in sync.parameters()]
-        for p, g in zip(sync.parameters(), kept, strict=True):
-            p.grad.copy_(g)
-        ref_opt.step()
-        ref_opt.zero_grad(set_to_none=False)
-        kept = now
+
+    train_delayed_by_hand(sync, ref_opt, backward, STEPS)
     for p, w in zip(ddp.parameters(), sync.parameters(), strict=True):
         assert torch.equal(p.detach(), w.detach()), rank
         assert_same_on_all_ranks(p.detach())

@@ -105,15 +105,19 @@ def test_state_round_trips_and_refuses_another_model():
     assert all(torch.equal(a, b) for a, b in zip(kept, predict.update, strict=True))
 
 
-def _sharded(rank: int, world: int) -> None:
+def _stale_fsdp(world: int, recipe: str):
+    """The classifier under FSDP2 at staleness 1 over ``world`` ranks: model, comm state, AdamW."""
     mesh = init_device_mesh("cpu", (world,))
     model = classifier()
     for i in (2, 5):
         fully_shard(model[i], mesh=mesh)
     fully_shard(model, mesh=mesh)
-    qsdp.compress_fsdp(model, qsdp.recipe("bf16", staleness=1))
-    state = qsdp.fsdp.comm_state(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    qsdp.compress_fsdp(model, qsdp.recipe(recipe, staleness=1))
+    return model, qsdp.fsdp.comm_state(model), torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def _sharded(rank: int, world: int) -> None:
+    model, state, opt = _stale_fsdp(world, "bf16")
     predict = WeightPrediction(opt)
     seen = []
     for step in range(4):
@@ -216,15 +220,8 @@ def test_local_prediction_refuses_what_it_cannot_compute():
 
 
 def _local_estimates(rank: int, world: int) -> None:
-    mesh = init_device_mesh("cpu", (world,))
-    model = classifier()
-    for i in (2, 5):
-        fully_shard(model[i], mesh=mesh)
-    fully_shard(model, mesh=mesh)
     # full-precision weights (the twin computes on the same ones), integer-coded gradients
-    qsdp.compress_fsdp(model, qsdp.recipe("global-qsgd", staleness=1))
-    state = qsdp.fsdp.comm_state(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, state, opt = _stale_fsdp(world, "global-qsgd")
     predict = WeightPrediction(opt, local=state)
     assert state.local_gradients() == {}  # nothing in flight yet
     twin = classifier()  # this rank's own gradient, unsharded

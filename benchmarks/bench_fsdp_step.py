@@ -148,9 +148,11 @@ def build(
     fully_shard(model, mesh=shard_on, mp_policy=mp)
     if recipe is None or recipe == "compute-alone":
         return model
-    # NAME+s1: the recipe at staleness 1; NAME+own: its reduce-scatters on their own
-    # communicator (CompressionConfig.own_reduce_group)
+    # NAME+s1: the recipe at staleness 1 (+local: predicting from each rank's own gradient);
+    # NAME+own: its reduce-scatters on their own communicator (own_reduce_group)
     name, *options = recipe.split("+")
+    if set(options) - {"s1", "own", "local"} or ("local" in options and "s1" not in options):
+        raise SystemExit(f"variant {recipe!r}: options are +s1 (+local with it) and +own")
     if name == "auto":  # measures the regime's groups and picks (qsdp.policy.auto)
         if options:
             raise SystemExit(f"variant {recipe!r}: 'auto' takes no +options")
@@ -201,7 +203,8 @@ def run_variant(name, c, args, device, recipe, reduce_dtype, compute_dtype) -> t
     step_sync = profiling.compute_sync if stale else profiling.sync
     # staleness 1 computes ahead, as qsdp train does ([Note: weight prediction]): one more
     # buffer of the local shards, in the peak memory
-    predict = qsdp.WeightPrediction(opt) if stale else None
+    local = state if stale and "+local" in recipe else None  # (the hooks keep the estimates)
+    predict = qsdp.WeightPrediction(opt, local=local) if stale else None
     # extra steps after the measured ones: one profiled (--profile), one whose collectives are
     # read for the wire-alone replay (--bounds)
     bounds = args.bounds and recipe != "compute-alone"  # (no communication to replay)

@@ -185,3 +185,35 @@ def _stale_vs_by_hand(rank: int, ws: int, recipe: str, predict: bool) -> None:
 def test_staleness_1_on_nccl(recipe, predict):
     ws = min(torch.cuda.device_count(), 4)
     run_distributed(_stale_vs_by_hand, ws, recipe, predict, backend="nccl", timeout_s=600)
+
+
+def _local_estimates_on_nccl(rank: int, ws: int) -> None:
+    """Weight prediction from each rank's own gradient on NCCL: with the same batch on every
+    rank, each rank's own row of the reduce-scatter's input is the averaged gradient itself, so
+    the estimate kept in step 0 must equal what step 1's backward applies (the hook's stream
+    and the copy of FSDP2's input buffer are what only CUDA can get wrong)."""
+    model, dev = _build("bf16", ws, torch.float32, config=qsdp.recipe("bf16", staleness=1))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    state = qsdp.fsdp.comm_state(model)
+    qsdp.WeightPrediction(opt, local=state)  # the hooks keep the estimates from now on
+    batch = next(_batches(0, 1)).to(dev)  # the same batch on every rank
+
+    def backward() -> None:
+        logits = model(batch[:, :-1])
+        loss = nn.functional.cross_entropy(
+            logits.float().reshape(-1, 256), batch[:, 1:].reshape(-1)
+        )
+        loss.backward()
+
+    backward()  # step 0: applies nothing, sends its gradient, keeps this rank's row
+    estimates = {p: e.clone() for p, e in state.local_gradients().items()}
+    assert len(estimates) == len(list(model.parameters()))
+    opt.zero_grad(set_to_none=False)
+    backward()  # step 1: applies step 0's averaged gradient
+    for p in model.parameters():
+        torch.testing.assert_close(p.grad.to_local(), estimates[p], rtol=1e-4, atol=1e-6)
+
+
+def test_local_gradient_estimates_on_nccl():
+    ws = min(torch.cuda.device_count(), 4)
+    run_distributed(_local_estimates_on_nccl, ws, backend="nccl", timeout_s=300)

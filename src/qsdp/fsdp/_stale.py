@@ -184,18 +184,9 @@ class Pipeline:
         out: dict[nn.Parameter, torch.Tensor] = {}
         for hook, params in self.entries:
             delay: Delay = hook.delay
-            if delay.local is None:
-                continue
-            if delay.op != "avg":
-                raise ValueError(
-                    f"local gradient estimates need FSDP2's reduce op AVG, got {delay.op!r}: use "
-                    "a float32 or bfloat16 reduce_dtype, and no set_gradient_divide_factor"
-                )
-            offset = 0
-            for p, padded in params:
-                local = local_of(p)
-                out[p] = delay.local[offset : offset + local.numel()].view(local.shape)
-                offset += padded
+            if delay.local is not None:
+                _check_avg(delay, "local gradient estimates need it")
+                out.update(_by_param(delay.local, params))
         return out
 
     def drain(self) -> None:
@@ -208,18 +199,10 @@ class Pipeline:
             result = delay.finish()
             if result is None:
                 continue
-            if delay.op != "avg":
-                raise ValueError(
-                    f"qsdp staleness 1 cannot drain a reduction FSDP2 ran with op {delay.op!r} "
-                    "(it divides such gradients itself, with factors qsdp does not see): use a "
-                    "float32 or bfloat16 reduce_dtype, and no set_gradient_divide_factor"
-                )
+            _check_avg(delay, "qsdp staleness 1 cannot drain it")
             hook.check_applied(result)
-            offset = 0
-            for p, padded in params:
-                local = local_of(p)
-                grad = result[offset : offset + local.numel()].view(local.shape).to(p.dtype)
-                offset += padded
+            for p, view in _by_param(result, params).items():
+                grad = view.to(p.dtype)
                 if p.grad is None:
                     p.grad = like_param(grad.clone(), p)
                 else:
@@ -235,22 +218,9 @@ class Pipeline:
             "pending": torch.tensor([int(any(h.delay.result is not None for h, _ in self.entries))])
         }
         for i, (hook, params) in enumerate(self.entries):
-            result = hook.delay.finish()
-            size = sum(n for _, n in params)
-            local = (
-                result.detach().float().clone()
-                if result is not None
-                else torch.zeros(size, device=_device(params))
-            )
-            out[f"pending.{i}"] = _sharded(local, params)
+            out[f"pending.{i}"] = _saved(hook.delay.finish(), params)
             if self.keep_local:  # this rank's share of it, for weight prediction
-                mine = hook.delay.local
-                mine = (
-                    mine.detach().float().clone()
-                    if mine is not None
-                    else torch.zeros(size, device=_device(params))
-                )
-                out[f"local.{i}"] = _sharded(mine, params)
+                out[f"local.{i}"] = _saved(hook.delay.local, params)
         return out
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
@@ -265,6 +235,38 @@ class Pipeline:
                     mine = local_of(state[f"local.{i}"])
                     hook.delay.local = mine.to(_device(params), hook.delay.result.dtype).clone()
         self.applied_nothing = not pending
+
+
+def _check_avg(delay: Delay, what: str) -> None:
+    """A result or estimate is the average only under FSDP2's AVG: FSDP2 divides the others
+    itself, with factors qsdp does not see."""
+    if delay.op != "avg":
+        raise ValueError(
+            f"FSDP2 ran this reduction with op {delay.op!r}, not AVG; {what}: use a float32 or "
+            "bfloat16 reduce_dtype, and no set_gradient_divide_factor"
+        )
+
+
+def _by_param(flat: torch.Tensor, params: list[tuple[nn.Parameter, int]]) -> dict:
+    """A group's flat shard (each parameter padded to its slot) as one view per parameter,
+    shaped as the parameter's local shard."""
+    views, offset = {}, 0
+    for p, padded in params:
+        local = local_of(p)
+        views[p] = flat[offset : offset + local.numel()].view(local.shape)
+        offset += padded
+    return views
+
+
+def _saved(flat: torch.Tensor | None, params: list[tuple[nn.Parameter, int]]) -> torch.Tensor:
+    """A group's flat shard for a checkpoint (fp32, sharded like the parameters), zeros where
+    there is none."""
+    local = (
+        flat.detach().float().clone()
+        if flat is not None
+        else torch.zeros(sum(n for _, n in params), device=_device(params))
+    )
+    return _sharded(local, params)
 
 
 def _device(params: list[tuple[nn.Parameter, int]]) -> torch.device:

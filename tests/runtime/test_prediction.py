@@ -172,8 +172,12 @@ class _Source:
         return self.estimates
 
 
+def _adam_decoupled(params, **kw):
+    return torch.optim.Adam(params, decoupled_weight_decay=True, **kw)
+
+
 @pytest.mark.parametrize("clipped", [False, True])
-@pytest.mark.parametrize("kind", [torch.optim.AdamW, torch.optim.Adam])
+@pytest.mark.parametrize("kind", [torch.optim.AdamW, torch.optim.Adam, _adam_decoupled])
 def test_local_prediction_is_the_optimizers_next_step_with_the_estimate(kind, clipped):
     import copy
 
@@ -206,6 +210,8 @@ def test_local_prediction_is_the_optimizers_next_step_with_the_estimate(kind, cl
         assert torch.equal(a, b)
     with predict.ahead(enabled=False):
         assert all(torch.equal(a, b) for a, b in zip(_snapshot(model), before, strict=True))
+    with predict.ahead(), pytest.raises(RuntimeError, match=r"optimizer.step\(\) inside"):
+        opt.step()  # would step from the predicted parameters, then be overwritten
     assert predict.state_dict() == {"local": torch.tensor([1])}
     with pytest.raises(ValueError, match="different sources"):
         predict.load_state_dict({"has_update": torch.tensor([0])})

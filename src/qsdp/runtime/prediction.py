@@ -85,15 +85,13 @@ class WeightPrediction:
         """The last update of each parameter's local tensor, or None before the first step."""
         self.local = local
         self._ahead = False
-        self._handles = []
         if local is not None:
             _check_adam(optimizer)
             local.keep_local_gradients()
-            return
-        self._handles = [
-            optimizer.register_step_pre_hook(self._before_step),
-            optimizer.register_step_post_hook(self._after_step),
-        ]
+        # (with local, the pre-hook only refuses a step inside ahead())
+        self._handles = [optimizer.register_step_pre_hook(self._before_step)]
+        if local is None:
+            self._handles.append(optimizer.register_step_post_hook(self._after_step))
 
     def _locals(self) -> list[torch.Tensor]:
         return [local_of(p.detach()) for p in self.params]
@@ -104,6 +102,8 @@ class WeightPrediction:
                 "optimizer.step() inside WeightPrediction.ahead(): the parameters are the "
                 "predicted ones; step after the block (after the backward)"
             )
+        if self.local is not None:
+            return
         xs = self._locals()
         if self.update is None:
             self.update = [torch.empty_like(x) for x in xs]
@@ -226,9 +226,10 @@ def _adam_next(
     """Move each parameter with an estimate and optimizer state to where ``optimizer.step()``
     would take it with that gradient (times ``clip_coef``); returns (local tensor, copy) to
     restore. Adam's and AdamW's step as ``torch.optim`` computes it."""
-    decoupled = isinstance(optimizer, torch.optim.AdamW)
     saved = []
     for group in optimizer.param_groups:
+        # AdamW, or Adam(decoupled_weight_decay=True) of torch >= 2.6
+        decoupled = group.get("decoupled_weight_decay", isinstance(optimizer, torch.optim.AdamW))
         beta1, beta2 = group["betas"]
         lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
         for p in group["params"]:

@@ -17,6 +17,25 @@ def test_corpus_is_real_english_text():
         assert word in text
 
 
+def test_corpus_does_not_depend_on_what_the_process_did_before():
+    """Reading a class's ``__annotations__`` creates it (an empty dict); pydoc's rendering
+    listed it, so a FSDP2 test's first run trained on other batches than its second (found on
+    2 x H100). Run in a fresh process, so that nothing here has read them already."""
+    code = (
+        "import hashlib, importlib, inspect\n"
+        "from qsdp.train.quant_demo import CORPUS_MODULES, corpus\n"
+        "a = corpus()\n"
+        "for name in CORPUS_MODULES:\n"
+        "    for obj in list(vars(importlib.import_module(name)).values()):\n"
+        "        if inspect.isclass(obj):\n"
+        "            getattr(obj, '__annotations__', None)\n"
+        "print(a == corpus(), len(a))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    same, size = out.stdout.split()
+    assert same == "True" and int(size) > 200_000, out.stdout
+
+
 @pytest.fixture(scope="module")
 def rows(tmp_path_factory):
     out = tmp_path_factory.mktemp("demo")

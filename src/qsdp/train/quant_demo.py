@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import pydoc
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -45,22 +44,49 @@ class Row:
     rel_l2_error: float
 
 
+#: The modules whose docstrings make the corpus (all in every CPython 3.10+).
+CORPUS_MODULES = (
+    "argparse", "collections", "json", "logging", "pathlib", "subprocess", "typing", "pydoc",
+    "inspect", "textwrap", "difflib", "tarfile", "zipfile", "unittest", "email.message",
+    "http.client", "shutil", "tempfile", "threading", "functools", "itertools", "datetime",
+    "decimal", "fractions", "statistics", "random", "string", "re",
+)  # fmt: skip
+
+
 def corpus(min_bytes: int = 200_000) -> bytes:
-    """English text from the standard library's documentation (offline, always present)."""
-    import argparse as a
-    import collections
-    import json as j
-    import logging
-    import pathlib
-    import subprocess
-    import typing
+    """English text from the standard library's docstrings (offline, always present).
+
+    Only the docstrings themselves, in a fixed order (module, then its public classes and
+    functions by name, then each class's own public methods by name), so the bytes are the same
+    whatever the process did before. ``pydoc``'s rendering is not: it lists attributes such as
+    a class's ``__annotations__``, which exists once anything has read it (``typing``'s
+    classes gained one after a CUDA FSDP2 run, and a test's second training run then saw other
+    batches than its first).
+    """
+    import importlib
+    import inspect
+
+    def own(obj, owner: str) -> bool:
+        is_code = inspect.isclass(obj) or inspect.isfunction(obj)
+        return is_code and getattr(obj, "__module__", None) == owner
 
     text = []
-    for mod in (a, collections, j, logging, pathlib, subprocess, typing, pydoc):
-        text.append(pydoc.render_doc(mod, renderer=pydoc.plaintext))
-    data = "\n".join(text).encode("ascii", "ignore")
+    for name in CORPUS_MODULES:
+        module = importlib.import_module(name)
+        if module.__doc__:
+            text.append(inspect.cleandoc(module.__doc__))
+        for attr, obj in sorted(vars(module).items()):
+            if attr.startswith("_") or inspect.ismodule(obj) or not own(obj, module.__name__):
+                continue
+            if isinstance(obj.__doc__, str):
+                text.append(f"{attr}\n{inspect.cleandoc(obj.__doc__)}")
+            if inspect.isclass(obj):
+                for method, fn in sorted(vars(obj).items()):
+                    if not method.startswith("_") and inspect.isfunction(fn) and fn.__doc__:
+                        text.append(f"{attr}.{method}\n{inspect.cleandoc(fn.__doc__)}")
+    data = "\n\n".join(text).encode("ascii", "ignore")
     if len(data) < min_bytes:
-        raise RuntimeError(f"only {len(data)} bytes of stdlib documentation found")
+        raise RuntimeError(f"only {len(data)} bytes of stdlib docstrings found")
     return data
 
 

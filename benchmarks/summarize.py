@@ -437,6 +437,9 @@ def tables() -> dict[str, Callable[[], str]]:
         "staleness-2gpu-lr1.5e-4": lambda: study_tables.convergence_table(
             STALENESS_2GPU / "lr1.5e-4"
         ),
+        "staleness-2gpu-local": lambda: study_tables.convergence_table(
+            STALENESS_2GPU / "local_h100"
+        ),
         "sdp4bit-table1": lambda: study_tables.sdp4bit_table(CONVERGENCE),
         "auto": lambda: study_tables.auto_table(sorted(AUTO.glob("*/*.json"))),
     }

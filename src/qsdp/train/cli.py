@@ -96,11 +96,11 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--predict",
-        default="last",
+        default=None,
         choices=PREDICTIONS,
-        help="--staleness 1: compute each gradient at the parameters plus the last update "
-        "(last), at AdamW's next step with each rank's own gradient (local, FSDP2), or as they "
-        "are (none)",
+        help="--staleness 1: compute each gradient at AdamW's next step with each rank's own "
+        "gradient (local, FSDP2: the default there), at the parameters plus the last update "
+        "(last: the default for --ddp and --hsdp), or as they are (none)",
     )
     p.add_argument(
         "--stale-bound",

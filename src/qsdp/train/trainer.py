@@ -133,12 +133,14 @@ class TrainConfig:
     """Staleness 1 only from this step on: the steps before reduce and apply at once (the
     pipeline's ``synchronous()``), the first stale step applies nothing. The delay costs most at
     the end of the warm-up, but starting it later does not remove its cost (docs/results.md)."""
-    predict: str = "last"
+    predict: str | None = None
     """Staleness 1: where each step's gradient is computed ([Note: weight prediction]):
-    ``last``, the parameters plus the last update (``qsdp.WeightPrediction(opt)``; GPT-125M:
-    +19% of the loss against +29% as is, docs/results.md); ``local`` (FSDP2), AdamW's next step
-    with each rank's own gradient of the step in flight (+6% where the same schedule was done by
-    hand); ``none``, the parameters as they are (the delayed gradient as is)."""
+    ``local`` (FSDP2), AdamW's next step with each rank's own gradient of the step in flight
+    (GPT-125M on 2 GPUs: +1.9% of the loss against +19% with ``last``, docs/results.md);
+    ``last``, the parameters plus the last update (``qsdp.WeightPrediction(opt)``, any mode);
+    ``none``, the parameters as they are (the delayed gradient as is: +29%). None (the default)
+    takes ``local`` where it applies (FSDP2 at staleness 1) and ``last`` elsewhere; the
+    resolved value is what ``config.json`` records."""
     stale_bound: float | None = None
     """Staleness 1: force a synchronous step when ``lr * ||g||`` (clipped) of the applied
     gradient exceeds it (``qsdp.StalenessGate``, [Note: the staleness gate]); None never forces
@@ -188,6 +190,9 @@ class TrainConfig:
             raise ValueError(
                 f"--stale-after={self.stale_after} needs --staleness 1 and a step in (0, --steps)"
             )
+        if self.predict is None:  # the best that applies (frozen: set once, here)
+            best = "local" if self.staleness and self.parallel == "fsdp" else "last"
+            object.__setattr__(self, "predict", best)
         if self.predict not in PREDICTIONS:
             raise ValueError(f"--predict must be one of {PREDICTIONS}, got {self.predict!r}")
         if self.predict != "last" and not self.staleness:

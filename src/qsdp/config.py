@@ -26,7 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from .comm import IntegerReduce, QuantizedReduce, ReducePlan, TwoLevelReduce
 from .policy import ParamPolicy
-from .quant import CARRIERS, NonFinite, QuantSpec, Rounding
+from .quant import BITS, CARRIERS, NonFinite, QuantSpec, Rounding
 
 __all__ = [
     "RECIPES",
@@ -208,8 +208,8 @@ class AdaptiveWidths:
     """Steps (backwards that reduce) between decisions."""
     warmup: int = 50
     """The first decision's step (after DDP's bucket rebuild and the first steps' transient)."""
-    widths: tuple[int, ...] = (2, 4, 8)
-    """The widths a group may take (the payload format packs 2, 4 and 8 bits)."""
+    widths: tuple[int, ...] = BITS
+    """The widths a group may take: any of those the payload format packs (2, 3, 4, 6, 8)."""
     sample: int = 1 << 16
     """Elements per group the error is measured on (whole quantization groups)."""
 
@@ -221,9 +221,9 @@ class AdaptiveWidths:
         if not isinstance(self.warmup, int) or self.warmup < 0:
             raise ValueError(f"AdaptiveWidths.warmup={self.warmup!r} must be an int >= 0")
         widths = tuple(self.widths)
-        if not widths or any(w not in (2, 4, 8) for w in widths) or len(set(widths)) < len(widths):
+        if not widths or any(w not in BITS for w in widths) or len(set(widths)) < len(widths):
             raise ValueError(
-                f"AdaptiveWidths.widths={self.widths!r} must be distinct widths among (2, 4, 8) "
+                f"AdaptiveWidths.widths={self.widths!r} must be distinct widths among {BITS} "
                 "(the payload format packs no others)"
             )
         object.__setattr__(self, "widths", tuple(sorted(widths)))

@@ -17,7 +17,7 @@ from qsdp.testing import assert_same_on_all_ranks, run_distributed
 
 from ..models import batch, classifier, train
 
-ADAPT = AdaptiveWidths(every=3, warmup=1, widths=(2, 4, 8), sample=4096)
+ADAPT = AdaptiveWidths(every=3, warmup=1, sample=4096)  # widths 2, 3, 4, 6 and 8
 
 
 def _fsdp(recipe: str, adaptive):
@@ -55,7 +55,7 @@ def _fsdp_worker(rank: int, world: int) -> dict:
     assert_same_on_all_ranks(saved["widths"])  # rank 0's plan everywhere
     # the hooks reduce at the plan's widths: force a mixed plan and count one step's bytes
     forced = saved["widths"].clone()
-    forced[:] = torch.tensor([2, 8, 4])[: forced.numel()]
+    forced[:] = torch.tensor([3, 6, 2])[: forced.numel()]  # 3 and 6 bits: 3-byte words
     state.load_state_dict(saved | {"widths": forced, "width_steps": torch.tensor([2])})
     stats = qsdp.fsdp_comm_stats(model)
     before = stats["reduce_scatter"].bytes
@@ -108,8 +108,8 @@ def test_bad_adaptive_settings_are_refused():
         qsdp.recipe("global-qsgd", adaptive=AdaptiveWidths())
     with pytest.raises(ValueError, match="must include the gradients' own width 4"):
         qsdp.recipe("cgx", adaptive=AdaptiveWidths(widths=(2, 8)))
-    with pytest.raises(ValueError, match="among \\(2, 4, 8\\)"):
-        AdaptiveWidths(widths=(3, 4))
+    with pytest.raises(ValueError, match="among \\(2, 3, 4, 6, 8\\)"):
+        AdaptiveWidths(widths=(5, 4))
     with pytest.raises(ValueError, match="every=0 must be a positive int"):
         AdaptiveWidths(every=0)
 

@@ -27,7 +27,7 @@ def _fp32_decode(enc):
     return decode_sum([enc], enc.numel, enc.spec, **REF)
 
 
-@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("bits", [2, 3, 4, 6, 8])
 @pytest.mark.parametrize("scheme", SCHEMES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("numel", ODD_SIZES)
@@ -45,7 +45,7 @@ def test_nearest_error_at_most_half_a_step(bits, scheme, dtype, numel):
         assert float(err.max()) > 0.05 * float(step.max())
 
 
-@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("bits", [2, 3, 4, 6, 8])
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_stochastic_error_below_one_step(bits, scheme):
     spec = QuantSpec(bits, 128, scheme, "stochastic")
@@ -139,7 +139,7 @@ def test_hadamard_lowers_4bit_error_on_heavy_tails():
     assert mse_rot < 0.5 * mse_plain, (mse_rot, mse_plain)
 
 
-@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("bits", [2, 3, 4, 6, 8])
 @pytest.mark.parametrize("numel", [0, *ODD_SIZES])
 def test_wire_bytes_are_the_payload(bits, numel):
     spec = QuantSpec(bits, 128, "minmax", "nearest")
@@ -151,7 +151,7 @@ def test_wire_bytes_are_the_payload(bits, numel):
         assert 2 * numel / enc.wire_bytes == pytest.approx(16 / (bits + 0.5), rel=0.01)
 
 
-@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("bits", [2, 3, 4, 6, 8])
 def test_pack_unpack_roundtrip(bits):
     codes = torch.randint(0, 1 << bits, (1001,), dtype=torch.int32)
     packed = pack_codes(codes, bits)
@@ -159,6 +159,9 @@ def test_pack_unpack_roundtrip(bits):
     assert torch.equal(unpack_codes(packed, 1001, bits), codes)
     if bits == 4:  # element 0 in the low nibble
         assert int(packed[0]) == int(codes[0]) | (int(codes[1]) << 4)
+    # one little-endian bit stream: element i at bits [i * bits, (i + 1) * bits)
+    stream = int.from_bytes(bytes(packed.tolist()), "little")
+    assert all((stream >> (i * bits)) & ((1 << bits) - 1) == int(c) for i, c in enumerate(codes))
 
 
 def test_bf16_scales_never_clip():

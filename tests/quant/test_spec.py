@@ -21,7 +21,7 @@ def test_frozen():
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"bits": 3}, "bits=3 must be 2, 4 or 8"),
+        ({"bits": 5}, r"bits=5 must be one of \(2, 3, 4, 6, 8\)"),
         ({"bits": 16}, "bits=16"),
         ({"group_size": 100}, "group_size=100 must be a power of two"),
         ({"group_size": 8}, "group_size=8"),

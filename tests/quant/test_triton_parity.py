@@ -26,7 +26,7 @@ CASES = [
     # bits, group, scheme, rounding, hadamard block, sign seed, scale dtype
     (bits, scheme, rounding)
     for bits, scheme, rounding in itertools.product(
-        (2, 4, 8), ("absmax", "minmax", "shift-lattice"), ("nearest", "stochastic")
+        (2, 3, 4, 6, 8), ("absmax", "minmax", "shift-lattice"), ("nearest", "stochastic")
     )
 ]
 HADAMARD = [(None, None), (16, None), (32, 7)]
@@ -93,8 +93,13 @@ def test_nonfinite_propagate_bit_exact():
     _parity(spec, x)
 
 
-def test_multi_chunk_kernels_bit_exact():
-    spec = _spec(8, "absmax", "stochastic", (32, 5))
+@pytest.mark.parametrize(("bits", "out_bits"), [(8, 4), (6, 3), (3, 6)])
+def test_multi_chunk_kernels_bit_exact(bits, out_bits):
+    _multi_chunk(bits, out_bits)
+
+
+def _multi_chunk(bits: int, out_bits: int) -> None:
+    spec = _spec(bits, "absmax", "stochastic", (32, 5))
     n = 1000
     encs = [encode(heavy_tailed(n, seed=s), spec, stream=s, backend="reference") for s in range(3)]
     stacked = torch.stack([e.payload for e in encs])
@@ -107,7 +112,7 @@ def test_multi_chunk_kernels_bit_exact():
     decode_sum(stacked, n, spec, out=a, accumulate=True, backend="reference")
     decode_sum(stacked, n, spec, out=b, accumulate=True, backend="triton")
     _same(a, b)
-    out_spec = _spec(4, "absmax", "stochastic", (32, 5))
+    out_spec = _spec(out_bits, "absmax", "stochastic", (32, 5))
     r = decode_sum_encode(stacked, n, spec, out_spec, seed=3, step=1, stream=2, backend="reference")
     t = decode_sum_encode(stacked, n, spec, out_spec, seed=3, step=1, stream=2, backend="triton")
     _same(r.payload, t.payload)
@@ -143,9 +148,10 @@ def test_encode_into_unaligned_slice():
 
 
 @pytest.mark.parametrize("scale_dtype", [torch.float32, torch.bfloat16])
-def test_decode_unaligned_rows(scale_dtype):
+@pytest.mark.parametrize("bits", [3, 4, 6])
+def test_decode_unaligned_rows(scale_dtype, bits):
     # all-to-all chunks sit at any byte offset: the kernels then read scales byte by byte
-    spec = _spec(4, "absmax", "stochastic", (16, None), scale_dtype=scale_dtype)
+    spec = _spec(bits, "absmax", "stochastic", (16, None), scale_dtype=scale_dtype)
     n = 333
     nbytes = spec.payload_bytes(n)
     buf = torch.zeros(1 + 3 * nbytes, dtype=torch.uint8)
@@ -164,7 +170,9 @@ def test_int64_offset_path(monkeypatch):
 
     monkeypatch.setattr(launch, "_big", lambda *sizes: True)
     _parity(_spec(4, "minmax", "stochastic", (32, 3)), heavy_tailed(3000, seed=2))
-    test_multi_chunk_kernels_bit_exact()
+    _parity(_spec(3, "minmax", "stochastic", (32, 3)), heavy_tailed(3000, seed=2))
+    _multi_chunk(8, 4)
+    _multi_chunk(6, 3)
 
 
 @pytest.mark.gpu
@@ -178,9 +186,10 @@ def test_gpu_kernels_match_reference(bits, scheme, rounding, had):
 
 
 @pytest.mark.gpu
-def test_gpu_multi_chunk_and_difference_kernels():
-    spec = _spec(8, "absmax", "stochastic", (32, None), group=128)
-    out_spec = _spec(4, "absmax", "stochastic", (32, None), group=128)
+@pytest.mark.parametrize(("bits", "out_bits"), [(8, 4), (6, 3)])
+def test_gpu_multi_chunk_and_difference_kernels(bits, out_bits):
+    spec = _spec(bits, "absmax", "stochastic", (32, None), group=128)
+    out_spec = _spec(out_bits, "absmax", "stochastic", (32, None), group=128)
     n = (1 << 20) + 3
     xs = [heavy_tailed(n, seed=s).cuda() for s in range(4)]
     stacked = torch.stack([encode(x, spec, stream=i).payload for i, x in enumerate(xs)])

@@ -17,8 +17,8 @@ dropped (exact). A frontier above ``max_points`` plans (hundreds of groups) is t
 plan per byte grain, which bounds the bytes above the optimum by the grains (reported). Tested
 against brute force on small cases.
 
-The widths 3 and 6 of the CGX paper need codes the payload format does not pack (it packs 2, 4
-and 8 bits), so the default set is (2, 4, 8).
+The default set is every width the payload format packs, (2, 3, 4, 6, 8): the CGX paper's
+in-between widths 3 and 6 let a group step down (or up) by less than a factor of two in bytes.
 """
 
 from __future__ import annotations
@@ -29,11 +29,11 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
-from ..quant import QuantSpec, decode, encode
+from ..quant import BITS, QuantSpec, decode, encode
 
 __all__ = ["WIDTHS", "WidthPlan", "agree", "choose_widths", "measure_errors"]
 
-WIDTHS = (2, 4, 8)
+WIDTHS = BITS
 
 
 @dataclass(frozen=True)

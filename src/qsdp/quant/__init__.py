@@ -19,9 +19,10 @@ from .global_int import (
     global_int_levels,
     group_absmax,
 )
-from .spec import NonFinite, QuantSpec, Rounding, Scheme
+from .spec import BITS, NonFinite, QuantSpec, Rounding, Scheme
 
 __all__ = [
+    "BITS",
     "CARRIERS",
     "Backend",
     "Encoded",

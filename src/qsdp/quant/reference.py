@@ -47,6 +47,7 @@ rotated maximum, so ``R`` times it stays below 2^128. A sum of ``k`` payloads
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 
@@ -88,25 +89,39 @@ def _bytes_to_fields(raw: torch.Tensor, groups: int, spec: QuantSpec) -> torch.T
 
 
 # --- packing --------------------------------------------------------------------------------
+def _word(bits: int) -> tuple[int, int]:
+    """(codes, bytes) of the smallest whole-byte word of ``bits``-bit codes: (4, 1) for 2
+    bits, (2, 1) for 4, (1, 1) for 8, (8, 3) for 3 and (4, 3) for 6."""
+    per = math.lcm(bits, 8) // bits
+    return per, per * bits // 8
+
+
 def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """Pack int codes in [0, 2^bits) into bytes, element i at bit (i * bits) % 8."""
-    per = 8 // bits
+    """Pack int codes in [0, 2^bits) into ``ceil(n * bits / 8)`` bytes: a little-endian bit
+    stream, element i at bits ``[i * bits, (i + 1) * bits)`` (for 2, 4 and 8 bits: bit
+    ``(i * bits) % 8`` of byte ``i * bits // 8``)."""
+    per, nbytes = _word(bits)
     n = codes.numel()
-    padded = torch.zeros(-(-n // per) * per, dtype=torch.int32, device=codes.device)
+    padded = torch.zeros(-(-n // per) * per, dtype=torch.int64, device=codes.device)
     padded[:n] = codes.reshape(-1)
     lanes = padded.reshape(-1, per)
-    out = torch.zeros(lanes.shape[0], dtype=torch.int32, device=codes.device)
+    word = torch.zeros(lanes.shape[0], dtype=torch.int64, device=codes.device)
     for j in range(per):
-        out |= lanes[:, j] << (bits * j)
-    return out.to(torch.uint8)
+        word |= lanes[:, j] << (bits * j)
+    shifts = torch.arange(nbytes, device=codes.device, dtype=torch.int64) * 8
+    out = ((word.reshape(-1, 1) >> shifts) & 255).reshape(-1)
+    return out[: -(-n * bits // 8)].to(torch.uint8)
 
 
 def unpack_codes(raw: torch.Tensor, numel: int, bits: int) -> torch.Tensor:
     """Inverse of :func:`pack_codes`: int32 codes of the first ``numel`` elements."""
-    per = 8 // bits
-    b = raw.to(torch.int32).reshape(-1, 1)
-    shifts = torch.arange(per, device=raw.device, dtype=torch.int32) * bits
-    return ((b >> shifts) & ((1 << bits) - 1)).reshape(-1)[:numel]
+    per, nbytes = _word(bits)
+    b = torch.zeros(-(-raw.numel() // nbytes) * nbytes, dtype=torch.int64, device=raw.device)
+    b[: raw.numel()] = raw.reshape(-1)
+    shifts = torch.arange(nbytes, device=raw.device, dtype=torch.int64) * 8
+    word = (b.reshape(-1, nbytes) << shifts).sum(dim=1, keepdim=True)
+    lanes = torch.arange(per, device=raw.device, dtype=torch.int64) * bits
+    return ((word >> lanes) & ((1 << bits) - 1)).reshape(-1)[:numel].to(torch.int32)
 
 
 # --- group quantization -----------------------------------------------------------------------

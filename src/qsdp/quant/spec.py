@@ -7,10 +7,12 @@ One encoded tensor is one contiguous ``uint8`` buffer::
 
 ``fields`` is 1 for ``absmax`` (the step ``s``) and 2 for ``minmax`` (``lo``, ``unit``) and
 ``shift-lattice`` (``base``, ``delta``), stored group-major (``g0.f0 g0.f1 g1.f0 ...``) in
-little-endian byte order. Codes are unsigned, packed low bits first: two 4-bit codes or four
-2-bit codes a byte, element ``i`` of the tensor at bit ``(i * bits) % 8`` of byte
-``i * bits // 8``. Groups are ``group_size`` consecutive elements of the flattened tensor; the last
-group may be short. Nothing else travels: the wire size is exactly
+little-endian byte order. Codes are unsigned, packed low bits first as one little-endian bit
+stream: element ``i`` of the tensor at bits ``[i * bits, (i + 1) * bits)``, so two 4-bit codes
+or four 2-bit codes a byte (element ``i`` at bit ``(i * bits) % 8`` of byte ``i * bits // 8``),
+and eight 3-bit or four 6-bit codes in every 3 bytes. A group (16 elements or more, a power of
+two) always fills whole bytes. Groups are ``group_size`` consecutive elements of the flattened
+tensor; the last group may be short. Nothing else travels: the wire size is exactly
 ``groups * fields * scale_bytes + ceil(numel * bits / 8)``.
 """
 
@@ -22,7 +24,10 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["NonFinite", "QuantSpec", "Rounding", "Scheme"]
+__all__ = ["BITS", "NonFinite", "QuantSpec", "Rounding", "Scheme"]
+
+BITS = (2, 3, 4, 6, 8)
+"""The code widths the payload format packs."""
 
 
 class Scheme(str, enum.Enum):
@@ -72,7 +77,7 @@ class QuantSpec:
     """
 
     bits: int
-    """Bits per code: 2, 4 or 8."""
+    """Bits per code: 2, 3, 4, 6 or 8 (3 and 6: the adaptive widths' in-between sizes)."""
     group_size: int
     """Elements sharing one scale: a power of two from 16 to 8192."""
     scheme: Scheme | str
@@ -92,8 +97,8 @@ class QuantSpec:
     ``propagate``."""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.bits, int) or self.bits not in (2, 4, 8):
-            raise ValueError(f"QuantSpec bits={self.bits!r} must be 2, 4 or 8")
+        if not isinstance(self.bits, int) or self.bits not in BITS:
+            raise ValueError(f"QuantSpec bits={self.bits!r} must be one of {BITS}")
         g = self.group_size
         if not isinstance(g, int) or g < 16 or g > 8192 or g & (g - 1):
             raise ValueError(

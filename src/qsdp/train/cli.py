@@ -111,7 +111,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--adaptive-every",
         type=int,
-        help="adaptive gradient widths (2/4/8 bits per group, CGX): re-decide every this many "
+        help="adaptive gradient widths (2/3/4/6/8 bits per group, CGX): re-decide every this many "
         "steps (recipes with quantized gradients)",
     )
     p.add_argument("--nproc", type=int, default=2, help="CPU processes when not under torchrun")

@@ -233,37 +233,110 @@ def _tile(pid, ROWS: tl.constexpr, GPB: tl.constexpr, HB: tl.constexpr, BIG: tl.
 
 @triton.jit
 def _byte_offsets(gidx, GPB: tl.constexpr, HB: tl.constexpr, BITS: tl.constexpr):
+    """Offsets of the tile's code bytes (2, 4 and 8 bits: [ROWS, GPB, HB * BITS // 8]) or of
+    the first byte of its 3-byte words (3 and 6 bits: [ROWS, GPB, HB * BITS // 24])."""
     NB: tl.constexpr = HB * BITS // 8
-    inner = (tl.arange(0, GPB) * NB)[None, :, None] + tl.arange(0, NB)[None, None, :]
+    if BITS == 3 or BITS == 6:
+        inner = (tl.arange(0, GPB) * NB)[None, :, None] + (tl.arange(0, NB // 3) * 3)[None, None, :]
+    else:
+        inner = (tl.arange(0, GPB) * NB)[None, :, None] + tl.arange(0, NB)[None, None, :]
     return gidx[:, None, None] * (GPB * NB) + inner
 
 
 @triton.jit
 def _pack(codes, ROWS: tl.constexpr, GPB: tl.constexpr, HB: tl.constexpr, BITS: tl.constexpr):
-    """[ROWS, GPB, HB] codes -> [ROWS, GPB, HB * BITS // 8] bytes, low bits first.
+    """[ROWS, GPB, HB] codes -> their bytes (2, 4, 8 bits) or 24-bit words (3, 6 bits: 8 or 4
+    codes a word), low bits first.
 
-    A byte is the weighted sum of its codes (weights 1, 2^b, 2^2b, ...; the codes are below 2^b
-    so the sum is the bitwise OR).
+    A byte (word) is the weighted sum of its codes (weights 1, 2^b, 2^2b, ...; the codes are
+    below 2^b so the sum is the bitwise OR).
     """
     if BITS == 8:
         out = codes
     else:
-        PER: tl.constexpr = 8 // BITS
+        PER: tl.constexpr = 24 // BITS if BITS == 3 or BITS == 6 else 8 // BITS
         weights = (1 << (tl.arange(0, PER) * BITS))[None, None, None, :]
         out = tl.sum(tl.reshape(codes, (ROWS, GPB, HB // PER, PER)) * weights, axis=3)
-    return out.to(tl.uint8)
+    return out
 
 
 @triton.jit
-def _unpack(raw, ROWS: tl.constexpr, GPB: tl.constexpr, HB: tl.constexpr, BITS: tl.constexpr):
-    b = raw.to(tl.int32)
-    if BITS == 8:
-        codes = b
-    elif BITS == 4:
-        codes = tl.reshape(tl.join(b & 15, b >> 4), (ROWS, GPB, HB))
+def _store_codes(
+    ptr,
+    boffs,
+    codes,
+    n_code_bytes,
+    ROWS: tl.constexpr,
+    GPB: tl.constexpr,
+    HB: tl.constexpr,
+    BITS: tl.constexpr,
+    TAIL: tl.constexpr,
+):
+    """Pack and store the tile's codes at ``ptr + boffs`` (``_byte_offsets``); with TAIL, no
+    byte at or past ``n_code_bytes``. A 3-byte word is stored as its three bytes."""
+    packed = _pack(codes, ROWS=ROWS, GPB=GPB, HB=HB, BITS=BITS)
+    if BITS == 3 or BITS == 6:
+        for j in tl.static_range(3):
+            byte = ((packed >> (8 * j)) & 255).to(tl.uint8)
+            if TAIL:
+                tl.store(ptr + boffs + j, byte, mask=boffs + j < n_code_bytes)
+            else:
+                tl.store(ptr + boffs + j, byte)
     else:
-        pair = tl.join(b & 15, b >> 4)
-        codes = tl.reshape(tl.join(pair & 3, pair >> 2), (ROWS, GPB, HB))
+        if TAIL:
+            tl.store(ptr + boffs, packed.to(tl.uint8), mask=boffs < n_code_bytes)
+        else:
+            tl.store(ptr + boffs, packed.to(tl.uint8))
+
+
+@triton.jit
+def _load_codes(
+    ptr,
+    boffs,
+    n_code_bytes,
+    ROWS: tl.constexpr,
+    GPB: tl.constexpr,
+    HB: tl.constexpr,
+    BITS: tl.constexpr,
+    TAIL: tl.constexpr,
+):
+    """The tile's [ROWS, GPB, HB] int32 codes from ``ptr + boffs`` (``_byte_offsets``); with
+    TAIL, bytes at or past ``n_code_bytes`` read as 0.
+
+    Codes come out of a byte (word) by halving it repeatedly: ``join(b & low, b >> half)`` puts
+    the low half at index 0 of a new last axis, so after the splits the flattened index of a
+    code is its position in the byte (word)."""
+    if BITS == 3 or BITS == 6:
+        if TAIL:
+            m0 = boffs < n_code_bytes
+            m1 = boffs + 1 < n_code_bytes
+            m2 = boffs + 2 < n_code_bytes
+            b0 = tl.load(ptr + boffs, mask=m0, other=0).to(tl.int32)
+            b1 = tl.load(ptr + boffs + 1, mask=m1, other=0).to(tl.int32)
+            b2 = tl.load(ptr + boffs + 2, mask=m2, other=0).to(tl.int32)
+        else:
+            b0 = tl.load(ptr + boffs).to(tl.int32)
+            b1 = tl.load(ptr + boffs + 1).to(tl.int32)
+            b2 = tl.load(ptr + boffs + 2).to(tl.int32)
+        word = b0 | (b1 << 8) | (b2 << 16)
+        half = tl.join(word & 4095, word >> 12)
+        sixes = tl.join(half & 63, half >> 6)
+        if BITS == 6:
+            codes = tl.reshape(sixes, (ROWS, GPB, HB))
+        else:
+            codes = tl.reshape(tl.join(sixes & 7, sixes >> 3), (ROWS, GPB, HB))
+    else:
+        if TAIL:
+            b = tl.load(ptr + boffs, mask=boffs < n_code_bytes, other=0).to(tl.int32)
+        else:
+            b = tl.load(ptr + boffs).to(tl.int32)
+        if BITS == 8:
+            codes = b
+        elif BITS == 4:
+            codes = tl.reshape(tl.join(b & 15, b >> 4), (ROWS, GPB, HB))
+        else:
+            pair = tl.join(b & 15, b >> 4)
+            codes = tl.reshape(tl.join(pair & 3, pair >> 2), (ROWS, GPB, HB))
     return codes
 
 
@@ -385,11 +458,17 @@ def _quantize_store(
     f0 = tl.where(bad, float("nan"), f0)
     f1 = tl.where(bad, 0.0, f1)
     boffs = _byte_offsets(gidx, GPB=GPB, HB=HB, BITS=BITS)
-    packed = _pack(codes, ROWS=ROWS, GPB=GPB, HB=HB, BITS=BITS)
-    if TAIL:
-        tl.store(out_ptr + scale_region + boffs, packed, mask=boffs < n_code_bytes)
-    else:
-        tl.store(out_ptr + scale_region + boffs, packed)
+    _store_codes(
+        out_ptr + scale_region,
+        boffs,
+        codes,
+        n_code_bytes,
+        ROWS=ROWS,
+        GPB=GPB,
+        HB=HB,
+        BITS=BITS,
+        TAIL=TAIL,
+    )
     gmask = gidx < n_groups
     FIELDS: tl.constexpr = 1 if SCHEME == _ABSMAX else 2
     _store_field(
@@ -437,16 +516,20 @@ def _decode_sum(
     QMAX: tl.constexpr = (1 << (BITS - 1)) - 1
     FIELDS: tl.constexpr = 1 if SCHEME == _ABSMAX else 2
     boffs = _byte_offsets(gidx, GPB=GPB, HB=HB, BITS=BITS)
-    bmask = boffs < n_code_bytes
     gmask = gidx < n_groups
     acc = tl.zeros((ROWS, GPB, HB), tl.float32)
     for k in tl.static_range(K):
         base_ptr = in_ptr + k * chunk_stride
-        if TAIL:
-            raw = tl.load(base_ptr + scale_region + boffs, mask=bmask, other=0)
-        else:
-            raw = tl.load(base_ptr + scale_region + boffs)
-        codes = _unpack(raw, ROWS=ROWS, GPB=GPB, HB=HB, BITS=BITS)
+        codes = _load_codes(
+            base_ptr + scale_region,
+            boffs,
+            n_code_bytes,
+            ROWS=ROWS,
+            GPB=GPB,
+            HB=HB,
+            BITS=BITS,
+            TAIL=TAIL,
+        )
         f0 = _load_field(
             base_ptr, gidx, gmask, FIELD=0, FIELDS=FIELDS, SCALE_BF16=SCALE_BF16, ALIGNED=ALIGNED
         )

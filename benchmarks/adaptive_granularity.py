@@ -90,11 +90,15 @@ def main() -> None:
     p.add_argument("--micro", type=int, default=4)
     p.add_argument("--block", type=int, default=256)
     p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--accum", type=int, default=1, help="micro-batches per step")
+    p.add_argument("--warmup", type=int, default=10, help="linear learning-rate warm-up steps")
+    p.add_argument("--device", default="cpu", help="cpu, or cuda (bf16 autocast)")
     a = p.parse_args()
     torch.manual_seed(0)
+    device = torch.device(a.device)
     data = open_data(Path(a.data))
     batches = Batches(data, order="pass")
-    model = GPT(PRESETS[a.preset].with_vocab(data.vocab_size))
+    model = GPT(PRESETS[a.preset].with_vocab(data.vocab_size)).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=(0.9, 0.95), weight_decay=0.1)
     spec = qsdp.recipe("cgx").grads.spec
     groups = groupings(model, ParamPolicy())
@@ -102,15 +106,24 @@ def main() -> None:
     t0 = time.perf_counter()
     for step in range(1, a.steps + 1):
         for g in opt.param_groups:
-            g["lr"] = a.lr * min(1.0, step / 10)
-        x, y = batches.train_batch(
-            step, 0, rank=0, world_size=1, micro_batch=a.micro, block_size=a.block, seed=0
-        )
-        _, loss = model(x, y)
-        loss.backward()
+            g["lr"] = a.lr * min(1.0, step / a.warmup)
+        for micro in range(a.accum):
+            x, y = batches.train_batch(
+                step,
+                micro,
+                rank=0,
+                world_size=1,
+                micro_batch=a.micro,
+                block_size=a.block,
+                seed=0,
+                grad_accum=a.accum,
+            )
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+                _, loss = model(x.to(device), y.to(device))
+            (loss / a.accum).backward()
         if step in a.measure_at:
             grads = {n: q.grad for n, q in model.named_parameters() if q.grad is not None}
-            row = {"step": step, "loss": float(loss)}
+            row = {"step": step, "loss": float(loss.detach())}
             row.update({k: saved(grads, g, spec) for k, g in groups.items()})
             results.append(row)
             print(
@@ -127,7 +140,7 @@ def main() -> None:
         opt.step()
         opt.zero_grad(set_to_none=True)
     summary = {
-        "device": "cpu",
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "args": vars(a),

@@ -440,6 +440,9 @@ def tables() -> dict[str, Callable[[], str]]:
         "staleness-2gpu-local": lambda: study_tables.convergence_table(
             STALENESS_2GPU / "local_h100"
         ),
+        "adaptive-2gpu": lambda: study_tables.convergence_table(
+            RESULTS / "convergence_debian_docs_2026-11-26" / "adaptive_2gpu"
+        ),
         "sdp4bit-table1": lambda: study_tables.sdp4bit_table(CONVERGENCE),
         "auto": lambda: study_tables.auto_table(sorted(AUTO.glob("*/*.json"))),
     }

@@ -261,6 +261,23 @@ def _pack(codes, ROWS: tl.constexpr, GPB: tl.constexpr, HB: tl.constexpr, BITS: 
 
 
 @triton.jit
+def _store_bytes(ptr, offs, value, n_code_bytes, TAIL: tl.constexpr):
+    """``value``'s low byte at ``ptr + offs``; with TAIL, none at or past ``n_code_bytes``."""
+    if TAIL:
+        tl.store(ptr + offs, (value & 255).to(tl.uint8), mask=offs < n_code_bytes)
+    else:
+        tl.store(ptr + offs, (value & 255).to(tl.uint8))
+
+
+@triton.jit
+def _load_bytes(ptr, offs, n_code_bytes, TAIL: tl.constexpr):
+    """The bytes at ``ptr + offs`` as int32; with TAIL, those at or past ``n_code_bytes`` 0."""
+    if TAIL:
+        return tl.load(ptr + offs, mask=offs < n_code_bytes, other=0).to(tl.int32)
+    return tl.load(ptr + offs).to(tl.int32)
+
+
+@triton.jit
 def _store_codes(
     ptr,
     boffs,
@@ -277,16 +294,9 @@ def _store_codes(
     packed = _pack(codes, ROWS=ROWS, GPB=GPB, HB=HB, BITS=BITS)
     if BITS == 3 or BITS == 6:
         for j in tl.static_range(3):
-            byte = ((packed >> (8 * j)) & 255).to(tl.uint8)
-            if TAIL:
-                tl.store(ptr + boffs + j, byte, mask=boffs + j < n_code_bytes)
-            else:
-                tl.store(ptr + boffs + j, byte)
+            _store_bytes(ptr, boffs + j, packed >> (8 * j), n_code_bytes, TAIL=TAIL)
     else:
-        if TAIL:
-            tl.store(ptr + boffs, packed.to(tl.uint8), mask=boffs < n_code_bytes)
-        else:
-            tl.store(ptr + boffs, packed.to(tl.uint8))
+        _store_bytes(ptr, boffs, packed, n_code_bytes, TAIL=TAIL)
 
 
 @triton.jit
@@ -307,18 +317,9 @@ def _load_codes(
     the low half at index 0 of a new last axis, so after the splits the flattened index of a
     code is its position in the byte (word)."""
     if BITS == 3 or BITS == 6:
-        if TAIL:
-            m0 = boffs < n_code_bytes
-            m1 = boffs + 1 < n_code_bytes
-            m2 = boffs + 2 < n_code_bytes
-            b0 = tl.load(ptr + boffs, mask=m0, other=0).to(tl.int32)
-            b1 = tl.load(ptr + boffs + 1, mask=m1, other=0).to(tl.int32)
-            b2 = tl.load(ptr + boffs + 2, mask=m2, other=0).to(tl.int32)
-        else:
-            b0 = tl.load(ptr + boffs).to(tl.int32)
-            b1 = tl.load(ptr + boffs + 1).to(tl.int32)
-            b2 = tl.load(ptr + boffs + 2).to(tl.int32)
-        word = b0 | (b1 << 8) | (b2 << 16)
+        word = _load_bytes(ptr, boffs, n_code_bytes, TAIL=TAIL)
+        word = word | (_load_bytes(ptr, boffs + 1, n_code_bytes, TAIL=TAIL) << 8)
+        word = word | (_load_bytes(ptr, boffs + 2, n_code_bytes, TAIL=TAIL) << 16)
         half = tl.join(word & 4095, word >> 12)
         sixes = tl.join(half & 63, half >> 6)
         if BITS == 6:
@@ -326,10 +327,7 @@ def _load_codes(
         else:
             codes = tl.reshape(tl.join(sixes & 7, sixes >> 3), (ROWS, GPB, HB))
     else:
-        if TAIL:
-            b = tl.load(ptr + boffs, mask=boffs < n_code_bytes, other=0).to(tl.int32)
-        else:
-            b = tl.load(ptr + boffs).to(tl.int32)
+        b = _load_bytes(ptr, boffs, n_code_bytes, TAIL=TAIL)
         if BITS == 8:
             codes = b
         elif BITS == 4:

@@ -414,6 +414,9 @@ def tables() -> dict[str, Callable[[], str]]:
     coll = glob("collectives_*.json")
     out: dict[str, Callable[[], str]] = {
         "quant": lambda: "\n\n".join(quant_table(q) for q in glob("quant_*.json")),
+        "quant-widths": lambda: quant_table(
+            RESULTS / "quant_widths_2026-11-26" / "quant_h200.json"
+        ),
         "fsdp": lambda: fsdp_table(glob("fsdp_step_*.json")),
         "scaling": lambda: scaling_table(glob("fsdp_step_*.json")),
         "hsdp": lambda: hsdp_table(glob("fsdp_step_hsdp_*.json")),

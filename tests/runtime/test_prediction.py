@@ -247,13 +247,60 @@ def _local_estimates(rank: int, world: int) -> None:
     assert any(not torch.equal(a, b) for a, b in zip(moved, after, strict=True))
     state.drain()
     assert state.local_gradients() == {}
-    with pytest.raises(ValueError, match="not by ReplicateAllReduce"):
-        hsdp = classifier()
-        m2 = init_device_mesh("cpu", (1, world), mesh_dim_names=("replicate", "shard"))
-        fully_shard(hsdp, mesh=m2["shard"])
-        qsdp.compress_fsdp(hsdp, qsdp.recipe("cgx", staleness=1), replicate=m2["replicate"])
-        WeightPrediction(torch.optim.AdamW(hsdp.parameters()), local=qsdp.fsdp.comm_state(hsdp))
+    assert state.estimate_group() is None  # the world's shards make one estimate
 
 
 def test_fsdp2_keeps_each_ranks_own_gradient_of_its_shard():
     run_distributed(_local_estimates, 3)
+
+
+def _hsdp_estimates(rank: int, world: int) -> dict:
+    """Compressed HSDP on 2 nodes x 2 (gloo): only the replicate all-reduce is delayed, and each
+    rank's estimate is its node's average gradient of its shard."""
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    model = classifier()
+    for i in (2, 5):
+        fully_shard(model[i], mesh=mesh["shard"])
+    fully_shard(model, mesh=mesh["shard"])
+    qsdp.compress_fsdp(model, qsdp.recipe("cgx", staleness=1), replicate=mesh["replicate"])
+    state = qsdp.fsdp.comm_state(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    predict = WeightPrediction(opt, local=state)
+    twin = classifier()  # every rank's own gradient, unsharded, gathered
+    _loss(twin, rank, 0).backward()
+    grads = []
+    for t in twin.parameters():
+        every = [torch.empty_like(t.grad) for _ in range(world)]
+        dist.all_gather(every, t.grad)
+        grads.append(every)
+    _loss(model, rank, 0).backward()
+    estimates = state.local_gradients()
+    node, shard, per_node = rank // (world // 2), rank % (world // 2), world // 2
+    for p, every in zip(model.parameters(), grads, strict=True):
+        mean = torch.stack(every[node * per_node : (node + 1) * per_node]).mean(0)
+        rows = p.to_local().shape[0]
+        start = shard * -(-p.shape[0] // per_node)
+        torch.testing.assert_close(estimates[p], mean[start : start + rows])
+    group = state.estimate_group()
+    assert group is not None and dist.get_world_size(group) == per_node
+    saved = state.state_dict()  # each replica's own estimate under its own key
+    keys = sorted(k for k in saved if k.startswith("local."))
+    assert keys and all(k.endswith(f".replica{node}") for k in keys), keys
+    opt.step()
+    opt.zero_grad()
+    with predict.ahead(enabled=state.in_flight, clip=1.0):  # each node shifts by its own
+        moved = [p.full_tensor() for p in model.parameters()]
+    state.drain()
+    return {"node": node, "moved": moved}
+
+
+def test_hsdp_keeps_each_nodes_average_and_nodes_predict_apart():
+    out = run_distributed(_hsdp_estimates, 4)
+    # the two ranks of a node compute on the same predicted weights; the nodes, whose
+    # estimates differ, on different ones
+    for a, b in ((0, 1), (2, 3)):
+        for x, y in zip(out[a]["moved"], out[b]["moved"], strict=True):
+            assert torch.equal(x, y)
+    assert any(
+        not torch.equal(x, y) for x, y in zip(out[0]["moved"], out[2]["moved"], strict=True)
+    )

@@ -113,6 +113,16 @@ def _ddp_hsdp(rank: int, world: int, data: str, root: str) -> None:
     # DDP resumes: the hook's noise counters are part of the checkpoint
     for name, kw in (("straight", {}), ("resumed", {"stop_at": 2}), ("resumed", {"resume": True})):
         train_rank(_cfg(Path(root) / f"ddp-{name}", "cgx", parallel="ddp", seed=3, **kw), d, cpu)
+    # HSDP at staleness 1 predicts from each node's average by default; the estimates differ
+    # between the nodes and each replica checkpoints its own: resumed exactly
+    for name, kw in (
+        ("stale", {}),
+        ("stale-resumed", {"stop_at": 2}),
+        ("stale-resumed", {"resume": True}),
+        ("stale-last", {"predict": "last"}),
+    ):
+        cfg = _cfg(Path(root) / f"hsdp-{name}", "cgx", parallel="hsdp", staleness=1, seed=3)
+        train_rank(replace(cfg, **kw), d, cpu)
 
 
 def test_ddp_and_hsdp_train_count_and_resume(data_dir, tmp_path):
@@ -132,6 +142,14 @@ def test_ddp_and_hsdp_train_count_and_resume(data_dir, tmp_path):
     assert ratio["hsdp-global-qsgd"] > 1  # only the all-reduce across nodes is compressed
     assert abs(loss["ddp-cgx"] - loss["ddp-bf16"]) < 0.03 * loss["ddp-bf16"]
     assert abs(loss["hsdp-global-qsgd"] - loss["hsdp-bf16"]) < 0.03 * loss["hsdp-bf16"]
+    stale, resumed, last = (
+        [float(r["loss"]) for r in _rows(tmp_path / f"hsdp-{n}")]
+        for n in ("stale", "stale-resumed", "stale-last")
+    )
+    assert stale == resumed, (stale, resumed)
+    assert stale[:2] == last[:2] and stale[2] != last[2], (stale, last)
+    saved = json.loads((tmp_path / "hsdp-stale" / "config.json").read_text())
+    assert saved["predict"] == "local" and saved["staleness"] == 1
     # a resumed DDP run restores weights, optimizer and noise counters, but its first step runs
     # on DDP's initial buckets (DDP rebuilds them after its first iteration), so the
     # quantization groups, and with them the noise, differ from there: close, not identical
@@ -149,7 +167,7 @@ def _stale(rank: int, world: int, data: str, root: str) -> None:
             ("straight", {"staleness": 1}),
             ("as-is", {"staleness": 1, "predict": "none"}),
             ("accumulated", {"staleness": 1, "grad_accum": 2}),
-            ("resumed", {"staleness": 1, "stop_at": 3}),
+            ("resumed", {"staleness": 1, "stop_at": 2}),  # right after an evaluation
             ("resumed", {"staleness": 1, "resume": True}),
             ("gated", {"staleness": 1, "stale_bound": 1e-9}),
             ("gated-resumed", {"staleness": 1, "stale_bound": 1e-9, "stop_at": 2}),
@@ -332,7 +350,8 @@ def test_schedule_warms_up_then_decays_to_the_floor():
         ({"predict": "ahead"}, "--predict must be one of"),
         (
             {"predict": "local", "staleness": 1, "parallel": "ddp", "recipe": "cgx"},
-            "--predict local needs FSDP2's reduce-scatter",
+            "--predict local needs FSDP2 (each rank's own gradient of its shard, or under "
+            "--hsdp the node's average); with --ddp use --predict last",
         ),
         ({"staleness": 1, "stale_after": 200}, "a step in (0, --steps)"),
         ({"staleness": 2, "parallel": "ddp", "recipe": "cgx"}, "--staleness must be 0 or 1"),
@@ -351,7 +370,7 @@ def test_bad_settings_are_refused(kw, message):
         ({"staleness": 1}, "local"),  # FSDP2: each rank's own gradient (+1.9% against +19%)
         ({"staleness": 1, "nodes": 2, "recipe": "sdp4bit"}, "local"),  # two-level reduce-scatter
         ({"staleness": 1, "parallel": "ddp", "recipe": "cgx"}, "last"),  # DDP: no own shard
-        ({"staleness": 1, "parallel": "hsdp", "recipe": "cgx"}, "last"),  # replicate all-reduce
+        ({"staleness": 1, "parallel": "hsdp", "recipe": "cgx"}, "local"),  # node's average
         ({"staleness": 1, "predict": "last"}, "last"),  # an explicit choice stands
     ],
 )

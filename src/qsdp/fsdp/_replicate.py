@@ -32,6 +32,11 @@ __all__ = ["ReplicateAllReduce", "ReplicateCounter"]
 class ReplicateAllReduce(_Reduction):
     """FSDP2 all-reduce hook: the compressed replicate all-reduce of one module's shard."""
 
+    local_estimates = True
+    """At staleness 1 it can keep its input, the node's average of the shard's gradient, as
+    the estimate of what the replicate all-reduce will apply (weight prediction): only the slow
+    inter-node reduction is delayed, so the estimate averages a whole node's batches."""
+
     def __init__(
         self, *, replicate: dist.ProcessGroup, shard: dist.ProcessGroup, **kwargs: object
     ) -> None:
@@ -63,8 +68,15 @@ class ReplicateAllReduce(_Reduction):
                         stats=self.stats,
                     )
 
+                # weight prediction's estimate: the node's average (FSDP2's reduce-scatter ran
+                # AVG for float32 and bfloat16; other reduce dtypes divide after this hook)
+                keep = self.pipeline.keep_local
+                self.delay.op = "avg" if flat.dtype in (torch.float32, torch.bfloat16) else "sum"
                 self.delay.send(
-                    lambda result: (result.copy_(send), launch(result)), like=flat, input=send
+                    lambda result: (result.copy_(send), launch(result)),
+                    like=flat,
+                    input=send,
+                    local=send if keep else None,
                 )
                 return
             split = _usable(self.split, flat.numel(), self.stats)

@@ -171,11 +171,20 @@ class Pipeline:
         for hook, _ in self.entries:
             if not getattr(hook, "local_estimates", False):
                 raise ValueError(
-                    f"local gradient estimates are kept by FSDP2's reduce-scatter hooks, not "
-                    f"by {type(hook).__name__} (compressed HSDP's replicate all-reduce): use the "
-                    "last-update prediction (WeightPrediction(optimizer))"
+                    f"local gradient estimates are kept by FSDP2's reduce-scatter and HSDP's "
+                    f"replicate hooks, not by {type(hook).__name__}: use the last-update "
+                    "prediction (WeightPrediction(optimizer))"
                 )
         self.keep_local = True
+
+    def estimate_group(self) -> dist.ProcessGroup | None:
+        """Where the local estimates together make one estimate of the whole gradient: the
+        node (the shard group) under compressed HSDP, each node having its own; else the
+        world (None), whose ranks each hold one shard of it."""
+        groups = {id(h.shard): h.shard for h, _ in self.entries if hasattr(h, "replicate")}
+        if len(groups) > 1:
+            raise ValueError("local gradient estimates: the HSDP hooks shard over different groups")
+        return next(iter(groups.values()), None)
 
     def local_gradients(self) -> dict[nn.Parameter, torch.Tensor]:
         """Each parameter's share of this rank's own gradient of the step in flight, shaped as
@@ -220,7 +229,7 @@ class Pipeline:
         for i, (hook, params) in enumerate(self.entries):
             out[f"pending.{i}"] = _saved(hook.delay.finish(), params)
             if self.keep_local:  # this rank's share of it, for weight prediction
-                out[f"local.{i}"] = _saved(hook.delay.local, params)
+                out[_local_key(i, hook)] = _saved(hook.delay.local, params)
         return out
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
@@ -232,9 +241,19 @@ class Pipeline:
                 local = local_of(value)
                 hook.delay.result = local.to(_device(params)).clone()
                 if self.keep_local:
-                    mine = local_of(state[f"local.{i}"])
+                    mine = local_of(state[_local_key(i, hook)])
                     hook.delay.local = mine.to(_device(params), hook.delay.result.dtype).clone()
         self.applied_nothing = not pending
+
+
+def _local_key(i: int, hook: object) -> str:
+    """The checkpoint key of entry ``i``'s local estimate. Under compressed HSDP it is the
+    node's average, which differs between the replicas of a shard, so each replica saves its
+    own (``local.{i}.replica{r}``); a reduce-scatter's estimates are one shard per rank."""
+    replicate = getattr(hook, "replicate", None)
+    if replicate is None:
+        return f"local.{i}"
+    return f"local.{i}.replica{dist.get_rank(replicate)}"
 
 
 def _check_avg(delay: Delay, what: str) -> None:

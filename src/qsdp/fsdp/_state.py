@@ -154,11 +154,20 @@ class CommState:
 
     def keep_local_gradients(self) -> None:
         """Staleness 1: keep each rank's own (unreduced) gradient of its shards while their
-        reduction is in flight, for ``WeightPrediction(optimizer, local=state)``; FSDP2's
-        reduce-scatter only (not compressed HSDP). Memory: one shard per group."""
+        reduction is in flight, for ``WeightPrediction(optimizer, local=state)`` (under
+        compressed HSDP the node's average, the replicate all-reduce's input). Memory: one
+        shard per group."""
         if self._installed.pipeline is None:
             raise ValueError("local gradient estimates are for staleness=1")
         self._installed.pipeline.keep_local_gradients()
+
+    def estimate_group(self):
+        """The process group over which the local estimates' squared norms add up to one
+        estimate's (see :meth:`keep_local_gradients`): the node under compressed HSDP, else
+        None (the world)."""
+        if self._installed.pipeline is None:
+            raise ValueError("local gradient estimates are for staleness=1")
+        return self._installed.pipeline.estimate_group()
 
     def local_gradients(self) -> dict:
         """Each parameter's share of this rank's own gradient of the step in flight (see

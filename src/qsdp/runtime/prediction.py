@@ -28,9 +28,11 @@ parameter per step, the same on every rank, so replicas stay identical).
 reduce-scatter at staleness 1, Adam and AdamW): the update in flight is the optimizer's next step
 with the gradient being reduced; its momentum part is known exactly, only the new gradient is
 not, and each rank holds its own share of it (its row of the reduce-scatter's input, an unbiased
-estimate of the average). The prediction is that step computed with the rank's own gradient,
-clipped by the global norm of the ranks' estimates, on each rank's own shards: the all-gathers
-assemble it.
+estimate of the average). Under compressed HSDP only the replicate (inter-node) all-reduce is
+delayed, and the estimate is its input, the node's average: each node predicts from its own,
+clipped by its norm over the node. The prediction is that step computed with the rank's own
+gradient, clipped by the global norm of the ranks' estimates, on each rank's own shards: the
+all-gathers assemble it.
 Measured by hand on GPT-125M (``benchmarks/staleness_reference.py``, variant ``local``): +6.0%
 against the synchronous loss, where the last-update prediction gives +18.7% and the delay as is
 +30.5%; the exact reduced gradient gives +0.4% (``oracle``). Through qsdp (``qsdp train``,
@@ -42,8 +44,8 @@ copy of the local parameters.
 Predict only in a step whose backward applies a reduction in flight (the comm state's
 ``in_flight``): the first step, the synchronous step after the staleness gate fired and the
 step after it apply nothing or have nothing in flight, so their gradients land where they were
-computed. ``qsdp train --staleness 1`` predicts: ``--predict local`` (the default on FSDP2),
-``last`` (the default for DDP and HSDP) or ``none``.
+computed. ``qsdp train --staleness 1`` predicts: ``--predict local`` (the default on FSDP2 and
+HSDP), ``last`` (the default for DDP) or ``none``.
 """
 
 from __future__ import annotations
@@ -149,8 +151,9 @@ class WeightPrediction:
         coef = 1.0
         if estimates and clip is not None:  # (in flight on every rank or on none)
             square = torch.stack([g.float().square().sum() for g in estimates.values()]).sum()
-            if dist.is_initialized():
-                dist.all_reduce(square)
+            if dist.is_initialized():  # one estimate's norm: the node's under HSDP
+                group = getattr(self.local, "estimate_group", lambda: None)()
+                dist.all_reduce(square, group=group)
             coef = min(1.0, clip / (float(square.sqrt()) + 1e-6))
         saved = _adam_next(self.optimizer, estimates, coef) if estimates else []
         self._ahead = True

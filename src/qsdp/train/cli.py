@@ -99,8 +99,8 @@ def parser() -> argparse.ArgumentParser:
         default=None,
         choices=PREDICTIONS,
         help="--staleness 1: compute each gradient at AdamW's next step with each rank's own "
-        "gradient (local, FSDP2: the default there), at the parameters plus the last update "
-        "(last: the default for --ddp and --hsdp), or as they are (none)",
+        "gradient (local; the node's average with --hsdp; the default but for --ddp), at the "
+        "parameters plus the last update (last: the default for --ddp), or as they are (none)",
     )
     p.add_argument(
         "--stale-bound",

@@ -30,6 +30,7 @@ from typing import TypeVar
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 
 from .. import quant
 from ..config import (
@@ -135,12 +136,13 @@ class TrainConfig:
     the end of the warm-up, but starting it later does not remove its cost (docs/results.md)."""
     predict: str | None = None
     """Staleness 1: where each step's gradient is computed ([Note: weight prediction]):
-    ``local`` (FSDP2), AdamW's next step with each rank's own gradient of the step in flight
-    (GPT-125M on 2 GPUs: +1.9% of the loss against +19% with ``last``, docs/results.md);
+    ``local`` (FSDP2, HSDP), AdamW's next step with each rank's own gradient of the step in
+    flight (under HSDP, where only the replicate all-reduce is delayed, the node's average;
+    GPT-125M on 2 GPUs: +1.9% of the loss against +19% with ``last``, docs/results.md);
     ``last``, the parameters plus the last update (``qsdp.WeightPrediction(opt)``, any mode);
     ``none``, the parameters as they are (the delayed gradient as is: +29%). None (the default)
-    takes ``local`` where it applies (FSDP2 at staleness 1) and ``last`` elsewhere; the
-    resolved value is what ``config.json`` records."""
+    takes ``local`` where it applies (FSDP2 and HSDP at staleness 1) and ``last`` elsewhere
+    (DDP); the resolved value is what ``config.json`` records."""
     stale_bound: float | None = None
     """Staleness 1: force a synchronous step when ``lr * ||g||`` (clipped) of the applied
     gradient exceeds it (``qsdp.StalenessGate``, [Note: the staleness gate]); None never forces
@@ -191,7 +193,7 @@ class TrainConfig:
                 f"--stale-after={self.stale_after} needs --staleness 1 and a step in (0, --steps)"
             )
         if self.predict is None:  # the best that applies (frozen: set once, here)
-            best = "local" if self.staleness and self.parallel == "fsdp" else "last"
+            best = "local" if self.staleness and self.parallel != "ddp" else "last"
             object.__setattr__(self, "predict", best)
         if self.predict not in PREDICTIONS:
             raise ValueError(f"--predict must be one of {PREDICTIONS}, got {self.predict!r}")
@@ -200,10 +202,10 @@ class TrainConfig:
                 f"--predict {self.predict} is for --staleness 1 (a synchronous step predicts "
                 "nothing)"
             )
-        if self.predict == "local" and self.parallel != "fsdp":
+        if self.predict == "local" and self.parallel == "ddp":
             raise ValueError(
-                "--predict local needs FSDP2's reduce-scatter (each rank's own gradient of its "
-                f"shard); with --{self.parallel} use --predict last"
+                "--predict local needs FSDP2 (each rank's own gradient of its shard, or under "
+                "--hsdp the node's average); with --ddp use --predict last"
             )
         if self.stale_bound is not None and (not self.staleness or not self.stale_bound > 0):
             raise ValueError(
@@ -314,6 +316,13 @@ def _evaluate(par: Parallel, batches: Batches, cfg: TrainConfig, device: torch.d
             total += torch.stack((loss.detach().double() * n, n))
     dist.all_reduce(total)
     model.train()
+    # FSDP2 keeps the root's parameters unsharded after a forward (for its backward); with no
+    # backward here they would stay so, and the next step's forward would reuse them without
+    # an all-gather: staleness 1's prediction, which moves the sharded parameters before that
+    # forward, would miss the root's (found as an inexact resume after an evaluation)
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
     return float(total[0] / total[1])
 
 

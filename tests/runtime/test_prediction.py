@@ -301,6 +301,4 @@ def test_hsdp_keeps_each_nodes_average_and_nodes_predict_apart():
     for a, b in ((0, 1), (2, 3)):
         for x, y in zip(out[a]["moved"], out[b]["moved"], strict=True):
             assert torch.equal(x, y)
-    assert any(
-        not torch.equal(x, y) for x, y in zip(out[0]["moved"], out[2]["moved"], strict=True)
-    )
+    assert any(not torch.equal(x, y) for x, y in zip(out[0]["moved"], out[2]["moved"], strict=True))

@@ -24,6 +24,8 @@ import study_tables  # noqa: E402
 CONVERGENCE = RESULTS / "convergence_debian_docs_2026-11-26" / "lr3e-4"
 STALENESS_2GPU = RESULTS / "convergence_debian_docs_2026-11-26" / "staleness_2gpu"
 AUTO = RESULTS / "auto_2026-11-26"
+ADAPTIVE_2GPU = RESULTS / "convergence_debian_docs_2026-11-26" / "adaptive_2gpu"
+QUANT_WIDTHS = RESULTS / "quant_widths_2026-11-26" / "quant_h200.json"
 
 
 def quant_table(path: Path) -> str:
@@ -414,9 +416,7 @@ def tables() -> dict[str, Callable[[], str]]:
     coll = glob("collectives_*.json")
     out: dict[str, Callable[[], str]] = {
         "quant": lambda: "\n\n".join(quant_table(q) for q in glob("quant_*.json")),
-        "quant-widths": lambda: quant_table(
-            RESULTS / "quant_widths_2026-11-26" / "quant_h200.json"
-        ),
+        "quant-widths": lambda: quant_table(QUANT_WIDTHS),
         "fsdp": lambda: fsdp_table(glob("fsdp_step_*.json")),
         "scaling": lambda: scaling_table(glob("fsdp_step_*.json")),
         "hsdp": lambda: hsdp_table(glob("fsdp_step_hsdp_*.json")),
@@ -443,9 +443,7 @@ def tables() -> dict[str, Callable[[], str]]:
         "staleness-2gpu-local": lambda: study_tables.convergence_table(
             STALENESS_2GPU / "local_h100"
         ),
-        "adaptive-2gpu": lambda: study_tables.convergence_table(
-            RESULTS / "convergence_debian_docs_2026-11-26" / "adaptive_2gpu"
-        ),
+        "adaptive-2gpu": lambda: study_tables.convergence_table(ADAPTIVE_2GPU),
         "sdp4bit-table1": lambda: study_tables.sdp4bit_table(CONVERGENCE),
         "auto": lambda: study_tables.auto_table(sorted(AUTO.glob("*/*.json"))),
     }

@@ -9,10 +9,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 import qsdp
 from qsdp.runtime import WeightPrediction
-from qsdp.testing import run_distributed
+from qsdp.testing import assert_same_on_all_ranks, run_distributed
 
 from ..models import batch, classifier
 
@@ -171,6 +172,9 @@ class _Source:
     def local_gradients(self) -> dict:
         return self.estimates
 
+    def estimate_square_norm(self, estimates: dict) -> torch.Tensor:
+        return torch.stack([g.float().square().sum() for g in estimates.values()]).sum()
+
 
 def _adam_decoupled(params, **kw):
     return torch.optim.Adam(params, decoupled_weight_decay=True, **kw)
@@ -247,7 +251,12 @@ def _local_estimates(rank: int, world: int) -> None:
     assert any(not torch.equal(a, b) for a, b in zip(moved, after, strict=True))
     state.drain()
     assert state.local_gradients() == {}
-    assert state.estimate_group() is None  # the world's shards make one estimate
+    # the world's shards make one estimate: its squared norm is the sum over every rank
+    _loss(model, rank, 1).backward()  # (in flight again)
+    square = torch.stack([g.square().sum() for g in state.local_gradients().values()]).sum()
+    total = square.clone()
+    dist.all_reduce(total)
+    torch.testing.assert_close(state.estimate_square_norm(state.local_gradients()), total)
 
 
 def test_fsdp2_keeps_each_ranks_own_gradient_of_its_shard():
@@ -281,8 +290,12 @@ def _hsdp_estimates(rank: int, world: int) -> dict:
         rows = p.to_local().shape[0]
         start = shard * -(-p.shape[0] // per_node)
         torch.testing.assert_close(estimates[p], mean[start : start + rows])
-    group = state.estimate_group()
-    assert group is not None and dist.get_world_size(group) == per_node
+    # one estimate's norm is the node's: the sum over its shards only
+    square = torch.stack([g.square().sum() for g in estimates.values()]).sum()
+    node_sum = [torch.zeros(()) for _ in range(world)]
+    dist.all_gather(node_sum, square)
+    expect = sum(node_sum[node * per_node : (node + 1) * per_node])
+    torch.testing.assert_close(state.estimate_square_norm(estimates), expect)
     saved = state.state_dict()  # each replica's own estimate under its own key
     keys = sorted(k for k in saved if k.startswith("local."))
     assert keys and all(k.endswith(f".replica{node}") for k in keys), keys
@@ -302,3 +315,41 @@ def test_hsdp_keeps_each_nodes_average_and_nodes_predict_apart():
         for x, y in zip(out[a]["moved"], out[b]["moved"], strict=True):
             assert torch.equal(x, y)
     assert any(not torch.equal(x, y) for x, y in zip(out[0]["moved"], out[2]["moved"], strict=True))
+
+
+def _ddp_estimates(rank: int, world: int) -> list[torch.Tensor]:
+    """DDP at staleness 1: each rank's estimate is its own whole gradient; the replicas
+    predict apart and are identical again after the backward."""
+    ddp = DDP(classifier(), bucket_cap_mb=0.001)  # several buckets
+    hook = qsdp.ddp.register(ddp, qsdp.recipe("cgx", staleness=1))
+    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
+    predict = WeightPrediction(opt, local=hook)
+    assert hook.local_gradients() == {}
+    twin = classifier()
+    _loss(twin, rank, 0).backward()
+    _loss(ddp, rank, 0).backward()  # applies nothing; its reduction is in flight
+    estimates = hook.local_gradients()
+    for p, t in zip(ddp.module.parameters(), twin.parameters(), strict=True):
+        torch.testing.assert_close(estimates[p], t.grad)
+    norm = hook.estimate_square_norm(estimates)  # this rank's own: no collective
+    torch.testing.assert_close(norm, sum(t.grad.square().sum() for t in twin.parameters()))
+    opt.zero_grad()
+    for step in (1, 2):  # step 1 has no optimizer state to predict from yet; step 2 has
+        with predict.ahead(enabled=hook.in_flight, clip=1.0):
+            moved = [p.detach().clone() for p in ddp.parameters()]
+            _loss(ddp, rank, step).backward()
+        opt.step()
+        opt.zero_grad()
+        for p in ddp.parameters():
+            assert_same_on_all_ranks(p.detach())  # restored before the step: replicas agree
+    hook.drain()
+    assert hook.local_gradients() == {}
+    with pytest.raises(ValueError, match="for staleness=1"):
+        qsdp.ddp.register(DDP(classifier()), qsdp.recipe("cgx")).keep_local_gradients()
+    return moved
+
+
+def test_ddp_predicts_from_each_ranks_own_gradient():
+    moved = run_distributed(_ddp_estimates, 3)
+    # each rank moved by its own estimate: the replicas computed at different points
+    assert any(not torch.equal(a, b) for a, b in zip(moved[0], moved[1], strict=True))

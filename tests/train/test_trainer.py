@@ -176,26 +176,29 @@ def _stale(rank: int, world: int, data: str, root: str) -> None:
             out = Path(root) / f"{parallel}-{name}"
             cfg = _cfg(out, recipe, parallel=parallel, steps=6, seed=3, ckpt_every=0, **kw)
             train_rank(cfg, d, cpu)
-    # FSDP2's default prediction is from each rank's own gradient (the runs above); against
-    # the last update's
-    cfg = _cfg(Path(root) / "fsdp-last", "qsdp-w8g8", steps=6, seed=3, ckpt_every=0, staleness=1)
-    train_rank(replace(cfg, predict="last"), d, cpu)
+    # the default prediction is from each rank's own gradient (the runs above); against the
+    # last update's
+    for parallel, recipe in (("ddp", "bf16"), ("fsdp", "qsdp-w8g8")):
+        out = Path(root) / f"{parallel}-last"
+        cfg = _cfg(out, recipe, parallel=parallel, steps=6, seed=3, ckpt_every=0, staleness=1)
+        train_rank(replace(cfg, predict="last"), d, cpu)
 
 
 def test_staleness_trains_late_gates_and_resumes_exactly(data_dir, tmp_path):
     run_distributed(_stale, 2, str(data_dir), str(tmp_path), timeout_s=600)
     for parallel in ("ddp", "fsdp"):
         _check_stale(tmp_path, parallel)
-    local, last = (
-        [float(r["loss"]) for r in _rows(tmp_path / f"fsdp-{n}")] for n in ("straight", "last")
-    )
-    # step 1 has a gradient in flight but no optimizer state to step from yet; from step 2
-    # on the prediction from each rank's own gradient differs from the last update's (and
-    # _check_stale saw it resume exactly: the checkpoint carries each rank's own gradient)
-    assert local[:2] == last[:2] and local[2] != last[2], (local, last)
-    for parallel, predict in (("ddp", "last"), ("fsdp", "local")):  # the defaults, recorded
+    for parallel in ("ddp", "fsdp"):
+        local, last = (
+            [float(r["loss"]) for r in _rows(tmp_path / f"{parallel}-{n}")]
+            for n in ("straight", "last")
+        )
+        # step 1 has a gradient in flight but no optimizer state to step from yet; from step 2
+        # on the prediction from each rank's own gradient differs from the last update's (and
+        # _check_stale saw it resume exactly: the checkpoint carries each rank's own gradient)
+        assert local[:2] == last[:2] and local[2] != last[2], (parallel, local, last)
         saved = json.loads((tmp_path / f"{parallel}-straight" / "config.json").read_text())
-        assert saved["predict"] == predict, (parallel, saved["predict"])
+        assert saved["predict"] == "local", (parallel, saved["predict"])  # the default, recorded
 
 
 def _check_stale(tmp_path: Path, parallel: str) -> None:
@@ -348,11 +351,6 @@ def test_schedule_warms_up_then_decays_to_the_floor():
         ({"stale_after": 5}, "--stale-after=5 needs --staleness 1"),
         ({"predict": "none"}, "--predict none is for --staleness 1"),
         ({"predict": "ahead"}, "--predict must be one of"),
-        (
-            {"predict": "local", "staleness": 1, "parallel": "ddp", "recipe": "cgx"},
-            "--predict local needs FSDP2 (each rank's own gradient of its shard, or under "
-            "--hsdp the node's average); with --ddp use --predict last",
-        ),
         ({"staleness": 1, "stale_after": 200}, "a step in (0, --steps)"),
         ({"staleness": 2, "parallel": "ddp", "recipe": "cgx"}, "--staleness must be 0 or 1"),
     ],
@@ -369,7 +367,7 @@ def test_bad_settings_are_refused(kw, message):
         ({}, "last"),  # synchronous: nothing to predict (and "last" is the refusal-free value)
         ({"staleness": 1}, "local"),  # FSDP2: each rank's own gradient (+1.9% against +19%)
         ({"staleness": 1, "nodes": 2, "recipe": "sdp4bit"}, "local"),  # two-level reduce-scatter
-        ({"staleness": 1, "parallel": "ddp", "recipe": "cgx"}, "last"),  # DDP: no own shard
+        ({"staleness": 1, "parallel": "ddp", "recipe": "cgx"}, "local"),  # its own gradient
         ({"staleness": 1, "parallel": "hsdp", "recipe": "cgx"}, "local"),  # node's average
         ({"staleness": 1, "predict": "last"}, "last"),  # an explicit choice stands
     ],

@@ -119,6 +119,10 @@ class DDPCompression:
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._pending: dict[int, _Pending] = {}
         """Staleness 1: by parameter id, where its gradient of the last step is being reduced."""
+        self._keep_local = False
+        self._local: dict[int, _Pending] = {}
+        """Staleness 1 with :meth:`keep_local_gradients`: by parameter id, this rank's own
+        gradient of the step in flight (weight prediction's estimate)."""
         self.widths: WidthController | None = None
         """Adaptive widths (``CompressionConfig.adaptive``): each bucket's width, by index."""
         if config.adaptive is not None:
@@ -183,6 +187,11 @@ class DDPCompression:
         # [Note: staleness 1]: reduce a copy, hand DDP the previous step's result
         self.applied_nothing = all(id(p) not in self._pending for p in params)
         send = tensor.clone()
+        if self._keep_local:  # weight prediction's estimate: this rank's own gradient
+            local, offset = tensor.clone(), 0
+            for p in params:
+                self._local[id(p)] = _Pending(local, offset, p.numel(), None)
+                offset += p.numel()
         work = self._all_reduce(send, split, step, index)
         previous = self._previous(params, like=tensor)
         offset = 0
@@ -237,6 +246,31 @@ class DDPCompression:
         )
         return out
 
+    def keep_local_gradients(self) -> None:
+        """Staleness 1: keep this rank's own (unreduced) gradient of each bucket while its
+        reduction is in flight, for ``WeightPrediction(optimizer, local=hook)``: each rank then
+        predicts from its own, and the replicas compute at different points (restored after the
+        backward, so they stay identical). Memory: one more gradient per rank."""
+        if not self.config.staleness:
+            raise ValueError("local gradient estimates are for staleness=1")
+        self._keep_local = True
+
+    def local_gradients(self) -> dict[nn.Parameter, torch.Tensor]:
+        """Each parameter's share of this rank's own gradient of the step in flight, shaped as
+        the parameter (an unbiased estimate of the averaged gradient the next backward
+        applies); empty when nothing is in flight."""
+        by_id = {id(p): p for p in self._params.values()}
+        return {
+            by_id[i]: src.buffer[src.offset : src.offset + src.numel].view_as(by_id[i])
+            for i, src in self._local.items()
+            if i in self._pending
+        }
+
+    def estimate_square_norm(self, estimates: dict) -> torch.Tensor:
+        """The squared norm of one whole estimate: this rank's own (every rank holds a whole
+        gradient). No collective."""
+        return torch.stack([g.float().square().sum() for g in estimates.values()]).sum()
+
     def drain(self) -> None:
         """Staleness 1, after the last backward: wait for the reductions still in flight and put
         them into the parameters' ``.grad`` (then call ``optimizer.step()`` once more); checked
@@ -249,6 +283,7 @@ class DDPCompression:
         if not self.config.staleness:
             raise ValueError("drain() is for staleness=1; a synchronous hook has nothing in flight")
         pending, self._pending = self._pending, {}
+        self._local = {}
         if not pending:
             return
         for fut in {id(src.future): src.future for src in pending.values() if src.future}.values():
@@ -429,6 +464,15 @@ class DDPCompression:
                     if src is not None
                     else torch.zeros_like(p.detach())
                 )
+        if self._keep_local:  # each rank's own estimate differs: saved under its own keys
+            rank = dist.get_rank(self.group)
+            for name, p in self._params.items():
+                src = self._local.get(id(p))
+                state[f"local.rank{rank}.{name}"] = (
+                    src.buffer[src.offset : src.offset + src.numel].view_as(p).clone()
+                    if src is not None
+                    else torch.zeros_like(p.detach())
+                )
         if self.error_feedback:
             for name, p in self._params.items():
                 r = self._residuals.get(name)
@@ -439,11 +483,15 @@ class DDPCompression:
         self._calls = {i: int(n) for i, n in enumerate(state["calls"].tolist()) if n}
         if self.widths is not None:
             self.widths.load_state_dict(state)
-        self._pending = {}
+        self._pending, self._local = {}, {}
         if self.config.staleness and int(state["pending"]):
+            rank = dist.get_rank(self.group)
             for name, p in self._params.items():
                 g = state[f"pending.{name}"].reshape(-1).to(p.device).clone()
                 self._pending[id(p)] = _Pending(g, 0, g.numel(), None)
+                if self._keep_local:
+                    mine = state[f"local.rank{rank}.{name}"].reshape(-1).to(p.device).clone()
+                    self._local[id(p)] = _Pending(mine, 0, mine.numel(), None)
         self._residuals = {
             k[len("residual.") :]: v.clone() for k, v in state.items() if k.startswith("residual.")
         }

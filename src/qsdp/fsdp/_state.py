@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ..comm import CommStats
@@ -161,13 +162,15 @@ class CommState:
             raise ValueError("local gradient estimates are for staleness=1")
         self._installed.pipeline.keep_local_gradients()
 
-    def estimate_group(self):
-        """The process group over which the local estimates' squared norms add up to one
-        estimate's (see :meth:`keep_local_gradients`): the node under compressed HSDP, else
-        None (the world)."""
+    def estimate_square_norm(self, estimates: dict) -> torch.Tensor:
+        """The squared norm of one whole estimate, from this rank's :meth:`local_gradients`:
+        the sum over the ranks whose shards make it (the world; the node under compressed
+        HSDP, where each node has its own). A collective over that group."""
         if self._installed.pipeline is None:
             raise ValueError("local gradient estimates are for staleness=1")
-        return self._installed.pipeline.estimate_group()
+        square = torch.stack([g.float().square().sum() for g in estimates.values()]).sum()
+        dist.all_reduce(square, group=self._installed.pipeline.estimate_group())
+        return square
 
     def local_gradients(self) -> dict:
         """Each parameter's share of this rank's own gradient of the step in flight (see

@@ -26,13 +26,16 @@ parameter per step, the same on every rank, so replicas stay identical).
 
 **From each rank's own gradient** (``WeightPrediction(optimizer, local=comm_state)``, FSDP2's
 reduce-scatter at staleness 1, Adam and AdamW): the update in flight is the optimizer's next step
-with the gradient being reduced; its momentum part is known exactly, only the new gradient is
-not, and each rank holds its own share of it (its row of the reduce-scatter's input, an unbiased
-estimate of the average). Under compressed HSDP only the replicate (inter-node) all-reduce is
-delayed, and the estimate is its input, the node's average: each node predicts from its own,
-clipped by its norm over the node. The prediction is that step computed with the rank's own
-gradient, clipped by the global norm of the ranks' estimates, on each rank's own shards: the
-all-gathers assemble it.
+with the gradient being reduced; its momentum part is known exactly, only the new gradient is not,
+and each rank holds its own share of it (its row of the reduce-scatter's input, an unbiased estimate
+of the average). Under compressed HSDP only the replicate (inter-node) all-reduce is delayed, and
+the estimate is its input, the node's average: each node predicts from its own, clipped by its norm
+over the node. Under DDP (``local=hook``, the ``qsdp.ddp.register`` state) each rank keeps its own
+whole gradient of the buckets in flight and predicts from it: the replicas compute at different
+points, and are identical again once the backward restored them. The prediction is that step
+computed with the rank's own gradient, clipped by the norm of one whole estimate (the world's shards
+under FSDP2, the node's under HSDP, the rank's own under DDP: ``estimate_square_norm``), on each
+rank's own shards: the all-gathers assemble it.
 Measured by hand on GPT-125M (``benchmarks/staleness_reference.py``, variant ``local``): +6.0%
 against the synchronous loss, where the last-update prediction gives +18.7% and the delay as is
 +30.5%; the exact reduced gradient gives +0.4% (``oracle``). Through qsdp (``qsdp train``,
@@ -44,8 +47,8 @@ copy of the local parameters.
 Predict only in a step whose backward applies a reduction in flight (the comm state's
 ``in_flight``): the first step, the synchronous step after the staleness gate fired and the
 step after it apply nothing or have nothing in flight, so their gradients land where they were
-computed. ``qsdp train --staleness 1`` predicts: ``--predict local`` (the default on FSDP2 and
-HSDP), ``last`` (the default for DDP) or ``none``.
+computed. ``qsdp train --staleness 1`` predicts: ``--predict local`` (the default), ``last`` or
+``none``.
 """
 
 from __future__ import annotations
@@ -55,7 +58,6 @@ import math
 from collections.abc import Iterator
 
 import torch
-import torch.distributed as dist
 
 from .placement import like_param, local_of
 
@@ -71,8 +73,10 @@ class WeightPrediction:
         optimizer: a ``torch.optim.Optimizer`` over the model's parameters (plain tensors, or
             FSDP2's sharded DTensors: each rank predicts its own shard); with ``local``,
             ``torch.optim.Adam`` or ``AdamW``.
-        local: FSDP2's comm state (``qsdp.fsdp.comm_state(model)``) at staleness 1: predict
-            from each rank's own gradient of the step in flight, which its hooks then keep.
+        local: the comm state at staleness 1 (``qsdp.fsdp.comm_state(model)``, or the state
+            ``qsdp.ddp.register`` returned): predict from each rank's own gradient of the step
+            in flight, which its hooks then keep (``keep_local_gradients``,
+            ``local_gradients``, ``estimate_square_norm``).
 
     A ``torch.distributed.checkpoint`` ``Stateful``: save it with the optimizer so a resumed
     run predicts as an uninterrupted one. :meth:`remove` takes the optimizer hooks off.
@@ -150,10 +154,7 @@ class WeightPrediction:
         estimates = self.local.local_gradients() if enabled else {}
         coef = 1.0
         if estimates and clip is not None:  # (in flight on every rank or on none)
-            square = torch.stack([g.float().square().sum() for g in estimates.values()]).sum()
-            if dist.is_initialized():  # one estimate's norm: the node's under HSDP
-                group = getattr(self.local, "estimate_group", lambda: None)()
-                dist.all_reduce(square, group=group)
+            square = self.local.estimate_square_norm(estimates)  # of one whole estimate
             coef = min(1.0, clip / (float(square.sqrt()) + 1e-6))
         saved = _adam_next(self.optimizer, estimates, coef) if estimates else []
         self._ahead = True

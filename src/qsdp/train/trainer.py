@@ -136,13 +136,13 @@ class TrainConfig:
     the end of the warm-up, but starting it later does not remove its cost (docs/results.md)."""
     predict: str | None = None
     """Staleness 1: where each step's gradient is computed ([Note: weight prediction]):
-    ``local`` (FSDP2, HSDP), AdamW's next step with each rank's own gradient of the step in
-    flight (under HSDP, where only the replicate all-reduce is delayed, the node's average;
-    GPT-125M on 2 GPUs: +1.9% of the loss against +19% with ``last``, docs/results.md);
-    ``last``, the parameters plus the last update (``qsdp.WeightPrediction(opt)``, any mode);
-    ``none``, the parameters as they are (the delayed gradient as is: +29%). None (the default)
-    takes ``local`` where it applies (FSDP2 and HSDP at staleness 1) and ``last`` elsewhere
-    (DDP); the resolved value is what ``config.json`` records."""
+    ``local``, AdamW's next step with each rank's own gradient of the step in flight (under
+    HSDP, where only the replicate all-reduce is delayed, the node's average; GPT-125M on 2
+    GPUs: +1.9% of the loss against +19% with ``last``, docs/results.md); ``last``, the
+    parameters plus the last update (``qsdp.WeightPrediction(opt)``); ``none``, the parameters
+    as they are (the delayed gradient as is: +29%). None (the default) takes ``local`` at
+    staleness 1 (``last`` otherwise, where nothing is predicted); the resolved value is what
+    ``config.json`` records."""
     stale_bound: float | None = None
     """Staleness 1: force a synchronous step when ``lr * ||g||`` (clipped) of the applied
     gradient exceeds it (``qsdp.StalenessGate``, [Note: the staleness gate]); None never forces
@@ -193,7 +193,7 @@ class TrainConfig:
                 f"--stale-after={self.stale_after} needs --staleness 1 and a step in (0, --steps)"
             )
         if self.predict is None:  # the best that applies (frozen: set once, here)
-            best = "local" if self.staleness and self.parallel != "ddp" else "last"
+            best = "local" if self.staleness else "last"
             object.__setattr__(self, "predict", best)
         if self.predict not in PREDICTIONS:
             raise ValueError(f"--predict must be one of {PREDICTIONS}, got {self.predict!r}")
@@ -201,11 +201,6 @@ class TrainConfig:
             raise ValueError(
                 f"--predict {self.predict} is for --staleness 1 (a synchronous step predicts "
                 "nothing)"
-            )
-        if self.predict == "local" and self.parallel == "ddp":
-            raise ValueError(
-                "--predict local needs FSDP2 (each rank's own gradient of its shard, or under "
-                "--hsdp the node's average); with --ddp use --predict last"
             )
         if self.stale_bound is not None and (not self.staleness or not self.stale_bound > 0):
             raise ValueError(

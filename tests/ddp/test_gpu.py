@@ -113,3 +113,33 @@ def _stale_vs_by_hand(rank: int, world: int) -> None:
 
 def test_staleness_1_on_nccl():
     run_distributed(_stale_vs_by_hand, min(torch.cuda.device_count(), 4), backend="nccl")
+
+
+def _local_estimates_on_nccl(rank: int, world: int) -> None:
+    """Weight prediction from each rank's own gradient under DDP on NCCL: the estimate is
+    copied on the hook's own stream and read on the compute stream in the next step. With the
+    same batch on every rank the own gradient is the average, so the estimate kept in step 0
+    must equal the gradient step 1 applies (exactly up to the codec: uncompressed here)."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(512, D), nn.Flatten(), nn.Linear(4 * D, 512)).to(dev)
+    ddp = DDP(model, device_ids=[dev.index], bucket_cap_mb=0.25)
+    hook = qsdp.ddp.register(ddp, qsdp.recipe("bf16", staleness=1))
+    opt = torch.optim.AdamW(ddp.parameters(), lr=3e-3)
+    qsdp.WeightPrediction(opt, local=hook)  # the hook keeps the estimates from now on
+    x = torch.randint(0, 512, (32, 4), generator=torch.Generator().manual_seed(7)).to(dev)
+
+    def backward() -> None:
+        nn.functional.cross_entropy(ddp(x).float(), x[:, 0]).backward()
+
+    backward()  # step 0: applies nothing, sends its gradient, keeps this rank's own
+    estimates = {p: e.clone() for p, e in hook.local_gradients().items()}
+    assert len(estimates) == len(list(model.parameters()))
+    opt.zero_grad(set_to_none=False)
+    backward()  # step 1: applies step 0's averaged gradient
+    for p in model.parameters():
+        torch.testing.assert_close(p.grad, estimates[p], rtol=1e-4, atol=1e-6)
+
+
+def test_local_gradient_estimates_on_nccl():
+    run_distributed(_local_estimates_on_nccl, min(torch.cuda.device_count(), 4), backend="nccl")

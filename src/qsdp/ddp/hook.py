@@ -189,8 +189,12 @@ class DDPCompression:
         send = tensor.clone()
         if self._keep_local:  # weight prediction's estimate: this rank's own gradient
             local, offset = tensor.clone(), 0
+            ready = None
+            if local.is_cuda:  # copied on the hook's stream; read on the compute stream
+                ready = torch.cuda.Event()
+                ready.record()
             for p in params:
-                self._local[id(p)] = _Pending(local, offset, p.numel(), None)
+                self._local[id(p)] = _Pending(local, offset, p.numel(), None, ready)
                 offset += p.numel()
         work = self._all_reduce(send, split, step, index)
         previous = self._previous(params, like=tensor)
@@ -260,10 +264,15 @@ class DDPCompression:
         the parameter (an unbiased estimate of the averaged gradient the next backward
         applies); empty when nothing is in flight."""
         by_id = {id(p): p for p in self._params.values()}
+        mine = {i: src for i, src in self._local.items() if i in self._pending}
+        for src in {id(s.buffer): s for s in mine.values()}.values():
+            if src.ready is not None:  # the copy, not the reduction: the overlap stays
+                stream = torch.cuda.current_stream(src.buffer.device)
+                stream.wait_event(src.ready)
+                src.buffer.record_stream(stream)
         return {
             by_id[i]: src.buffer[src.offset : src.offset + src.numel].view_as(by_id[i])
-            for i, src in self._local.items()
-            if i in self._pending
+            for i, src in mine.items()
         }
 
     def estimate_square_norm(self, estimates: dict) -> torch.Tensor:
@@ -498,12 +507,15 @@ class DDPCompression:
 
 
 class _Pending(NamedTuple):
-    """Where one parameter's gradient of the last step is reduced (staleness 1)."""
+    """Where one parameter's gradient of the last step is reduced (staleness 1), or kept as
+    this rank's own estimate of it."""
 
     buffer: torch.Tensor
     offset: int
     numel: int
     future: torch.futures.Future | None  # None: complete (restored from a checkpoint)
+    ready: torch.cuda.Event | None = None
+    """CUDA: recorded on the hook's stream after the estimate's copy."""
 
 
 def _completed(value: torch.Tensor) -> torch.futures.Future:

@@ -467,21 +467,11 @@ class DDPCompression:
             }.values():
                 fut.wait()
             for name, p in self._params.items():
-                src = self._pending.get(id(p))
-                state[f"pending.{name}"] = (
-                    src.buffer[src.offset : src.offset + src.numel].view_as(p).clone()
-                    if src is not None
-                    else torch.zeros_like(p.detach())
-                )
+                state[f"pending.{name}"] = _piece(self._pending.get(id(p)), p)
         if self._keep_local:  # each rank's own estimate differs: saved under its own keys
             rank = dist.get_rank(self.group)
             for name, p in self._params.items():
-                src = self._local.get(id(p))
-                state[f"local.rank{rank}.{name}"] = (
-                    src.buffer[src.offset : src.offset + src.numel].view_as(p).clone()
-                    if src is not None
-                    else torch.zeros_like(p.detach())
-                )
+                state[f"local.rank{rank}.{name}"] = _piece(self._local.get(id(p)), p)
         if self.error_feedback:
             for name, p in self._params.items():
                 r = self._residuals.get(name)
@@ -516,6 +506,14 @@ class _Pending(NamedTuple):
     future: torch.futures.Future | None  # None: complete (restored from a checkpoint)
     ready: torch.cuda.Event | None = None
     """CUDA: recorded on the hook's stream after the estimate's copy."""
+
+
+def _piece(src: _Pending | None, p: nn.Parameter) -> torch.Tensor:
+    """A copy of ``p``'s piece of ``src``'s buffer, shaped as ``p`` (zeros without one): the
+    checkpoint form of a pending reduction or a kept estimate."""
+    if src is None:
+        return torch.zeros_like(p.detach())
+    return src.buffer[src.offset : src.offset + src.numel].view_as(p).clone()
 
 
 def _completed(value: torch.Tensor) -> torch.futures.Future:

@@ -111,9 +111,6 @@ class QuantizedReduceScatter(_Reduction, _Hook, ReduceScatter):
     """FSDP2 gradient reduce-scatter through ``plan.reduce_scatter`` (quantized, two-level or
     Global-QSGD integers, as the config's gradient sub-config built it)."""
 
-    local_estimates = True
-    """At staleness 1 it can keep this rank's own gradient of its shard (weight prediction)."""
-
     def __call__(
         self,
         output_tensor: torch.Tensor,

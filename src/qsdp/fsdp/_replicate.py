@@ -32,11 +32,6 @@ __all__ = ["ReplicateAllReduce", "ReplicateCounter"]
 class ReplicateAllReduce(_Reduction):
     """FSDP2 all-reduce hook: the compressed replicate all-reduce of one module's shard."""
 
-    local_estimates = True
-    """At staleness 1 it can keep its input, the node's average of the shard's gradient, as
-    the estimate of what the replicate all-reduce will apply (weight prediction): only the slow
-    inter-node reduction is delayed, so the estimate averages a whole node's batches."""
-
     def __init__(
         self, *, replicate: dist.ProcessGroup, shard: dist.ProcessGroup, **kwargs: object
     ) -> None:

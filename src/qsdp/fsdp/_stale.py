@@ -163,18 +163,12 @@ class Pipeline:
         self.entries.append((hook, params))
 
     def keep_local_gradients(self) -> None:
-        """From the next backward on, each reduce-scatter keeps this rank's row of its
-        unreduced input (the rank's own gradient of its shard: one shard per group, in the
-        reduce dtype), for :meth:`local_gradients`."""
+        """From the next backward on, each delayed reduction keeps this rank's own share of its
+        input (one shard per group, in the reduce dtype), for :meth:`local_gradients`: a
+        reduce-scatter its row of the unreduced input, HSDP's replicate all-reduce the node's
+        average (only the slow inter-node reduction is delayed)."""
         if not self.entries:
             raise ValueError("local gradient estimates: this model has no delayed reduction")
-        for hook, _ in self.entries:
-            if not getattr(hook, "local_estimates", False):
-                raise ValueError(
-                    f"local gradient estimates are kept by FSDP2's reduce-scatter and HSDP's "
-                    f"replicate hooks, not by {type(hook).__name__}: use the last-update "
-                    "prediction (WeightPrediction(optimizer))"
-                )
         self.keep_local = True
 
     def estimate_group(self) -> dist.ProcessGroup | None:

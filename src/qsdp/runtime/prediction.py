@@ -126,9 +126,10 @@ class WeightPrediction:
     def ahead(self, *, enabled: bool = True, clip: float | None = None) -> Iterator[None]:
         """Within: the parameters are the prediction (``x + u``, ``u`` the last update; with
         ``local``: the optimizer's next step with the ranks' own gradients, clipped as
-        ``clip_grad_norm_(max_norm=clip)`` would clip them, their global norm all-reduced over
-        the default group); run the step's forward and backward here. ``enabled=False``, or with
-        nothing to predict from yet: the parameters as they are. Call on every rank."""
+        ``clip_grad_norm_(max_norm=clip)`` would clip one whole estimate, its norm from the comm
+        state's ``estimate_square_norm``); run the step's forward and backward here.
+        ``enabled=False``, or with nothing to predict from yet: the parameters as they are. Call
+        on every rank."""
         if self._ahead:
             raise RuntimeError("WeightPrediction.ahead() is not reentrant")
         if self.local is not None:

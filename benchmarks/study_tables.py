@@ -71,8 +71,9 @@ def convergence_table(root: Path) -> str:
         if gpus == 4
         else f"FSDP2 runs shard over the {gpus} GPUs"
     )
+    model = first.get("preset", "gpt-125m").upper()  # e.g. GPT-125M
     out = [
-        f"GPT-125M, one pass over `debian-docs` ({runs['bf16']['tokens'] / 1e6:.1f} M train "
+        f"{model}, one pass over `debian-docs` ({runs['bf16']['tokens'] / 1e6:.1f} M train "
         f"tokens, `--data-order pass`), {runs['bf16']['steps']} steps of {gpus} GPUs x "
         f"{first['micro_batch']} x {first['block_size']} tokens, AdamW {first['lr']:g} after "
         f"{first['warmup']} warm-up steps, cosine to {first['min_lr_ratio']:g}x; validation on "

@@ -25,6 +25,7 @@ CONVERGENCE = RESULTS / "convergence_debian_docs_2026-11-26" / "lr3e-4"
 STALENESS_2GPU = RESULTS / "convergence_debian_docs_2026-11-26" / "staleness_2gpu"
 AUTO = RESULTS / "auto_2026-11-26"
 ADAPTIVE_2GPU = RESULTS / "convergence_debian_docs_2026-11-26" / "adaptive_2gpu"
+CONVERGENCE_350M = RESULTS / "convergence_debian_docs_2026-11-26" / "gpt350m"
 QUANT_WIDTHS = RESULTS / "quant_widths_2026-11-26" / "quant_h200.json"
 
 
@@ -436,6 +437,7 @@ def tables() -> dict[str, Callable[[], str]]:
             [STALENESS / "ddp_staleness_socket_ws4_NVIDIA_H200.json"]
         ),
         "convergence": lambda: study_tables.convergence_table(CONVERGENCE),
+        "convergence-350m": lambda: study_tables.convergence_table(CONVERGENCE_350M),
         "staleness-2gpu": lambda: study_tables.convergence_table(STALENESS_2GPU / "lr3e-4"),
         "staleness-2gpu-lr1.5e-4": lambda: study_tables.convergence_table(
             STALENESS_2GPU / "lr1.5e-4"

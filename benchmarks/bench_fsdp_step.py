@@ -16,6 +16,14 @@ Rows: median seconds per step, tokens/s, ratio to both baselines, peak memory, f
 loss (all variants start from the same weights and see the same batches). ``--device cpu``
 runs a gloo smoke test with a tiny model.
 
+``--rounds R`` runs the variant list R times, every other round in reverse order, each variant
+built afresh each round; its median is over the timed steps of all rounds and its row keeps
+each round's median (``round_medians``). One pass measures each variant in one window of a few
+seconds, so a drift of the machine (clocks, the other variants' leftovers) lands on whichever
+variant ran then: two variants that run the same program (``auto`` where it keeps compression
+off, beside plain FSDP2) differed by 2-4% over 5 steps each. Alternating rounds put every
+variant on both sides of the drift.
+
 ``--hsdp`` (run it in the ``2x2`` regime): HSDP over 2 nodes, a (replicate, shard) mesh of
 2 x world/2. The baselines are native HSDP (``fully_shard`` on the 2-D mesh) with fp32 and with
 bf16 reduce (its replicate all-reduce crosses the nodes in that dtype); each recipe (default
@@ -105,6 +113,8 @@ class Row:
     wire: dict | None = None
     auto: dict | None = None
     """Variant ``auto``: what it chose and the communication it predicted per step (s)."""
+    round_medians: list[float] | None = None
+    """--rounds: the median of each round's timed steps (s), in round order."""
 
 
 def two_level_mesh(regime: str, device: torch.device):
@@ -179,7 +189,57 @@ def _solo_mesh(device: torch.device):
     return DeviceMesh.from_group(mine, device.type)
 
 
-def run_variant(name, c, args, device, recipe, reduce_dtype, compute_dtype) -> tuple[list, float]:
+@dataclass
+class Measured:
+    """One variant's timed steps, over one round or several (:func:`merge`)."""
+
+    times: list[float]
+    cpu_times: list[float]
+    losses: list[float]
+    peak: float
+    start: float
+    wire: dict
+    decision: dict | None
+    round_medians: list[float]
+
+
+def _choice(decision: dict | None) -> dict | None:
+    """What an ``auto`` decision chose (its strings), without what it measured (numbers, which
+    differ from round to round)."""
+    if decision is None:
+        return None
+    return {k: v for k, v in decision.items() if isinstance(v, str)}
+
+
+def merge(rounds: list[Measured]) -> Measured:
+    """A variant's rounds as one measurement: every round's timed steps; losses, wire and the
+    start from the first round (the same weights and batches each round); the highest peak.
+    An ``auto`` variant measures and decides again each round: its choices must agree, or the
+    rounds would time different programs (the first round's measurement is kept)."""
+    first = rounds[0]
+    decisions = {json.dumps(_choice(r.decision), sort_keys=True) for r in rounds}
+    if len(decisions) > 1:
+        raise SystemExit(
+            f"--rounds: 'auto' chose differently in different rounds ({sorted(decisions)}); "
+            "its steps would mix programs: run with --rounds 1 and say so"
+        )
+    return Measured(
+        times=[t for r in rounds for t in r.times],
+        cpu_times=[t for r in rounds for t in r.cpu_times],
+        losses=first.losses,
+        peak=max(r.peak for r in rounds),
+        start=first.start,
+        wire=first.wire,
+        decision=first.decision,
+        round_medians=[m for r in rounds for m in r.round_medians],
+    )
+
+
+def run_variant(
+    name, c, args, device, recipe, reduce_dtype, compute_dtype, *, extras: bool = True
+) -> Measured:
+    """Build the variant and time its steps (``extras``: also the --profile / --bounds steps,
+    which later rounds skip)."""
     if device.type == "cuda":
         left = torch.cuda.memory_allocated(device)
         if left > 2**28 and dist.get_rank() == 0:
@@ -209,6 +269,7 @@ def run_variant(name, c, args, device, recipe, reduce_dtype, compute_dtype) -> t
     # read for the wire-alone replay (--bounds)
     bounds = args.bounds and recipe != "compute-alone"  # (no communication to replay)
     extra = (["profile"] if args.profile else []) + (["bounds"] if bounds else [])
+    extra = extra if extras else []
     wire: dict = {}
     for i in range(timed + len(extra)):
         what = extra[i - timed] if i >= timed else None
@@ -280,15 +341,16 @@ def run_variant(name, c, args, device, recipe, reduce_dtype, compute_dtype) -> t
             gc.collect()
             later = torch.cuda.memory_allocated(device) / 2**30
             print(f"  {name}: {left:.2f} GiB left after del+gc, {later:.2f} GiB 2 s later")
-    return [
-        statistics.median(times),
-        statistics.median(cpu_times),
-        losses,
-        peak,
-        start,
-        wire,
-        decision,
-    ]
+    return Measured(
+        times=times,
+        cpu_times=cpu_times,
+        losses=losses,
+        peak=peak,
+        start=start,
+        wire=wire,
+        decision=decision,
+        round_medians=[statistics.median(times)],
+    )
 
 
 def _wire_alone(prof, device: torch.device) -> dict:
@@ -369,6 +431,13 @@ def main() -> None:
         "(e.g. one variant's peak memory in a process of its own)",
     )
     p.add_argument("--steps", type=int, default=5)
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run the variants this many times, every other round in reverse order; medians "
+        "over all rounds' steps (see the docstring)",
+    )
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
@@ -413,19 +482,31 @@ def main() -> None:
     variants += [(r, r, compute) for r in a.recipes]
     if a.bounds:  # the compute bound: no communication, each GPU its own 1-rank FSDP group
         variants.append(("compute-alone", "compute-alone", compute))
-    results = {}
-    for vname, recipe, reduce_dtype in variants:
-        results[vname] = run_variant(vname, c, a, device, recipe, reduce_dtype, compute)
-        wire = results[vname][5]
-        if wire and dist.get_rank() == 0:  # now: a later variant's failure keeps these
-            print(f"  {vname} wire alone: {json.dumps(wire)}", flush=True)
+    if a.rounds < 1:
+        raise SystemExit(f"--rounds {a.rounds}: give 1 or more")
+    measured: dict[str, list[Measured]] = {v: [] for v, _, _ in variants}
+    for k in range(a.rounds):
+        for vname, recipe, reduce_dtype in variants if k % 2 == 0 else variants[::-1]:
+            m = run_variant(vname, c, a, device, recipe, reduce_dtype, compute, extras=k == 0)
+            measured[vname].append(m)
+            if m.wire and dist.get_rank() == 0:  # now: a later variant's failure keeps these
+                print(f"  {vname} wire alone: {json.dumps(m.wire)}", flush=True)
+    results = {v: merge(rounds) for v, rounds in measured.items()}
     tokens = a.batch * c.block_size * ws
     # (a run without a baseline, e.g. one variant's memory in a process of its own: ratios 0)
-    base32 = results.get(f"{base}-fp32-reduce", [0.0])[0]
-    base16 = results.get(f"{base}-bf16-reduce", [0.0])[0]
-    compute_s = results["compute-alone"][0] if a.bounds else None
+    median = {v: statistics.median(m.times) for v, m in results.items()}
+    base32 = median.get(f"{base}-fp32-reduce", 0.0)
+    base16 = median.get(f"{base}-bf16-reduce", 0.0)
+    compute_s = median["compute-alone"] if a.bounds else None
     rows = []
-    for v, (t, cpu_t, losses, peak, start, wire, decision) in results.items():
+    for v, m in results.items():
+        t, cpu_t, losses, peak, wire = (
+            median[v],
+            statistics.median(m.cpu_times),
+            m.losses,
+            m.peak,
+            m.wire,
+        )
         serial, both = wire.get("wire_serial_s"), wire.get("wire_concurrent_s")
         bound = max(both, compute_s) if both and compute_s else None
         rows.append(
@@ -440,13 +521,14 @@ def main() -> None:
                 round(losses[0], 4),
                 round(losses[-1], 4),
                 a.steps,
-                peak_alone_gib=round(peak - start, 2),
+                peak_alone_gib=round(peak - m.start, 2),
                 wire_serial_s=serial,
                 wire_concurrent_s=both,
                 step_over_wire=round(t / serial, 3) if serial else None,
                 step_over_bound=round(t / bound, 3) if bound else None,
                 wire=wire or None,
-                auto=decision,
+                auto=m.decision,
+                round_medians=[round(x, 4) for x in m.round_medians] if a.rounds > 1 else None,
             )
         )
     if dist.get_rank() == 0:
@@ -459,6 +541,10 @@ def main() -> None:
                 f"loss {r.first_loss:.3f}->{r.last_loss:.3f}",
                 flush=True,
             )
+            if r.round_medians:
+                print(
+                    f"        rounds: {' '.join(f'{x:.3f}' for x in r.round_medians)} s", flush=True
+                )
             if r.wire_serial_s:
                 print(
                     f"        wire alone {r.wire_serial_s:.3f} s serial, "
@@ -478,6 +564,7 @@ def main() -> None:
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "model": model_meta(c),
             "micro_batch": a.batch,
+            "rounds": a.rounds,
             "compute_dtype": str(compute),
             "params": c.n_params(),
             "rows": [asdict(r) for r in rows],

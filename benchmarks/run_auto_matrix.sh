@@ -27,9 +27,12 @@ ddp() {  # regime name args...
     --out "$OUT/ddp_${name}_${regime}_ws4_${gpu}_${day}.json" "$@"
 }
 # NVLink: "auto" beside qsdp's uncompressed recipe "bf16" (the same program as the baseline
-# when auto keeps compression off), which shows how much of a gap is the variant's order
+# when auto keeps compression off), which shows how much of a gap is the variant's order; in
+# alternating rounds (bench_fsdp_step.py --rounds), since one pass of 5 steps per variant
+# resolved no better than 2-4% there, and the target is 0.98x
 echo "== FSDP2 nvlink"
-fsdp nvlink auto bf16 2>&1 | tee "$OUT/fsdp_auto_nvlink.log" | quiet
+FSDP_LIMIT=${NVLINK_LIMIT:-300} fsdp nvlink auto bf16 --rounds "${NVLINK_ROUNDS:-4}" 2>&1 \
+  | tee "$OUT/fsdp_auto_nvlink.log" | quiet
 for regime in socket 2x2; do
   echo "== FSDP2 $regime"
   fsdp "$regime" auto sdp4bit qsdp-w8g8 2>&1 | tee "$OUT/fsdp_auto_$regime.log" | quiet

@@ -1,0 +1,60 @@
+"""benchmarks/bench_fsdp_step.py --rounds: a variant's rounds merged into one measurement."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _bench():
+    sys.path.insert(0, str(ROOT / "benchmarks"))  # its sibling modules (regimes, profiling, ...)
+    try:
+        spec = importlib.util.spec_from_file_location(
+            "bench_fsdp_step", ROOT / "benchmarks/bench_fsdp_step.py"
+        )
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["bench_fsdp_step"] = module  # (its dataclasses look their module up)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    return module
+
+
+def _round(bench, times, *, peak=1.0, recipe=None, bus=1.0):
+    decision = None if recipe is None else {"recipe": recipe, "grads": "none", "bus_gb_per_s": bus}
+    return bench.Measured(
+        times=times,
+        cpu_times=[t / 2 for t in times],
+        losses=[3.0, 2.5],
+        peak=peak,
+        start=0.5,
+        wire={"collectives": 3} if peak == 1.0 else {},
+        decision=decision,
+        round_medians=[sorted(times)[len(times) // 2]],
+    )
+
+
+def test_rounds_pool_their_steps_and_keep_each_median():
+    bench = _bench()
+    merged = bench.merge([_round(bench, [0.3, 0.1, 0.2]), _round(bench, [0.5, 0.4, 0.6], peak=2.0)])
+    assert merged.times == [0.3, 0.1, 0.2, 0.5, 0.4, 0.6]
+    assert merged.cpu_times == [0.15, 0.05, 0.1, 0.25, 0.2, 0.3]
+    assert merged.round_medians == [0.2, 0.5]
+    assert merged.peak == 2.0  # the highest round's
+    assert merged.wire == {"collectives": 3} and merged.losses == [3.0, 2.5]  # the first round's
+
+
+def test_auto_must_choose_the_same_program_every_round():
+    bench = _bench()
+    # measured numbers differ between rounds: the first round's are kept
+    same = bench.merge(
+        [_round(bench, [0.1], recipe="bf16", bus=1.0), _round(bench, [0.2], recipe="bf16", bus=2.0)]
+    )
+    assert same.decision["bus_gb_per_s"] == 1.0
+    with pytest.raises(SystemExit, match="chose differently in different rounds"):
+        bench.merge([_round(bench, [0.1], recipe="bf16"), _round(bench, [0.2], recipe="sdp4bit")])

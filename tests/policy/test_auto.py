@@ -233,3 +233,78 @@ def test_one_level_codes_cross_the_slow_level_of_a_two_level_mesh():
     flat = predict_fsdp(GPT_1_4B, shard)
     assert p["grads"]["g4"] > flat["grads"]["g4"]  # the ring's figure flattered it
     assert p["grads"]["none"] == flat["grads"]["none"]  # NCCL's own ring: measured as a ring
+
+
+def test_the_mixed_precision_dtypes_set_what_uncompressed_costs():
+    fp32_reduce = predict_fsdp(GPT_1_4B, SOCKET)  # bf16 gathers, fp32 reduce: the defaults
+    bf16_reduce = predict_fsdp(GPT_1_4B, SOCKET, reduce_bytes=2)
+    fp32_params = predict_fsdp(GPT_1_4B, SOCKET, compute_bytes=4, reduce_bytes=4)
+    # the uncompressed collectives carry the dtype's bytes (their latencies stay: one reduce-
+    # scatter and two gathers per group); the codes do not depend on it
+    lat_g, lat_w = len(GPT_1_4B) * SOCKET.latency_s, 2 * len(GPT_1_4B) * SOCKET.latency_s
+    assert bf16_reduce["grads"]["none"] - lat_g == pytest.approx(
+        (fp32_reduce["grads"]["none"] - lat_g) / 2
+    )
+    assert fp32_params["weights"]["none"] - lat_w == pytest.approx(
+        2 * (fp32_reduce["weights"]["none"] - lat_w)
+    )
+    for option in ("g8", "g4"):
+        assert bf16_reduce["grads"][option] == fp32_reduce["grads"][option]
+    # one dtype per group: two groups, each its own
+    mixed = predict_fsdp([1 << 20, 1 << 20], SOCKET, reduce_bytes=[4, 2])
+    halves = [predict_fsdp([1 << 20], SOCKET, reduce_bytes=b)["grads"]["none"] for b in (4, 2)]
+    assert mixed["grads"]["none"] == pytest.approx(sum(halves))
+    with pytest.raises(ValueError, match=r"reduce_bytes=\[4\]: give the bytes per element"):
+        predict_fsdp([1, 2], SOCKET, reduce_bytes=[4])
+    with pytest.raises(ValueError, match="compute_bytes=0"):
+        predict_fsdp([1], SOCKET, compute_bytes=0)
+    # DDP: bf16 gradients halve the uncompressed all-reduce, not the codes'
+    fp32, bf16 = (predict_ddp(124_000_000, SOCKET, buckets=20, element_size=b) for b in (4, 2))
+    latency = 20 * 2 * SOCKET.latency_s  # two collectives per bucket: not halved
+    assert bf16["bf16"] - latency == pytest.approx((fp32["bf16"] - latency) / 2)
+    assert bf16["cgx"] == fp32["cgx"] and bf16["global-qsgd"] == fp32["global-qsgd"]
+
+
+def _policy_dtypes(rank: int, world: int) -> tuple:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import qsdp
+    from qsdp.policy import auto
+
+    from ..models import classifier
+
+    seen = []
+    predict, decide = auto.predict_fsdp, auto.decide_all_reduce
+
+    def record_fsdp(shards, m, **kw):
+        seen.append((kw["compute_bytes"], kw["reduce_bytes"]))
+        return predict(shards, m, **kw)
+
+    def record_ddp(group, device, **kw):
+        seen.append(kw["element_size"])
+        return decide(group, device, **kw)
+
+    auto.predict_fsdp, auto.decide_all_reduce = record_fsdp, record_ddp
+    init_device_mesh("cpu", (world,))
+    bf16 = torch.bfloat16
+    for mp in (
+        None,
+        MixedPrecisionPolicy(param_dtype=bf16),
+        MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=torch.float32),
+    ):
+        model = classifier()
+        kw = {} if mp is None else {"mp_policy": mp}
+        for i in (2, 5):
+            fully_shard(model[i], **kw)
+        fully_shard(model, **kw)
+        qsdp.compress_fsdp(model, "auto")
+    qsdp.ddp.register(DDP(classifier().to(bf16)), "auto")
+    return seen
+
+
+def test_auto_reads_the_bytes_fsdp2_and_ddp_send_from_the_model():
+    for seen in run_distributed(_policy_dtypes, 2):
+        # three FSDP2 groups each (the two blocks and the root's embedding and norm)
+        assert seen == [([4] * 3, [4] * 3), ([2] * 3, [2] * 3), ([2] * 3, [4] * 3), 2]

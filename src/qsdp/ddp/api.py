@@ -101,10 +101,11 @@ def _auto(model: DDP) -> dict:
     each recipe's all-reduce per step in DDP's buckets, pick (qsdp.policy.auto)."""
     params = [p for p in model.module.parameters() if p.requires_grad]
     numel = sum(p.numel() for p in params)
+    size = params[0].element_size()  # DDP's gradients: the parameters' dtype
     cap = getattr(model, "bucket_bytes_cap", 25 * 2**20)
-    buckets = max(1, -(-numel * 4 // cap))
+    buckets = max(1, -(-numel * size // cap))
     decision = auto.decide_all_reduce(
-        model.process_group, params[0].device, numel=numel, buckets=buckets
+        model.process_group, params[0].device, numel=numel, buckets=buckets, element_size=size
     )
     if dist.get_rank() == 0:
         measured, predicted = decision["measured"], decision["predicted_s"]

@@ -255,13 +255,16 @@ def _auto(model: nn.Module, *, mesh, replicate) -> dict:
     if mesh is not None:  # before measuring on it (every rank raises together)
         _check_mesh_covers(mesh, [shard], modules)
     names = {m: name for name, m in model.named_modules()}
-    shards = []
+    shards, gather_bytes, reduce_bytes = [], [], []
     for m in modules:
         layout = _layout(m, names[m], grads_only=False)
         if layout is None:
             raise ValueError("recipe 'auto' needs FSDP2's parameter layout (torch >= 2.11)")
         if layout:
             shards.append(sum(n for _, n, _ in layout))
+            gather, reduce = _wire_dtypes(m)
+            gather_bytes.append(gather.itemsize)
+            reduce_bytes.append(reduce.itemsize)
     device = next(p.to_local().device for p in model.parameters() if isinstance(p, DTensor))
     if replicate is None:  # each collective apart: the weights' gathers, the gradients'
         measured = auto.measure(shard, device)
@@ -269,7 +272,13 @@ def _auto(model: nn.Module, *, mesh, replicate) -> dict:
         if mesh is not None and min(mesh.shape) > 1:  # each level apart: two all-to-alls
             inter, intra = (auto.measure(mesh.get_group(d), device) for d in (0, 1))
             levels = tuple(auto.agree([inter, intra], shard, device))
-        predicted = auto.predict_fsdp(shards, measured, levels=levels)
+        predicted = auto.predict_fsdp(
+            shards,
+            measured,
+            levels=levels,
+            compute_bytes=gather_bytes,
+            reduce_bytes=reduce_bytes,
+        )
         weights, grads = auto.choose_fsdp(predicted)
         decision = {"weights": weights, "grads": grads}
         if levels is not None:
@@ -280,7 +289,18 @@ def _auto(model: nn.Module, *, mesh, replicate) -> dict:
             choice += f" (two levels, {levels[0].world} x {levels[1].world})"
         decision |= {"recipe": choice, "predicted_s": predicted, "measured": measured}
     else:  # one all-reduce of each module's fp32 shard across the nodes
-        decision = auto.decide_all_reduce(replicate, device, numel=sum(shards), buckets=len(shards))
+        if len(set(reduce_bytes)) > 1:
+            raise ValueError(
+                f"recipe 'auto' with replicate=: the modules reduce in dtypes of {reduce_bytes} "
+                "bytes; give them one MixedPrecisionPolicy(reduce_dtype=...)"
+            )
+        decision = auto.decide_all_reduce(
+            replicate,
+            device,
+            numel=sum(shards),
+            buckets=len(shards),
+            element_size=reduce_bytes[0],
+        )
     if dist.get_rank() == 0:
         measured, predicted = decision["measured"], decision["predicted_s"]
         print(auto.report(measured, predicted, decision["recipe"]), flush=True)
@@ -421,6 +441,24 @@ def _layout(
         return layout
     except AttributeError:
         return None
+
+
+def _wire_dtypes(module: FSDPModule) -> tuple[torch.dtype, torch.dtype]:
+    """(gathered, reduced) dtype of ``module``'s parameter group as FSDP2 resolves its
+    ``MixedPrecisionPolicy``: parameters gather in ``param_dtype`` (their own dtype when unset)
+    and gradients reduce in ``reduce_dtype`` (the gathered dtype when unset). Read from the
+    parameter group's policy (see [Note: what compress_fsdp reads of FSDP2]; FSDP2 resolves it
+    per parameter only at its lazy init, in the first forward)."""
+    try:
+        group = module._get_fsdp_state()._fsdp_param_group
+        policy = group.mp_policy
+        gathered = policy.param_dtype or group.fsdp_params[0].sharded_param.dtype
+        return gathered, policy.reduce_dtype or gathered
+    except AttributeError as e:
+        raise ValueError(
+            "recipe 'auto' reads FSDP2's mixed-precision dtypes, which this torch version does "
+            f"not expose where qsdp reads them ({e}); name a recipe instead"
+        ) from e
 
 
 def _grad_params(

@@ -10,23 +10,26 @@ quantizer's encode + decode per element at each width on this device. A compress
 costs its payload's wire time plus the encodes and decodes of every element it touches
 (each rank encodes its input and decodes what it receives).
 
-Per training step (FSDP2, every group of ``m`` elements per rank, bf16 compute, fp32 reduce),
-each collective apart, since their times add: the weights uncompressed ``2 * gather(2 m)``
-(FSDP2 gathers in the forward and again in the backward), 8-bit (QSDP, the same two gathers of
-8-bit payloads plus the codec) or 4-bit weight differences (SDP4Bit, one gather: the backward
-reuses the reconstruction); the gradients uncompressed ``reduce_scatter(4 n m)``, 8-bit or 4-bit
-(SDP4Bit's Hadamard-smoothed quantizer). On a two-level mesh of ``A`` nodes of ``B`` ranks, whose
-levels are measured apart, the gradients have a fourth option, ``"tl"`` (SDP4Bit's two levels):
-an 8-bit all-to-all of all ``n m`` elements inside the node, then a 4-bit all-to-all of the
-node's partial sums (``n m / B`` elements) between the nodes. The weights' gathers and the
-uncompressed reduce-scatter are NCCL rings over the whole shard group, predicted from its own
-measurement; the one-level codes' reduce-scatter is an all-to-all, whose bytes to the other
-nodes, ``(A - 1) / A`` of them, cross the measured inter-node level (on 4x H100 in the 2x2
-regime the shard group's ring measured 6.3 GB/s, the inter-node level 2.0 GB/s: the ring's
-figure made one-level 4-bit codes look faster than two levels, 119 against 156 ms, where the
-step measured 0.469 s against 0.379 s; ``benchmarks/results/auto_2026-11-26/run3_h100/``).
-DDP: one all-reduce of the fp32 gradients per step,
-uncompressed or in CGX's two phases (``cgx``, ``qsdp-g8``) or Global-QSGD's int8 all-reduce.
+Per training step (FSDP2, every group of ``m`` elements per rank), each collective apart, since
+their times add: the weights uncompressed ``2 * gather(p m)`` (FSDP2 gathers in the forward and
+again in the backward, ``p`` bytes per element of the group's ``param_dtype``: 2 under bf16
+compute), 8-bit (QSDP, the same two gathers of 8-bit payloads plus the codec) or 4-bit weight
+differences (SDP4Bit, one gather: the backward reuses the reconstruction); the gradients
+uncompressed ``reduce_scatter(g n m)`` (``g`` bytes of the group's reduce dtype: 4 for fp32, 2 for
+bf16), 8-bit or 4-bit (SDP4Bit's Hadamard-smoothed quantizer). ``p`` and ``g`` are what the model's
+``MixedPrecisionPolicy`` makes FSDP2 send: a model that reduces in bf16 halves what compression can
+save on its gradients. On a two-level mesh of ``A`` nodes of ``B`` ranks, whose levels are measured
+apart, the gradients have a fourth option, ``"tl"`` (SDP4Bit's two levels): an 8-bit all-to-all of
+all ``n m`` elements inside the node, then a 4-bit all-to-all of the node's partial sums (``n m /
+B`` elements) between the nodes. The weights' gathers and the uncompressed reduce-scatter are NCCL
+rings over the whole shard group, predicted from its own measurement; the one-level codes'
+reduce-scatter is an all-to-all, whose bytes to the other nodes, ``(A - 1) / A`` of them, cross the
+measured inter-node level (on 4x H100 in the 2x2 regime the shard group's ring measured 6.3 GB/s,
+the inter-node level 2.0 GB/s: the ring's figure made one-level 4-bit codes look faster than two
+levels, 119 against 156 ms, where the step measured 0.469 s against 0.379 s;
+``benchmarks/results/auto_2026-11-26/run3_h100/``). DDP: one all-reduce of the gradients per step
+(their dtype's bytes; compressed HSDP: the reduce dtype), uncompressed or in CGX's two phases
+(``cgx``, ``qsdp-g8``) or Global-QSGD's int8 all-reduce.
 
 The model leaves out compute and the overlap with it, and the host's time per collective, so it
 ranks the options by their communication time and keeps the uncompressed one unless a
@@ -202,8 +205,8 @@ def predict_fsdp(
     m: Measured,
     *,
     levels: tuple[Measured, Measured] | None = None,
-    compute_bytes: int = 2,
-    reduce_bytes: int = 4,
+    compute_bytes: int | Sequence[int] = 2,
+    reduce_bytes: int | Sequence[int] = 4,
 ) -> dict[str, dict[str, float]]:
     """Predicted communication seconds per step of each option of each FSDP2 collective, for
     groups of ``shards[i]`` elements per rank (see [Note: the cost model]): the weight
@@ -211,8 +214,12 @@ def predict_fsdp(
     SDP4Bit's 4-bit weight differences, gathered once) and the gradient reduce-scatters
     (``"none"``, ``"g8"``, ``"g4"``, and with ``levels``, the (inter-node, intra-node) groups of
     a two-level mesh measured apart, ``"tl"``). ``m`` is the whole shard group's measurement.
+    ``compute_bytes`` and ``reduce_bytes``: bytes per element FSDP2 gathers and reduces
+    uncompressed (its ``param_dtype`` and reduce dtype), one for all groups or one per group.
     The collectives' times add, so each is chosen alone."""
     n = m.world
+    gather_b = _per_group(compute_bytes, len(shards), "compute_bytes")
+    reduce_b = _per_group(reduce_bytes, len(shards), "reduce_bytes")
     if levels is not None and levels[0].world * levels[1].world != n:
         raise ValueError(
             f"levels of {levels[0].world} x {levels[1].world} ranks do not make the shard "
@@ -225,11 +232,11 @@ def predict_fsdp(
     # go over the slow level (a ring's bus bandwidth, measured on the shard group, counts the
     # fast hops too and would flatter it)
     exchange = (lambda b: _wire(m, b)) if levels is None else (lambda b: _all_to_all(levels, b))
-    for k in shards:
-        weights["none"] += 2 * _wire(m, n * k * compute_bytes)
+    for k, gb, rb in zip(shards, gather_b, reduce_b, strict=True):
+        weights["none"] += 2 * _wire(m, n * k * gb)
         weights["w8"] += 2 * (_wire(m, n * pay[8](k)) + _codec(m, 8, n * k))
         weights["wd4"] += _wire(m, n * pay[4](k)) + _codec(m, 4, n * k)
-        grads["none"] += _wire(m, n * k * reduce_bytes)  # NCCL's ring reduce-scatter
+        grads["none"] += _wire(m, n * k * rb)  # NCCL's ring reduce-scatter
         grads["g8"] += exchange(n * pay[8](k)) + 2 * _codec(m, 8, n * k)
         grads["g4"] += exchange(n * pay[4](k)) + 2 * _codec(m, 4, n * k)
         if levels is not None:
@@ -244,18 +251,31 @@ def predict_fsdp(
     return {"weights": weights, "grads": grads}
 
 
+def _per_group(value: int | Sequence[int], groups: int, name: str) -> list[int]:
+    values = [value] * groups if isinstance(value, int) else list(value)
+    if len(values) != groups or any(not isinstance(v, int) or v <= 0 for v in values):
+        raise ValueError(
+            f"{name}={value!r}: give the bytes per element (a positive int) for all groups or "
+            f"one per group ({groups})"
+        )
+    return values
+
+
 def choose_fsdp(predicted: dict[str, dict[str, float]], *, margin: float = 0.8) -> tuple[str, str]:
     """(weights, gradients) options, each the fastest of its collective but uncompressed
     (``"none"``) unless predicted at most ``margin`` of uncompressed."""
     return _pick(predicted["weights"], "none", margin), _pick(predicted["grads"], "none", margin)
 
 
-def predict_ddp(numel: int, m: Measured, *, buckets: int = 1) -> dict[str, float]:
-    """Predicted seconds per step of DDP's all-reduce of ``numel`` fp32 gradients in
-    ``buckets`` buckets: uncompressed, CGX's two phases (4 and 8 bits), Global-QSGD (int8)."""
+def predict_ddp(
+    numel: int, m: Measured, *, buckets: int = 1, element_size: int = 4
+) -> dict[str, float]:
+    """Predicted seconds per step of DDP's all-reduce of ``numel`` gradients of
+    ``element_size`` bytes in ``buckets`` buckets: uncompressed, CGX's two phases (4 and 8
+    bits), Global-QSGD (int8)."""
     pay = {b: s.payload_bytes for b, s in _SPECS.items()}
     per = numel / buckets
-    plain = 2 * _wire(m, per * 4)  # a reduce-scatter and an all-gather of the bucket
+    plain = 2 * _wire(m, per * element_size)  # a reduce-scatter and an all-gather of the bucket
     out = {"bf16": plain}
     for name, bits in (("cgx", 4), ("qsdp-g8", 8)):
         # phase 1 all-to-all of the codes, phase 2 all-gather of the re-encoded sums
@@ -276,13 +296,19 @@ def _pick(options: dict[str, float], uncompressed: str, margin: float) -> str:
 
 
 def decide_all_reduce(
-    group: dist.ProcessGroup | None, device: torch.device, *, numel: int, buckets: int
+    group: dist.ProcessGroup | None,
+    device: torch.device,
+    *,
+    numel: int,
+    buckets: int,
+    element_size: int = 4,
 ) -> dict:
-    """The recipe of a gradient all-reduce of ``numel`` fp32 elements in ``buckets`` calls per
-    step (DDP's buckets, compressed HSDP's replicate all-reduce): measure ``group``, predict each
-    option, choose. Collective over ``group``; every rank decides the same."""
+    """The recipe of a gradient all-reduce of ``numel`` elements of ``element_size`` bytes in
+    ``buckets`` calls per step (DDP's buckets, compressed HSDP's replicate all-reduce): measure
+    ``group``, predict each option, choose. Collective over ``group``; every rank decides the
+    same."""
     measured = measure(group, device)
-    predicted = predict_ddp(numel, measured, buckets=buckets)
+    predicted = predict_ddp(numel, measured, buckets=buckets, element_size=element_size)
     return {"recipe": choose(predicted), "predicted_s": predicted, "measured": measured}
 
 

@@ -448,6 +448,9 @@ def tables() -> dict[str, Callable[[], str]]:
         "adaptive-2gpu": lambda: study_tables.convergence_table(ADAPTIVE_2GPU),
         "sdp4bit-table1": lambda: study_tables.sdp4bit_table(CONVERGENCE),
         "auto": lambda: study_tables.auto_table(sorted(AUTO.glob("*/*.json"))),
+        "auto-model-check": lambda: study_tables.model_check_table(
+            sorted(AUTO.glob("*/fsdp_*.json")), sorted(STALENESS.glob("fsdp_bounds_*.json"))
+        ),
     }
     for size, dtype in ((1024, "bfloat16"), (256, "bfloat16"), (1024, "float32")):
         out[f"collectives-{size}-{dtype}"] = lambda size=size, dtype=dtype: collectives_table(

@@ -18,6 +18,10 @@ run:
 
 Rows: median s/step, tokens/s, ratios to ``ddp-fp32`` and ``bf16_compress_hook``, bytes per
 step, wire time, peak memory, first and last loss. ``--device cpu`` is a gloo smoke test.
+``--rounds R`` runs the variant list R times, every other round reversed, and takes each
+variant's median over all its rounds' steps (``round_medians``: each round's), as
+``bench_fsdp_step.py --rounds`` does: one pass puts each variant in one window of the machine's
+drift (the judged socket ratios of three single-pass runs of one day spread from 1.69x to 1.95x).
 """
 
 from __future__ import annotations
@@ -139,9 +143,6 @@ def run_variant(name: str, a, cfg, device: torch.device, rank: int) -> dict:
         else _hook_bytes(name, model, numel, hook_state)
     )
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
-    # the slowest rank's median is the step time
-    t = torch.tensor([statistics.median(times), statistics.median(compute)], device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
     del model, module, opt
     gc.collect()
     if device.type == "cuda":
@@ -151,8 +152,8 @@ def run_variant(name: str, a, cfg, device: torch.device, rank: int) -> dict:
     return {
         "variant": name,
         **({"auto": decision_record(decision)} if decision else {}),
-        "median_s": float(t[0]),
-        "compute_s": float(t[1]),
+        "times": times,  # this rank's; main() takes the slowest rank's median over rounds
+        "compute": compute,
         "bytes_per_step": step_bytes,
         "peak_gib": peak,
         "loss_first": losses[0],
@@ -206,6 +207,31 @@ def all_reduce_bandwidth(device: torch.device, mib: int = 256) -> float:
     return x.numel() * 4 / float(t)
 
 
+def merge_rounds(rounds: list[dict], device: torch.device) -> dict:
+    """One variant's rounds as its row: the slowest rank's median over all rounds' steps (and
+    of the compute bound's), each round's (``round_medians``), the first round's losses and
+    the highest peak. Collective: every rank calls it for every variant in the same order."""
+    if len({json.dumps((r.get("auto") or {}).get("recipe")) for r in rounds}) > 1:
+        raise SystemExit(
+            f"--rounds: 'auto' chose differently in different rounds "
+            f"({[r['auto']['recipe'] for r in rounds]}): run with --rounds 1 and say so"
+        )
+    times = [t for r in rounds for t in r["times"]]
+    compute = [t for r in rounds for t in r["compute"]]
+    medians = [statistics.median(r["times"]) for r in rounds]
+    t = torch.tensor(
+        [statistics.median(times), statistics.median(compute), *medians], device=device
+    )
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    row = {k: v for k, v in rounds[0].items() if k not in ("times", "compute")}
+    return row | {
+        "median_s": float(t[0]),
+        "compute_s": float(t[1]),
+        "round_medians": [round(float(x), 4) for x in t[2:]],
+        "peak_gib": max(r["peak_gib"] for r in rounds),
+    }
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--regime", choices=sorted(regimes.REGIMES), required=True)
@@ -217,6 +243,12 @@ def main() -> None:
     )
     p.add_argument("--baselines", nargs="*", default=["ddp-fp32", "bf16_compress_hook", "powerSGD"])
     p.add_argument("--steps", type=int, default=5)
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run the variants this many times, every other round reversed (see the docstring)",
+    )
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
@@ -235,11 +267,23 @@ def main() -> None:
         dist.init_process_group("gloo")
     cfg = TINY if a.tiny else GPT_125M
     bw = all_reduce_bandwidth(device, 16 if a.tiny else 256)
+    if a.rounds < 1:
+        raise SystemExit(f"--rounds {a.rounds}: give 1 or more")
+    names = [
+        n
+        for n in [*a.baselines, *a.recipes]
+        # the bf16 hook refuses gloo; PowerSGD deadlocks there with 2+ buckets
+        if device.type == "cuda" or n not in ("bf16_compress_hook", "powerSGD")
+    ]
+    runs: dict[str, list[dict]] = {n: [] for n in names}
+    for k in range(a.rounds):
+        for name in names if k % 2 == 0 else names[::-1]:
+            runs[name].append(run_variant(name, a, cfg, device, dist.get_rank()))
     rows = []
-    for name in [*a.baselines, *a.recipes]:
-        if name in ("bf16_compress_hook", "powerSGD") and device.type != "cuda":
-            continue  # the bf16 hook refuses gloo; PowerSGD deadlocks there with 2+ buckets
-        row = run_variant(name, a, cfg, device, dist.get_rank())
+    for name in names:
+        row = merge_rounds(runs[name], device)
+        if a.rounds == 1:
+            del row["round_medians"]
         row["wire_s"] = row["bytes_per_step"] / bw if row["bytes_per_step"] else None
         rows.append(row)
         if dist.get_rank() == 0:
@@ -247,7 +291,8 @@ def main() -> None:
                 f"{name:20s} {row['median_s']:.3f} s/step (compute {row['compute_s']:.3f} s, "
                 f"wire {row['wire_s'] or 0:.3f} s, {row['bytes_per_step'] or 0:,} B) "
                 f"peak {row['peak_gib']:.1f} GiB loss {row['loss_first']:.3f}->"
-                f"{row['loss_last']:.3f}",
+                f"{row['loss_last']:.3f}"
+                + (f" rounds {row['round_medians']}" if a.rounds > 1 else ""),
                 flush=True,
             )
     tokens = a.batch * cfg.block_size * dist.get_world_size()
@@ -271,6 +316,7 @@ def main() -> None:
             },
             "micro_batch": a.batch,
             "bucket_cap_mb": a.bucket_mb,
+            "rounds": a.rounds,
             "all_reduce_bytes_per_s": bw,
             "rows": rows,
         }

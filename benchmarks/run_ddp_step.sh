@@ -2,6 +2,7 @@
 # On a multi-GPU host: DDP and PyTorch's comm hooks beside qsdp's DDP recipes, one GPT-125M
 # training step, in the network regimes given as arguments (default: socket nvlink).
 #   RESULTS_DIR=out NPROC=4 bash benchmarks/run_ddp_step.sh socket nvlink
+#   DDP_ARGS="--rounds 3" ... alternates the variants over 3 rounds (the judged ratios)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source benchmarks/run_env.sh  # PYTHONPATH, GPU safety variables, gpu, day, RESULTS_DIR

@@ -58,3 +58,40 @@ def test_auto_must_choose_the_same_program_every_round():
     assert same.decision["bus_gb_per_s"] == 1.0
     with pytest.raises(SystemExit, match="chose differently in different rounds"):
         bench.merge([_round(bench, [0.1], recipe="bf16"), _round(bench, [0.2], recipe="sdp4bit")])
+
+
+def _ddp_merge(rank: int, world: int) -> tuple:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        spec = importlib.util.spec_from_file_location(
+            "bench_ddp_step", ROOT / "benchmarks/bench_ddp_step.py"
+        )
+        bench = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(bench)
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    import torch
+
+    scale = rank + 1  # rank 1 is the slower: its medians are the step's
+    rounds = [
+        {
+            "variant": "cgx",
+            "times": [scale * t for t in ts],
+            "compute": [0.01 * scale],
+            "peak_gib": p,
+            "loss_first": 3.0,
+        }
+        for ts, p in (([0.3, 0.1, 0.2], 1.0), ([0.5, 0.4, 0.6], 2.0))
+    ]
+    row = bench.merge_rounds(rounds, torch.device("cpu"))
+    return row["median_s"], row["compute_s"], row["round_medians"], row["peak_gib"], "times" in row
+
+
+def test_ddp_rounds_take_the_slowest_ranks_median_over_all_steps():
+    from qsdp.testing import run_distributed
+
+    for median, compute, per_round, peak, kept_times in run_distributed(_ddp_merge, 2):
+        assert median == pytest.approx(2 * 0.35)  # the median of rank 1's six steps
+        assert compute == pytest.approx(0.02)
+        assert per_round == [pytest.approx(0.4), pytest.approx(1.0)]
+        assert peak == 2.0 and not kept_times

@@ -187,12 +187,15 @@ def test_staleness_1_on_nccl(recipe, predict):
     run_distributed(_stale_vs_by_hand, ws, recipe, predict, backend="nccl", timeout_s=600)
 
 
-def _local_estimates_on_nccl(rank: int, ws: int) -> None:
+def _local_estimates_on_nccl(rank: int, ws: int, recipe: str) -> None:
     """Weight prediction from each rank's own gradient on NCCL: with the same batch on every
     rank, each rank's own row of the reduce-scatter's input is the averaged gradient itself, so
     the estimate kept in step 0 must equal what step 1's backward applies (the hook's stream
-    and the copy of FSDP2's input buffer are what only CUDA can get wrong)."""
-    model, dev = _build("bf16", ws, torch.float32, config=qsdp.recipe("bf16", staleness=1))
+    and the copy of FSDP2's input buffer are what only CUDA can get wrong). Two levels
+    (``tlq-hs-only`` on 2 x 2): the estimate is the node's average, written on the hook's
+    stream mid-reduction (an event orders its reads); equal up to the codes of both levels."""
+    config = qsdp.recipe(recipe, staleness=1)
+    model, dev = _build(recipe, ws, torch.float32, config=config)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     state = qsdp.fsdp.comm_state(model)
     qsdp.WeightPrediction(opt, local=state)  # the hooks keep the estimates from now on
@@ -211,9 +214,19 @@ def _local_estimates_on_nccl(rank: int, ws: int) -> None:
     opt.zero_grad(set_to_none=False)
     backward()  # step 1: applies step 0's averaged gradient
     for p in model.parameters():
-        torch.testing.assert_close(p.grad.to_local(), estimates[p], rtol=1e-4, atol=1e-6)
+        if recipe == "bf16":
+            torch.testing.assert_close(p.grad.to_local(), estimates[p], rtol=1e-4, atol=1e-6)
+        else:  # 8-bit codes in the estimate, 8- and 4-bit ones in the applied gradient (the
+            # other node's half at 4 bits: ~9% of its norm); a read before the hook's stream
+            # wrote it would be unrelated memory, near 100%
+            applied = p.grad.to_local()
+            error = (applied - estimates[p]).norm() / applied.norm().clamp_min(1e-12)
+            assert error < 0.3, (p.shape, float(error))
 
 
-def test_local_gradient_estimates_on_nccl():
+@pytest.mark.parametrize("recipe", ["bf16", "tlq-hs-only"])
+def test_local_gradient_estimates_on_nccl(recipe):
     ws = min(torch.cuda.device_count(), 4)
-    run_distributed(_local_estimates_on_nccl, ws, backend="nccl", timeout_s=300)
+    if recipe != "bf16" and ws < 4:
+        pytest.skip("two levels need 2 x 2 GPUs")
+    run_distributed(_local_estimates_on_nccl, ws, recipe, backend="nccl", timeout_s=300)

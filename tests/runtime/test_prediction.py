@@ -263,6 +263,63 @@ def test_fsdp2_keeps_each_ranks_own_gradient_of_its_shard():
     run_distributed(_local_estimates, 3)
 
 
+def _two_level_estimates(rank: int, world: int) -> dict:
+    """FSDP2 over 2 nodes x 2 with SDP4Bit's two levels (gloo): each rank's estimate is its
+    shard's gradient averaged over its node (through the peers' 8-bit intra-node codes; the
+    1-D parameters, sent raw, its own), handed over by the reduce-scatter before the slow
+    inter-node level, which alone is late."""
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("inter", "intra"))
+    model = classifier()
+    for i in (2, 5):
+        fully_shard(model[i])
+    fully_shard(model)
+    qsdp.compress_fsdp(model, qsdp.recipe("sdp4bit", staleness=1), mesh=mesh)
+    state = qsdp.fsdp.comm_state(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    predict = WeightPrediction(opt, local=state)
+    twin = classifier()  # every rank's own gradient, unsharded, gathered
+    _loss(twin, rank, 0).backward()
+    grads = []
+    for t in twin.parameters():
+        every = [torch.empty_like(t.grad) for _ in range(world)]
+        dist.all_gather(every, t.grad)
+        grads.append(every)
+    _loss(model, rank, 0).backward()
+    estimates = state.local_gradients()
+    node, per_node = rank // (world // 2), world // 2
+    errors = {}
+    for (name, p), every in zip(model.named_parameters(), grads, strict=True):
+        rows = p.to_local().shape[0]
+        start = rank * -(-p.shape[0] // world)
+        own = every[rank][start : start + rows]
+        if p.ndim == 1:  # raw beside the codes: no node level, the own gradient
+            torch.testing.assert_close(estimates[p], own, rtol=0, atol=0)
+            continue
+        mean = torch.stack(every[node * per_node : (node + 1) * per_node]).mean(0)
+        mean = mean[start : start + rows]
+        errors[name] = float((estimates[p] - mean).norm() / mean.norm())
+        assert errors[name] < 0.02, (name, errors[name])  # 8-bit codes of the node's peer
+        assert (estimates[p] - own).norm() > 10 * (estimates[p] - mean).norm(), name
+    # the world's shards make one estimate: its squared norm sums over every rank
+    square = torch.stack([g.square().sum() for g in estimates.values()]).sum()
+    total = square.clone()
+    dist.all_reduce(total)
+    torch.testing.assert_close(state.estimate_square_norm(estimates), total)
+    opt.step()
+    opt.zero_grad()
+    before = [p.full_tensor() for p in model.parameters()]
+    with predict.ahead(enabled=state.in_flight, clip=1.0):  # each rank moves its own shard
+        moved = [p.full_tensor() for p in model.parameters()]
+    assert all(not torch.equal(x, y) for x, y in zip(before, moved, strict=True))
+    state.drain()
+    return errors
+
+
+def test_two_levels_keep_each_shards_node_average():
+    out = run_distributed(_two_level_estimates, 4)
+    assert all(0 < e for errors in out for e in errors.values())  # codes, not the exact mean
+
+
 def _hsdp_estimates(rank: int, world: int) -> dict:
     """Compressed HSDP on 2 nodes x 2 (gloo): only the replicate all-reduce is delayed, and each
     rank's estimate is its node's average gradient of its shard."""

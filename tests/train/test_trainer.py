@@ -274,6 +274,15 @@ def _emulated_nodes(rank: int, world: int, data: str, root: str) -> None:
     d, cpu = open_data(Path(data)), torch.device("cpu")
     for name, kw in (("flat", {}), ("nodes", {"nodes": 2})):
         train_rank(_cfg(Path(root) / name, "sdp4bit", steps=2, **kw), d, cpu)
+    # staleness 1 over two levels: each shard's estimate is its node's average, kept in the
+    # checkpoint (two-level gradients without weight differences, which resync on a load)
+    stale = {"nodes": 2, "staleness": 1, "steps": 5, "ckpt_every": 0}
+    for name, kw in (
+        ("stale", {}),
+        ("stale-resumed", {"stop_at": 2}),  # right after an evaluation
+        ("stale-resumed", {"resume": True}),
+    ):
+        train_rank(_cfg(Path(root) / name, "tlq-hs-only", **(stale | kw)), d, cpu)
 
 
 def _stale_bytes(rank: int, world: int, data: str, root: str) -> None:
@@ -320,6 +329,13 @@ def test_nodes_emulate_two_levels_for_fsdp(data_dir, tmp_path):
     # per piece of L elements on a 2 x 2 mesh, two levels send 2 * L 8-bit codes inside the node
     # and L / 2 bytes of 4-bit codes between them (2.5 L); one level 3 * L / 2 (plus scales)
     assert 1.5 < rs["nodes"] / rs["flat"] < 1.8, rs
+    # staleness 1 with the node's estimates resumes exactly
+    straight, resumed = (
+        [r["loss"] for r in _rows(tmp_path / n)] for n in ("stale", "stale-resumed")
+    )
+    assert len(straight) == 5 and straight == resumed, (straight, resumed)
+    config = json.loads((tmp_path / "stale" / "config.json").read_text())
+    assert config["predict"] == "local" and config["nodes"] == 2
 
 
 def test_schedule_warms_up_then_decays_to_the_floor():

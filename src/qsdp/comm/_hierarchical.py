@@ -31,6 +31,7 @@ GPU a node (``B == 1``) only the inter level: both are the single-level
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -216,6 +217,7 @@ def hierarchical_reduce_scatter(
     bucket: int = 0,
     backend: Backend = "auto",
     stats: CommStats | None = None,
+    node_average: Callable[[torch.Tensor], object] | None = None,
 ) -> C.CommWork | None:
     """Two-level quantized reduce-scatter over ``mesh`` with the layout of a flat one.
 
@@ -257,6 +259,14 @@ def hierarchical_reduce_scatter(
         bucket: separates buffers reduced in the same step.
         backend: the quantizer backend (``"auto"``: Triton on CUDA, reference on CPU).
         stats: the byte counter to record into (default :data:`qsdp.comm.comm_stats`).
+        node_average: called once, as soon as the intra-node level is done (before the
+            inter-node exchange starts), with an ``m``-element float32 tensor: this rank's
+            chunk averaged over its node's ranks (their contributions as the intra-node codes
+            carry them; the raw part of a ``split``, which has no node level, is this rank's own
+            values). An estimate of the result from the node's batches, for staleness 1's weight
+            prediction ([Note: weight prediction]); use it in stream order (on CUDA the stream
+            current at the call). With one rank per node it is the own chunk; on one node, the
+            result's average, after the exchange.
 
     Returns:
         A :class:`CommWork` when ``async_op``, else None.
@@ -286,11 +296,20 @@ def hierarchical_reduce_scatter(
             flat[(layout.intra_cols if na == 1 else layout.inter_rows)[j]]
             for j in range(sub.size())
         ]
+        own = input.reshape(na * nb, m)[layout.chunk_of(*layout.coord)]
         if order != sorted(order):  # the sub-group numbers its ranks unlike the flat layout
             input = input.reshape(na * nb, m)[order]
-        return C.run_stages(
-            _reduce_scatter_stages(output, input, sub, spec=spec, **common), async_op, result=output
-        )
+        stages = _reduce_scatter_stages(output, input, sub, spec=spec, **common)
+        if node_average is not None:
+            stages = _one_level_estimate(
+                stages,
+                node_average,
+                output=output,
+                own=own,
+                node_ranks=nb if na == 1 else 1,
+                op=C.parse_op(op),
+            )
+        return C.run_stages(stages, async_op, result=output)
     op = C.parse_op(op)
     C.check_key(seed, step, bucket)
     m = check_chunks(output, input, na * nb, "hierarchical_reduce_scatter")
@@ -308,6 +327,8 @@ def hierarchical_reduce_scatter(
         chunks, raw = split.take(chunks)
         out = torch.empty(split.n_comp, dtype=output.dtype, device=output.device)
         raw_out = torch.empty(split.n_raw, dtype=raw.dtype, device=raw.device)
+        if node_average is not None:
+            node_average = _with_own_raw(node_average, split, raw[layout.chunk_of(*layout.coord)])
     plan = _Plan(
         chunks=chunks,
         layout=layout,
@@ -320,6 +341,7 @@ def hierarchical_reduce_scatter(
         bucket=bucket,
         backend=backend,
         stats=stats,
+        node_average=node_average,
     )
     if split is None:
         return C.run_stages(plan.stages(output, op), async_op, result=output)
@@ -335,6 +357,39 @@ def hierarchical_reduce_scatter(
         finish,
     )
     return C.run_stages(stages, async_op, result=output)
+
+
+def _with_own_raw(
+    node_average: Callable[[torch.Tensor], object], split: Split, own_raw: torch.Tensor
+) -> Callable[[torch.Tensor], object]:
+    """``node_average`` of a split's compressed part, completed with the own raw values."""
+
+    def call(compressed: torch.Tensor) -> None:
+        full = torch.empty(1, split.chunk, dtype=torch.float32, device=compressed.device)
+        split.put(full, compressed.view(1, -1), own_raw.to(torch.float32).view(1, -1))
+        node_average(full.view(-1))
+
+    return call
+
+
+def _one_level_estimate(
+    stages: C.Stages,
+    node_average: Callable[[torch.Tensor], object],
+    *,
+    output: torch.Tensor,
+    own: torch.Tensor,
+    node_ranks: int,
+    op: str,
+) -> C.Stages:
+    """``node_average`` on a mesh of one level: with one rank per node (``node_ranks`` 1) the
+    own chunk, before the exchange; on one node the result's average, after it."""
+    if node_ranks == 1:
+        node_average(own.to(torch.float32, copy=True))
+        yield from stages
+        return
+    yield from stages
+    estimate = output.to(torch.float32, copy=True).view(-1)
+    node_average(estimate if op == "avg" else estimate.div_(node_ranks))
 
 
 @dataclass(kw_only=True)
@@ -357,6 +412,8 @@ class _Plan:
     bucket: int
     backend: Backend
     stats: CommStats
+    node_average: Callable[[torch.Tensor], object] | None = None
+    """Called with the own chunk's node average once the intra-node level is summed."""
 
     def __post_init__(self) -> None:
         self.a, self.b = self.layout.coord
@@ -474,6 +531,8 @@ class _Plan:
                 pending = self._issue_intra(p + 1, encoded[p + 1])
             yield [work], False
             inter.append(self._issue_inter(p, stack))
+        if self.node_average is not None:  # acc: the own chunk summed over the node
+            self.node_average(self.acc / self.nb)
         yield [w for _, w in inter], True
         for (o, n), (recv, _) in zip(self.pieces, inter, strict=True):
             decode_sum(

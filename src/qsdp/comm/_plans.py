@@ -73,6 +73,12 @@ class ReducePlan:
         """The quantizer whose width adaptive widths vary (None: the plan has none)."""
         return None
 
+    @property
+    def node_level(self) -> bool:
+        """Whether :meth:`reduce_scatter` reduces inside the node first (two levels over a
+        mesh): then it takes ``node_average=`` (see :func:`hierarchical_reduce_scatter`)."""
+        return False
+
     def with_bits(self, bits: int) -> ReducePlan:
         """This plan with :attr:`width_spec` at ``bits`` bits."""
         raise ValueError(f"{type(self).__name__} has no quantizer width to vary")
@@ -189,6 +195,10 @@ class TwoLevelReduce(ReducePlan):
 
     def value_limit(self) -> float:
         return min(self.intra.value_limit(), self.inter.value_limit())
+
+    @property
+    def node_level(self) -> bool:
+        return self.mesh is not None
 
     def reduce_scatter(self, output, input, group, **kw):
         if self.mesh is None:  # one level: every peer counts as remote

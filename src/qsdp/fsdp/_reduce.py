@@ -139,6 +139,12 @@ class QuantizedReduceScatter(_Reduction, _Hook, ReduceScatter):
             split = _usable(self.split, input_tensor.numel() // group.size(), self.stats)
             plan = self._plan_now(input_tensor.view(group.size(), -1), split)
 
+            # weight prediction's estimate: from two levels, the own chunk averaged over the
+            # node (only the inter-node level need be late, as under compressed HSDP); else
+            # this rank's row of the unreduced input
+            node = self.pipeline.keep_local and plan.node_level
+            estimate = {"node_average": self.delay.set_local} if node else {}
+
             def launch(result: torch.Tensor) -> None:
                 plan.reduce_scatter(
                     result,
@@ -150,14 +156,12 @@ class QuantizedReduceScatter(_Reduction, _Hook, ReduceScatter):
                     step=step,
                     bucket=self.bucket,
                     stats=self.stats,
+                    **estimate,
                 )
 
-            # weight prediction's estimate: this rank's row of the unreduced input
-            local = (
-                input_tensor.view(group.size(), -1)[group.rank()]
-                if self.pipeline.keep_local
-                else None
-            )
+            local = None
+            if self.pipeline.keep_local and not node:
+                local = input_tensor.view(group.size(), -1)[group.rank()]
             self.delay.send(launch, like=output_tensor, input=input_tensor, local=local)
             return None
         if self.twins:  # CompressionConfig.own_reduce_group: off FSDP2's communicator

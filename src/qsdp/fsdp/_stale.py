@@ -75,8 +75,11 @@ class Delay:
         self._stream: torch.cuda.Stream | None = None
         self.op: str = "avg"
         self.local: torch.Tensor | None = None
-        """This rank's own share of the gradient in flight (its row of the unreduced input), kept
-        when the pipeline keeps local estimates ([Note: weight prediction])."""
+        """This rank's own share of the gradient in flight (its row of the unreduced input, or,
+        from a two-level reduction, its chunk averaged over the node: :meth:`set_local`), kept
+        when the pipeline keeps local estimates ([Note: weight prediction]). Read it through
+        :meth:`local_estimate`."""
+        self._local_event: torch.cuda.Event | None = None
 
     def finish(self) -> torch.Tensor | None:
         """The result, complete for the current stream (on CUDA the stream waits; the host
@@ -85,6 +88,24 @@ class Delay:
             torch.cuda.current_stream(self._event_device).wait_event(self._event)
             self._event = None
         return self.result
+
+    def local_estimate(self) -> torch.Tensor | None:
+        """:attr:`local`, complete for the current stream (on CUDA it waits for the hook's
+        stream to have written it, not for the rest of the reduction)."""
+        if self._local_event is not None:
+            torch.cuda.current_stream(self._event_device).wait_event(self._local_event)
+            self._local_event = None
+        return self.local
+
+    def set_local(self, estimate: torch.Tensor) -> None:
+        """The reduction's ``node_average`` callback: keep ``estimate`` (in the result's dtype,
+        as the own row would be) as :attr:`local`. Called inside :meth:`send`'s ``launch``, on
+        the hook's stream on CUDA: an event marks where it is written. (Its memory comes from
+        that stream; the compute stream's reads of it are issued before the next ``send``,
+        whose stream first waits for the compute stream, so it is not reused early.)"""
+        self.local = estimate.to(self.result.dtype).view(self.result.shape)
+        if estimate.is_cuda:
+            self._local_event = torch.cuda.current_stream(estimate.device).record_event()
 
     def send(
         self,
@@ -99,8 +120,10 @@ class Delay:
         reads) is marked as used by the hook's stream, so the caching allocator hands its
         memory out again only once that stream has passed the reduction: the hook keeps no
         reference, and FSDP2's buffer is freed as soon as the reduction is done. ``local``:
-        this rank's share of it, copied (on the current stream) as :attr:`local`."""
+        this rank's share of it, copied (on the current stream) as :attr:`local` (or None:
+        ``launch`` may give one by :meth:`set_local`)."""
         self.local = None if local is None else local.clone()
+        self._local_event = None
         if (
             self.result is None
             or self.result.shape != like.shape
@@ -125,6 +148,7 @@ class Delay:
 
     def clear(self) -> None:
         self.finish()
+        self.local_estimate()
         self.result = None
         self.local = None
 
@@ -187,9 +211,10 @@ class Pipeline:
         out: dict[nn.Parameter, torch.Tensor] = {}
         for hook, params in self.entries:
             delay: Delay = hook.delay
-            if delay.local is not None:
+            local = delay.local_estimate()
+            if local is not None:
                 _check_avg(delay, "local gradient estimates need it")
-                out.update(_by_param(delay.local, params))
+                out.update(_by_param(local, params))
         return out
 
     def drain(self) -> None:
@@ -223,7 +248,7 @@ class Pipeline:
         for i, (hook, params) in enumerate(self.entries):
             out[f"pending.{i}"] = _saved(hook.delay.finish(), params)
             if self.keep_local:  # this rank's share of it, for weight prediction
-                out[_local_key(i, hook)] = _saved(hook.delay.local, params)
+                out[_local_key(i, hook)] = _saved(hook.delay.local_estimate(), params)
         return out
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:

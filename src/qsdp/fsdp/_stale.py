@@ -189,7 +189,8 @@ class Pipeline:
     def keep_local_gradients(self) -> None:
         """From the next backward on, each delayed reduction keeps this rank's own share of its
         input (one shard per group, in the reduce dtype), for :meth:`local_gradients`: a
-        reduce-scatter its row of the unreduced input, HSDP's replicate all-reduce the node's
+        reduce-scatter its row of the unreduced input (over two levels: its chunk averaged over
+        the node, handed over by the reduction), HSDP's replicate all-reduce the node's
         average (only the slow inter-node reduction is delayed)."""
         if not self.entries:
             raise ValueError("local gradient estimates: this model has no delayed reduction")

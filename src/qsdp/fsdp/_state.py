@@ -156,7 +156,7 @@ class CommState:
     def keep_local_gradients(self) -> None:
         """Staleness 1: keep each rank's own (unreduced) gradient of its shards while their
         reduction is in flight, for ``WeightPrediction(optimizer, local=state)`` (under
-        compressed HSDP the node's average, the replicate all-reduce's input). Memory: one
+        compressed HSDP and over two levels the node's average). Memory: one
         shard per group."""
         if self._installed.pipeline is None:
             raise ValueError("local gradient estimates are for staleness=1")

@@ -27,15 +27,18 @@ parameter per step, the same on every rank, so replicas stay identical).
 **From each rank's own gradient** (``WeightPrediction(optimizer, local=comm_state)``, FSDP2's
 reduce-scatter at staleness 1, Adam and AdamW): the update in flight is the optimizer's next step
 with the gradient being reduced; its momentum part is known exactly, only the new gradient is not,
-and each rank holds its own share of it (its row of the reduce-scatter's input, an unbiased estimate
-of the average). Under compressed HSDP only the replicate (inter-node) all-reduce is delayed, and
-the estimate is its input, the node's average: each node predicts from its own, clipped by its norm
-over the node. Under DDP (``local=hook``, the ``qsdp.ddp.register`` state) each rank keeps its own
-whole gradient of the buckets in flight and predicts from it: the replicas compute at different
-points, and are identical again once the backward restored them. The prediction is that step
-computed with the rank's own gradient, clipped by the norm of one whole estimate (the world's shards
-under FSDP2, the node's under HSDP, the rank's own under DDP: ``estimate_square_norm``), on each
-rank's own shards: the all-gathers assemble it.
+and each rank holds its own share of it (its row of the reduce-scatter's input, an unbiased
+estimate of the average). Over SDP4Bit's two levels (``mesh=``) the reduce-scatter hands over each
+rank's chunk averaged over its node once the intra-node level is summed (before the slow inter-node
+level): that is the estimate, half the batch on 2 nodes of 2 instead of a quarter. Under compressed
+HSDP only the replicate (inter-node) all-reduce is delayed, and the estimate is its input, the
+node's average: each node predicts from its own, clipped by its norm over the node. Under DDP
+(``local=hook``, the ``qsdp.ddp.register`` state) each rank keeps its own whole gradient of the
+buckets in flight and predicts from it: the replicas compute at different points, and are identical
+again once the backward restored them. The prediction is that step computed with the rank's own
+gradient, clipped by the norm of one whole estimate (the world's shards under FSDP2, the node's
+under HSDP, the rank's own under DDP: ``estimate_square_norm``), on each rank's own shards: the
+all-gathers assemble it.
 Measured by hand on GPT-125M (``benchmarks/staleness_reference.py``, variant ``local``): +6.0%
 against the synchronous loss, where the last-update prediction gives +18.7% and the delay as is
 +30.5%; the exact reduced gradient gives +0.4% (``oracle``). Through qsdp (``qsdp train``,

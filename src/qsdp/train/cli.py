@@ -99,8 +99,8 @@ def parser() -> argparse.ArgumentParser:
         default=None,
         choices=PREDICTIONS,
         help="--staleness 1: compute each gradient at AdamW's next step with each rank's own "
-        "gradient (local, the default; the node's average with --hsdp), at the parameters "
-        "plus the last update (last), or as they are (none)",
+        "gradient (local, the default; the node's average with --hsdp or --nodes), at the "
+        "parameters plus the last update (last), or as they are (none)",
     )
     p.add_argument(
         "--stale-bound",

@@ -31,6 +31,23 @@ def _node_sum(xs, na, nb, coord, m, intra, pipeline) -> torch.Tensor:
     return acc
 
 
+def _reduce(mesh, x: torch.Tensor, specs, **kw) -> tuple[list, torch.Tensor, object]:
+    """(what ``node_average`` received, the output, the work) of one reduce-scatter of ``x``."""
+    seen, out = [], torch.empty(x.numel() // mesh.size())
+    intra, inter = specs
+    work = hierarchical_reduce_scatter(
+        out,
+        x,
+        mesh=mesh,
+        intra_spec=intra,
+        inter_spec=inter,
+        seed=SEED,
+        node_average=seen.append,
+        **kw,
+    )
+    return seen, out, work
+
+
 def _estimates(rank: int, world: int) -> None:
     mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("inter", "intra"))
     na, nb = mesh.size(0), mesh.size(1)
@@ -38,18 +55,8 @@ def _estimates(rank: int, world: int) -> None:
     for intra, inter in SPEC_PAIRS:
         for m, pipeline in ((200, 1), (200, 3), (45, 1)):
             xs = [rank_tensor(j, world * m, seed=0) for j in range(world)]
-            seen = []
-            out = torch.empty(m)
-            work = hierarchical_reduce_scatter(
-                out,
-                xs[rank],
-                mesh=mesh,
-                intra_spec=intra,
-                inter_spec=inter,
-                pipeline=pipeline,
-                seed=SEED,
-                async_op=True,
-                node_average=seen.append,
+            seen, out, work = _reduce(
+                mesh, xs[rank], (intra, inter), pipeline=pipeline, async_op=True
             )
             assert len(seen) == 1  # handed over before the inter-node exchange is waited for
             work.wait()
@@ -63,17 +70,7 @@ def _estimates(rank: int, world: int) -> None:
     m = 200
     split = Split(chunk=m, runs=((0, 70, True), (70, 10, False), (80, 120, True)))
     xs = [rank_tensor(j, world * m, seed=1) for j in range(world)]
-    seen = []
-    hierarchical_reduce_scatter(
-        torch.empty(m),
-        xs[rank],
-        mesh=mesh,
-        intra_spec=intra,
-        inter_spec=inter,
-        split=split,
-        seed=SEED,
-        node_average=seen.append,
-    )
+    seen, _, _ = _reduce(mesh, xs[rank], (intra, inter), split=split)
     own = xs[rank][rank * m : (rank + 1) * m]
     torch.testing.assert_close(seen[0][70:80], own[70:80], rtol=0, atol=0)
     # the compressed runs: the node's average through the peers' 8-bit codes, close, not exact
@@ -86,10 +83,7 @@ def _estimates(rank: int, world: int) -> None:
     for shape in ((world, 1), (1, world)):
         flat = init_device_mesh("cpu", shape, mesh_dim_names=("inter", "intra"))
         x = rank_tensor(rank, world * 30, seed=2)
-        out, seen = torch.empty(30), []
-        hierarchical_reduce_scatter(
-            out, x, mesh=flat, intra_spec=intra, inter_spec=inter, node_average=seen.append
-        )
+        seen, out, _ = _reduce(flat, x, (intra, inter))
         want = x[rank * 30 : (rank + 1) * 30] if shape[1] == 1 else out
         torch.testing.assert_close(seen[0], want.float(), rtol=0, atol=0)
     dist.barrier()

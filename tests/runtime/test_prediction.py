@@ -263,6 +263,18 @@ def test_fsdp2_keeps_each_ranks_own_gradient_of_its_shard():
     run_distributed(_local_estimates, 3)
 
 
+def _every_ranks_gradient(rank: int, world: int) -> list[list[torch.Tensor]]:
+    """Per parameter, every rank's own gradient of step 0 (an unsharded twin's, gathered)."""
+    twin = classifier()
+    _loss(twin, rank, 0).backward()
+    grads = []
+    for t in twin.parameters():
+        every = [torch.empty_like(t.grad) for _ in range(world)]
+        dist.all_gather(every, t.grad)
+        grads.append(every)
+    return grads
+
+
 def _two_level_estimates(rank: int, world: int) -> dict:
     """FSDP2 over 2 nodes x 2 with SDP4Bit's two levels (gloo): each rank's estimate is its
     shard's gradient averaged over its node (through the peers' 8-bit intra-node codes; the
@@ -277,13 +289,7 @@ def _two_level_estimates(rank: int, world: int) -> dict:
     state = qsdp.fsdp.comm_state(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     predict = WeightPrediction(opt, local=state)
-    twin = classifier()  # every rank's own gradient, unsharded, gathered
-    _loss(twin, rank, 0).backward()
-    grads = []
-    for t in twin.parameters():
-        every = [torch.empty_like(t.grad) for _ in range(world)]
-        dist.all_gather(every, t.grad)
-        grads.append(every)
+    grads = _every_ranks_gradient(rank, world)
     _loss(model, rank, 0).backward()
     estimates = state.local_gradients()
     node, per_node = rank // (world // 2), world // 2
@@ -332,13 +338,7 @@ def _hsdp_estimates(rank: int, world: int) -> dict:
     state = qsdp.fsdp.comm_state(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     predict = WeightPrediction(opt, local=state)
-    twin = classifier()  # every rank's own gradient, unsharded, gathered
-    _loss(twin, rank, 0).backward()
-    grads = []
-    for t in twin.parameters():
-        every = [torch.empty_like(t.grad) for _ in range(world)]
-        dist.all_gather(every, t.grad)
-        grads.append(every)
+    grads = _every_ranks_gradient(rank, world)
     _loss(model, rank, 0).backward()
     estimates = state.local_gradients()
     node, shard, per_node = rank // (world // 2), rank % (world // 2), world // 2

@@ -235,30 +235,46 @@ def _adam_next(
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Move each parameter with an estimate and optimizer state to where ``optimizer.step()``
     would take it with that gradient (times ``clip_coef``); returns (local tensor, copy) to
-    restore. Adam's and AdamW's step as ``torch.optim`` computes it."""
+    restore. Adam's and AdamW's step as ``torch.optim`` computes it, over each parameter group
+    with ``torch._foreach_*`` ops (a dozen launches per group, not per parameter: GPT-125M
+    has 150 parameters)."""
     saved = []
     for group in optimizer.param_groups:
-        # AdamW, or Adam(decoupled_weight_decay=True) of torch >= 2.6
-        decoupled = group.get("decoupled_weight_decay", isinstance(optimizer, torch.optim.AdamW))
-        beta1, beta2 = group["betas"]
-        lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
-        for p in group["params"]:
-            state = optimizer.state.get(p)
-            g = estimates.get(p)
-            if g is None or not state:
-                continue
-            x = local_of(p.detach())
-            saved.append((x, x.clone()))
-            t = float(state["step"]) + 1
-            g = g.to(torch.float32) * clip_coef
-            if wd and not decoupled:
-                g = g + wd * x.float()
-            m = local_of(state["exp_avg"]).float() * beta1 + g * (1 - beta1)
-            v = local_of(state["exp_avg_sq"]).float() * beta2 + g * g * (1 - beta2)
-            denom = (v.sqrt() / math.sqrt(1 - beta2**t)).add_(eps)
-            new = x.float()
-            if wd and decoupled:
-                new = new * (1 - lr * wd)
-            new = new.addcdiv(m, denom, value=-lr / (1 - beta1**t))
-            x.copy_(new)
+        picked = [
+            (p, estimates[p], optimizer.state[p])
+            for p in group["params"]
+            if p in estimates and optimizer.state.get(p)
+        ]
+        if picked:
+            saved += _adam_group(group, picked, isinstance(optimizer, torch.optim.AdamW), clip_coef)
     return saved
+
+
+def _adam_group(group: dict, picked: list, adamw: bool, clip_coef: float) -> list:
+    """:func:`_adam_next` for one parameter group's ``(parameter, estimate, state)``."""
+    # AdamW, or Adam(decoupled_weight_decay=True) of torch >= 2.6
+    decoupled = group.get("decoupled_weight_decay", adamw)
+    beta1, beta2 = group["betas"]
+    lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
+    xs = [local_of(p.detach()) for p, _, _ in picked]
+    copies = [torch.empty_like(x) for x in xs]
+    torch._foreach_copy_(copies, xs)
+    steps = [float(state["step"]) + 1 for _, _, state in picked]
+    gs = torch._foreach_mul([g.to(torch.float32) for _, g, _ in picked], clip_coef)
+    new = [x.float() for x in xs]  # fp32 parameters: the tensors themselves, moved in place
+    if wd and not decoupled:
+        torch._foreach_add_(gs, torch._foreach_mul(new, wd))
+    m = torch._foreach_mul([local_of(s["exp_avg"]).float() for _, _, s in picked], beta1)
+    torch._foreach_add_(m, torch._foreach_mul(gs, 1 - beta1))
+    v = torch._foreach_mul([local_of(s["exp_avg_sq"]).float() for _, _, s in picked], beta2)
+    torch._foreach_add_(v, torch._foreach_mul(torch._foreach_mul(gs, gs), 1 - beta2))
+    denom = torch._foreach_sqrt(v)
+    torch._foreach_div_(denom, [math.sqrt(1 - beta2**t) for t in steps])
+    torch._foreach_add_(denom, eps)
+    if wd and decoupled:
+        torch._foreach_mul_(new, 1 - lr * wd)
+    torch._foreach_addcdiv_(new, m, denom, [-lr / (1 - beta1**t) for t in steps])
+    moved = [(x, n) for x, n in zip(xs, new, strict=True) if n is not x]  # (not fp32)
+    if moved:
+        torch._foreach_copy_([x for x, _ in moved], [n for _, n in moved])
+    return list(zip(xs, copies, strict=True))

@@ -7,6 +7,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ..config import CompressionConfig, IntegerGrads, QuantizedGrads, recipe
 from ..policy import auto
+from ..runtime.agreement import check_same_arguments
 from .hook import DDPCompression
 
 __all__ = ["register"]
@@ -41,13 +42,19 @@ def register(
     Raises:
         TypeError: ``model`` is not a DDP module, ``config`` of the wrong type.
         ValueError: the config compresses weights, or has two-level gradients (a
-            reduce-scatter; DDP all-reduces), error feedback with integer gradients.
+            reduce-scatter; DDP all-reduces), error feedback with integer gradients, other
+            arguments on another rank of DDP's group (one all-gather first, see [Note: one
+            config on every rank]).
     """
     if not isinstance(model, DDP):
         raise TypeError(
             f"qsdp.ddp.register needs a DistributedDataParallel module, got "
             f"{type(model).__name__}; wrap it first: DistributedDataParallel(model)"
         )
+    # the same on every rank of DDP's group, before anything can raise on one rank alone
+    check_same_arguments(
+        (config, error_feedback), group=model.process_group, what="qsdp.ddp.register"
+    )
     decision = None
     if config == "auto":  # measure, predict, pick: see qsdp.policy.auto
         decision = _auto(model)

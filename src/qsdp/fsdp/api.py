@@ -27,6 +27,7 @@ from ..config import (
 )
 from ..policy import auto
 from ..runtime import NonfiniteCheck
+from ..runtime.agreement import check_same_arguments
 from ..runtime.widths import WidthController
 from ._gathers import QuantizedAllGather, QuantizedMasterAllGather, WeightDiffAllGather
 from ._hooks import StepClock
@@ -83,8 +84,13 @@ def compress_fsdp(
     Raises:
         ValueError: no FSDPModule in ``model``, an unknown recipe, a mesh that is not 2-D, given
             to a one-level recipe or not covering FSDP's shard group (found with one all-reduce,
-            so every rank raises), a model (or part of one) already compressed.
+            so every rank raises), a model (or part of one) already compressed, another config
+            or mesh shape on another rank (one all-gather over the world first, see [Note: one
+            config on every rank]).
     """
+    check_same_arguments(
+        (config, _shape(mesh), _shape(replicate)), group=None, what="qsdp.compress_fsdp"
+    )
     decision = None
     if config == "auto":  # measure, predict, pick: see qsdp.policy.auto
         decision = _auto(model, mesh=mesh, replicate=replicate)
@@ -441,6 +447,16 @@ def _layout(
         return layout
     except AttributeError:
         return None
+
+
+def _shape(mesh: DeviceMesh | dist.ProcessGroup | None) -> tuple[int, ...] | None:
+    """What must agree across ranks of a mesh or group argument: its shape (its ranks differ
+    between replicas: each node has its own replicate group)."""
+    if mesh is None:
+        return None
+    if isinstance(mesh, DeviceMesh):
+        return tuple(mesh.shape)
+    return (dist.get_world_size(mesh),) if isinstance(mesh, dist.ProcessGroup) else (-1,)
 
 
 def _wire_dtypes(module: FSDPModule) -> tuple[torch.dtype, torch.dtype]:

@@ -47,6 +47,7 @@ declare -A ARGS=(
   [bf16-s1-as-is-after100]="--recipe bf16 --nodes 2 --staleness 1 --predict none --stale-after 100"
   [cgx]="--recipe cgx"
   [cgx-adaptive]="--recipe cgx --adaptive-every 25"
+  [cgx-adaptive-param]="--recipe cgx --adaptive-every 25 --adaptive-per-parameter"
   [auto]="--recipe auto --nodes 2"
   [ddp-bf16]="--ddp --recipe bf16"
   [ddp-cgx]="--ddp --recipe cgx"

@@ -52,7 +52,8 @@ def _what(c: dict) -> str:
     if c.get("stale_after"):
         parts.append(f"synchronous before step {c['stale_after']}")
     if c.get("adaptive_every"):
-        parts.append(f"adaptive every {c['adaptive_every']}")
+        per = ", per parameter" if c.get("adaptive_per_parameter") else ""
+        parts.append(f"adaptive every {c['adaptive_every']}{per}")
     if c.get("seed"):
         parts.append(f"seed {c['seed']}")
     return ", ".join(parts)

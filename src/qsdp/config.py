@@ -212,8 +212,14 @@ class AdaptiveWidths:
     """The widths a group may take: any of those the payload format packs (2, 3, 4, 6, 8)."""
     sample: int = 1 << 16
     """Elements per group the error is measured on (whole quantization groups)."""
+    per_parameter: bool = False
+    """A width per parameter tensor (CGX's layers) instead of per reduction group (an FSDP2
+    block): each group then reduces once per width it holds (its parameters of one width
+    together, the raw ones with the first). FSDP2's synchronous reduce-scatter only."""
 
     def __post_init__(self) -> None:
+        if not isinstance(self.per_parameter, bool):
+            raise ValueError(f"AdaptiveWidths.per_parameter={self.per_parameter!r} must be a bool")
         for name in ("every", "sample"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:

@@ -135,3 +135,105 @@ def _nan_at_the_measuring_step(rank: int, world: int) -> tuple:
 def test_a_nan_in_the_measuring_step_neither_hangs_nor_splits_the_plan(world):
     plans = run_distributed(_nan_at_the_measuring_step, world, pg_timeout_s=30)
     assert len(set(plans)) == 1
+
+
+PER_PARAM = AdaptiveWidths(every=3, warmup=1, sample=4096, per_parameter=True)
+
+
+def _one_group(adaptive, recipe: str = "cgx"):
+    """The classifier as one FSDP2 group: its three matrices (compressed) and its biases and
+    norm (raw) in one reduce-scatter."""
+    model = classifier()
+    fully_shard(model)
+    qsdp.compress_fsdp(model, qsdp.recipe(recipe, adaptive=adaptive) if recipe else "bf16")
+    return model
+
+
+def _grads(model) -> list[torch.Tensor]:
+    return [p.grad.to_local().clone() for p in model.parameters()]
+
+
+def _per_parameter_worker(rank: int, world: int) -> dict:
+    init_device_mesh("cpu", (world,))
+    x, y = batch(rank, 7)
+    # before any decision every parameter holds the reference width: one call, bit for bit
+    # the per-group hook's
+    late = AdaptiveWidths(warmup=100, per_parameter=True)
+    a, b = _one_group(late), _one_group(None)
+    for m in (a, b):
+        nn.functional.cross_entropy(m(x), y).backward()
+    assert all(torch.equal(g, h) for g, h in zip(_grads(a), _grads(b), strict=True))
+    # training decides a width per matrix, the same on every rank
+    model = _one_group(PER_PARAM)
+    state = qsdp.fsdp.comm_state(model)
+    loss = train(model, rank, 25)[-1]
+    widths = state.widths
+    assert widths.keys == 3 and widths.decisions == 8
+    saved = state.state_dict()
+    assert_same_on_all_ranks(saved["widths"])
+    # a forced mixed plan: one reduce-scatter per width, the raw parameters with the first;
+    # the bytes are those of the three calls
+    hook = next(h for h in qsdp.fsdp._state._installed(model).hooks if hasattr(h, "param_keys"))
+    sizes = {name: n for name, n in hook.layout}
+    matrices = ["0.weight", "2.weight", "5.weight"]  # chunk order: embedding, fc1, fc2
+    raw = sum(n for name, n in hook.layout if name not in matrices)
+    stats = qsdp.fsdp_comm_stats(model)
+    exact = _one_group(None, recipe=None)  # uncompressed FSDP2, the same weights
+    exact.load_state_dict(model.state_dict())
+    nn.functional.cross_entropy(exact(x), y).backward()
+    for forced in ([3, 6, 2], [8, 6, 8]):
+        state.load_state_dict(
+            saved | {"widths": torch.tensor(forced), "width_steps": torch.tensor([2])}
+        )
+        model.zero_grad()
+        before = (stats["reduce_scatter"].bytes, stats["reduce_scatter"].calls)
+        nn.functional.cross_entropy(model(x), y).backward()
+        spec = hook.plan.width_spec
+        calls = {}
+        for name, bits in zip(matrices, forced, strict=True):
+            calls[bits] = calls.get(bits, 0) + sizes[name]
+        want = 0
+        for k, bits in enumerate(sorted(calls)):
+            split = None
+            if k == 0:  # the raw parameters travel with the narrowest width's codes
+                n = calls[bits] + raw
+                split = qsdp.comm.Split(
+                    chunk=n, runs=((0, calls[bits], True), (calls[bits], raw, False))
+                )
+            want += qsdp.comm.reduce_scatter_wire_bytes(
+                world * (calls[bits] + (raw if k == 0 else 0)),
+                world,
+                qsdp.quant.QuantSpec(**{**spec.__dict__, "bits": bits}),
+                split=split,
+            )
+        got = stats["reduce_scatter"].bytes - before[0]
+        assert got == want, (forced, got, want)
+        assert stats["reduce_scatter"].calls - before[1] == len(calls)
+        if forced == [8, 6, 8]:  # each matrix at its width: close to the exact gradient
+            for (name, p), e in zip(model.named_parameters(), exact.parameters(), strict=True):
+                g, ref = p.grad.to_local(), e.grad.to_local()
+                if name in matrices:
+                    assert (g - ref).norm() < 0.05 * ref.norm(), name
+                else:  # raw: summed exactly
+                    torch.testing.assert_close(g, ref, rtol=1e-5, atol=1e-7)
+    return {"loss": loss, "uniform": train(_one_group(None), rank, 25)[-1]}
+
+
+def test_widths_per_parameter_split_a_group_into_one_call_per_width():
+    out = run_distributed(_per_parameter_worker, 3, timeout_s=300)[0]
+    assert abs(out["loss"] - out["uniform"]) < 0.05 * out["uniform"], out
+
+
+def _refused(rank: int, world: int) -> str:
+    init_device_mesh("cpu", (world,))
+    model = classifier()
+    fully_shard(model)
+    with pytest.raises(ValueError, match="per_parameter=True\\) is built for FSDP2's") as e:
+        qsdp.compress_fsdp(model, qsdp.recipe("cgx", adaptive=PER_PARAM, staleness=1))
+    return str(e.value)
+
+
+def test_widths_per_parameter_are_for_fsdp2s_synchronous_reduce_scatter():
+    assert len(set(run_distributed(_refused, 2))) == 1
+    with pytest.raises(ValueError, match="per_parameter=1 must be a bool"):
+        AdaptiveWidths(per_parameter=1)

@@ -242,6 +242,8 @@ def _check_stale(tmp_path: Path, parallel: str) -> None:
 def _adaptive(rank: int, world: int, data: str, root: str) -> None:
     d, cpu = open_data(Path(data)), torch.device("cpu")
     train_rank(_cfg(Path(root) / "adaptive", "cgx", steps=6, adaptive_every=2, seed=1), d, cpu)
+    per = {"adaptive_every": 2, "adaptive_per_parameter": True, "seed": 1}
+    train_rank(_cfg(Path(root) / "adaptive-param", "cgx", steps=6, **per), d, cpu)
     for parallel in ("fsdp", "ddp", "hsdp"):
         train_rank(
             _cfg(Path(root) / f"auto-{parallel}", "auto", steps=2, parallel=parallel), d, cpu
@@ -258,6 +260,11 @@ def test_adaptive_widths_and_auto_in_the_trainer(data_dir, tmp_path):
     assert saved[0] == "" and all(0 <= float(x) < 1 for x in saved[1:]), saved
     config = json.loads((tmp_path / "adaptive" / "config.json").read_text())
     assert config["adaptive_every"] == 2
+    # a width per parameter: decided, logged and recorded the same way
+    saved = [r["grad_bytes_saved"] for r in _rows(tmp_path / "adaptive-param")]
+    assert saved[0] == "" and all(0 <= float(x) < 1 for x in saved[1:]), saved
+    config = json.loads((tmp_path / "adaptive-param" / "config.json").read_text())
+    assert config["adaptive_per_parameter"] is True
     for parallel in ("fsdp", "ddp", "hsdp"):  # "auto" measured, chose, recorded, trained
         rows = _rows(tmp_path / f"auto-{parallel}")
         assert len(rows) == 2 and float(rows[-1]["compression_ratio"]) > 0
@@ -369,6 +376,16 @@ def test_schedule_warms_up_then_decays_to_the_floor():
         ({"predict": "ahead"}, "--predict must be one of"),
         ({"staleness": 1, "stale_after": 200}, "a step in (0, --steps)"),
         ({"staleness": 2, "parallel": "ddp", "recipe": "cgx"}, "--staleness must be 0 or 1"),
+        ({"adaptive_per_parameter": True}, "--adaptive-per-parameter needs --adaptive-every N"),
+        (
+            {
+                "adaptive_every": 5,
+                "adaptive_per_parameter": True,
+                "parallel": "ddp",
+                "recipe": "cgx",
+            },
+            "FSDP2 at staleness 0",
+        ),
     ],
 )
 def test_bad_settings_are_refused(kw, message):

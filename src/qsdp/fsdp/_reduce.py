@@ -13,7 +13,43 @@ from ..runtime.widths import WidthController
 from ._hooks import _Context, _Counter, _Hook, _usable
 from ._stale import Delay, Pipeline
 
-__all__ = ["QuantizedReduceScatter"]
+__all__ = ["QuantizedReduceScatter", "compressed_runs"]
+
+# [Note: widths per parameter]
+# With ``AdaptiveWidths(per_parameter=True)`` each compressed parameter of a group has its own
+# key in the model's WidthController (CGX adapts per layer, i.e. per parameter tensor). A group
+# whose parameters all hold one width reduces as before (one collective, bit for bit the
+# per-group path). Otherwise it reduces once per width: the columns of that width's parameters
+# (each rank's chunk is the concatenation of the parameters' shards) copied into one ``[n, m_w]``
+# input, reduced by the plan at that width, copied back; the raw (policy) parameters travel with
+# the first width's call, beside its codes. Each call after the first has its own noise key
+# (``bucket + k * 2**24``). The bytes are each call's, counted as ever; the cost is one more
+# collective (its latency) per extra width in a group.
+_SECTION_KEY = 1 << 24
+
+
+def _merged(parts: list[tuple[int, bool]]) -> tuple[tuple[int, int, bool], ...]:
+    """``(length, compressed)`` parts in order as a Split's runs, neighbours of a kind merged."""
+    runs: list[tuple[int, int, bool]] = []
+    offset = 0
+    for n, compressed in parts:
+        if runs and runs[-1][2] == compressed:
+            runs[-1] = (runs[-1][0], runs[-1][1] + n, compressed)
+        else:
+            runs.append((offset, n, compressed))
+        offset += n
+    return tuple(runs)
+
+
+def compressed_runs(layout: list, policy) -> list[tuple[int, int]]:
+    """``(start, length)`` in the chunk of each parameter of ``layout`` (``(name, elements,
+    shape)`` in chunk order) that ``policy`` compresses (all with no policy), in chunk order."""
+    runs, offset = [], 0
+    for name, n, shape in layout:
+        if n and (policy is None or policy.compresses(name, shape)):
+            runs.append((offset, n))
+        offset += n
+    return runs
 
 
 class _Reduction:
@@ -50,6 +86,16 @@ class _Reduction:
         self.widths: WidthController | None = None
         """Adaptive widths: the model's controller, and this group's key in it."""
         self.width_key = 0
+        self.param_keys: list[int] | None = None
+        """Widths per parameter: each compressed parameter's key, and its run in the chunk."""
+        self.param_runs: list[tuple[int, int]] = []
+
+    def per_parameter(self, keys: list[int], runs: list[tuple[int, int]]) -> None:
+        """Give each compressed parameter (its ``(start, length)`` in the chunk) its own width
+        key ([Note: widths per parameter])."""
+        if len(keys) != len(runs):
+            raise ValueError(f"{len(keys)} width keys for {len(runs)} compressed parameters")
+        self.param_keys, self.param_runs = keys, runs
 
     def _plan_now(self, rows: torch.Tensor, split: qc.Split | None) -> qc.ReducePlan:
         """The plan at this group's width (``CompressionConfig.adaptive``); in a measuring
@@ -64,6 +110,39 @@ class _Reduction:
             plan.width_spec,
         )
         return plan
+
+    def _sections_now(
+        self, rows: torch.Tensor, split: qc.Split | None
+    ) -> list[tuple[qc.ReducePlan, list[tuple[int, int]] | None, qc.Split | None, int]]:
+        """``(plan, column runs or None for the whole chunk, split, bucket)`` of each call this
+        group's reduce-scatter makes now ([Note: widths per parameter]); one call unless its
+        parameters hold several widths. Measures each parameter in a measuring backward."""
+        if self.param_keys is None or (self.split is not None and split is None):
+            return [(self._plan_now(rows, split), None, split, self.bucket)]  # (a chunk FSDP
+            # handed over without the layout's parameters: one width, counted as skipped)
+        ref = self.plan.with_bits(self.widths.reference)
+        widths = []
+        for key, (start, n) in zip(self.param_keys, self.param_runs, strict=True):
+            self.widths.observe(
+                key, lambda s=start, n=n: rows[:, s : s + n].contiguous(), ref.width_spec
+            )
+            widths.append(self.widths.width(key))
+        if len(set(widths)) <= 1:
+            plan = self.plan.with_bits(widths[0]) if widths else self.plan
+            return [(plan, None, split, self.bucket)]
+        raw = [(s, n) for s, n, c in split.runs if not c] if split is not None else []
+        sections = []
+        for k, bits in enumerate(sorted(set(widths))):
+            runs = [r for r, w in zip(self.param_runs, widths, strict=True) if w == bits]
+            sub = None
+            if k == 0 and raw:  # the raw parameters beside the first width's codes
+                runs = sorted(runs + raw)
+                sub = qc.Split(
+                    chunk=sum(n for _, n in runs),
+                    runs=_merged([(n, (s, n) not in raw) for s, n in runs]),
+                )
+            sections.append((self.plan.with_bits(bits), runs, sub, self.bucket + k * _SECTION_KEY))
+        return sections
 
     def stale(self, *, pipeline: Pipeline, twins: dict[str, dist.ProcessGroup]) -> None:
         """Run at staleness 1 within ``pipeline``, reducing over ``twins`` (by group name)."""
@@ -166,26 +245,42 @@ class QuantizedReduceScatter(_Reduction, _Hook, ReduceScatter):
             return None
         if self.twins:  # CompressionConfig.own_reduce_group: off FSDP2's communicator
             group = self._twin(group)
-        split = _usable(self.split, input_tensor.numel() // group.size(), self.stats)
-        plan = self._plan_now(input_tensor.view(group.size(), -1), split)
+        rows = input_tensor.view(group.size(), -1)
+        split = _usable(self.split, rows.shape[1], self.stats)
+        sections = self._sections_now(rows, split)
         bad = None
         if self.check is not None:
-            flags = nonfinite_flags(
-                input_tensor.reshape(group.size(), -1), self.layout, plan.value_limit()
-            )
+            limit = min(plan.value_limit() for plan, *_ in sections)
+            flags = nonfinite_flags(input_tensor.reshape(group.size(), -1), self.layout, limit)
             bad = self._agree(flags, group)
-        # AVG or SUM as FSDP asks; a PREMUL_SUM (set_gradient_divide_factor) raises with a fix.
-        plan.reduce_scatter(
-            output_tensor,
-            input_tensor,
-            group,
-            op=op,
-            split=split,
-            seed=self.seed,
-            step=self._steps.next(),
-            bucket=self.bucket,
-            stats=self.stats,
-        )
+        step = self._steps.next()
+        for plan, runs, sub, bucket in sections:
+            # AVG or SUM as FSDP asks; a PREMUL_SUM (set_gradient_divide_factor) raises with a
+            # fix. A section ([Note: widths per parameter]) reduces its columns only.
+            part_in = (
+                input_tensor
+                if runs is None
+                else torch.cat([rows[:, s : s + n] for s, n in runs], 1)
+            )
+            part_out = output_tensor
+            if runs is not None:
+                part_out = output_tensor.new_empty(part_in.shape[1])
+            plan.reduce_scatter(
+                part_out,
+                part_in,
+                group,
+                op=op,
+                split=sub,
+                seed=self.seed,
+                step=step,
+                bucket=bucket,
+                stats=self.stats,
+            )
+            if runs is not None:
+                torch._foreach_copy_(
+                    [output_tensor.view(-1)[s : s + n] for s, n in runs],
+                    list(part_out.split([n for _, n in runs])),
+                )
         if bad is not None:  # on the device: no host sync, a NaN never reaches the optimizer
             output_tensor.masked_fill_(bad, 0)
         return None

@@ -31,7 +31,7 @@ from ..runtime.agreement import check_same_arguments
 from ..runtime.widths import WidthController
 from ._gathers import QuantizedAllGather, QuantizedMasterAllGather, WeightDiffAllGather
 from ._hooks import StepClock
-from ._reduce import QuantizedReduceScatter
+from ._reduce import QuantizedReduceScatter, compressed_runs
 from ._replicate import ReplicateAllReduce, ReplicateCounter
 from ._stale import Pipeline, twin_groups, twin_mesh
 from ._state import (
@@ -159,14 +159,31 @@ def compress_fsdp(
     def split_of(layout: list | None) -> qc.Split | None:
         return policy.split(layout) if policy is not None and layout else None
 
-    widths = None
+    widths, param_keys = None, {}
     if config.adaptive is not None:  # [Note: adaptive widths at run time]
         width_plan = replicate_plan if replicate_pg is not None else plan
+        keys = len(modules)
+        if config.adaptive.per_parameter:  # one key per compressed parameter of each group
+            if replicate_pg is not None or config.staleness:
+                raise ValueError(
+                    "AdaptiveWidths(per_parameter=True) is built for FSDP2's synchronous "
+                    "reduce-scatter; under compressed HSDP or at staleness 1 use "
+                    "per_parameter=False (a width per group)"
+                )
+            keys = 0
+            for i, module in enumerate(modules):
+                layout = _layout(module, names[module], grads_only=True)
+                if layout is None:
+                    raise ValueError(
+                        "AdaptiveWidths(per_parameter=True) needs FSDP2's parameter layout, "
+                        "which this torch version does not expose where qsdp reads it (see "
+                        "[Note: what compress_fsdp reads of FSDP2]); use per_parameter=False"
+                    )
+                count = len(compressed_runs(layout, policy))
+                param_keys[i] = list(range(keys, keys + count))
+                keys += count
         widths = WidthController(
-            config.adaptive,
-            reference=width_plan.width_spec.bits,
-            keys=len(modules),
-            seed=config.seed,
+            config.adaptive, reference=width_plan.width_spec.bits, keys=keys, seed=config.seed
         )
     gathers: list[WeightDiffAllGather] = []
     hooks: list[object] = []
@@ -229,6 +246,8 @@ def compress_fsdp(
             hooks.append(reduce)
             reduce.twins = twins or {}
             reduce.widths, reduce.width_key = widths, i
+            if i in param_keys:  # [Note: widths per parameter]
+                reduce.per_parameter(param_keys[i], compressed_runs(layout, policy))
             if pipeline is not None and layout != []:
                 reduce.stale(pipeline=pipeline, twins=twins)
                 pipeline.add(reduce, _grad_params(model, layout))

@@ -114,6 +114,12 @@ def parser() -> argparse.ArgumentParser:
         help="adaptive gradient widths (2/3/4/6/8 bits per group, CGX): re-decide every this many "
         "steps (recipes with quantized gradients)",
     )
+    p.add_argument(
+        "--adaptive-per-parameter",
+        action="store_true",
+        help="with --adaptive-every: a width per parameter tensor, not per FSDP2 group (FSDP2, "
+        "staleness 0)",
+    )
     p.add_argument("--nproc", type=int, default=2, help="CPU processes when not under torchrun")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--tensorboard", action=argparse.BooleanOptionalAction, default=None)
@@ -151,6 +157,7 @@ def config_from(args: argparse.Namespace) -> TrainConfig:
         stale_bound=args.stale_bound,
         predict=args.predict,
         adaptive_every=args.adaptive_every,
+        adaptive_per_parameter=args.adaptive_per_parameter,
         tensorboard=args.tensorboard,
         progress=not args.no_progress,
     )

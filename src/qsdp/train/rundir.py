@@ -90,6 +90,7 @@ RESUME_MUST_MATCH = (
     "stale_bound",
     "predict",
     "adaptive_every",
+    "adaptive_per_parameter",
 )
 """Keys of ``config.json`` that ``--resume`` requires to equal the saved run's."""
 

@@ -150,8 +150,11 @@ class TrainConfig:
     (``sync_forced``)."""
     adaptive_every: int | None = None
     """Adaptive gradient widths (``qsdp.AdaptiveWidths``): re-decide each group's width among 2,
-    4 and 8 bits every this many steps (first after ``min(50, steps // 10)``); recipes with
-    quantized gradients. The last plan's saving is logged as ``grad_bytes_saved``."""
+    3, 4, 6 and 8 bits every this many steps (first after ``min(50, steps // 10)``); recipes
+    with quantized gradients. The last plan's saving is logged as ``grad_bytes_saved``."""
+    adaptive_per_parameter: bool = False
+    """With ``adaptive_every``: a width per parameter tensor, not per FSDP2 group
+    (``AdaptiveWidths(per_parameter=True)``; FSDP2 at staleness 0)."""
     nodes: int | None = None
     """``hsdp``: the number of nodes (default: torchrun's ``WORLD_SIZE / LOCAL_WORLD_SIZE``, or 2
     emulated nodes on one machine). ``fsdp``: the nodes of two-level recipes' and ``auto``'s
@@ -209,6 +212,13 @@ class TrainConfig:
             )
         if self.adaptive_every is not None and self.adaptive_every < 1:
             raise ValueError(f"--adaptive-every must be positive, got {self.adaptive_every}")
+        if self.adaptive_per_parameter and (
+            not self.adaptive_every or self.parallel != "fsdp" or self.staleness
+        ):
+            raise ValueError(
+                "--adaptive-per-parameter needs --adaptive-every N and FSDP2 at staleness 0 "
+                "(not --ddp, --hsdp or --staleness 1): drop it, or those"
+            )
         if self.recipe == "auto":
             if self.staleness or self.adaptive_every:
                 raise ValueError(
@@ -237,7 +247,9 @@ class TrainConfig:
         adaptive = None
         if self.adaptive_every:
             adaptive = AdaptiveWidths(
-                every=self.adaptive_every, warmup=min(50, max(1, self.steps // 10))
+                every=self.adaptive_every,
+                warmup=min(50, max(1, self.steps // 10)),
+                per_parameter=self.adaptive_per_parameter,
             )
         return recipe(self.recipe, staleness=self.staleness, adaptive=adaptive)
 

@@ -83,6 +83,11 @@ def register(
             f"{name} has {type(config.grads).__name__}, a reduce-scatter; DDP all-reduces: use "
             "QuantizedGrads (CGX's two phases) or IntegerGrads (Global-QSGD)"
         )
+    if config.adaptive is not None and config.adaptive.per_parameter:
+        raise ValueError(
+            "AdaptiveWidths(per_parameter=True) is built for FSDP2's synchronous reduce-scatter; "
+            "DDP adapts a width per bucket: use per_parameter=False"
+        )
     if error_feedback and not isinstance(config.grads, QuantizedGrads):
         raise ValueError(
             "error_feedback=True needs quantized gradients (QuantizedGrads: 'cgx', 'qsdp-g8'); "

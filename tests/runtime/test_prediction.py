@@ -275,6 +275,17 @@ def _every_ranks_gradient(rank: int, world: int) -> list[list[torch.Tensor]]:
     return grads
 
 
+def _first_stale_step(model: nn.Module, rank: int, world: int) -> tuple:
+    """(comm state, AdamW, WeightPrediction from the local estimates, every rank's own gradient,
+    the estimates) after step 0's backward of a model compressed at staleness 1."""
+    state = qsdp.fsdp.comm_state(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    predict = WeightPrediction(opt, local=state)
+    grads = _every_ranks_gradient(rank, world)
+    _loss(model, rank, 0).backward()
+    return state, opt, predict, grads, state.local_gradients()
+
+
 def _two_level_estimates(rank: int, world: int) -> dict:
     """FSDP2 over 2 nodes x 2 with SDP4Bit's two levels (gloo): each rank's estimate is its
     shard's gradient averaged over its node (through the peers' 8-bit intra-node codes; the
@@ -286,12 +297,7 @@ def _two_level_estimates(rank: int, world: int) -> dict:
         fully_shard(model[i])
     fully_shard(model)
     qsdp.compress_fsdp(model, qsdp.recipe("sdp4bit", staleness=1), mesh=mesh)
-    state = qsdp.fsdp.comm_state(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    predict = WeightPrediction(opt, local=state)
-    grads = _every_ranks_gradient(rank, world)
-    _loss(model, rank, 0).backward()
-    estimates = state.local_gradients()
+    state, opt, predict, grads, estimates = _first_stale_step(model, rank, world)
     node, per_node = rank // (world // 2), world // 2
     errors = {}
     for (name, p), every in zip(model.named_parameters(), grads, strict=True):
@@ -335,12 +341,7 @@ def _hsdp_estimates(rank: int, world: int) -> dict:
         fully_shard(model[i], mesh=mesh["shard"])
     fully_shard(model, mesh=mesh["shard"])
     qsdp.compress_fsdp(model, qsdp.recipe("cgx", staleness=1), replicate=mesh["replicate"])
-    state = qsdp.fsdp.comm_state(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    predict = WeightPrediction(opt, local=state)
-    grads = _every_ranks_gradient(rank, world)
-    _loss(model, rank, 0).backward()
-    estimates = state.local_gradients()
+    state, opt, predict, grads, estimates = _first_stale_step(model, rank, world)
     node, shard, per_node = rank // (world // 2), rank % (world // 2), world // 2
     for p, every in zip(model.parameters(), grads, strict=True):
         mean = torch.stack(every[node * per_node : (node + 1) * per_node]).mean(0)

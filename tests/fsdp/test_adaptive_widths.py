@@ -239,3 +239,39 @@ def test_widths_per_parameter_are_for_fsdp2s_synchronous_reduce_scatter():
     assert len(set(run_distributed(_refused, 2))) == 1
     with pytest.raises(ValueError, match="per_parameter=1 must be a bool"):
         AdaptiveWidths(per_parameter=1)
+
+
+class _TwoHeads(nn.Module):
+    """One FSDP2 group whose second head is unused in a step: FSDP2 then reduce-scatters a
+    shorter chunk than the group's layout."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body, self.a, self.b = nn.Linear(64, 64), nn.Linear(64, 64), nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor, head: str) -> torch.Tensor:
+        return getattr(self, head)(self.body(x))
+
+
+def _unused_parameter(rank: int, world: int) -> tuple:
+    init_device_mesh("cpu", (world,))
+    model = _TwoHeads()
+    fully_shard(model)
+    qsdp.compress_fsdp(
+        model, qsdp.recipe("cgx", adaptive=AdaptiveWidths(warmup=10**6, per_parameter=True))
+    )
+    state = qsdp.fsdp.comm_state(model)
+    state.load_state_dict(state.state_dict() | {"widths": torch.tensor([8, 6, 2])})
+    stats = qsdp.fsdp_comm_stats(model)
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(rank))
+    model(x, "a").sum().backward()  # head b has no gradient: one call at the reference width
+    skipped = (stats["reduce_scatter"].calls, stats["widths_skipped"].calls)
+    model.zero_grad()
+    (model(x, "a") + model(x, "b")).sum().backward()  # every parameter: one call per width
+    return skipped, stats["reduce_scatter"].calls - skipped[0], stats["widths_skipped"].calls
+
+
+def test_widths_per_parameter_with_a_parameter_unused_in_a_step():
+    for skipped, calls, still in run_distributed(_unused_parameter, 2):
+        assert skipped == (1, 1) and calls == 3 and still == 1

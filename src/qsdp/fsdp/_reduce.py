@@ -117,10 +117,14 @@ class _Reduction:
         """``(plan, column runs or None for the whole chunk, split, bucket)`` of each call this
         group's reduce-scatter makes now ([Note: widths per parameter]); one call unless its
         parameters hold several widths. Measures each parameter in a measuring backward."""
-        if self.param_keys is None or (self.split is not None and split is None):
-            return [(self._plan_now(rows, split), None, split, self.bucket)]  # (a chunk FSDP
-            # handed over without the layout's parameters: one width, counted as skipped)
+        if self.param_keys is None:
+            return [(self._plan_now(rows, split), None, split, self.bucket)]
         ref = self.plan.with_bits(self.widths.reference)
+        if self.layout is None or sum(n for _, n in self.layout) != rows.shape[1]:
+            # FSDP2 handed over another chunk than the layout's (a parameter without a gradient
+            # this step): the reference width for the group, nothing measured, counted
+            self.stats.count_call("widths_skipped")
+            return [(ref, None, split, self.bucket)]
         widths = []
         for key, (start, n) in zip(self.param_keys, self.param_runs, strict=True):
             self.widths.observe(

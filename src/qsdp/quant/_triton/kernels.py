@@ -336,9 +336,15 @@ def _load_codes(
     the low half at index 0 of a new last axis, so after the splits the flattened index of a
     code is its position in the byte (word)."""
     if BITS == 3 or BITS == 6:
-        word = _load_bytes(ptr, boffs, n_code_bytes, TAIL=TAIL)
-        word = word | (_load_bytes(ptr, boffs + 1, n_code_bytes, TAIL=TAIL) << 8)
-        word = word | (_load_bytes(ptr, boffs + 2, n_code_bytes, TAIL=TAIL) << 16)
+        # as _store_codes stores them: a masked [words, ..., 4] tensor of bytes at consecutive
+        # offsets (lanes along a group's bytes), summed into the words (disjoint bits)
+        j = tl.arange(0, 4)[None, None, None, :]
+        offs = tl.permute(boffs, (2, 0, 1))[:, :, :, None] + j
+        keep = j < 3
+        if TAIL:
+            keep = keep & (offs < n_code_bytes)
+        quad = tl.load(ptr + offs, mask=keep, other=0).to(tl.int32)
+        word = tl.permute(tl.sum(quad << (8 * j), axis=3), (1, 2, 0))
         half = tl.join(word & 4095, word >> 12)
         sixes = tl.join(half & 63, half >> 6)
         if BITS == 6:

@@ -308,3 +308,22 @@ def test_auto_reads_the_bytes_fsdp2_and_ddp_send_from_the_model():
     for seen in run_distributed(_policy_dtypes, 2):
         # three FSDP2 groups each (the two blocks and the root's embedding and norm)
         assert seen == [([4] * 3, [4] * 3), ([2] * 3, [2] * 3), ([2] * 3, [4] * 3), 2]
+
+
+def test_the_report_names_the_choice_and_its_predicted_communication():
+    from qsdp.policy.auto import report
+
+    fsdp = predict_fsdp(GPT_1_4B, SOCKET)
+    weights, grads = choose_fsdp(fsdp)
+    line = report(SOCKET, fsdp, "sdp4bit", options={"weights": weights, "grads": grads})
+    chosen = (fsdp["weights"][weights] + fsdp["grads"][grads]) * 1e3
+    plain = (fsdp["weights"]["none"] + fsdp["grads"]["none"]) * 1e3
+    assert (
+        f"chose sdp4bit: {chosen:.1f} ms of communication per step against {plain:.1f} ms" in line
+    )
+    ddp = predict_ddp(124_000_000, SOCKET, buckets=20)
+    line = report(SOCKET, ddp, "cgx")
+    assert (
+        f"chose cgx: {ddp['cgx'] * 1e3:.1f} ms" in line
+        and f"{ddp['bf16'] * 1e3:.1f} ms unc" in line
+    )

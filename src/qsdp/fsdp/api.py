@@ -328,7 +328,8 @@ def _auto(model: nn.Module, *, mesh, replicate) -> dict:
         )
     if dist.get_rank() == 0:
         measured, predicted = decision["measured"], decision["predicted_s"]
-        print(auto.report(measured, predicted, decision["recipe"]), flush=True)
+        options = {k: decision[k] for k in ("weights", "grads")} if "weights" in decision else None
+        print(auto.report(measured, predicted, decision["recipe"], options=options), flush=True)
     return decision
 
 

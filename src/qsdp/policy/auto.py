@@ -322,19 +322,26 @@ def decision_record(decision: dict) -> dict:
     }
 
 
-def report(m: Measured, predicted: dict, choice: str) -> str:
-    """One line of what ``"auto"`` measured, predicted and chose."""
+def report(m: Measured, predicted: dict, choice: str, *, options: dict | None = None) -> str:
+    """One line of what ``"auto"`` measured, predicted and chose, ending with the chosen
+    option's predicted communication per step against the uncompressed one's. ``options``: the
+    chosen option per collective (FSDP2's ``{"weights": ..., "grads": ...}``); without it
+    ``choice`` names one of ``predicted``'s options (DDP, HSDP's all-reduce)."""
 
     def ms(options: dict[str, float]) -> str:
         ranked = sorted(options.items(), key=lambda kv: kv[1])
         return ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in ranked)
 
-    parts = (
-        "; ".join(f"{part}: {ms(opts)}" for part, opts in predicted.items())
-        if all(isinstance(v, dict) for v in predicted.values())
-        else ms(predicted)
-    )
+    if options is not None:  # per collective: the times add
+        parts = "; ".join(f"{part}: {ms(opts)}" for part, opts in predicted.items())
+        chosen = sum(predicted[part][options[part]] for part in predicted)
+        plain = sum(opts["none"] for opts in predicted.values())
+    else:
+        parts = ms(predicted)
+        chosen, plain = predicted[choice], predicted["bf16"]
     return (
         f"qsdp auto: {m.world} ranks, link {m.bytes_per_s / 1e9:.2f} GB/s bus, latency "
-        f"{m.latency_s * 1e6:.0f} us; predicted communication per step: {parts}; chose {choice}"
+        f"{m.latency_s * 1e6:.0f} us; predicted communication per step: {parts}; chose {choice}: "
+        f"{chosen * 1e3:.1f} ms of communication per step against {plain * 1e3:.1f} ms "
+        "uncompressed (compute and overlap not modelled)"
     )

@@ -13,6 +13,7 @@ is quantized against the policy.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +36,23 @@ class Split:
     """``(start, length, compressed)`` runs covering the chunk in order, neighbours merged."""
     raw_names: tuple[str, ...] = ()
     """The parameters sent raw (for reports)."""
+
+    @classmethod
+    def of(cls, parts: Iterable[tuple[int, bool]], *, raw_names: tuple[str, ...] = ()) -> Split:
+        """The split of ``(length, compressed)`` parts laid end to end, in chunk order: empty
+        parts dropped, neighbours of one kind merged into one run."""
+        runs: list[tuple[int, int, bool]] = []
+        offset = 0
+        for n, compressed in parts:
+            if n == 0:
+                continue
+            if runs and runs[-1][2] == compressed:
+                start, m, _ = runs[-1]
+                runs[-1] = (start, m + n, compressed)
+            else:
+                runs.append((offset, n, compressed))
+            offset += n
+        return cls(chunk=offset, runs=tuple(runs), raw_names=raw_names)
 
     def __post_init__(self) -> None:
         covered = 0

@@ -28,19 +28,6 @@ __all__ = ["QuantizedReduceScatter", "compressed_runs"]
 _SECTION_KEY = 1 << 24
 
 
-def _merged(parts: list[tuple[int, bool]]) -> tuple[tuple[int, int, bool], ...]:
-    """``(length, compressed)`` parts in order as a Split's runs, neighbours of a kind merged."""
-    runs: list[tuple[int, int, bool]] = []
-    offset = 0
-    for n, compressed in parts:
-        if runs and runs[-1][2] == compressed:
-            runs[-1] = (runs[-1][0], runs[-1][1] + n, compressed)
-        else:
-            runs.append((offset, n, compressed))
-        offset += n
-    return tuple(runs)
-
-
 def compressed_runs(layout: list, policy) -> list[tuple[int, int]]:
     """``(start, length)`` in the chunk of each parameter of ``layout`` (``(name, elements,
     shape)`` in chunk order) that ``policy`` compresses (all with no policy), in chunk order."""
@@ -141,10 +128,7 @@ class _Reduction:
             sub = None
             if k == 0 and raw:  # the raw parameters beside the first width's codes
                 runs = sorted(runs + raw)
-                sub = qc.Split(
-                    chunk=sum(n for _, n in runs),
-                    runs=_merged([(n, (s, n) not in raw) for s, n in runs]),
-                )
+                sub = qc.Split.of((n, (s, n) not in raw) for s, n in runs)
             sections.append((self.plan.with_bits(bits), runs, sub, self.bucket + k * _SECTION_KEY))
         return sections
 

@@ -147,8 +147,8 @@ class Delay:
         self._event_device = like.device
 
     def clear(self) -> None:
-        self.finish()
-        self.local_estimate()
+        self.finish()  # (the whole reduction: the estimate's write is before its end)
+        self._local_event = None
         self.result = None
         self.local = None
 

@@ -159,7 +159,7 @@ def compress_fsdp(
     def split_of(layout: list | None) -> qc.Split | None:
         return policy.split(layout) if policy is not None and layout else None
 
-    widths, param_keys = None, {}
+    widths, param_keys, param_runs = None, {}, {}
     if config.adaptive is not None:  # [Note: adaptive widths at run time]
         width_plan = replicate_plan if replicate_pg is not None else plan
         keys = len(modules)
@@ -179,9 +179,9 @@ def compress_fsdp(
                         "which this torch version does not expose where qsdp reads it (see "
                         "[Note: what compress_fsdp reads of FSDP2]); use per_parameter=False"
                     )
-                count = len(compressed_runs(layout, policy))
-                param_keys[i] = list(range(keys, keys + count))
-                keys += count
+                param_runs[i] = compressed_runs(layout, policy)
+                param_keys[i] = list(range(keys, keys + len(param_runs[i])))
+                keys += len(param_runs[i])
         widths = WidthController(
             config.adaptive, reference=width_plan.width_spec.bits, keys=keys, seed=config.seed
         )
@@ -247,7 +247,7 @@ def compress_fsdp(
             reduce.twins = twins or {}
             reduce.widths, reduce.width_key = widths, i
             if i in param_keys:  # [Note: widths per parameter]
-                reduce.per_parameter(param_keys[i], compressed_runs(layout, policy))
+                reduce.per_parameter(param_keys[i], param_runs[i])
             if pipeline is not None and layout != []:
                 reduce.stale(pipeline=pipeline, twins=twins)
                 pipeline.add(reduce, _grad_params(model, layout))

@@ -62,19 +62,7 @@ class ParamPolicy:
         keep = [self.compresses(name, shape) for name, _, shape in layout]
         if all(keep):
             return None
-        runs: list[tuple[int, int, bool]] = []
-        offset = 0
-        for (_, n, _), k in zip(layout, keep, strict=True):
-            if n == 0:
-                continue
-            if runs and runs[-1][2] == k:
-                start, m, _ = runs[-1]
-                runs[-1] = (start, m + n, k)
-            else:
-                runs.append((offset, n, k))
-            offset += n
-        return Split(
-            chunk=offset,
-            runs=tuple(runs),
+        return Split.of(
+            ((n, k) for (_, n, _), k in zip(layout, keep, strict=True)),
             raw_names=tuple(name for (name, _, _), k in zip(layout, keep, strict=True) if not k),
         )

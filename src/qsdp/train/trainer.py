@@ -137,12 +137,12 @@ class TrainConfig:
     predict: str | None = None
     """Staleness 1: where each step's gradient is computed ([Note: weight prediction]):
     ``local``, AdamW's next step with each rank's own gradient of the step in flight (under
-    HSDP and over two levels (``--nodes``), the node's average; GPT-125M on 2
-    GPUs: +1.9% of the loss against +19% with ``last``, docs/results.md); ``last``, the
-    parameters plus the last update (``qsdp.WeightPrediction(opt)``); ``none``, the parameters
-    as they are (the delayed gradient as is: +29%). None (the default) takes ``local`` at
-    staleness 1 (``last`` otherwise, where nothing is predicted); the resolved value is what
-    ``config.json`` records."""
+    HSDP and over two levels, ``--nodes``, the node's average; GPT-125M on 2 GPUs: +1.9% of the
+    loss against +19% with ``last``, docs/results.md); ``last``, the parameters plus the last
+    update (``qsdp.WeightPrediction(opt)``); ``none``, the parameters as they are (the delayed
+    gradient as is: +29%). None (the default) takes ``local`` at staleness 1 (``last``
+    otherwise, where nothing is predicted); the resolved value is what ``config.json``
+    records."""
     stale_bound: float | None = None
     """Staleness 1: force a synchronous step when ``lr * ||g||`` (clipped) of the applied
     gradient exceeds it (``qsdp.StalenessGate``, [Note: the staleness gate]); None never forces

@@ -278,6 +278,25 @@ def _load_bytes(ptr, offs, n_code_bytes, TAIL: tl.constexpr):
 
 
 @triton.jit
+def _word_bytes(boffs, n_code_bytes, TAIL: tl.constexpr):
+    """Offsets and mask of the 3-byte words at ``boffs`` (``_byte_offsets``) as one
+    ``[words, ROWS, GPB, 4]`` tensor of bytes, the fourth masked off (with TAIL, also those at or
+    past ``n_code_bytes``), and the byte index ``j`` along its last axis.
+
+    Words first and bytes at consecutive offsets: the compiler orders axes of equal contiguity
+    by position, so a warp's lanes go along the bytes of a word, then along the words of one
+    group. Three accesses of one byte per word (offsets 3 apart) read as no contiguity, and it
+    laid the lanes along the groups, each lane a row of its own (PTX for sm_90: one 32-byte
+    sector per lane and byte; 6-bit encodes ran at 0.06 of copy bandwidth on H200)."""
+    j = tl.arange(0, 4)[None, None, None, :]
+    offs = tl.permute(boffs, (2, 0, 1))[:, :, :, None] + j
+    keep = j < 3
+    if TAIL:
+        keep = keep & (offs < n_code_bytes)
+    return offs, keep, j
+
+
+@triton.jit
 def _store_codes(
     ptr,
     boffs,
@@ -290,14 +309,7 @@ def _store_codes(
     TAIL: tl.constexpr,
 ):
     """Pack and store the tile's codes at ``ptr + boffs`` (``_byte_offsets``); with TAIL, no
-    byte at or past ``n_code_bytes``.
-
-    A 3-byte word is stored as one ``[..., 4]`` tensor of its bytes (the fourth masked off) at
-    consecutive offsets: the compiler then sees bytes contiguous along the last axis and lays
-    consecutive lanes on consecutive bytes. Three stores of one byte per word (offsets 3 apart)
-    read as no contiguity, and it laid the lanes along the groups, each lane a row of its own
-    (PTX for sm_90: one 32-byte sector per lane and byte; 6-bit encodes ran at 0.06 of copy
-    bandwidth on H200)."""
+    byte at or past ``n_code_bytes``. 3-byte words go as their bytes (``_word_bytes``)."""
     packed = _pack(codes, ROWS=ROWS, GPB=GPB, HB=HB, BITS=BITS)
     if BITS == 3 or BITS == 6:
         # join(a, b)[..., k, i] is (a, b)[i][..., k]: bytes 0 and 2, then 1 and (none), joined
@@ -305,15 +317,8 @@ def _store_codes(
         even = tl.join(packed & 255, (packed >> 16) & 255)
         odd = tl.join((packed >> 8) & 255, packed & 0)
         quad = tl.reshape(tl.join(even, odd), (ROWS, GPB, HB * BITS // 24, 4))
-        # words first: the compiler orders axes of equal contiguity by position, so the lanes
-        # go along the bytes of a word, then along the words of one group
-        quad = tl.permute(quad, (2, 0, 1, 3))
-        j = tl.arange(0, 4)[None, None, None, :]
-        offs = tl.permute(boffs, (2, 0, 1))[:, :, :, None] + j
-        keep = j < 3
-        if TAIL:
-            keep = keep & (offs < n_code_bytes)
-        tl.store(ptr + offs, quad.to(tl.uint8), mask=keep)
+        offs, keep, _ = _word_bytes(boffs, n_code_bytes, TAIL=TAIL)
+        tl.store(ptr + offs, tl.permute(quad, (2, 0, 1, 3)).to(tl.uint8), mask=keep)
     else:
         _store_bytes(ptr, boffs, packed, n_code_bytes, TAIL=TAIL)
 
@@ -336,13 +341,8 @@ def _load_codes(
     the low half at index 0 of a new last axis, so after the splits the flattened index of a
     code is its position in the byte (word)."""
     if BITS == 3 or BITS == 6:
-        # as _store_codes stores them: a masked [words, ..., 4] tensor of bytes at consecutive
-        # offsets (lanes along a group's bytes), summed into the words (disjoint bits)
-        j = tl.arange(0, 4)[None, None, None, :]
-        offs = tl.permute(boffs, (2, 0, 1))[:, :, :, None] + j
-        keep = j < 3
-        if TAIL:
-            keep = keep & (offs < n_code_bytes)
+        # the words' bytes as _store_codes stores them, summed into words (disjoint bits)
+        offs, keep, j = _word_bytes(boffs, n_code_bytes, TAIL=TAIL)
         quad = tl.load(ptr + offs, mask=keep, other=0).to(tl.int32)
         word = tl.permute(tl.sum(quad << (8 * j), axis=3), (1, 2, 0))
         half = tl.join(word & 4095, word >> 12)

@@ -52,6 +52,7 @@ declare -A ARGS=(
   [ddp-bf16]="--ddp --recipe bf16"
   [ddp-cgx]="--ddp --recipe cgx"
   [ddp-cgx-adaptive]="--ddp --recipe cgx --adaptive-every 25"
+  [ddp-cgx-ef]="--ddp --recipe cgx --error-feedback"
   [ddp-global-qsgd]="--ddp --recipe global-qsgd"
 )
 read -r -a runs <<< "${RUNS:-bf16 sdp4bit qsdp-w8g8 global-qsgd ddp-cgx ddp-cgx-adaptive sdp4bit-s1 w4-direct bf16-seed1 auto qwd-only tlq-hs-only ddp-bf16 ddp-global-qsgd}"

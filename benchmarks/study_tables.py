@@ -169,7 +169,9 @@ def model_check_table(auto_paths: list[Path], bounds_paths: list[Path]) -> str:
         d = json.loads(p.read_text())
         row = next((r for r in d["rows"] if r["variant"] == "auto"), None)
         if row and "weights" in row["auto"]["predicted_s"]:
-            predicted[d["regime"]] = (p.parent.name, d["device"], row["auto"]["predicted_s"])
+            # the whole wire counted (runs before 2026-11-27 counted it in predicted_s)
+            pred = row["auto"].get("predicted_serial_s", row["auto"]["predicted_s"])
+            predicted[d["regime"]] = (p.parent.name, d["device"], pred)
     out = [
         "| regime | recipe | predicted (`auto` run) | measured serial wire (`--bounds` run) | "
         "predicted / measured | measured step |",

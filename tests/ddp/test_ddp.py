@@ -58,6 +58,30 @@ def test_ddp_recipes_train_like_ddp(world):
             assert abs(rel) < 0.03, f"{name}: final loss {out[name]:.4f} vs {out['exact']:.4f}"
 
 
+def _feedback_checkpoint(rank: int, world: int, path: str) -> float:
+    import torch.distributed.checkpoint as dcp
+
+    ddp = DDP(_model(), bucket_cap_mb=0.01)
+    hook = qsdp.ddp.register(ddp, "cgx", error_feedback=True)
+    train(ddp, rank, 3)
+    saved = {k: v.clone() for k, v in hook.state_dict().items() if "residual" in k}
+    dcp.save({"qsdp": hook}, checkpoint_id=path)
+    fresh = qsdp.ddp.register(DDP(_model(), bucket_cap_mb=0.01), "cgx", error_feedback=True)
+    dcp.load({"qsdp": fresh}, checkpoint_id=path)
+    loaded = {k: v for k, v in fresh.state_dict().items() if "residual" in k}
+    assert saved.keys() == loaded.keys() and saved
+    for k, v in saved.items():
+        assert torch.equal(v, loaded[k]), k
+    return sum(float(v.double().abs().sum()) for v in saved.values())
+
+
+def test_error_feedback_residuals_survive_a_checkpoint_on_every_rank(tmp_path):
+    # each rank's residual is its own: a DCP checkpoint keeps all of them (it kept rank 0's
+    # for every rank when they shared one key)
+    sums = run_distributed(_feedback_checkpoint, 3, str(tmp_path / "ckpt"))
+    assert len(set(sums)) == 3 and min(sums) > 0
+
+
 def _several(rank: int, world: int) -> dict:
     # two DDP models in one process, each with its own hook; the user's own all-reduce exact
     a = DDP(_model(), bucket_cap_mb=0.01)

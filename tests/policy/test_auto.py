@@ -9,7 +9,15 @@ import pytest
 import torch
 
 from qsdp.fsdp.api import auto_config
-from qsdp.policy.auto import Measured, choose, choose_fsdp, measure, predict_ddp, predict_fsdp
+from qsdp.policy.auto import (
+    WIRE_EXPOSED,
+    Measured,
+    choose,
+    choose_fsdp,
+    measure,
+    predict_ddp,
+    predict_fsdp,
+)
 from qsdp.testing import run_distributed
 
 CODEC = {8: 2e-11, 4: 2.5e-11}  # ~50 G elements/s: a GPU's encode + decode
@@ -47,6 +55,17 @@ def test_the_margin_keeps_a_marginal_gain_off():
     assert choose({"bf16": 1.0, "cgx": 0.85}, margin=0.9) == "cgx"
 
 
+def test_a_timing_is_the_fastest_repeat(monkeypatch):
+    # noise only adds time: a median of three let one slow repeat set a link's bandwidth
+    import qsdp.policy.auto as auto
+
+    clock = iter([0.0, 9.0, 10.0, 10.001, 20.0, 23.0, 30.0, 30.5, 40.0, 47.0])
+    monkeypatch.setattr(auto.time, "perf_counter", lambda: next(clock))
+    calls = []
+    assert auto._timed(lambda: calls.append(1), torch.device("cpu")) == pytest.approx(0.001)
+    assert len(calls) == 6  # one warm-up, five timed
+
+
 def _measure(rank: int, world: int) -> tuple:
     m = measure(None, torch.device("cpu"), sizes=(1 << 10, 1 << 16), codec_sizes=(1 << 10, 1 << 14))
     per_call = tuple(sorted(m.codec_s_per_call.items()))
@@ -70,11 +89,30 @@ def test_measure_gives_every_rank_the_same_numbers():
 @pytest.mark.parametrize("world", [2, 8])
 def test_predictions_grow_with_the_world_on_a_ring(world):
     m = Measured(latency_s=0.0, bytes_per_s=1e9, codec_s_per_element=CODEC, world=world)
-    p = predict_fsdp([1 << 20], m)
+    p = predict_fsdp([1 << 20], m, wire_exposed=1.0)
     # uncompressed: 2 bf16 gathers + 1 fp32 reduce-scatter of n * m elements, on a ring
     ring = (world - 1) / world * world * (1 << 20) / 1e9
     assert p["weights"]["none"] == pytest.approx(ring * 2 * 2)
     assert p["grads"]["none"] == pytest.approx(ring * 4)
+    half = predict_fsdp([1 << 20], m)  # by default half of each wire time is counted
+    assert half["weights"]["none"] == pytest.approx(ring * 2 * 2 * WIRE_EXPOSED)
+    with pytest.raises(ValueError, match=r"wire_exposed=0: the share of a wire time"):
+        predict_fsdp([1 << 20], m, wire_exposed=0)
+
+
+def test_nvlink_as_measured_keeps_weights_uncompressed():
+    # 4x H200 NVLink, 1.42 B GPT (benchmarks/results/auto_2026-11-27): the fastest-of-five probe
+    # read 270-316 GB/s; its report (305 GB/s, 34 us; weights none 15.6 ms, wd4 10.6 ms, w8
+    # 28.9 ms) puts the 4-bit encode + decode at ~5.6 ps and the 8-bit at ~7 ps per element:
+    # ~8 ms of codec per step for 4-bit weights. Counting the whole wire chose 4-bit weight
+    # differences, which ran at 0.85x of plain FSDP2
+    codec = {8: 7.0e-12, 4: 5.6e-12}
+    m = Measured(latency_s=34e-6, bytes_per_s=305e9, codec_s_per_element=codec, world=4)
+    shards = [1416302592 // 25 // 4] * 25
+    assert choose_fsdp(predict_fsdp(shards, m, wire_exposed=1.0))[0] == "wd4"  # the defect
+    assert choose_fsdp(predict_fsdp(shards, m)) == ("none", "none")
+    slow = replace(m, bytes_per_s=25e9)  # a PCIe-class link: compression pays again
+    assert choose_fsdp(predict_fsdp(shards, slow))[0] == "wd4"
 
 
 def _integrations(rank: int, world: int) -> tuple:
@@ -158,10 +196,10 @@ def test_two_levels_compress_the_slow_level_and_leave_the_fast_one_to_8_bits():
     # at its slowest hop's speed
     inter = Measured(latency_s=200e-6, bytes_per_s=3e9, codec_s_per_element=CODEC, world=2)
     intra = Measured(latency_s=20e-6, bytes_per_s=300e9, codec_s_per_element=CODEC, world=2)
-    p = predict_fsdp(GPT_1_4B, SOCKET, levels=(inter, intra))
-    assert choose_fsdp(p) == ("wd4", "tl")
+    assert choose_fsdp(predict_fsdp(GPT_1_4B, SOCKET, levels=(inter, intra))) == ("wd4", "tl")
     # between the nodes two levels send half the bytes of one-level 4-bit codes (a quarter of
     # the payload instead of a half); the 8-bit codec inside the node costs part of the gain
+    p = predict_fsdp(GPT_1_4B, SOCKET, levels=(inter, intra), wire_exposed=1.0)
     assert p["grads"]["tl"] < 0.85 * p["grads"]["g4"]
     # all-slow levels: two levels still send every element at 8 bits, once more: one level wins
     slow_intra = Measured(latency_s=200e-6, bytes_per_s=3e9, codec_s_per_element=CODEC, world=2)
@@ -241,7 +279,7 @@ def test_the_mixed_precision_dtypes_set_what_uncompressed_costs():
     fp32_params = predict_fsdp(GPT_1_4B, SOCKET, compute_bytes=4, reduce_bytes=4)
     # the uncompressed collectives carry the dtype's bytes (their latencies stay: one reduce-
     # scatter and two gathers per group); the codes do not depend on it
-    lat_g, lat_w = len(GPT_1_4B) * SOCKET.latency_s, 2 * len(GPT_1_4B) * SOCKET.latency_s
+    lat_g, lat_w = (k * len(GPT_1_4B) * SOCKET.latency_s * WIRE_EXPOSED for k in (1, 2))
     assert bf16_reduce["grads"]["none"] - lat_g == pytest.approx(
         (fp32_reduce["grads"]["none"] - lat_g) / 2
     )
@@ -260,7 +298,7 @@ def test_the_mixed_precision_dtypes_set_what_uncompressed_costs():
         predict_fsdp([1], SOCKET, compute_bytes=0)
     # DDP: bf16 gradients halve the uncompressed all-reduce, not the codes'
     fp32, bf16 = (predict_ddp(124_000_000, SOCKET, buckets=20, element_size=b) for b in (4, 2))
-    latency = 20 * 2 * SOCKET.latency_s  # two collectives per bucket: not halved
+    latency = 20 * 2 * SOCKET.latency_s * WIRE_EXPOSED  # two collectives a bucket: not halved
     assert bf16["bf16"] - latency == pytest.approx((fp32["bf16"] - latency) / 2)
     assert bf16["cgx"] == fp32["cgx"] and bf16["global-qsgd"] == fp32["global-qsgd"]
 
@@ -279,7 +317,7 @@ def _policy_dtypes(rank: int, world: int) -> tuple:
     predict, decide = auto.predict_fsdp, auto.decide_all_reduce
 
     def record_fsdp(shards, m, **kw):
-        seen.append((kw["compute_bytes"], kw["reduce_bytes"]))
+        seen.append((kw["compute_bytes"], kw["reduce_bytes"], kw.get("wire_exposed")))
         return predict(shards, m, **kw)
 
     def record_ddp(group, device, **kw):
@@ -306,8 +344,10 @@ def _policy_dtypes(rank: int, world: int) -> tuple:
 
 def test_auto_reads_the_bytes_fsdp2_and_ddp_send_from_the_model():
     for seen in run_distributed(_policy_dtypes, 2):
-        # three FSDP2 groups each (the two blocks and the root's embedding and norm)
-        assert seen == [([4] * 3, [4] * 3), ([2] * 3, [2] * 3), ([2] * 3, [4] * 3), 2]
+        # three FSDP2 groups each (the two blocks and the root's embedding and norm), predicted
+        # as the decision counts the wire (half) and as the serial check does (all of it)
+        fsdp = [([4] * 3, [4] * 3), ([2] * 3, [2] * 3), ([2] * 3, [4] * 3)]
+        assert seen == [(*b, e) for b in fsdp for e in (None, 1.0)] + [2]
 
 
 def test_the_report_names_the_choice_and_its_predicted_communication():

@@ -472,10 +472,14 @@ class DDPCompression:
             rank = dist.get_rank(self.group)
             for name, p in self._params.items():
                 state[f"local.rank{rank}.{name}"] = _piece(self._local.get(id(p)), p)
-        if self.error_feedback:
+        if self.error_feedback:  # each rank's own residual: under its own keys, like the
+            # estimates (one key for all would save rank 0's only: DCP keeps one copy of a
+            # tensor every rank saves under the same name)
+            rank = dist.get_rank(self.group)
             for name, p in self._params.items():
                 r = self._residuals.get(name)
-                state[f"residual.{name}"] = r if r is not None else torch.zeros_like(p.detach())
+                r = r.view_as(p) if r is not None else torch.zeros_like(p.detach())
+                state[f"residual.rank{rank}.{name}"] = r
         return state
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
@@ -491,8 +495,9 @@ class DDPCompression:
                 if self._keep_local:
                     mine = state[f"local.rank{rank}.{name}"].reshape(-1).to(p.device).clone()
                     self._local[id(p)] = _Pending(mine, 0, mine.numel(), None)
+        mine = f"residual.rank{dist.get_rank(self.group)}."
         self._residuals = {
-            k[len("residual.") :]: v.clone() for k, v in state.items() if k.startswith("residual.")
+            k[len(mine) :]: v.reshape(-1).clone() for k, v in state.items() if k.startswith(mine)
         }
 
 

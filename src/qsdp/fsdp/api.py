@@ -297,14 +297,12 @@ def _auto(model: nn.Module, *, mesh, replicate) -> dict:
         if mesh is not None and min(mesh.shape) > 1:  # each level apart: two all-to-alls
             inter, intra = (auto.measure(mesh.get_group(d), device) for d in (0, 1))
             levels = tuple(auto.agree([inter, intra], shard, device))
-        predicted = auto.predict_fsdp(
-            shards,
-            measured,
-            levels=levels,
-            compute_bytes=gather_bytes,
-            reduce_bytes=reduce_bytes,
-        )
+        inputs = {"levels": levels, "compute_bytes": gather_bytes, "reduce_bytes": reduce_bytes}
+        predicted = auto.predict_fsdp(shards, measured, **inputs)
         weights, grads = auto.choose_fsdp(predicted)
+        # the whole wire counted too: what the step's collectives take with no compute to hide
+        # them behind, as benchmarks/bench_fsdp_step.py --bounds measures (the model's check)
+        serial = auto.predict_fsdp(shards, measured, **inputs, wire_exposed=1.0)
         decision = {"weights": weights, "grads": grads}
         if levels is not None:
             decision["levels_gb_per_s"] = [round(v.bytes_per_s / 1e9, 3) for v in levels]
@@ -312,7 +310,12 @@ def _auto(model: nn.Module, *, mesh, replicate) -> dict:
         choice = named[0] if named else f"weights={weights}, grads={grads}"
         if grads == "tl":
             choice += f" (two levels, {levels[0].world} x {levels[1].world})"
-        decision |= {"recipe": choice, "predicted_s": predicted, "measured": measured}
+        decision |= {
+            "recipe": choice,
+            "predicted_s": predicted,
+            "predicted_serial_s": serial,
+            "measured": measured,
+        }
     else:  # one all-reduce of each module's fp32 shard across the nodes
         if len(set(reduce_bytes)) > 1:
             raise ValueError(

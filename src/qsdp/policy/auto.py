@@ -31,16 +31,23 @@ levels, 119 against 156 ms, where the step measured 0.469 s against 0.379 s;
 (their dtype's bytes; compressed HSDP: the reduce dtype), uncompressed or in CGX's two phases
 (``cgx``, ``qsdp-g8``) or Global-QSGD's int8 all-reduce.
 
-The model leaves out compute and the overlap with it, and the host's time per collective, so it
-ranks the options by their communication time and keeps the uncompressed one unless a
-compressed option is predicted at most ``margin`` (0.8) of it: on a fast link compression is
-left off. Every rank measures; the times are MAX-reduced, so every rank predicts and picks the
-same. Checked against the GPU benchmark in ``docs/results.md``.
+The model leaves out compute and the host's time per collective, so it cannot know how much of
+a collective's wire time FSDP2 (or DDP) hides behind compute: their collectives run on their own
+streams, prefetched a group ahead, while the codecs run on the compute stream and are never
+hidden. It counts ``WIRE_EXPOSED`` (half) of every wire time and all of every codec time, ranks
+the options by that exposed communication and keeps the uncompressed one unless a compressed
+option is predicted at most ``margin`` (0.8) of it: on a fast link compression is left off. With
+the whole wire counted, 4x H200 NVLink chose 4-bit weight differences (predicted 10.6 ms against
+15.6 ms, of which ~8 ms codec) and ran at 0.85x of plain FSDP2: the step is host-bound there
+and the compressed path's launches (~1 ms per group, not modelled) cost +29 ms per step
+(``benchmarks/results/auto_2026-11-27/``). Counting half, it would choose 4-bit weights only
+where their wire saving exceeds about 3x their codec time; over sockets it is hundreds of times.
+Every rank measures; the times are MAX-reduced, so every rank predicts and picks the same.
+Checked against the GPU benchmark in ``docs/results.md``.
 """
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -90,8 +97,12 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _timed(fn, device: torch.device, repeats: int = 3) -> float:
-    fn()  # warm-up (connections, kernel compilation)
+def _timed(fn, device: torch.device, repeats: int = 5) -> float:
+    """The fastest of ``repeats`` timed calls after one warm-up (connections, kernel
+    compilation). The fastest, not the median: noise on a shared host (another process's
+    launches, a clock ramp) only ever adds time, and three medians of 4 MiB gathers on 4x H200
+    NVLink read 259 to 1803 GB/s in one run (``benchmarks/results/auto_2026-11-27/``)."""
+    fn()
     times = []
     for _ in range(repeats):
         _sync(device)
@@ -99,20 +110,26 @@ def _timed(fn, device: torch.device, repeats: int = 3) -> float:
         fn()
         _sync(device)
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return min(times)
 
 
 def measure(
     group: dist.ProcessGroup | None,
     device: torch.device,
     *,
-    sizes: tuple[int, int] = (1 << 16, 1 << 22),
+    sizes: tuple[int, int] | None = None,
     codec_sizes: tuple[int, int] | None = None,
 ) -> Measured:
     """Fit the link of ``group`` (all-gathers of two per-rank sizes) and the quantizers on
     ``device`` (encode + decode of two sizes: a cost per call, the launches, and per element).
     Collective: call on every rank of ``group``; every rank gets the same result."""
     n = dist.get_world_size(group)
+    if sizes is None:  # on a GPU the large gather must outlast the latency many times over:
+        # 4 MiB per rank (16 MiB gathered at 4 ranks) took ~40 us on NVLink, too close to the
+        # 64 KiB gather's ~30 us to give a slope; 128 MiB gathered takes ~0.3 ms there and
+        # 0.1 s over a 1 GB/s socket, whatever the world size
+        large = max(1 << 20, (1 << 27) // n) if device.type == "cuda" else 1 << 22
+        sizes = (1 << 16, large)
     times = []
     gather = dist_all_gather()
     for size in sizes:
@@ -176,6 +193,10 @@ def agree(
     ]
 
 
+WIRE_EXPOSED = 0.5
+"""The share of a collective's wire time counted as exposed (see [Note: the cost model])."""
+
+
 def _wire(m: Measured, total_bytes: float) -> float:
     """One ring collective moving ``total_bytes`` (bus convention, see the note)."""
     n = m.world
@@ -207,6 +228,7 @@ def predict_fsdp(
     levels: tuple[Measured, Measured] | None = None,
     compute_bytes: int | Sequence[int] = 2,
     reduce_bytes: int | Sequence[int] = 4,
+    wire_exposed: float = WIRE_EXPOSED,
 ) -> dict[str, dict[str, float]]:
     """Predicted communication seconds per step of each option of each FSDP2 collective, for
     groups of ``shards[i]`` elements per rank (see [Note: the cost model]): the weight
@@ -216,8 +238,17 @@ def predict_fsdp(
     a two-level mesh measured apart, ``"tl"``). ``m`` is the whole shard group's measurement.
     ``compute_bytes`` and ``reduce_bytes``: bytes per element FSDP2 gathers and reduces
     uncompressed (its ``param_dtype`` and reduce dtype), one for all groups or one per group.
-    The collectives' times add, so each is chosen alone."""
+    ``wire_exposed``: the share of each wire time counted (codecs count in full). The
+    collectives' times add, so each is chosen alone."""
     n = m.world
+    _check_exposed(wire_exposed)
+
+    def wire(meas: Measured, total_bytes: float) -> float:
+        return wire_exposed * _wire(meas, total_bytes)
+
+    def across(levels: tuple[Measured, Measured], total_bytes: float) -> float:
+        return wire_exposed * _all_to_all(levels, total_bytes)
+
     gather_b = _per_group(compute_bytes, len(shards), "compute_bytes")
     reduce_b = _per_group(reduce_bytes, len(shards), "reduce_bytes")
     if levels is not None and levels[0].world * levels[1].world != n:
@@ -231,24 +262,31 @@ def predict_fsdp(
     # the codes' reduce-scatter is an all-to-all: on a two-level mesh its bytes to other nodes
     # go over the slow level (a ring's bus bandwidth, measured on the shard group, counts the
     # fast hops too and would flatter it)
-    exchange = (lambda b: _wire(m, b)) if levels is None else (lambda b: _all_to_all(levels, b))
+    exchange = (lambda b: wire(m, b)) if levels is None else (lambda b: across(levels, b))
     for k, gb, rb in zip(shards, gather_b, reduce_b, strict=True):
-        weights["none"] += 2 * _wire(m, n * k * gb)
-        weights["w8"] += 2 * (_wire(m, n * pay[8](k)) + _codec(m, 8, n * k))
-        weights["wd4"] += _wire(m, n * pay[4](k)) + _codec(m, 4, n * k)
-        grads["none"] += _wire(m, n * k * rb)  # NCCL's ring reduce-scatter
+        weights["none"] += 2 * wire(m, n * k * gb)
+        weights["w8"] += 2 * (wire(m, n * pay[8](k)) + _codec(m, 8, n * k))
+        weights["wd4"] += wire(m, n * pay[4](k)) + _codec(m, 4, n * k)
+        grads["none"] += wire(m, n * k * rb)  # NCCL's ring reduce-scatter
         grads["g8"] += exchange(n * pay[8](k)) + 2 * _codec(m, 8, n * k)
         grads["g4"] += exchange(n * pay[4](k)) + 2 * _codec(m, 4, n * k)
         if levels is not None:
             inter, intra = levels
             node = n * k // intra.world  # the node's partial sums each rank sends on
             grads["tl"] += (
-                _wire(intra, n * pay[8](k))
+                wire(intra, n * pay[8](k))
                 + 2 * _codec(m, 8, n * k)
-                + _wire(inter, pay[4](node))
+                + wire(inter, pay[4](node))
                 + 2 * _codec(m, 4, node)
             )
     return {"weights": weights, "grads": grads}
+
+
+def _check_exposed(wire_exposed: float) -> None:
+    if not 0 < wire_exposed <= 1:
+        raise ValueError(
+            f"wire_exposed={wire_exposed!r}: the share of a wire time counted is in (0, 1]"
+        )
 
 
 def _per_group(value: int | Sequence[int], groups: int, name: str) -> list[int]:
@@ -268,19 +306,29 @@ def choose_fsdp(predicted: dict[str, dict[str, float]], *, margin: float = 0.8) 
 
 
 def predict_ddp(
-    numel: int, m: Measured, *, buckets: int = 1, element_size: int = 4
+    numel: int,
+    m: Measured,
+    *,
+    buckets: int = 1,
+    element_size: int = 4,
+    wire_exposed: float = WIRE_EXPOSED,
 ) -> dict[str, float]:
-    """Predicted seconds per step of DDP's all-reduce of ``numel`` gradients of
+    """Predicted exposed seconds per step of DDP's all-reduce of ``numel`` gradients of
     ``element_size`` bytes in ``buckets`` buckets: uncompressed, CGX's two phases (4 and 8
-    bits), Global-QSGD (int8)."""
+    bits), Global-QSGD (int8). ``wire_exposed`` as for :func:`predict_fsdp`."""
+    _check_exposed(wire_exposed)
+
+    def wire(meas: Measured, total_bytes: float) -> float:
+        return wire_exposed * _wire(meas, total_bytes)
+
     pay = {b: s.payload_bytes for b, s in _SPECS.items()}
     per = numel / buckets
-    plain = 2 * _wire(m, per * element_size)  # a reduce-scatter and an all-gather of the bucket
+    plain = 2 * wire(m, per * element_size)  # a reduce-scatter and an all-gather of the bucket
     out = {"bf16": plain}
     for name, bits in (("cgx", 4), ("qsdp-g8", 8)):
         # phase 1 all-to-all of the codes, phase 2 all-gather of the re-encoded sums
-        out[name] = 2 * _wire(m, pay[bits](int(per))) + 3 * _codec(m, bits, per)
-    out["global-qsgd"] = 2 * _wire(m, per) + _wire(m, 8) + 2 * _codec(m, 8, per)
+        out[name] = 2 * wire(m, pay[bits](int(per))) + 3 * _codec(m, bits, per)
+    out["global-qsgd"] = 2 * wire(m, per) + wire(m, 8) + 2 * _codec(m, 8, per)
     return {k: v * buckets for k, v in out.items()}
 
 
@@ -341,7 +389,8 @@ def report(m: Measured, predicted: dict, choice: str, *, options: dict | None = 
         chosen, plain = predicted[choice], predicted["bf16"]
     return (
         f"qsdp auto: {m.world} ranks, link {m.bytes_per_s / 1e9:.2f} GB/s bus, latency "
-        f"{m.latency_s * 1e6:.0f} us; predicted communication per step: {parts}; chose {choice}: "
+        f"{m.latency_s * 1e6:.0f} us; predicted exposed communication per step ("
+        f"{WIRE_EXPOSED:g} of each wire time, all codec time): {parts}; chose {choice}: "
         f"{chosen * 1e3:.1f} ms of communication per step against {plain * 1e3:.1f} ms "
         "uncompressed (compute and overlap not modelled)"
     )

@@ -120,6 +120,12 @@ def parser() -> argparse.ArgumentParser:
         help="with --adaptive-every: a width per parameter tensor, not per FSDP2 group (FSDP2, "
         "staleness 0)",
     )
+    p.add_argument(
+        "--error-feedback",
+        action="store_true",
+        help="--ddp with cgx or qsdp-g8: each rank adds what its quantizer lost to its next "
+        "gradient (EF-SGD)",
+    )
     p.add_argument("--nproc", type=int, default=2, help="CPU processes when not under torchrun")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--tensorboard", action=argparse.BooleanOptionalAction, default=None)
@@ -158,6 +164,7 @@ def config_from(args: argparse.Namespace) -> TrainConfig:
         predict=args.predict,
         adaptive_every=args.adaptive_every,
         adaptive_per_parameter=args.adaptive_per_parameter,
+        error_feedback=args.error_feedback,
         tensorboard=args.tensorboard,
         progress=not args.no_progress,
     )

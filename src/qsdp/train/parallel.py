@@ -147,6 +147,7 @@ def build(
     two_level: bool,
     nodes: int | None,
     config: CompressionConfig | str | None = None,
+    error_feedback: bool = False,
 ) -> Parallel:
     """Build the GPT on ``device`` from ``seed`` and parallelise it as ``mode`` says."""
     if mode not in MODES:
@@ -157,7 +158,7 @@ def build(
     config = config or recipe(recipe_name)  # the recipe with the run's overrides
     if mode == "ddp":
         model = DDP(gpt, device_ids=[device.index] if device.type == "cuda" else None)
-        state = qddp.register(model, config)
+        state = qddp.register(model, config, error_feedback=error_feedback)
         return Parallel(
             mode, model, gpt, state.stats, state, config=state.config, bf16_autocast=bf16
         )

@@ -155,6 +155,9 @@ class TrainConfig:
     adaptive_per_parameter: bool = False
     """With ``adaptive_every``: a width per parameter tensor, not per FSDP2 group
     (``AdaptiveWidths(per_parameter=True)``; FSDP2 at staleness 0)."""
+    error_feedback: bool = False
+    """DDP with quantized gradients (``cgx``, ``qsdp-g8``): keep what each rank's quantizer
+    loses and add it to its next gradient (``qsdp.ddp.register(..., error_feedback=True)``)."""
     nodes: int | None = None
     """``hsdp``: the number of nodes (default: torchrun's ``WORLD_SIZE / LOCAL_WORLD_SIZE``, or 2
     emulated nodes on one machine). ``fsdp``: the nodes of two-level recipes' and ``auto``'s
@@ -218,6 +221,15 @@ class TrainConfig:
             raise ValueError(
                 "--adaptive-per-parameter needs --adaptive-every N and FSDP2 at staleness 0 "
                 "(not --ddp, --hsdp or --staleness 1): drop it, or those"
+            )
+        if self.error_feedback and (
+            self.parallel != "ddp"
+            or self.recipe == "auto"
+            or not isinstance(recipe(self.recipe).grads, QuantizedGrads)
+        ):
+            raise ValueError(
+                f"--error-feedback is for --ddp with quantized gradients (cgx, qsdp-g8), not "
+                f"--recipe {self.recipe} under {self.parallel}: drop it, or use those"
             )
         if self.recipe == "auto":
             if self.staleness or self.adaptive_every:
@@ -403,6 +415,7 @@ def train_rank(cfg: TrainConfig, data: TokenData, device: torch.device) -> dict:
         # a resumed "auto" uses the mesh only if it chose two levels
         two_level=cfg.two_level and (chosen is None or auto_uses_mesh(chosen)),
         nodes=cfg.nodes,
+        error_feedback=cfg.error_feedback,
         # "auto" resumes with the recipe it chose, never a new measurement's
         config=auto_config(chosen) if chosen else compression,
     )

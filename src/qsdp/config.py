@@ -216,8 +216,17 @@ class AdaptiveWidths:
     """A width per parameter tensor (CGX's layers) instead of per reduction group (an FSDP2
     block): each group then reduces once per width it holds (its parameters of one width
     together, the raw ones with the first). FSDP2's synchronous reduce-scatter only."""
+    error: str = "absolute"
+    """What the budget counts: ``"absolute"``, each group's squared error (CGX's; the SGD
+    view), or ``"relative"``, each group's squared error over its mean squared gradient (an
+    Adam-like optimizer divides each coordinate by its gradient's scale, so a group with small
+    gradients does not tolerate more absolute error)."""
 
     def __post_init__(self) -> None:
+        if self.error not in ("absolute", "relative"):
+            raise ValueError(
+                f"AdaptiveWidths.error={self.error!r} must be 'absolute' or 'relative'"
+            )
         if not isinstance(self.per_parameter, bool):
             raise ValueError(f"AdaptiveWidths.per_parameter={self.per_parameter!r} must be a bool")
         for name in ("every", "sample"):

@@ -10,6 +10,7 @@ import random
 import pytest
 import torch
 
+import qsdp
 from qsdp import QuantSpec
 from qsdp.policy.adaptive import agree, choose_widths, measure_errors
 from qsdp.testing import run_distributed
@@ -91,6 +92,25 @@ def test_measured_errors_fall_with_width_and_follow_the_spread():
     plan = choose_widths(errors, nbytes, reference=4)
     assert plan.bytes < plan.reference_bytes  # the tiny-error group gives bits away
     assert plan.widths[0] <= 4 <= plan.widths[1]
+
+
+def test_relative_errors_ignore_a_groups_scale():
+    # Adam's view: a group whose gradients are 1000x smaller tolerates no more relative error,
+    # so it gets no fewer bits; the absolute budget hands its bits to the large group
+    g = torch.Generator().manual_seed(1)
+    big = torch.randn(40_000, generator=g)
+    small = big.roll(1) * 1e-3
+    absolute, nbytes = measure_errors([big, small], SPEC, sample=8192)
+    relative, _ = measure_errors([big, small], SPEC, sample=8192, relative=True)
+    for w in (2, 4, 8):
+        assert absolute[1][w] == pytest.approx(absolute[0][w] * 1e-6, rel=0.1)
+        assert relative[1][w] == pytest.approx(relative[0][w], rel=0.1)
+        ms = float(big.square().mean())
+        assert relative[0][w] == pytest.approx(absolute[0][w] / ms, rel=0.05)
+    assert choose_widths(absolute, nbytes, reference=4).widths[1] < 4
+    assert choose_widths(relative, nbytes, reference=4).widths == (4, 4)
+    with pytest.raises(ValueError, match="AdaptiveWidths.error='squared' must be"):
+        qsdp.AdaptiveWidths(error="squared")
 
 
 def _agree(rank: int, world: int) -> tuple[int, ...]:

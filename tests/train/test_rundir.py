@@ -211,6 +211,7 @@ def test_resume_checks_each_setting_and_lets_the_free_ones_change(run, files, mo
     validate(as_is, data, world_size=2, columns=COLUMNS)
     unchecked = {"data", "tokenizer", "nodes", "staleness", "stale_bound", "stale_after"}
     unchecked |= {"adaptive_every", "adaptive_per_parameter", "predict", "error_feedback"}
+    unchecked |= {"adaptive_error"}
     assert set(CHANGED) | unchecked == set(RESUME_MUST_MATCH) & set(
         f.name for f in dataclasses.fields(TrainConfig)
     )

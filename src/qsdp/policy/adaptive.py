@@ -162,8 +162,10 @@ def measure_errors(
     widths: Sequence[int] = WIDTHS,
     sample: int = 1 << 16,
     seed: int = 0,
+    relative: bool = False,
 ) -> tuple[list[dict[int, float]], list[dict[int, int]]]:
-    """Each group's squared quantization error and payload bytes at each width.
+    """Each group's squared quantization error and payload bytes at each width (``relative``:
+    the error over the group's mean squared gradient, as measured on the sample).
 
     The error is measured on up to ``sample`` elements of the group (whole quantization groups,
     evenly spaced through it) with ``spec`` at each width (its scheme, group size, rounding and
@@ -175,6 +177,8 @@ def measure_errors(
         flat = g.detach().reshape(-1).float()
         part = _sample(flat, spec.group_size, sample)
         scale = flat.numel() / max(part.numel(), 1)
+        if relative:  # over the mean square (a group of zeros has no error to weigh)
+            scale /= float(part.square().mean()) or 1.0
         err, size = {}, {}
         for w in widths:
             s = replace(spec, bits=w, nonfinite="propagate")

@@ -81,6 +81,7 @@ class WidthController:
                 widths=self.config.widths,
                 sample=self.config.sample,
                 seed=self.seed,
+                relative=self.config.error == "relative",
             )
             self._tables[key] = (errors[0], nbytes[0])
 

@@ -121,6 +121,13 @@ def parser() -> argparse.ArgumentParser:
         "staleness 0)",
     )
     p.add_argument(
+        "--adaptive-error",
+        choices=("absolute", "relative"),
+        default="absolute",
+        help="with --adaptive-every: the width budget counts squared errors as they are (CGX) "
+        "or over each group's mean squared gradient (relative: Adam's view)",
+    )
+    p.add_argument(
         "--error-feedback",
         action="store_true",
         help="--ddp with cgx or qsdp-g8: each rank adds what its quantizer lost to its next "
@@ -164,6 +171,7 @@ def config_from(args: argparse.Namespace) -> TrainConfig:
         predict=args.predict,
         adaptive_every=args.adaptive_every,
         adaptive_per_parameter=args.adaptive_per_parameter,
+        adaptive_error=args.adaptive_error,
         error_feedback=args.error_feedback,
         tensorboard=args.tensorboard,
         progress=not args.no_progress,

@@ -91,6 +91,7 @@ RESUME_MUST_MATCH = (
     "predict",
     "adaptive_every",
     "adaptive_per_parameter",
+    "adaptive_error",
     "error_feedback",
 )
 """Keys of ``config.json`` that ``--resume`` requires to equal the saved run's."""

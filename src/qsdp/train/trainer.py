@@ -155,6 +155,9 @@ class TrainConfig:
     adaptive_per_parameter: bool = False
     """With ``adaptive_every``: a width per parameter tensor, not per FSDP2 group
     (``AdaptiveWidths(per_parameter=True)``; FSDP2 at staleness 0)."""
+    adaptive_error: str = "absolute"
+    """With ``adaptive_every``: what the width budget counts, ``absolute`` or ``relative``
+    squared errors (``AdaptiveWidths.error``)."""
     error_feedback: bool = False
     """DDP with quantized gradients (``cgx``, ``qsdp-g8``): keep what each rank's quantizer
     loses and add it to its next gradient (``qsdp.ddp.register(..., error_feedback=True)``)."""
@@ -222,6 +225,11 @@ class TrainConfig:
                 "--adaptive-per-parameter needs --adaptive-every N and FSDP2 at staleness 0 "
                 "(not --ddp, --hsdp or --staleness 1): drop it, or those"
             )
+        if self.adaptive_error != "absolute" and not self.adaptive_every:
+            raise ValueError(
+                f"--adaptive-error {self.adaptive_error} needs --adaptive-every N: drop it, or "
+                "add that"
+            )
         if self.error_feedback and (
             self.parallel != "ddp"
             or self.recipe == "auto"
@@ -262,6 +270,7 @@ class TrainConfig:
                 every=self.adaptive_every,
                 warmup=min(50, max(1, self.steps // 10)),
                 per_parameter=self.adaptive_per_parameter,
+                error=self.adaptive_error,
             )
         return recipe(self.recipe, staleness=self.staleness, adaptive=adaptive)
 

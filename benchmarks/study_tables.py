@@ -38,7 +38,7 @@ def _run(path: Path) -> dict:
     }
 
 
-def _what(c: dict) -> str:
+def _what(c: dict, name: str = "") -> str:
     parts = [c["parallel"].upper() if c["parallel"] != "fsdp" else "FSDP2"]
     if c.get("nodes") and c.get("world_size", 4) >= 2 * c["nodes"]:  # else: no two levels
         parts.append(f"{c['nodes']} nodes")
@@ -48,12 +48,20 @@ def _what(c: dict) -> str:
             "last": "weight prediction",
             "local": "prediction from each rank's own gradient",
         }.get(c.get("predict"), "the delayed gradient as is")
+        if c.get("predict") == "local" and "nodeavg" in name:  # runs of commit eab4760 on:
+            # two-level reductions estimate from the node's average (the configs do not say)
+            how = "prediction from the node's average gradient"
         parts.append(f"staleness {c['staleness']}, {how}")
     if c.get("stale_after"):
         parts.append(f"synchronous before step {c['stale_after']}")
     if c.get("adaptive_every"):
         per = ", per parameter" if c.get("adaptive_per_parameter") else ""
-        parts.append(f"adaptive every {c['adaptive_every']}{per}")
+        rel = ", relative errors" if c.get("adaptive_error") == "relative" else ""
+        parts.append(f"adaptive every {c['adaptive_every']}{per}{rel}")
+    if c.get("error_feedback"):
+        parts.append("error feedback")
+    if c.get("recipe") == "auto" and c.get("auto"):
+        parts.append(f"auto chose `{c['auto']['recipe']}`")
     if c.get("seed"):
         parts.append(f"seed {c['seed']}")
     return ", ".join(parts)
@@ -91,7 +99,7 @@ def convergence_table(root: Path) -> str:
         rel = "" if r is base else f"{(r['val'] / base['val'] - 1) * 100:+.2f}%"
         device = r["config"].get("device", "?").replace("NVIDIA ", "").replace(" 80GB HBM3", "")
         out.append(
-            f"| `{name}` | {_what(r['config'])} | {device} | {r['val']:.4f} | {rel} | "
+            f"| `{name}` | {_what(r['config'], name)} | {device} | {r['val']:.4f} | {rel} | "
             f"{r['wire'] / base['wire']:.2f}x | {r['step_s']:.3f} |"
         )
     return "\n".join(out)

@@ -341,10 +341,12 @@ def _load_codes(
     the low half at index 0 of a new last axis, so after the splits the flattened index of a
     code is its position in the byte (word)."""
     if BITS == 3 or BITS == 6:
-        # the words' bytes as _store_codes stores them, summed into words (disjoint bits)
-        offs, keep, j = _word_bytes(boffs, n_code_bytes, TAIL=TAIL)
-        quad = tl.load(ptr + offs, mask=keep, other=0).to(tl.int32)
-        word = tl.permute(tl.sum(quad << (8 * j), axis=3), (1, 2, 0))
+        # three byte loads, not the stores' [words, ..., 4] tensor (_word_bytes): loaded that
+        # way the decodes ran at 0.42-0.46 of copy bandwidth on H200 against 0.55-0.79 so
+        # (benchmarks/results/quant_widths_2026-11-27/ against quant_widths_2026-11-26/)
+        word = _load_bytes(ptr, boffs, n_code_bytes, TAIL=TAIL)
+        word = word | (_load_bytes(ptr, boffs + 1, n_code_bytes, TAIL=TAIL) << 8)
+        word = word | (_load_bytes(ptr, boffs + 2, n_code_bytes, TAIL=TAIL) << 16)
         half = tl.join(word & 4095, word >> 12)
         sixes = tl.join(half & 63, half >> 6)
         if BITS == 6:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import dataclasses
 import json
+import math
 from dataclasses import replace
 from pathlib import Path
 
@@ -123,6 +124,45 @@ def test_ddp_error_feedback_trains_and_resumes_exactly(data_dir, tmp_path):
     assert straight[:1] == plain[:1] and straight != plain  # the residuals change the run
     saved = json.loads((tmp_path / "straight" / "config.json").read_text())
     assert saved["error_feedback"] is True
+
+
+def _redecide(rank: int, world: int, data: str, root: str) -> None:
+    from qsdp.policy import auto
+
+    d, cpu = open_data(Path(data)), torch.device("cpu")
+    codec, launches = {8: 1e-12, 4: 1e-12}, {8: 1e-4, 4: 1e-4}  # 100 us of launches a call
+
+    def link(bytes_per_s):  # injected measurements: the network "changes" between the runs
+        def fake(group, device, **kw):
+            n = torch.distributed.get_world_size(group)
+            return auto.Measured(1e-5, bytes_per_s, codec, n, codec_s_per_call=launches)
+
+        return fake
+
+    out = Path(root) / "redecided"
+    auto.measure = link(300e9)  # fast: uncompressed
+    train_rank(_cfg(out, "auto", steps=4, stop_at=2, ckpt_every=0), d, cpu)
+    auto.measure = link(1e6)  # slow: compress
+    kept = Path(root) / "kept"
+    train_rank(_cfg(kept, "auto", steps=4, stop_at=2, ckpt_every=0), d, cpu)
+    train_rank(_cfg(kept, "auto", steps=4, resume=True, ckpt_every=0), d, cpu)
+    train_rank(_cfg(out, "auto", steps=4, resume=True, redecide=True, ckpt_every=0), d, cpu)
+
+
+def test_auto_redecides_on_resume_when_asked(data_dir, tmp_path, capsys):
+    run_distributed(_redecide, 2, str(data_dir), str(tmp_path), timeout_s=600)
+    rows = _rows(tmp_path / "redecided")
+    assert [r["step"] for r in rows] == ["0", "1", "2", "3"]
+    ratio = [float(r["compression_ratio"]) for r in rows]
+    assert ratio[:2] == [1.0, 1.0] and min(ratio[2:]) > 2, ratio  # compressed from the resume
+    loss = [float(r["loss"]) for r in rows]
+    assert all(math.isfinite(x) for x in loss) and loss[-1] < loss[0]
+    record = json.loads((tmp_path / "redecided" / "config.json").read_text())["auto"]
+    assert record["recipe"] != "bf16" and record["previous"]["recipe"] == "bf16"
+    assert record["redecided_at"] == 2
+    # without --redecide a resumed run keeps its choice, whatever the link measures now
+    kept = json.loads((tmp_path / "kept" / "config.json").read_text())["auto"]
+    assert kept["recipe"] != "bf16" and "previous" not in kept
 
 
 def _ddp_hsdp(rank: int, world: int, data: str, root: str) -> None:
@@ -403,6 +443,8 @@ def test_schedule_warms_up_then_decays_to_the_floor():
         ({"staleness": 2, "parallel": "ddp", "recipe": "cgx"}, "--staleness must be 0 or 1"),
         ({"adaptive_per_parameter": True}, "--adaptive-per-parameter needs --adaptive-every N"),
         ({"error_feedback": True, "recipe": "cgx"}, "--error-feedback is for --ddp"),
+        ({"redecide": True, "recipe": "auto"}, "--redecide is for resuming a --recipe auto run"),
+        ({"redecide": True, "resume": True, "recipe": "cgx"}, "(got --recipe cgx)"),
         (
             {"error_feedback": True, "recipe": "global-qsgd", "parallel": "ddp"},
             "with quantized gradients (cgx, qsdp-g8), not --recipe global-qsgd",

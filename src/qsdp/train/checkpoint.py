@@ -64,9 +64,11 @@ def load_checkpoint(
     opt: torch.optim.Optimizer,
     *,
     predict: WeightPrediction | None = None,
+    comm_state: bool = True,
 ) -> tuple[int, tuple[int, int]]:
     """Load the run's last checkpoint; returns its step and the staleness gate's state (steps
-    it forced to synchronise, whether the next step runs synchronously)."""
+    it forced to synchronise, whether the next step runs synchronously). ``comm_state=False``
+    leaves qsdp's collective state as built (a recipe other than the checkpoint's)."""
     marker = out / "ckpt" / "latest"
     if not marker.is_file():
         raise FileNotFoundError(
@@ -75,6 +77,8 @@ def load_checkpoint(
         )
     path = out / "ckpt" / marker.read_text().strip()
     state = _checkpoint_state(par, opt, 0, predict=predict)
+    if not comm_state:
+        del state["qsdp"]
     dcp.load(state, checkpoint_id=str(path))
     set_state_dict(par.model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
     fired, sync_next = state["trainer"]["gate"].tolist()

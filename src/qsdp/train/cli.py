@@ -128,6 +128,12 @@ def parser() -> argparse.ArgumentParser:
         "or over each group's mean squared gradient (relative: Adam's view)",
     )
     p.add_argument(
+        "--redecide",
+        action="store_true",
+        help="with --resume of a --recipe auto run: measure the links and choose again (a "
+        "different choice starts its collectives' state afresh)",
+    )
+    p.add_argument(
         "--error-feedback",
         action="store_true",
         help="--ddp with cgx or qsdp-g8: each rank adds what its quantizer lost to its next "
@@ -173,6 +179,7 @@ def config_from(args: argparse.Namespace) -> TrainConfig:
         adaptive_per_parameter=args.adaptive_per_parameter,
         adaptive_error=args.adaptive_error,
         error_feedback=args.error_feedback,
+        redecide=args.redecide,
         tensorboard=args.tensorboard,
         progress=not args.no_progress,
     )

@@ -99,6 +99,7 @@ RESUME_MUST_MATCH = (
 RESUME_MAY_CHANGE = (
     "out",
     "resume",
+    "redecide",
     "stop_at",
     "eval_every",
     "ckpt_every",

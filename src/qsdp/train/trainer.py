@@ -158,6 +158,11 @@ class TrainConfig:
     adaptive_error: str = "absolute"
     """With ``adaptive_every``: what the width budget counts, ``absolute`` or ``relative``
     squared errors (``AdaptiveWidths.error``)."""
+    redecide: bool = False
+    """``--recipe auto`` with ``--resume``: measure and choose again instead of keeping the
+    run's choice (a network that changed). A different choice starts its collectives' state
+    afresh (noise counters, weight-difference reconstructions); the model, optimizer and data
+    order come from the checkpoint as always."""
     error_feedback: bool = False
     """DDP with quantized gradients (``cgx``, ``qsdp-g8``): keep what each rank's quantizer
     loses and add it to its next gradient (``qsdp.ddp.register(..., error_feedback=True)``)."""
@@ -239,6 +244,11 @@ class TrainConfig:
                 f"--error-feedback is for --ddp with quantized gradients (cgx, qsdp-g8), not "
                 f"--recipe {self.recipe} under {self.parallel}: drop it, or use those"
             )
+        if self.redecide and (self.recipe != "auto" or not self.resume):
+            raise ValueError(
+                f"--redecide is for resuming a --recipe auto run (got --recipe {self.recipe}"
+                f"{'' if self.resume else ' without --resume'}): drop it"
+            )
         if self.recipe == "auto":
             if self.staleness or self.adaptive_every:
                 raise ValueError(
@@ -282,6 +292,12 @@ class TrainConfig:
             vocab_size=vocab_size,
             dropout=self.dropout,
         )
+
+
+def _choice(record: dict | None) -> tuple:
+    """What an ``"auto"`` record chose (per collective for FSDP2), to compare two decisions."""
+    record = record or {}
+    return tuple(record.get(k) for k in ("recipe", "weights", "grads"))
 
 
 def lr_at(cfg: TrainConfig, step: int) -> float:
@@ -413,7 +429,8 @@ def train_rank(cfg: TrainConfig, data: TokenData, device: torch.device) -> dict:
     mc = cfg.model_config(data.vocab_size)
     batches = Batches(data, order=cfg.data_order)
     compression = cfg.compression()
-    chosen = saved_choice(out) if cfg.resume and compression == "auto" else None
+    saved = saved_choice(out) if cfg.resume and compression == "auto" else None
+    chosen = None if cfg.redecide else saved
     par = build(
         mode=cfg.parallel,
         recipe_name=cfg.recipe,
@@ -433,6 +450,8 @@ def train_rank(cfg: TrainConfig, data: TokenData, device: torch.device) -> dict:
     decision = getattr(par.state, "decision", None)
     if decision is not None:
         chosen = choice_record(decision)
+    # --redecide: a new choice's collectives start afresh (another recipe's state would not fit)
+    changed = cfg.redecide and _choice(chosen) != _choice(saved)
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     opt = torch.optim.AdamW(
@@ -448,8 +467,18 @@ def train_rank(cfg: TrainConfig, data: TokenData, device: torch.device) -> dict:
         else None
     )
     start, (forced, sync_next) = (
-        load_checkpoint(out, par, opt, predict=predict) if cfg.resume else (0, (0, 0))
+        load_checkpoint(out, par, opt, predict=predict, comm_state=not changed)
+        if cfg.resume
+        else (0, (0, 0))
     )
+    if cfg.redecide:
+        chosen = dict(chosen, redecided_at=start, previous=saved)
+        if rank == 0:
+            print(
+                f"qsdp train: --redecide at step {start}: auto chose {chosen['recipe']} (was "
+                f"{saved['recipe']}){'; its collectives start afresh' if changed else ''}",
+                flush=True,
+            )
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
         write_config(cfg, out, data, device, auto=chosen)

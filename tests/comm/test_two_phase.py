@@ -154,3 +154,55 @@ def _check_unbiased(rank, ws):
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_two_phase_all_reduce(world_size):
     run_distributed(_worker, world_size)
+
+
+def _feedback(rank: int, world: int) -> list[tuple[float, float, float]]:
+    from qsdp.comm import Split
+
+    g = torch.Generator().manual_seed(100 + rank)
+    spec = QuantSpec(bits=4, group_size=64, scheme="minmax", rounding="stochastic")
+    split = Split(chunk=301, runs=((0, 10, False), (10, 200, True), (210, 91, False)))
+    out = []
+    for layout, op, dtype in (
+        (None, "avg", torch.float32),
+        (split, "sum", torch.float32),
+        (None, "sum", torch.bfloat16),
+        (split, "avg", torch.bfloat16),
+    ):
+        div = world if op == "avg" else 1
+        fb = torch.zeros(301)
+        sent, exact = torch.zeros(301, dtype=torch.float64), torch.zeros(301, dtype=torch.float64)
+        worst_call = 0.0
+        for step in range(6):  # EF-SGD: each call's input carries the last call's feedback
+            x = torch.randn(301, generator=g)
+            t = (x + fb).to(dtype)
+            given = t.double()
+            dist.all_reduce(given)
+            fb = torch.empty(301)
+            two_phase_all_reduce(t, spec=spec, split=layout, op=op, feedback=fb, step=step)
+            assert_same_on_all_ranks(t)
+            owed = fb.double()
+            dist.all_reduce(owed)
+            # one call: the result's error is exactly the ranks' feedback, averaged (or summed)
+            worst_call = max(worst_call, float((t.double() + owed / div - given / div).abs().max()))
+            if layout is not None and dtype == torch.float32:  # raw ones travel exact
+                assert float(fb[:10].abs().max()) == 0 and float(fb[210:].abs().max()) == 0
+            mean = x.double()
+            dist.all_reduce(mean)
+            exact += mean / div
+            sent += t.double()
+        # fp32: over the calls the results telescope to the exact sums minus the last debt
+        telescoped = float((sent + owed / div - exact).abs().max())
+        out.append(
+            (worst_call, telescoped if dtype == torch.float32 else 0.0, float(fb.abs().max()))
+        )
+    return out
+
+
+def test_error_feedback_is_exact_over_both_phases():
+    # [Note: exact error feedback]: 3 ranks (odd), 301 elements (padded chunks), a split with
+    # raw runs, avg and sum, fp32 and bf16 inputs; the feedback is what the encodes that ran lost
+    for rows in run_distributed(_feedback, 3):
+        for worst_call, telescoped, owed in rows:
+            assert worst_call < 2e-5 and telescoped < 5e-5, rows
+            assert owed > 0.01, rows  # something was owed

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..quant import Backend, QuantSpec, decode_sum, encode, flagged_groups
+from ..quant import Backend, QuantSpec, decode_rows, decode_sum, encode, flagged_groups
 from . import _common as C
 from ._split import Split, check_split, fused_row
 from ._stats import CommStats
@@ -148,8 +148,12 @@ def _reduce_scatter_stages(
     name: str,
     split: Split | None = None,
     count_call: bool = True,
+    lost: torch.Tensor | None = None,
 ) -> C.Stages:
-    """Validate, copy the own chunk and encode now; return the stage generator."""
+    """Validate, copy the own chunk and encode now; return the stage generator. ``lost``
+    (float32, ``input``'s size): filled with what this rank's encodes lose of ``input``, chunk
+    ``j`` minus the decode of the payload sent to ``j`` (its own chunk and raw elements travel
+    exact: 0), for error feedback."""
     C.check_spec(spec)
     op = C.parse_op(op)
     C.check_key(seed, step, bucket)
@@ -177,6 +181,7 @@ def _reduce_scatter_stages(
             backend,
             stats,
             name,
+            lost,
         )
     chunks = input.reshape(n, m)
     acc = torch.empty(m, dtype=torch.float32, device=input.device)
@@ -196,6 +201,12 @@ def _reduce_scatter_stages(
             stream=C.noise_stream(me, j, bucket=bucket, hop=hop),
             backend=backend,
         )
+    if lost is not None:
+        rows = lost.view(n, m)
+        rows.copy_(chunks)
+        rows[r].zero_()
+        if peers and m:
+            _lose(rows, peers, send.view(n - 1, nbytes), m, spec, backend)
     if enc_spec is not spec:  # every rank agrees before anything is exchanged
         bad = flagged_groups(send.view(n - 1, nbytes), m, spec) + (~torch.isfinite(acc)).sum()
         C.agree_finite(bad, [pg], stats, name)
@@ -212,8 +223,30 @@ def _exchange_decode(output, acc, send, pg, n, r, m, spec, op, backend, stats, n
     C.finish_into(output, acc, op, n)
 
 
+def _lose(rows, peers, payloads, numel, spec, backend) -> None:
+    """``rows[peers] -= decode(payloads)``, rows holding what was encoded: what the encodes lost
+    (float32)."""
+    rows[peers] -= decode_rows(payloads, numel, spec, backend=backend)
+
+
 def _fused_stages(
-    output, input, pg, n, r, m, spec, split, op, seed, step, bucket, hop, backend, stats, name
+    output,
+    input,
+    pg,
+    n,
+    r,
+    m,
+    spec,
+    split,
+    op,
+    seed,
+    step,
+    bucket,
+    hop,
+    backend,
+    stats,
+    name,
+    lost=None,
 ) -> C.Stages:
     """A policy split's reduce-scatter: ``[codes | raw bytes]`` rows in one all-to-all; the
     receiver decodes the codes and sums the raw values in float32, onto its own chunk (exact)."""
@@ -239,6 +272,13 @@ def _fused_stages(
                 backend=backend,
             )
         send[slot, at : at + raw_bytes].copy_(raw[j].view(torch.uint8))
+    if lost is not None:  # the codes' losses; the own row and the raw elements travel exact
+        err = comp.to(torch.float32, copy=True)
+        err[r].zero_()
+        peers = [k for k in range(n) if k != r]
+        if peers and split.n_comp:
+            _lose(err, peers, send[:, :nbytes], split.n_comp, spec, backend)
+        split.put(lost.view(n, m), err, torch.zeros(n, split.n_raw, device=input.device))
     if enc_spec is not spec:  # every rank agrees before anything is exchanged
         bad = flagged_groups(send[:, :nbytes], split.n_comp, spec) + (~torch.isfinite(raw)).sum()
         bad = bad + (~torch.isfinite(acc)).sum()

@@ -13,11 +13,24 @@ collectives: the compressed part and the raw part are each cut into ``n`` chunks
 values summed exactly in float32 on the owner), phase 2 the fused all-gather of the owner's row.
 One all-to-all and one all-gather per call, as without a split (a third, plain all-reduce of
 the raw part cost a collective's latency per DDP bucket).
+
+[Note: exact error feedback]
+With ``op="avg"`` the result is ``(1/n) sum_i (x_i - l_i) - o``: ``l_i`` is what rank ``i``'s
+phase-1 encodes lost of its input (chunk ``j`` minus the decode of the payload it sent to ``j``;
+its own chunk is summed exact), ``o`` what the owners' phase-2 encodes lost of the mean (zero
+outside each owner's chunk). ``feedback=`` gives rank ``i`` ``f_i = l_i + n * o_i`` (``o_i``: the
+part of ``o`` on the chunk it owns), so that ``(1/n) sum_i f_i`` is exactly the result's error:
+adding ``f_i`` to the next call's input (EF-SGD) re-sends every loss of both phases, and over
+``T`` calls the results sum to the exact sums minus the last call's ``(1/n) sum_i f_i``
+(tested). It costs one decode of what each rank sends; nothing more crosses the wire. The losses
+are of the encodes that ran, with their noise: a second encode to estimate them (another noise
+draw, groups cut elsewhere) would add its own error instead of returning the first's.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -79,6 +92,7 @@ def two_phase_all_reduce(
     bucket: int = 0,
     backend: Backend = "auto",
     stats: CommStats | None = None,
+    feedback: torch.Tensor | None = None,
 ) -> C.CommWork | None:
     """All-reduce ``tensor`` in place through a quantized reduce-scatter and all-gather (CGX SRA).
 
@@ -104,6 +118,8 @@ def two_phase_all_reduce(
         bucket: separates buffers reduced in the same step.
         backend: the quantizer backend (``"auto"``: Triton on CUDA, reference on CPU).
         stats: the byte counter to record into (default :data:`qsdp.comm.comm_stats`).
+        feedback: float32, ``tensor``'s size, filled (by ``wait()``) with what this rank adds to
+            its next input for error feedback: see [Note: exact error feedback].
 
     Returns:
         A :class:`CommWork` when ``async_op``, else None.
@@ -116,12 +132,31 @@ def two_phase_all_reduce(
     pg, n, r = C.group_info(group)
     stats = C.resolve_stats(stats)
     stats.count_call(_NAME)
+    if feedback is not None:
+        if feedback.dtype != torch.float32 or feedback.numel() != tensor.numel():
+            raise ValueError(
+                f"feedback must be float32 with the tensor's {tensor.numel()} elements; got "
+                f"{feedback.dtype} with {feedback.numel()}"
+            )
+        C.check_contiguous(feedback, "feedback")
+        C.check_same_device(feedback, tensor, "feedback and tensor")
+    owner = _Owner(r, n if op == "avg" else 1, feedback)
     if split is not None:
         check_split(split, tensor.numel(), "the tensor")
-        stages = _split_phases(tensor, split, pg, n, op, spec, seed, step, bucket, backend, stats)
+        stages = _split_phases(
+            tensor, split, pg, n, op, spec, seed, step, bucket, backend, stats, owner
+        )
         return C.run_stages(stages, async_op, result=tensor)
-    stages = _phases(tensor, pg, n, op, spec, seed, step, bucket, backend, stats)
+    stages = _phases(tensor, pg, n, op, spec, seed, step, bucket, backend, stats, owner)
     return C.run_stages(stages, async_op, result=tensor)
+
+
+class _Owner(NamedTuple):
+    """This rank's place in the call, for error feedback (``feedback`` None: none)."""
+
+    rank: int
+    scale: int  # n for "avg": the owner's loss is of the mean, its input is summed
+    feedback: torch.Tensor | None
 
 
 @functools.lru_cache(maxsize=1024)
@@ -162,7 +197,9 @@ def _stage_args(spec, seed, step, bucket, backend, stats, split=None) -> dict:
     )
 
 
-def _split_phases(tensor, split, pg, n, op, spec, seed, step, bucket, backend, stats) -> C.Stages:
+def _split_phases(
+    tensor, split, pg, n, op, spec, seed, step, bucket, backend, stats, owner
+) -> C.Stages:
     """Both phases with the raw part in the same calls; the first's encodes run before this
     returns."""
     per_chunk, pieces = _chunked(split, n)
@@ -173,11 +210,12 @@ def _split_phases(tensor, split, pg, n, op, spec, seed, step, bucket, backend, s
     )
     common = _stage_args(spec, seed, step, bucket, backend, stats, split=per_chunk)
     reduced = torch.empty(per_chunk.chunk, dtype=torch.float32, device=tensor.device)
-    phase1 = _reduce_scatter_stages(reduced, rows, pg, op=op, hop=0, **common)
-    return _split_stages(flat, pieces, reduced, phase1, pg, n, common)
+    lost = None if owner.feedback is None else torch.empty_like(rows, dtype=torch.float32)
+    phase1 = _reduce_scatter_stages(reduced, rows, pg, op=op, hop=0, lost=lost, **common)
+    return _split_stages(flat, pieces, reduced, phase1, pg, n, common, lost, owner)
 
 
-def _split_stages(flat, pieces, reduced, phase1, pg, n, common) -> C.Stages:
+def _split_stages(flat, pieces, reduced, phase1, pg, n, common, lost, owner) -> C.Stages:
     for works, _ in phase1:
         yield works, False
     gathered = torch.empty(n * reduced.numel(), dtype=torch.float32, device=flat.device)
@@ -185,9 +223,15 @@ def _split_stages(flat, pieces, reduced, phase1, pg, n, common) -> C.Stages:
     torch._foreach_copy_(
         [flat[s : s + k] for s, _, k in pieces], [gathered[d : d + k] for _, d, k in pieces]
     )
+    if lost is not None:
+        _owner_loss(lost, gathered, reduced, owner, flat.dtype)
+        torch._foreach_copy_(
+            [owner.feedback[s : s + k] for s, _, k in pieces],
+            [lost[d : d + k] for _, d, k in pieces],
+        )
 
 
-def _phases(tensor, pg, n, op, spec, seed, step, bucket, backend, stats) -> C.Stages:
+def _phases(tensor, pg, n, op, spec, seed, step, bucket, backend, stats, owner) -> C.Stages:
     """Both phases over ``tensor`` (padded inside to whole chunks); the first's encodes run
     before this returns."""
     numel = tensor.numel()
@@ -200,14 +244,29 @@ def _phases(tensor, pg, n, op, spec, seed, step, bucket, backend, stats) -> C.St
         padded[:numel] = flat
     common = _stage_args(spec, seed, step, bucket, backend, stats)
     reduced = torch.empty(m, dtype=torch.float32, device=tensor.device)
+    lost = None
+    if owner.feedback is not None:
+        lost = owner.feedback if padded is flat else torch.empty(n * m, device=tensor.device)
     # Encodes the reduce-scatter's chunks now; `padded` is free to be overwritten afterwards.
-    phase1 = _reduce_scatter_stages(reduced, padded, pg, op=op, hop=0, **common)
-    return _stages(flat, padded, reduced, phase1, pg, common)
+    phase1 = _reduce_scatter_stages(reduced, padded, pg, op=op, hop=0, lost=lost, **common)
+    return _stages(flat, padded, reduced, phase1, pg, common, lost, owner)
 
 
-def _stages(flat, padded, reduced, phase1, pg, common) -> C.Stages:
+def _stages(flat, padded, reduced, phase1, pg, common, lost, owner) -> C.Stages:
     for works, _ in phase1:
         yield works, False
     yield from _all_gather_stages(padded, reduced, pg, hop=1, **common)
+    if lost is not None:
+        _owner_loss(lost, padded, reduced, owner, padded.dtype)
+        if lost is not owner.feedback:
+            owner.feedback.copy_(lost[: flat.numel()])
     if padded is not flat:
         flat.copy_(padded[: flat.numel()])
+
+
+def _owner_loss(lost, gathered, reduced, owner, dtype) -> None:
+    """Add the owner's phase-2 loss (its reduced chunk minus what every rank decoded of it,
+    rounded to the result's ``dtype``) to its own chunk of ``lost``, which phase 1 left at 0."""
+    m = reduced.numel()
+    own = slice(owner.rank * m, (owner.rank + 1) * m)
+    lost[own] += (reduced - gathered.view(-1)[own].to(dtype).float()) * owner.scale

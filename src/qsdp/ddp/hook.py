@@ -60,7 +60,6 @@ would have reduced, one step late (tested).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from collections.abc import Iterator
 from typing import NamedTuple
 
@@ -70,7 +69,6 @@ from torch import nn
 
 from .. import comm as qc
 from ..config import CompressionConfig, NonFinite
-from ..quant import decode, encode
 from ..runtime import NonfiniteCheck
 from ..runtime.widths import WidthController
 
@@ -166,8 +164,10 @@ class DDPCompression:
         self._calls[index] = step + 1
         split = self._split(index, params)
         self._buckets[index] = (tensor.numel(), tensor.element_size(), split)
-        if self.error_feedback:
-            self._feed_back(tensor, params, split, step=step, bucket=index)
+        feedback = None
+        if self.error_feedback:  # [Note: exact error feedback] in qsdp/comm/_two_phase.py
+            self._add_residuals(tensor, params)
+            feedback = torch.empty(tensor.numel(), dtype=torch.float32, device=tensor.device)
         if self.widths is not None:  # [Note: adaptive widths at run time]
             rows = tensor.view(1, -1)
             self.widths.observe(
@@ -182,7 +182,8 @@ class DDPCompression:
                     "would lose it; call drain() (and optimizer.step()) before synchronous()"
                 )
             self.applied_nothing = False
-            work = self._all_reduce(tensor, split, step, index)
+            work = self._all_reduce(tensor, split, step, index, feedback=feedback)
+            self._keep_residuals(params, feedback)
             return self._checked(work.get_future(), tensor, params, index)
         # [Note: staleness 1]: reduce a copy, hand DDP the previous step's result
         self.applied_nothing = all(id(p) not in self._pending for p in params)
@@ -196,7 +197,8 @@ class DDPCompression:
             for p in params:
                 self._local[id(p)] = _Pending(local, offset, p.numel(), None, ready)
                 offset += p.numel()
-        work = self._all_reduce(send, split, step, index)
+        work = self._all_reduce(send, split, step, index, feedback=feedback)
+        self._keep_residuals(params, feedback)
         previous = self._previous(params, like=tensor)
         offset = 0
         future = work.get_future()
@@ -210,7 +212,10 @@ class DDPCompression:
             return self.plan
         return self.plan.with_bits(self.widths.width(index))
 
-    def _all_reduce(self, tensor: torch.Tensor, split, step: int, index: int) -> qc.CommWork:
+    def _all_reduce(
+        self, tensor: torch.Tensor, split, step: int, index: int, *, feedback=None
+    ) -> qc.CommWork:
+        extra = {} if feedback is None else {"feedback": feedback}
         return self._plan_for(index).all_reduce(
             tensor,
             self.group,
@@ -221,6 +226,7 @@ class DDPCompression:
             bucket=index,
             stats=self.stats,
             async_op=True,
+            **extra,
         )
 
     def _previous(self, params: list[nn.Parameter], *, like: torch.Tensor) -> torch.Tensor:
@@ -365,53 +371,30 @@ class DDPCompression:
             self._splits[key] = policy.split(self._layout(params)) if policy else None
         return self._splits[key]
 
-    def _feed_back(
-        self,
-        tensor: torch.Tensor,
-        params: list[nn.Parameter],
-        split: qc.Split | None,
-        *,
-        step: int,
-        bucket: int,
-    ) -> None:
-        """Add each parameter's residual, then keep what the local quantizer loses of the
-        compressed part as the next residual (EF-SGD; the bucket itself travels unchanged)."""
+    def _add_residuals(self, tensor: torch.Tensor, params: list[nn.Parameter]) -> None:
+        """Error feedback: add each parameter's residual (what the last reduction of it lost,
+        this rank's share) to its piece of the bucket. A non-finite residual (a bucket the
+        NaN/Inf check zeroed) adds 0 there."""
         offset = 0
-        views = []
         for p in params:
             name = self._names.get(id(p), str(id(p)))
-            view = tensor[offset : offset + p.numel()]
+            r = self._residuals.get(name)
+            if r is not None:
+                view = tensor[offset : offset + p.numel()]
+                view.add_(torch.nan_to_num(r, nan=0.0, posinf=0.0, neginf=0.0).to(view.dtype))
             offset += p.numel()
-            if name in self._residuals:
-                view.add_(self._residuals[name])
-            views.append((name, view))
-        spec = self.config.grads.spec
-        if self.widths is not None:  # what this bucket's quantizer loses at its width
-            spec = dataclasses.replace(spec, bits=self.widths.width(bucket))
-        rows = tensor.view(1, -1)
-        comp = split.take(rows)[0].view(-1) if split is not None else tensor
-        approx = decode(
-            encode(
-                comp.float(),
-                spec,
-                seed=self.config.seed,
-                step=step % 2**32,
-                stream=qc.noise_stream(dist.get_rank(), 0, bucket=bucket, hop=7),
-            )
-        )
-        lost = torch.zeros_like(tensor, dtype=torch.float32)
-        if split is not None:
-            split.put(
-                lost.view(1, -1),
-                (comp.float() - approx).view(1, -1),
-                torch.zeros(1, split.n_raw, device=tensor.device),
-            )
-        else:
-            lost.copy_(comp.float() - approx)
+
+    def _keep_residuals(self, params: list[nn.Parameter], feedback: torch.Tensor | None) -> None:
+        """The reduction's ``feedback`` (filled when it completes) as the parameters' next
+        residuals: views, read at their next reduction (after DDP waited for this one)."""
+        if feedback is None:
+            return
         offset = 0
-        for name, view in views:
-            self._residuals[name] = lost[offset : offset + view.numel()].to(view.dtype)
-            offset += view.numel()
+        for p in params:
+            self._residuals[self._names.get(id(p), str(id(p)))] = feedback[
+                offset : offset + p.numel()
+            ]
+            offset += p.numel()
 
     # --- reports and checkpoints ------------------------------------------------------------
     def count_native(self, model: nn.Module) -> None:

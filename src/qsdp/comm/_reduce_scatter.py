@@ -9,6 +9,8 @@ The layout is that of ``dist.reduce_scatter_tensor``: rank ``r`` receives chunk 
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.distributed as dist
 
@@ -164,25 +166,8 @@ def _reduce_scatter_stages(
     if count_call:
         stats.count_call(name)
     if split is not None:
-        return _fused_stages(
-            output,
-            input,
-            pg,
-            n,
-            r,
-            m,
-            spec,
-            split,
-            op,
-            seed,
-            step,
-            bucket,
-            hop,
-            backend,
-            stats,
-            name,
-            lost,
-        )
+        call = _Call(pg, n, r, m, spec, op, seed, step, bucket, hop, backend, stats, name)
+        return _fused_stages(output, input, split, call, lost=lost)
     chunks = input.reshape(n, m)
     acc = torch.empty(m, dtype=torch.float32, device=input.device)
     acc.copy_(chunks[r])
@@ -229,27 +214,28 @@ def _lose(rows, peers, payloads, numel, spec, backend) -> None:
     rows[peers] -= decode_rows(payloads, numel, spec, backend=backend)
 
 
-def _fused_stages(
-    output,
-    input,
-    pg,
-    n,
-    r,
-    m,
-    spec,
-    split,
-    op,
-    seed,
-    step,
-    bucket,
-    hop,
-    backend,
-    stats,
-    name,
-    lost=None,
-) -> C.Stages:
+class _Call(NamedTuple):
+    """One reduce-scatter call's group, quantizer and noise key, for its split stages."""
+
+    pg: dist.ProcessGroup | None
+    n: int
+    r: int
+    m: int
+    spec: QuantSpec
+    op: str
+    seed: int
+    step: int
+    bucket: int
+    hop: int
+    backend: Backend
+    stats: CommStats
+    name: str
+
+
+def _fused_stages(output, input, split, call: _Call, *, lost=None) -> C.Stages:
     """A policy split's reduce-scatter: ``[codes | raw bytes]`` rows in one all-to-all; the
     receiver decodes the codes and sums the raw values in float32, onto its own chunk (exact)."""
+    pg, n, r, m, spec, op, seed, step, bucket, hop, backend, stats, name = call
     comp, raw = split.views(input.reshape(n, m))  # only read
     raw_bytes = split.n_raw * raw.element_size()
     at, row = fused_row(spec, split.n_comp, raw_bytes)

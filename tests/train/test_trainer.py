@@ -147,6 +147,11 @@ def _redecide(rank: int, world: int, data: str, root: str) -> None:
     train_rank(_cfg(kept, "auto", steps=4, stop_at=2, ckpt_every=0), d, cpu)
     train_rank(_cfg(kept, "auto", steps=4, resume=True, ckpt_every=0), d, cpu)
     train_rank(_cfg(out, "auto", steps=4, resume=True, redecide=True, ckpt_every=0), d, cpu)
+    ddp = {"steps": 4, "ckpt_every": 0, "parallel": "ddp"}  # DDP: no hook, then a hook
+    auto.measure = link(300e9)
+    train_rank(_cfg(Path(root) / "ddp", "auto", stop_at=2, **ddp), d, cpu)
+    auto.measure = link(1e6)
+    train_rank(_cfg(Path(root) / "ddp", "auto", resume=True, redecide=True, **ddp), d, cpu)
 
 
 def test_auto_redecides_on_resume_when_asked(data_dir, tmp_path, capsys):
@@ -160,6 +165,11 @@ def test_auto_redecides_on_resume_when_asked(data_dir, tmp_path, capsys):
     record = json.loads((tmp_path / "redecided" / "config.json").read_text())["auto"]
     assert record["recipe"] != "bf16" and record["previous"]["recipe"] == "bf16"
     assert record["redecided_at"] == 2
+    ddp = _rows(tmp_path / "ddp")
+    assert [float(r["compression_ratio"]) for r in ddp][:2] == [1.0, 1.0]
+    assert min(float(r["compression_ratio"]) for r in ddp[2:]) > 2
+    record = json.loads((tmp_path / "ddp" / "config.json").read_text())["auto"]
+    assert (record["previous"]["recipe"], record["recipe"]) == ("bf16", "cgx")
     # without --redecide a resumed run keeps its choice, whatever the link measures now
     kept = json.loads((tmp_path / "kept" / "config.json").read_text())["auto"]
     assert kept["recipe"] != "bf16" and "previous" not in kept

@@ -368,6 +368,8 @@ def auto_config(decision: dict) -> CompressionConfig:
     return CompressionConfig(
         weights=part(_AUTO_WEIGHTS, decision["weights"], "weights"),
         grads=part(_AUTO_GRADS, decision["grads"], "grads"),
+        # 8-bit weights are gathered again in the backward, as qsdp-w8g8's
+        own_reduce_group=decision["weights"] == "w8",
     )
 
 

@@ -68,15 +68,15 @@ def register(
         raise TypeError(
             f"config must be a qsdp.CompressionConfig or a recipe name, got {type(config).__name__}"
         )
-    if config.own_reduce_group:
-        raise ValueError(
-            "own_reduce_group is for FSDP2 (its reduce-scatters and weight all-gathers share a "
-            "communicator); DDP runs only its gradient all-reduce: drop it"
-        )
     if config.weights is not None:
         raise ValueError(
             f"{name} compresses weights, which DDP does not gather; use a gradient-only recipe "
             "('cgx', 'qsdp-g8', 'global-qsgd') or CompressionConfig(grads=...)"
+        )
+    if config.own_reduce_group:
+        raise ValueError(
+            "own_reduce_group is for FSDP2 (its reduce-scatters and weight all-gathers share a "
+            "communicator); DDP runs only its gradient all-reduce: drop it"
         )
     if config.grads is not None and not isinstance(config.grads, (QuantizedGrads, IntegerGrads)):
         raise ValueError(

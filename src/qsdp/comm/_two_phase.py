@@ -246,7 +246,9 @@ def _phases(tensor, pg, n, op, spec, seed, step, bucket, backend, stats, owner) 
     reduced = torch.empty(m, dtype=torch.float32, device=tensor.device)
     lost = None
     if owner.feedback is not None:
-        lost = owner.feedback if padded is flat else torch.empty(n * m, device=tensor.device)
+        lost = owner.feedback
+        if padded is not flat:
+            lost = torch.empty(n * m, dtype=torch.float32, device=tensor.device)
     # Encodes the reduce-scatter's chunks now; `padded` is free to be overwritten afterwards.
     phase1 = _reduce_scatter_stages(reduced, padded, pg, op=op, hop=0, lost=lost, **common)
     return _stages(flat, padded, reduced, phase1, pg, common, lost, owner)

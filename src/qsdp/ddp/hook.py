@@ -374,26 +374,24 @@ class DDPCompression:
     def _add_residuals(self, tensor: torch.Tensor, params: list[nn.Parameter]) -> None:
         """Error feedback: add each parameter's residual (what the last reduction of it lost,
         this rank's share) to its piece of the bucket. A non-finite residual (a bucket the
-        NaN/Inf check zeroed) adds 0 there."""
-        offset = 0
-        for p in params:
-            name = self._names.get(id(p), str(id(p)))
+        NaN/Inf check zeroed) adds 0 there (zeroed in place: it is read once)."""
+        for name, piece in self._pieces(params):
             r = self._residuals.get(name)
             if r is not None:
-                view = tensor[offset : offset + p.numel()]
-                view.add_(torch.nan_to_num(r, nan=0.0, posinf=0.0, neginf=0.0).to(view.dtype))
-            offset += p.numel()
+                tensor[piece].add_(r.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0))
 
     def _keep_residuals(self, params: list[nn.Parameter], feedback: torch.Tensor | None) -> None:
         """The reduction's ``feedback`` (filled when it completes) as the parameters' next
         residuals: views, read at their next reduction (after DDP waited for this one)."""
-        if feedback is None:
-            return
+        if feedback is not None:
+            for name, piece in self._pieces(params):
+                self._residuals[name] = feedback[piece]
+
+    def _pieces(self, params: list[nn.Parameter]) -> Iterator[tuple[str, slice]]:
+        """Each parameter's name and its slice of a bucket of ``params``."""
         offset = 0
         for p in params:
-            self._residuals[self._names.get(id(p), str(id(p)))] = feedback[
-                offset : offset + p.numel()
-            ]
+            yield self._names.get(id(p), str(id(p))), slice(offset, offset + p.numel())
             offset += p.numel()
 
     # --- reports and checkpoints ------------------------------------------------------------

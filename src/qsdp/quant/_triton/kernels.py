@@ -281,7 +281,7 @@ def _load_bytes(ptr, offs, n_code_bytes, TAIL: tl.constexpr):
 def _word_bytes(boffs, n_code_bytes, TAIL: tl.constexpr):
     """Offsets and mask of the 3-byte words at ``boffs`` (``_byte_offsets``) as one
     ``[words, ROWS, GPB, 4]`` tensor of bytes, the fourth masked off (with TAIL, also those at or
-    past ``n_code_bytes``), and the byte index ``j`` along its last axis.
+    past ``n_code_bytes``).
 
     Words first and bytes at consecutive offsets: the compiler orders axes of equal contiguity
     by position, so a warp's lanes go along the bytes of a word, then along the words of one
@@ -293,7 +293,7 @@ def _word_bytes(boffs, n_code_bytes, TAIL: tl.constexpr):
     keep = j < 3
     if TAIL:
         keep = keep & (offs < n_code_bytes)
-    return offs, keep, j
+    return offs, keep
 
 
 @triton.jit
@@ -317,7 +317,7 @@ def _store_codes(
         even = tl.join(packed & 255, (packed >> 16) & 255)
         odd = tl.join((packed >> 8) & 255, packed & 0)
         quad = tl.reshape(tl.join(even, odd), (ROWS, GPB, HB * BITS // 24, 4))
-        offs, keep, _ = _word_bytes(boffs, n_code_bytes, TAIL=TAIL)
+        offs, keep = _word_bytes(boffs, n_code_bytes, TAIL=TAIL)
         tl.store(ptr + offs, tl.permute(quad, (2, 0, 1, 3)).to(tl.uint8), mask=keep)
     else:
         _store_bytes(ptr, boffs, packed, n_code_bytes, TAIL=TAIL)

@@ -8,7 +8,8 @@ side by side in one run on the same weights and batches: ``ddp-fp32`` (DDP's own
 ``bf16_compress_hook`` and ``powerSGD`` (rank 4, PyTorch's hooks), and each ``--recipes`` entry
 through ``qsdp.ddp.register`` (``NAME+s1``: the recipe at staleness 1, whose steps apply the
 previous step's gradient while their own reduction overlaps the next step; their step ends
-when the compute stream is done). Each figure is set against two bounds measured in the same
+when the compute stream is done; ``+ef``: with error feedback; ``+g256``: gradient groups of
+256 elements; e.g. ``cgx+ef+g256``). Each figure is set against two bounds measured in the same
 run:
 
 - compute: the same step under ``no_sync()`` (no communication at all);
@@ -98,8 +99,13 @@ def run_variant(name: str, a, cfg, device: torch.device, rank: int) -> dict:
     elif name == "auto":  # measures DDP's group and picks (qsdp.policy.auto)
         qsdp_state = qsdp.ddp.register(model, "auto")
     elif name != "ddp-fp32":
-        recipe, _, stale = name.partition("+s")
-        qsdp_state = qsdp.ddp.register(model, qsdp.recipe(recipe, staleness=int(stale or 0)))
+        recipe, *options = name.split("+")
+        config = qsdp.recipe(recipe, staleness=1 if "s1" in options else 0)
+        group = next((int(o[1:]) for o in options if o.startswith("g") and o[1:].isdigit()), 0)
+        if group:  # +gN: quantized gradients in groups of N
+            spec = replace(config.grads.spec, group_size=group)
+            config = replace(config, grads=replace(config.grads, spec=spec))
+        qsdp_state = qsdp.ddp.register(model, config, error_feedback="ef" in options)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
     amp = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
     times, losses, compute = [], [], []

@@ -55,6 +55,11 @@ declare -A ARGS=(
   [ddp-cgx]="--ddp --recipe cgx"
   [ddp-cgx-adaptive]="--ddp --recipe cgx --adaptive-every 25"
   [ddp-cgx-ef]="--ddp --recipe cgx --error-feedback"
+  [ddp-cgx-ef-nearest]="--ddp --recipe cgx --error-feedback --grad-rounding nearest"
+  [ddp-cgx-ef-nearest-g256]="--ddp --recipe cgx --error-feedback --grad-rounding nearest --grad-group-size 256"
+  [ddp-cgx-ef-g256]="--ddp --recipe cgx --error-feedback --grad-group-size 256"
+  [ddp-cgx-g256]="--ddp --recipe cgx --grad-group-size 256"
+  [ddp-bf16-rerun]="--ddp --recipe bf16"
   [ddp-global-qsgd]="--ddp --recipe global-qsgd"
 )
 read -r -a runs <<< "${RUNS:-bf16 sdp4bit qsdp-w8g8 global-qsgd ddp-cgx ddp-cgx-adaptive sdp4bit-s1 w4-direct bf16-seed1 auto qwd-only tlq-hs-only ddp-bf16 ddp-global-qsgd}"

@@ -59,7 +59,14 @@ def _what(c: dict, name: str = "") -> str:
         rel = ", relative errors" if c.get("adaptive_error") == "relative" else ""
         parts.append(f"adaptive every {c['adaptive_every']}{per}{rel}")
     if c.get("error_feedback"):
-        parts.append("error feedback")
+        # the tenth session's first run: its residual came from a second encode (fixed since)
+        parts.append(
+            "error feedback" + (" (defective: a second encode's)" if "defective" in name else "")
+        )
+    if c.get("grad_rounding"):
+        parts.append(f"{c['grad_rounding']} rounding")
+    if c.get("grad_group_size"):
+        parts.append(f"groups of {c['grad_group_size']}")
     if c.get("recipe") == "auto" and c.get("auto"):
         parts.append(f"auto chose `{c['auto']['recipe']}`")
     if c.get("seed"):

@@ -4,6 +4,7 @@ against plain FSDP2 on the same GPUs."""
 from __future__ import annotations
 
 import contextlib
+import warnings
 
 import pytest
 import torch
@@ -260,3 +261,46 @@ def _widths_per_parameter_on_nccl(rank: int, ws: int) -> None:
 def test_widths_per_parameter_on_nccl():
     ws = min(torch.cuda.device_count(), 4)
     run_distributed(_widths_per_parameter_on_nccl, ws, backend="nccl", timeout_s=300)
+
+
+def _first_sync(fn) -> str:
+    """Run ``fn`` with CUDA's sync debug mode on (it warns at every op that makes the host wait
+    for the device; every rank runs to the end, so no collective is left unmatched): the first
+    warning, or ``"none"``."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = [str(w.message).splitlines()[0] for w in caught if "synchroniz" in str(w.message)]
+    return syncs[0] if syncs else "none"
+
+
+def _backward_syncs(rank: int, ws: int) -> dict[str, str]:
+    """Each recipe's backward (after 2 warm-up steps) under
+    ``torch.cuda.set_sync_debug_mode("warn")``: the first sync's warning, or ``"none"``
+    (``nonfinite="propagate"``: the one sync a backward makes by design is not looked for)."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    out = {}
+    for name in (*RECIPES, "cgx"):
+        config = qsdp.recipe(name, nonfinite="propagate")
+        model, _ = _build(name, ws, torch.bfloat16, config=config)
+        out[name] = "none"
+        for step, batch in zip(range(5), _batches(rank, ws), strict=False):
+            batch = batch.to(dev)
+            loss = model(batch[:, :-1]).float().square().mean()
+            out[name] = _first_sync(loss.backward) if step >= 2 else out[name]
+            if out[name] != "none":
+                break
+        torch.cuda.synchronize()
+    return out
+
+
+def test_the_hooks_never_make_the_host_wait_on_nccl():
+    """As the DDP tier's: a host sync inside a reduce-scatter or gather hook stalls the CPU once
+    per FSDP group and with it the overlap of communication and compute."""
+    ws = min(torch.cuda.device_count(), 4)
+    for got in run_distributed(_backward_syncs, ws, backend="nccl"):
+        assert all(v == "none" for v in got.values()), got

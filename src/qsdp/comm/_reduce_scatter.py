@@ -191,7 +191,7 @@ def _reduce_scatter_stages(
         rows.copy_(chunks)
         rows[r].zero_()
         if peers and m:
-            _lose(rows, peers, send.view(n - 1, nbytes), m, spec, backend)
+            _lose(rows, r, send.view(n - 1, nbytes), m, spec, backend)
     if enc_spec is not spec:  # every rank agrees before anything is exchanged
         bad = flagged_groups(send.view(n - 1, nbytes), m, spec) + (~torch.isfinite(acc)).sum()
         C.agree_finite(bad, [pg], stats, name)
@@ -208,10 +208,13 @@ def _exchange_decode(output, acc, send, pg, n, r, m, spec, op, backend, stats, n
     C.finish_into(output, acc, op, n)
 
 
-def _lose(rows, peers, payloads, numel, spec, backend) -> None:
-    """``rows[peers] -= decode(payloads)``, rows holding what was encoded: what the encodes lost
-    (float32)."""
-    rows[peers] -= decode_rows(payloads, numel, spec, backend=backend)
+def _lose(rows, r, payloads, numel, spec, backend) -> None:
+    """``rows[j] -= decode(payloads)`` for every row ``j != r`` (in order), rows holding what was
+    encoded: what the encodes lost (float32). Two slices, not ``rows[peers]``: indexing a CUDA
+    tensor by a Python list copies the index from pageable memory, a host sync per call."""
+    decoded = decode_rows(payloads, numel, spec, backend=backend)
+    rows[:r] -= decoded[:r]
+    rows[r + 1 :] -= decoded[r:]
 
 
 class _Call(NamedTuple):
@@ -261,9 +264,8 @@ def _fused_stages(output, input, split, call: _Call, *, lost=None) -> C.Stages:
     if lost is not None:  # the codes' losses; the own row and the raw elements travel exact
         err = comp.to(torch.float32, copy=True)
         err[r].zero_()
-        peers = [k for k in range(n) if k != r]
-        if peers and split.n_comp:
-            _lose(err, peers, send[:, :nbytes], split.n_comp, spec, backend)
+        if n > 1 and split.n_comp:
+            _lose(err, r, send[:, :nbytes], split.n_comp, spec, backend)
         split.put(lost.view(n, m), err, torch.zeros(n, split.n_raw, device=input.device))
     if enc_spec is not spec:  # every rank agrees before anything is exchanged
         bad = flagged_groups(send[:, :nbytes], split.n_comp, spec) + (~torch.isfinite(raw)).sum()

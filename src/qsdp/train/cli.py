@@ -139,6 +139,17 @@ def parser() -> argparse.ArgumentParser:
         help="--ddp with cgx or qsdp-g8: each rank adds what its quantizer lost to its next "
         "gradient (EF-SGD)",
     )
+    p.add_argument(
+        "--grad-rounding",
+        choices=("stochastic", "nearest"),
+        help="recipes with quantized gradients (cgx, qsdp-g8): their quantizer's rounding "
+        "(nearest: lower error, biased; for --error-feedback)",
+    )
+    p.add_argument(
+        "--grad-group-size",
+        type=int,
+        help="recipes with quantized gradients: their quantizer's group size (CGX's bucket)",
+    )
     p.add_argument("--nproc", type=int, default=2, help="CPU processes when not under torchrun")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--tensorboard", action=argparse.BooleanOptionalAction, default=None)
@@ -179,6 +190,8 @@ def config_from(args: argparse.Namespace) -> TrainConfig:
         adaptive_per_parameter=args.adaptive_per_parameter,
         adaptive_error=args.adaptive_error,
         error_feedback=args.error_feedback,
+        grad_rounding=args.grad_rounding,
+        grad_group_size=args.grad_group_size,
         redecide=args.redecide,
         tensorboard=args.tensorboard,
         progress=not args.no_progress,

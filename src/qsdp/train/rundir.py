@@ -93,6 +93,8 @@ RESUME_MUST_MATCH = (
     "adaptive_per_parameter",
     "adaptive_error",
     "error_feedback",
+    "grad_rounding",
+    "grad_group_size",
 )
 """Keys of ``config.json`` that ``--resume`` requires to equal the saved run's."""
 

@@ -166,6 +166,13 @@ class TrainConfig:
     error_feedback: bool = False
     """DDP with quantized gradients (``cgx``, ``qsdp-g8``): keep what each rank's quantizer
     loses and add it to its next gradient (``qsdp.ddp.register(..., error_feedback=True)``)."""
+    grad_rounding: str | None = None
+    """Recipes with quantized gradients (``cgx``, ``qsdp-g8``): replace their quantizer's
+    rounding, ``"stochastic"`` or ``"nearest"`` (lower error, biased: for error feedback, which
+    re-sends what rounding lost)."""
+    grad_group_size: int | None = None
+    """Recipes with quantized gradients: replace their quantizer's group size (elements per
+    scale; CGX's bucket)."""
     nodes: int | None = None
     """``hsdp``: the number of nodes (default: torchrun's ``WORLD_SIZE / LOCAL_WORLD_SIZE``, or 2
     emulated nodes on one machine). ``fsdp``: the nodes of two-level recipes' and ``auto``'s
@@ -244,6 +251,22 @@ class TrainConfig:
                 f"--error-feedback is for --ddp with quantized gradients (cgx, qsdp-g8), not "
                 f"--recipe {self.recipe} under {self.parallel}: drop it, or use those"
             )
+        overrides = {
+            "--grad-rounding": self.grad_rounding,
+            "--grad-group-size": self.grad_group_size,
+        }
+        for flag, value in overrides.items():
+            if value is not None and (
+                self.recipe == "auto" or not isinstance(recipe(self.recipe).grads, QuantizedGrads)
+            ):
+                raise ValueError(
+                    f"{flag} {value} is for recipes with quantized gradients (cgx, qsdp-g8), not "
+                    f"--recipe {self.recipe}: drop it, or use those"
+                )
+        if self.grad_rounding not in (None, "stochastic", "nearest"):
+            raise ValueError(
+                f"--grad-rounding must be 'stochastic' or 'nearest', got {self.grad_rounding!r}"
+            )
         if self.redecide and (self.recipe != "auto" or not self.resume):
             raise ValueError(
                 f"--redecide is for resuming a --recipe auto run (got --recipe {self.recipe}"
@@ -282,7 +305,13 @@ class TrainConfig:
                 per_parameter=self.adaptive_per_parameter,
                 error=self.adaptive_error,
             )
-        return recipe(self.recipe, staleness=self.staleness, adaptive=adaptive)
+        config = recipe(self.recipe, staleness=self.staleness, adaptive=adaptive)
+        changes = {"rounding": self.grad_rounding, "group_size": self.grad_group_size}
+        changes = {k: v for k, v in changes.items() if v is not None}
+        if changes:  # QuantizedGrads (checked above); QuantSpec checks the values
+            spec = dataclasses.replace(config.grads.spec, **changes)
+            config = dataclasses.replace(config, grads=dataclasses.replace(config.grads, spec=spec))
+        return config
 
     def model_config(self, vocab_size: int) -> ModelConfig:
         base = PRESETS[self.preset]  # every option of the preset kept, these three replaced

@@ -188,7 +188,9 @@ def _first_sync(fn) -> str:
             fn()
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    syncs = [str(w.message).splitlines()[0] for w in caught if "synchroniz" in str(w.message)]
+    syncs = [
+        str(w.message).splitlines()[0] for w in caught if "called a synchronizing" in str(w.message)
+    ]
     return syncs[0] if syncs else "none"
 
 
@@ -207,6 +209,10 @@ def _backward_syncs(rank: int, world: int) -> dict[str, str]:
         "qsdp-g8": ("qsdp-g8", {}, False),
         "cgx+s1": ("cgx", {"staleness": 1}, False),
     }
+    # the detector detects: a device read (and the list-indexed update error feedback had)
+    assert _first_sync(lambda: torch.ones(1, device=dev).item()) != "none"
+    rows = torch.zeros(3, 8, device=dev)
+    assert _first_sync(lambda: rows[[0, 2]].sum()) != "none"
     for label, (name, extra, feedback) in cases.items():
         torch.manual_seed(0)
         model = nn.Sequential(

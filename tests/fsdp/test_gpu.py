@@ -274,7 +274,9 @@ def _first_sync(fn) -> str:
             fn()
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    syncs = [str(w.message).splitlines()[0] for w in caught if "synchroniz" in str(w.message)]
+    syncs = [
+        str(w.message).splitlines()[0] for w in caught if "called a synchronizing" in str(w.message)
+    ]
     return syncs[0] if syncs else "none"
 
 
@@ -284,6 +286,10 @@ def _backward_syncs(rank: int, ws: int) -> dict[str, str]:
     (``nonfinite="propagate"``: the one sync a backward makes by design is not looked for)."""
     dev = torch.device("cuda", torch.cuda.current_device())
     out = {}
+    # the detector detects: a device read (and the list-indexed update error feedback had)
+    assert _first_sync(lambda: torch.ones(1, device=dev).item()) != "none"
+    rows = torch.zeros(3, 8, device=dev)
+    assert _first_sync(lambda: rows[[0, 2]].sum()) != "none"
     for name in (*RECIPES, "cgx"):
         config = qsdp.recipe(name, nonfinite="propagate")
         model, _ = _build(name, ws, torch.bfloat16, config=config)

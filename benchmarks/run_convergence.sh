@@ -59,6 +59,9 @@ declare -A ARGS=(
   [ddp-cgx-ef-nearest-g256]="--ddp --recipe cgx --error-feedback --grad-rounding nearest --grad-group-size 256"
   [ddp-cgx-ef-g256]="--ddp --recipe cgx --error-feedback --grad-group-size 256"
   [ddp-cgx-g256]="--ddp --recipe cgx --grad-group-size 256"
+  [ddp-cgx-g256-repeat]="--ddp --recipe cgx --grad-group-size 256"
+  [ddp-cgx-ef-g256-repeat]="--ddp --recipe cgx --error-feedback --grad-group-size 256"
+  [ddp-cgx-ef-g128]="--ddp --recipe cgx --error-feedback --grad-group-size 128"
   [ddp-bf16-rerun]="--ddp --recipe bf16"
   [ddp-global-qsgd]="--ddp --recipe global-qsgd"
 )

@@ -180,6 +180,11 @@ def test_resume_checks_each_setting_and_lets_the_free_ones_change(run, files, mo
             validate(
                 dataclasses.replace(saved, **{name: value}), data, world_size=2, columns=COLUMNS
             )
+    for name, value in {"grad_group_size": 256, "grad_rounding": "nearest"}.items():
+        # (overrides of quantized gradients: asked of a cgx run, beside the recipe's own change)
+        with pytest.raises(ValueError, match=f"--{name.replace('_', '-')}: saved None"):
+            cgx = dataclasses.replace(saved, recipe="cgx", parallel="ddp", **{name: value})
+            validate(cgx, data, world_size=2, columns=COLUMNS)
     # --nodes exists only with --hsdp: a saved HSDP run resumed with other nodes is refused
     config = run / "config.json"
     text = config.read_text().replace('"parallel": "fsdp"', '"parallel": "hsdp"')
@@ -211,7 +216,7 @@ def test_resume_checks_each_setting_and_lets_the_free_ones_change(run, files, mo
     validate(as_is, data, world_size=2, columns=COLUMNS)
     unchecked = {"data", "tokenizer", "nodes", "staleness", "stale_bound", "stale_after"}
     unchecked |= {"adaptive_every", "adaptive_per_parameter", "predict", "error_feedback"}
-    unchecked |= {"adaptive_error"}
+    unchecked |= {"adaptive_error", "grad_group_size", "grad_rounding"}  # (checked above)
     assert set(CHANGED) | unchecked == set(RESUME_MUST_MATCH) & set(
         f.name for f in dataclasses.fields(TrainConfig)
     )

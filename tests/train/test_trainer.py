@@ -454,6 +454,10 @@ def test_schedule_warms_up_then_decays_to_the_floor():
         ({"adaptive_per_parameter": True}, "--adaptive-per-parameter needs --adaptive-every N"),
         ({"error_feedback": True, "recipe": "cgx"}, "--error-feedback is for --ddp"),
         ({"redecide": True, "recipe": "auto"}, "--redecide is for resuming a --recipe auto run"),
+        ({"grad_group_size": 256}, "--grad-group-size 256 is for recipes with quantized"),
+        ({"grad_rounding": "nearest", "recipe": "auto"}, "not --recipe auto"),
+        ({"grad_rounding": "down", "recipe": "cgx"}, "must be 'stochastic' or 'nearest'"),
+        ({"grad_group_size": 100, "recipe": "cgx"}, "group_size"),
         ({"redecide": True, "resume": True, "recipe": "cgx"}, "(got --recipe cgx)"),
         (
             {"error_feedback": True, "recipe": "global-qsgd", "parallel": "ddp"},
@@ -474,6 +478,18 @@ def test_bad_settings_are_refused(kw, message):
     with pytest.raises(ValueError, match=None) as e:
         TrainConfig(**({"out": "x"} | kw))
     assert message in str(e.value)
+
+
+def test_gradient_quantizer_overrides_reach_the_config():
+    config = TrainConfig(
+        out="x", recipe="cgx", parallel="ddp", grad_group_size=256, grad_rounding="nearest"
+    ).compression()
+    assert (config.grads.spec.group_size, config.grads.spec.rounding.value) == (256, "nearest")
+    assert (
+        config.grads.spec.bits == 4 and config.grads.spec.scheme.value == "minmax"
+    )  # the rest kept
+    plain = TrainConfig(out="x", recipe="cgx").compression()
+    assert plain.grads.spec.group_size == 1024 and plain.grads.spec.rounding.value == "stochastic"
 
 
 @pytest.mark.parametrize(

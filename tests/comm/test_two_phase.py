@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import qsdp.comm as qc
 from qsdp.comm import CommStats, two_phase_all_reduce, two_phase_all_reduce_wire_bytes
 from qsdp.comm._common import noise_stream
 from qsdp.quant import QuantSpec, decode_sum, encode
@@ -206,3 +207,67 @@ def test_error_feedback_is_exact_over_both_phases():
         for worst_call, telescoped, owed in rows:
             assert worst_call < 2e-5 and telescoped < 5e-5, rows
             assert owed > 0.01, rows  # something was owed
+
+
+def _gather_group(rank: int, world: int) -> str:
+    from qsdp.comm import Split
+
+    spec = QuantSpec(bits=4, group_size=64, scheme="minmax", rounding="stochastic")
+    split = Split(chunk=301, runs=((0, 10, False), (10, 200, True), (210, 91, False)))
+    second = dist.new_group(list(range(world)))
+    x = torch.randn(301, generator=torch.Generator().manual_seed(7 + rank))
+    import qsdp.comm._common as common
+
+    calls: list[tuple[str, object]] = []  # (collective, group) of every exchange
+    real = {"all_gather": common.all_gather, "all_to_all": common.all_to_all}
+    common.all_gather = lambda *a, **k: calls.append(("ag", a[2])) or real["all_gather"](*a, **k)
+    common.all_to_all = lambda *a, **k: calls.append(("a2a", a[4])) or real["all_to_all"](*a, **k)
+    for layout in (None, split):
+        runs = {}
+        for label, gather in (("one", None), ("two", second)):
+            calls.clear()
+            t, fb, stats = x.clone(), torch.empty(301), qc.CommStats()
+            work = two_phase_all_reduce(
+                t,
+                spec=spec,
+                split=layout,
+                feedback=fb,
+                step=3,
+                stats=stats,
+                async_op=True,
+                gather_group=gather,
+            )
+            work.wait()
+            runs[label] = (t, fb, stats.total_bytes)
+            world_pg = dist.group.WORLD
+            assert [(c, g or world_pg) for c, g in calls] == [
+                ("a2a", world_pg),
+                ("ag", gather or world_pg),  # phase 2 on the second communicator when given
+            ], calls
+        # [Note: two communicators]: the same bits, the same bytes, on every rank
+        assert torch.equal(runs["one"][0], runs["two"][0]), layout
+        assert torch.equal(runs["one"][1], runs["two"][1]), layout
+        assert runs["one"][2] == runs["two"][2] > 0, layout
+        assert_same_on_all_ranks(runs["two"][0])
+    # a second group over other ranks is refused on every rank of the call, before any exchange
+    # (the next call's collectives still match): ranks 0 and 1 reduce over their pair, with the
+    # world as the second group
+    pair = dist.new_group([0, 1])
+    message = ""
+    if rank < 2:
+        try:
+            two_phase_all_reduce(x.clone(), pair, spec=spec, gather_group=dist.group.WORLD)
+        except ValueError as e:
+            message = str(e)
+    t = x.clone()
+    two_phase_all_reduce(t, spec=spec, gather_group=second)
+    assert_same_on_all_ranks(t)
+    common.all_gather, common.all_to_all = real["all_gather"], real["all_to_all"]
+    return message
+
+
+def test_a_second_communicator_for_phase_two_changes_nothing_but_the_queue():
+    messages = run_distributed(_gather_group, 3)
+    assert messages[2] == ""  # (not in the pair)
+    for m in messages[:2]:
+        assert "gather_group holds the ranks [0, 1, 2], the all-reduce's group [0, 1]" in m, m

@@ -21,9 +21,18 @@ from ..models import train
 STEPS = 25
 
 
-def _train(rank: int, recipe: str | None, *, error_feedback: bool = False, bucket_mb=0.01):
+def _train(
+    rank: int,
+    recipe: str | None,
+    *,
+    error_feedback: bool = False,
+    bucket_mb=0.01,
+    pipeline: bool = False,
+):
     ddp = DDP(_model(), bucket_cap_mb=bucket_mb)
-    hook = qsdp.ddp.register(ddp, recipe, error_feedback=error_feedback) if recipe else None
+    hook = None
+    if recipe:
+        hook = qsdp.ddp.register(ddp, recipe, error_feedback=error_feedback, pipeline=pipeline)
     losses = train(ddp, rank, STEPS)
     for p in ddp.parameters():
         assert_same_on_all_ranks(p.detach())  # replicas bit-identical after training
@@ -206,6 +215,26 @@ def test_nan_on_one_rank_same_outcome_everywhere():
     # uncompressed: as DDP's own all-reduce, the NaN reaches every rank in the same sum
     plain = run_distributed(_nan, 3, "raise", "bf16", pg_timeout_s=30)
     assert all(v == "ok" and not finite for v, _, finite in plain)
+
+
+def _pipelined(rank: int, world: int) -> None:
+    for ef in (False, True):
+        one, hook_one, ddp_one = _train(rank, "cgx", error_feedback=ef)
+        two, hook_two, ddp_two = _train(rank, "cgx", error_feedback=ef, pipeline=True)
+        assert hook_one.gather_group is None and hook_two.gather_group is not None
+        assert dist.get_process_group_ranks(hook_two.gather_group) == list(range(world))
+        # [Note: pipelined buckets]: the same training, bit for bit, and the same bytes
+        assert one == two, (ef, one[-3:], two[-3:])
+        for p, q in zip(ddp_one.parameters(), ddp_two.parameters(), strict=True):
+            assert torch.equal(p, q)
+        assert hook_one.stats.total_bytes == hook_two.stats.total_bytes > 0
+    for name in ("global-qsgd", "bf16"):
+        with pytest.raises(ValueError, match="pipeline=True runs CGX's second phase"):
+            qsdp.ddp.register(DDP(_model()), name, pipeline=True)
+
+
+def test_pipelined_buckets_train_the_same_bits():
+    run_distributed(_pipelined, 3)
 
 
 def test_register_refuses_bad_input():

@@ -25,6 +25,16 @@ adding ``f_i`` to the next call's input (EF-SGD) re-sends every loss of both pha
 (tested). It costs one decode of what each rank sends; nothing more crosses the wire. The losses
 are of the encodes that ran, with their noise: a second encode to estimate them (another noise
 draw, groups cut elsewhere) would add its own error instead of returning the first's.
+
+[Note: two communicators]
+NCCL runs one communicator's collectives one after another. A DDP backward all-reduces bucket
+after bucket, so on one communicator bucket ``k``'s all-gather and bucket ``k + 1``'s all-to-all
+queue behind each other although the link is full duplex (over sockets, an all-gather and an
+all-to-all on two communicators took 0.215 s together where they took 0.135 s and 0.181 s
+alone, 4x H200). ``gather_group=`` runs phase 2 on a second communicator over the same ranks;
+the caller must also keep the two calls off one CUDA stream (each call's decode waits for its
+all-gather on the stream it runs on: :class:`qsdp.ddp` alternates two). The bytes, the noise
+keys and the result are those of one communicator.
 """
 
 from __future__ import annotations
@@ -93,6 +103,7 @@ def two_phase_all_reduce(
     backend: Backend = "auto",
     stats: CommStats | None = None,
     feedback: torch.Tensor | None = None,
+    gather_group: dist.ProcessGroup | None = None,
 ) -> C.CommWork | None:
     """All-reduce ``tensor`` in place through a quantized reduce-scatter and all-gather (CGX SRA).
 
@@ -120,6 +131,10 @@ def two_phase_all_reduce(
         stats: the byte counter to record into (default :data:`qsdp.comm.comm_stats`).
         feedback: float32, ``tensor``'s size, filled (by ``wait()``) with what this rank adds to
             its next input for error feedback: see [Note: exact error feedback].
+        gather_group: run phase 2 on this communicator, over the same ranks as ``group`` in
+            the same order (default: ``group``), so that consecutive calls pipeline: one call's
+            all-gather beside the next call's all-to-all (see [Note: two communicators]).
+            The result is the same bits either way.
 
     Returns:
         A :class:`CommWork` when ``async_op``, else None.
@@ -141,14 +156,28 @@ def two_phase_all_reduce(
         C.check_contiguous(feedback, "feedback")
         C.check_same_device(feedback, tensor, "feedback and tensor")
     owner = _Owner(r, n if op == "avg" else 1, feedback)
+    pgs = (pg, pg if gather_group is None else _same_ranks(gather_group, pg))
     if split is not None:
         check_split(split, tensor.numel(), "the tensor")
         stages = _split_phases(
-            tensor, split, pg, n, op, spec, seed, step, bucket, backend, stats, owner
+            tensor, split, pgs, n, op, spec, seed, step, bucket, backend, stats, owner
         )
         return C.run_stages(stages, async_op, result=tensor)
-    stages = _phases(tensor, pg, n, op, spec, seed, step, bucket, backend, stats, owner)
+    stages = _phases(tensor, pgs, n, op, spec, seed, step, bucket, backend, stats, owner)
     return C.run_stages(stages, async_op, result=tensor)
+
+
+def _same_ranks(gather_group: dist.ProcessGroup, pg: dist.ProcessGroup) -> dist.ProcessGroup:
+    """``gather_group``, checked to hold ``pg``'s ranks in ``pg``'s order (the same on every rank,
+    so every rank raises, or none)."""
+    mine, theirs = dist.get_process_group_ranks(pg), dist.get_process_group_ranks(gather_group)
+    if mine != theirs:
+        raise ValueError(
+            f"gather_group holds the ranks {theirs}, the all-reduce's group {mine}: phase 2 "
+            "must run over the same ranks in the same order; make it with "
+            "dist.new_group(dist.get_process_group_ranks(group))"
+        )
+    return gather_group
 
 
 class _Owner(NamedTuple):
@@ -198,10 +227,10 @@ def _stage_args(spec, seed, step, bucket, backend, stats, split=None) -> dict:
 
 
 def _split_phases(
-    tensor, split, pg, n, op, spec, seed, step, bucket, backend, stats, owner
+    tensor, split, pgs, n, op, spec, seed, step, bucket, backend, stats, owner
 ) -> C.Stages:
-    """Both phases with the raw part in the same calls; the first's encodes run before this
-    returns."""
+    """Both phases with the raw part in the same calls (``pgs``: phase 1's group and phase
+    2's); the first's encodes run before this returns."""
     per_chunk, pieces = _chunked(split, n)
     flat = tensor.view(-1)
     rows = torch.zeros(n * per_chunk.chunk, dtype=tensor.dtype, device=tensor.device)
@@ -211,8 +240,8 @@ def _split_phases(
     common = _stage_args(spec, seed, step, bucket, backend, stats, split=per_chunk)
     reduced = torch.empty(per_chunk.chunk, dtype=torch.float32, device=tensor.device)
     lost = None if owner.feedback is None else torch.empty_like(rows, dtype=torch.float32)
-    phase1 = _reduce_scatter_stages(reduced, rows, pg, op=op, hop=0, lost=lost, **common)
-    return _split_stages(flat, pieces, reduced, phase1, pg, n, common, lost, owner)
+    phase1 = _reduce_scatter_stages(reduced, rows, pgs[0], op=op, hop=0, lost=lost, **common)
+    return _split_stages(flat, pieces, reduced, phase1, pgs[1], n, common, lost, owner)
 
 
 def _split_stages(flat, pieces, reduced, phase1, pg, n, common, lost, owner) -> C.Stages:
@@ -231,9 +260,9 @@ def _split_stages(flat, pieces, reduced, phase1, pg, n, common, lost, owner) -> 
         )
 
 
-def _phases(tensor, pg, n, op, spec, seed, step, bucket, backend, stats, owner) -> C.Stages:
-    """Both phases over ``tensor`` (padded inside to whole chunks); the first's encodes run
-    before this returns."""
+def _phases(tensor, pgs, n, op, spec, seed, step, bucket, backend, stats, owner) -> C.Stages:
+    """Both phases over ``tensor`` (padded inside to whole chunks; ``pgs``: phase 1's group and
+    phase 2's); the first's encodes run before this returns."""
     numel = tensor.numel()
     m = -(-numel // n)
     flat = tensor.view(-1)
@@ -250,8 +279,8 @@ def _phases(tensor, pg, n, op, spec, seed, step, bucket, backend, stats, owner) 
         if padded is not flat:
             lost = torch.empty(n * m, dtype=torch.float32, device=tensor.device)
     # Encodes the reduce-scatter's chunks now; `padded` is free to be overwritten afterwards.
-    phase1 = _reduce_scatter_stages(reduced, padded, pg, op=op, hop=0, lost=lost, **common)
-    return _stages(flat, padded, reduced, phase1, pg, common, lost, owner)
+    phase1 = _reduce_scatter_stages(reduced, padded, pgs[0], op=op, hop=0, lost=lost, **common)
+    return _stages(flat, padded, reduced, phase1, pgs[1], common, lost, owner)
 
 
 def _stages(flat, padded, reduced, phase1, pg, common, lost, owner) -> C.Stages:

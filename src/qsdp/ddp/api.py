@@ -18,6 +18,7 @@ def register(
     config: CompressionConfig | str,
     *,
     error_feedback: bool = False,
+    pipeline: bool = False,
 ) -> DDPCompression:
     """Compress ``model``'s gradient all-reduce: installs a DDP comm hook.
 
@@ -34,6 +35,10 @@ def register(
             uncompressed (DDP gathers none).
         error_feedback: keep what the local quantizer loses and add it to the next step's
             gradient (quantized gradients only).
+        pipeline: run CGX's phase 2 on a second communicator (a process group over DDP's
+            ranks, made here) and alternate the buckets between two hook streams, so one
+            bucket's all-gather overlaps the next one's all-to-all (quantized gradients only;
+            the same results; see [Note: pipelined buckets] in ``qsdp/ddp/hook.py``).
 
     Returns:
         The hook's :class:`DDPCompression`: its ``stats`` count the bytes; save it with
@@ -44,7 +49,7 @@ def register(
         ValueError: the config compresses weights, or has two-level gradients (a
             reduce-scatter; DDP all-reduces), error feedback with integer gradients, other
             arguments on another rank of DDP's group (one all-gather first, see [Note: one
-            config on every rank]).
+            config on every rank]), ``pipeline`` without quantized gradients.
     """
     if not isinstance(model, DDP):
         raise TypeError(
@@ -53,7 +58,7 @@ def register(
         )
     # the same on every rank of DDP's group, before anything can raise on one rank alone
     check_same_arguments(
-        (config, error_feedback), group=model.process_group, what="qsdp.ddp.register"
+        (config, error_feedback, pipeline), group=model.process_group, what="qsdp.ddp.register"
     )
     decision = None
     if config == "auto":  # measure, predict, pick: see qsdp.policy.auto
@@ -93,9 +98,23 @@ def register(
             "error_feedback=True needs quantized gradients (QuantizedGrads: 'cgx', 'qsdp-g8'); "
             "Global-QSGD's integer codes are unbiased and carry no local residual"
         )
+    if pipeline and not isinstance(config.grads, QuantizedGrads):
+        raise ValueError(
+            "pipeline=True runs CGX's second phase on a second communicator: it needs quantized "
+            f"gradients (QuantizedGrads: 'cgx', 'qsdp-g8'); {name} has "
+            f"{type(config.grads).__name__ if config.grads is not None else 'none'}: drop it"
+        )
+    gather_group = None
+    if pipeline:  # only DDP's ranks take part (DDP's group may be a subgroup)
+        ranks = dist.get_process_group_ranks(model.process_group)
+        gather_group = dist.new_group(ranks, use_local_synchronization=True)
     names = {id(p): n for n, p in model.module.named_parameters()}
     hook = DDPCompression(
-        config, names=names, group=model.process_group, error_feedback=error_feedback
+        config,
+        names=names,
+        group=model.process_group,
+        error_feedback=error_feedback,
+        gather_group=gather_group,
     )
     hook._params = dict(model.module.named_parameters())
     hook.decision = decision

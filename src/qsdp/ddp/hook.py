@@ -41,6 +41,17 @@ backward. Measured on 4x H200 over NVLink (GPT-125M, 31 ms steps,
 ``benchmarks/results/auto_2026-11-26/``): the hook on its own stream with the flag cost 5 ms
 per step, on the compute stream without the flag still 2 ms (a Python call per bucket).
 
+[Note: pipelined buckets]
+On its own stream and one communicator, the hook still runs the buckets' exchanges one after
+another: bucket ``k``'s decode waits on the hook's stream for its all-gather, and bucket
+``k + 1``'s encode queues behind it, then its all-to-all behind that all-gather on the
+communicator. ``register(..., pipeline=True)`` (quantized gradients) gives CGX's phase 2 a
+second communicator (``two_phase_all_reduce(gather_group=)``, [Note: two communicators]) and
+alternates the buckets between two hook streams, so bucket ``k``'s all-gather and bucket
+``k + 1``'s all-to-all can share the full-duplex link. Every rank issues the same collectives in
+the same order on each communicator; the results are the same bits. Costs one more
+communicator's NCCL buffers and a stream.
+
 [Note: staleness 1]
 With ``CompressionConfig.staleness=1`` step ``t`` applies the reduced gradient of step ``t - 1``
 and the reduction of its own gradient runs while step ``t + 1`` computes (the elastic-consistency
@@ -93,10 +104,15 @@ class DDPCompression:
         names: dict[int, str],
         group: dist.ProcessGroup | None,
         error_feedback: bool,
+        gather_group: dist.ProcessGroup | None = None,
     ) -> None:
         self.config = config
         self.plan = config.grads.plan() if config.grads is not None else qc.PlainReduce()
         self.group = group
+        self.gather_group = gather_group
+        """``register(..., pipeline=True)``: CGX's phase 2 runs on this second communicator and
+        the buckets alternate between two hook streams (see [Note: pipelined buckets])."""
+        self._turn = 0
         self.error_feedback = error_feedback
         self.stats = qc.CommStats()
         self._names = names
@@ -114,7 +130,7 @@ class DDPCompression:
         mode = config.nonfinite
         self.check = None if mode is NonFinite.PROPAGATE else NonfiniteCheck(mode.value)
         self._reports: dict[int, _BucketReport] = {}  # one per bucket index, reused
-        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+        self._streams: dict[tuple[torch.device, int], torch.cuda.Stream] = {}
         self._pending: dict[int, _Pending] = {}
         """Staleness 1: by parameter id, where its gradient of the last step is being reduced."""
         self._keep_local = False
@@ -150,9 +166,12 @@ class DDPCompression:
         tensor = bucket.buffer()
         if not tensor.is_cuda:
             return self._reduce(bucket, tensor)
-        stream = self._streams.get(tensor.device)
+        if self.gather_group is not None:  # [Note: pipelined buckets]
+            self._turn ^= 1
+        key = (tensor.device, self._turn)
+        stream = self._streams.get(key)
         if stream is None:
-            stream = self._streams[tensor.device] = torch.cuda.Stream(tensor.device)
+            stream = self._streams[key] = torch.cuda.Stream(tensor.device)
         stream.wait_stream(torch.cuda.current_stream(tensor.device))
         with torch.cuda.stream(stream):  # see [Note: the hook's own stream]
             return self._reduce(bucket, tensor)
@@ -216,6 +235,8 @@ class DDPCompression:
         self, tensor: torch.Tensor, split, step: int, index: int, *, feedback=None
     ) -> qc.CommWork:
         extra = {} if feedback is None else {"feedback": feedback}
+        if self.gather_group is not None:
+            extra["gather_group"] = self.gather_group
         return self._plan_for(index).all_reduce(
             tensor,
             self.group,

@@ -9,8 +9,8 @@ side by side in one run on the same weights and batches: ``ddp-fp32`` (DDP's own
 through ``qsdp.ddp.register`` (``NAME+s1``: the recipe at staleness 1, whose steps apply the
 previous step's gradient while their own reduction overlaps the next step; their step ends
 when the compute stream is done; ``+ef``: with error feedback; ``+g256``: gradient groups of
-256 elements; e.g. ``cgx+ef+g256``). Each figure is set against two bounds measured in the same
-run:
+256 elements; ``+pipe``: ``register(..., pipeline=True)``; e.g. ``cgx+ef+g256``). Each figure
+is set against two bounds measured in the same run:
 
 - compute: the same step under ``no_sync()`` (no communication at all);
 - wire: the variant's bytes per step (qsdp's counter, or the hook's known size) over the
@@ -105,7 +105,9 @@ def run_variant(name: str, a, cfg, device: torch.device, rank: int) -> dict:
         if group:  # +gN: quantized gradients in groups of N
             spec = replace(config.grads.spec, group_size=group)
             config = replace(config, grads=replace(config.grads, spec=spec))
-        qsdp_state = qsdp.ddp.register(model, config, error_feedback="ef" in options)
+        qsdp_state = qsdp.ddp.register(
+            model, config, error_feedback="ef" in options, pipeline="pipe" in options
+        )
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
     amp = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
     times, losses, compute = [], [], []
@@ -245,7 +247,7 @@ def main() -> None:
     p.add_argument(
         "--recipes",
         nargs="*",
-        default=["cgx", "global-qsgd", "qsdp-g8", "cgx+s1", "global-qsgd+s1"],
+        default=["cgx", "cgx+pipe", "global-qsgd", "qsdp-g8", "cgx+s1", "global-qsgd+s1"],
     )
     p.add_argument("--baselines", nargs="*", default=["ddp-fp32", "bf16_compress_hook", "powerSGD"])
     p.add_argument("--steps", type=int, default=5)

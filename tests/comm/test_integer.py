@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from qsdp.comm import (
     CommStats,
@@ -21,7 +22,7 @@ from qsdp.quant import (
     global_int_levels,
     group_absmax,
 )
-from qsdp.testing import count_dist_bytes, rank_tensor, run_distributed
+from qsdp.testing import assert_same_on_all_ranks, count_dist_bytes, rank_tensor, run_distributed
 
 from .test_all_gather import mean_error_ok
 
@@ -213,3 +214,55 @@ def _check_bytes_ratio(rank, ws):
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_integer_collectives(world_size):
     run_distributed(_worker, world_size)
+
+
+def _second_group(rank: int, world: int) -> str:
+    import qsdp.comm._common as common
+    from qsdp.comm import CommStats, Split
+
+    split = Split(chunk=301, runs=((0, 10, False), (10, 200, True), (210, 91, False)))
+    second = dist.new_group(list(range(world)))
+    x = torch.randn(301, generator=torch.Generator().manual_seed(11 + rank))
+    calls: list[tuple[str, object]] = []  # (op, group) of every all-reduce
+    real = common.all_reduce
+    common.all_reduce = lambda t, op, group, *a: (
+        calls.append((str(op), group)) or real(t, op, group, *a)
+    )
+    try:
+        world_pg = dist.group.WORLD
+        for layout in (None, split):
+            runs = {}
+            for label, pg2 in (("one", None), ("two", second)):
+                calls.clear()
+                t, stats = x.clone(), CommStats()
+                integer_all_reduce(
+                    t, split=layout, step=2, stats=stats, async_op=True, second_group=pg2
+                ).wait()
+                runs[label] = (t, stats.total_bytes)
+                later = pg2 or world_pg  # the SUM (and the raw part) on the second communicator
+                want = [("RedOpType.MAX", world_pg), ("RedOpType.SUM", later)]
+                want += [("RedOpType.SUM", later)] if layout is not None else []
+                assert [(op, g or world_pg) for op, g in calls] == want, calls
+            assert torch.equal(runs["one"][0], runs["two"][0]), layout
+            assert runs["one"][1] == runs["two"][1] > 0
+            assert_same_on_all_ranks(runs["two"][0])
+    finally:
+        common.all_reduce = real
+    pair = dist.new_group([0, 1])
+    message = ""
+    if rank < 2:
+        try:
+            integer_all_reduce(x.clone(), pair, second_group=dist.group.WORLD)
+        except ValueError as e:
+            message = str(e)
+    t = x.clone()
+    integer_all_reduce(t, second_group=second)  # the next call's collectives still match
+    assert_same_on_all_ranks(t)
+    return message
+
+
+def test_a_second_communicator_for_the_sum_changes_nothing_but_the_queue():
+    messages = run_distributed(_second_group, 3)
+    assert messages[2] == ""
+    for m in messages[:2]:
+        assert "second_group holds the ranks [0, 1, 2], the all-reduce's group [0, 1]" in m, m

@@ -209,7 +209,7 @@ def test_error_feedback_is_exact_over_both_phases():
             assert owed > 0.01, rows  # something was owed
 
 
-def _gather_group(rank: int, world: int) -> str:
+def _second_group(rank: int, world: int) -> str:
     from qsdp.comm import Split
 
     spec = QuantSpec(bits=4, group_size=64, scheme="minmax", rounding="stochastic")
@@ -235,7 +235,7 @@ def _gather_group(rank: int, world: int) -> str:
                 step=3,
                 stats=stats,
                 async_op=True,
-                gather_group=gather,
+                second_group=gather,
             )
             work.wait()
             runs[label] = (t, fb, stats.total_bytes)
@@ -256,18 +256,18 @@ def _gather_group(rank: int, world: int) -> str:
     message = ""
     if rank < 2:
         try:
-            two_phase_all_reduce(x.clone(), pair, spec=spec, gather_group=dist.group.WORLD)
+            two_phase_all_reduce(x.clone(), pair, spec=spec, second_group=dist.group.WORLD)
         except ValueError as e:
             message = str(e)
     t = x.clone()
-    two_phase_all_reduce(t, spec=spec, gather_group=second)
+    two_phase_all_reduce(t, spec=spec, second_group=second)
     assert_same_on_all_ranks(t)
     common.all_gather, common.all_to_all = real["all_gather"], real["all_to_all"]
     return message
 
 
 def test_a_second_communicator_for_phase_two_changes_nothing_but_the_queue():
-    messages = run_distributed(_gather_group, 3)
+    messages = run_distributed(_second_group, 3)
     assert messages[2] == ""  # (not in the pair)
     for m in messages[:2]:
-        assert "gather_group holds the ranks [0, 1, 2], the all-reduce's group [0, 1]" in m, m
+        assert "second_group holds the ranks [0, 1, 2], the all-reduce's group [0, 1]" in m, m

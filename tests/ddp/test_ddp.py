@@ -218,19 +218,18 @@ def test_nan_on_one_rank_same_outcome_everywhere():
 
 
 def _pipelined(rank: int, world: int) -> None:
-    for ef in (False, True):
-        one, hook_one, ddp_one = _train(rank, "cgx", error_feedback=ef)
-        two, hook_two, ddp_two = _train(rank, "cgx", error_feedback=ef, pipeline=True)
-        assert hook_one.gather_group is None and hook_two.gather_group is not None
-        assert dist.get_process_group_ranks(hook_two.gather_group) == list(range(world))
+    for recipe, ef in (("cgx", False), ("cgx", True), ("global-qsgd", False)):
+        one, hook_one, ddp_one = _train(rank, recipe, error_feedback=ef)
+        two, hook_two, ddp_two = _train(rank, recipe, error_feedback=ef, pipeline=True)
+        assert hook_one.second_group is None and hook_two.second_group is not None
+        assert dist.get_process_group_ranks(hook_two.second_group) == list(range(world))
         # [Note: pipelined buckets]: the same training, bit for bit, and the same bytes
-        assert one == two, (ef, one[-3:], two[-3:])
+        assert one == two, (recipe, ef, one[-3:], two[-3:])
         for p, q in zip(ddp_one.parameters(), ddp_two.parameters(), strict=True):
             assert torch.equal(p, q)
         assert hook_one.stats.total_bytes == hook_two.stats.total_bytes > 0
-    for name in ("global-qsgd", "bf16"):
-        with pytest.raises(ValueError, match="pipeline=True runs CGX's second phase"):
-            qsdp.ddp.register(DDP(_model()), name, pipeline=True)
+    with pytest.raises(ValueError, match="pipeline=True runs a compressed all-reduce's later"):
+        qsdp.ddp.register(DDP(_model()), "bf16", pipeline=True)
 
 
 def test_pipelined_buckets_train_the_same_bits():

@@ -184,6 +184,22 @@ def group_info(group: dist.ProcessGroup | None) -> tuple[dist.ProcessGroup, int,
     return pg, dist.get_world_size(pg), rank
 
 
+def second_group(second: dist.ProcessGroup | None, pg: dist.ProcessGroup) -> dist.ProcessGroup:
+    """The communicator of an all-reduce's later exchange: ``second``, checked to hold ``pg``'s
+    ranks in ``pg``'s order (the same check on every rank: every rank raises, or none), or
+    ``pg`` itself when None. See [Note: two communicators] in ``_two_phase.py``."""
+    if second is None:
+        return pg
+    mine, theirs = dist.get_process_group_ranks(pg), dist.get_process_group_ranks(second)
+    if mine != theirs:
+        raise ValueError(
+            f"second_group holds the ranks {theirs}, the all-reduce's group {mine}: the later "
+            "exchange must run over the same ranks in the same order; make it with "
+            "dist.new_group(dist.get_process_group_ranks(group))"
+        )
+    return second
+
+
 def parse_op(op: str | dist.ReduceOp) -> str:
     """``"avg"`` or ``"sum"`` from a string or ``dist.ReduceOp.AVG`` / ``SUM``."""
     if isinstance(op, str) and op.lower() in ("avg", "sum"):

@@ -134,6 +134,7 @@ def integer_all_reduce(
     stats: CommStats | None = None,
     nonfinite: str = "raise",
     split: Split | None = None,
+    second_group: dist.ProcessGroup | None = None,
 ) -> C.CommWork | None:
     """Global-QSGD all-reduce of ``tensor`` in place: one MAX of scales, one integer SUM.
 
@@ -165,13 +166,17 @@ def integer_all_reduce(
         split: which runs of ``tensor`` travel raw (see [Note: policies inside flat buffers]):
             they are summed by a second, plain all-reduce in ``tensor``'s dtype (NaN/Inf there
             reach every rank alike).
+        second_group: run the SUM (and the raw part's all-reduce) on this communicator, over
+            the same ranks as ``group`` in the same order (default: ``group``), so that one
+            call's SUM runs beside the next call's MAX (see [Note: two communicators] in
+            ``_two_phase.py``). The result is the same bits either way.
 
     Returns:
         A :class:`CommWork` when ``async_op``, else None.
 
     Raises:
         ValueError: NaN/Inf on any rank (all ranks raise; ``nonfinite="raise"``), too many
-            ranks for the carrier.
+            ranks for the carrier, a ``second_group`` over other ranks.
     """
     rnd = _check_options(carrier, group_size, rounding)
     nonfinite = nonfinite_mode(nonfinite)
@@ -180,28 +185,30 @@ def integer_all_reduce(
     C.check_float(tensor, "tensor")
     C.check_contiguous(tensor, "tensor")
     pg, n, _ = C.group_info(group)
+    pgs = (pg, C.second_group(second_group, pg))
     levels = levels_for(carrier, n)
     stats = C.resolve_stats(stats)
     name = "integer_all_reduce"
     stats.count_call(name)
-    args = (pg, n, carrier, op, group_size, rnd, levels, seed, step, bucket, stats, nonfinite)
+    args = (pgs, n, carrier, op, group_size, rnd, levels, seed, step, bucket, stats, nonfinite)
     if split is None:
         return C.run_stages(_all_reduce_stages(tensor, *args), async_op, result=tensor)
-    stages = C.all_reduce_split(
-        tensor, split, lambda comp: _all_reduce_stages(comp, *args), pg, op, stats, name
+    stages = C.all_reduce_split(  # the raw part's all-reduce beside the codes' SUM
+        tensor, split, lambda comp: _all_reduce_stages(comp, *args), pgs[1], op, stats, name
     )
     return C.run_stages(stages, async_op, result=tensor)
 
 
 def _all_reduce_stages(
-    tensor, pg, n, carrier, op, group_size, rnd, levels, seed, step, bucket, stats, nonfinite
+    tensor, pgs, n, carrier, op, group_size, rnd, levels, seed, step, bucket, stats, nonfinite
 ) -> C.Stages:
+    """The MAX of the scales on ``pgs[0]``, the SUM of the codes on ``pgs[1]``."""
     name = "integer_all_reduce"
     flat = tensor.view(-1)
     if flat.numel() == 0:
         return
     scales = _local_scales(flat.reshape(1, -1), group_size)[0]
-    yield [C.all_reduce(scales, dist.ReduceOp.MAX, pg, stats, name)], False
+    yield [C.all_reduce(scales, dist.ReduceOp.MAX, pgs[0], stats, name)], False
     if nonfinite == "raise":
         _check_global_scales(scales, name)
     q = global_int_encode(
@@ -216,7 +223,7 @@ def _all_reduce_stages(
         stream=C.noise_stream(dist.get_rank(), 0, bucket=bucket),
         nonfinite=nonfinite,
     )
-    yield [C.all_reduce(q, dist.ReduceOp.SUM, pg, stats, name)], True
+    yield [C.all_reduce(q, dist.ReduceOp.SUM, pgs[1], stats, name)], True
     flat.copy_(global_int_decode(q, scales, levels, world_size=n, group_size=group_size, op=op))
 
 

@@ -31,10 +31,11 @@ NCCL runs one communicator's collectives one after another. A DDP backward all-r
 after bucket, so on one communicator bucket ``k``'s all-gather and bucket ``k + 1``'s all-to-all
 queue behind each other although the link is full duplex (over sockets, an all-gather and an
 all-to-all on two communicators took 0.215 s together where they took 0.135 s and 0.181 s
-alone, 4x H200). ``gather_group=`` runs phase 2 on a second communicator over the same ranks;
-the caller must also keep the two calls off one CUDA stream (each call's decode waits for its
-all-gather on the stream it runs on: :class:`qsdp.ddp` alternates two). The bytes, the noise
-keys and the result are those of one communicator.
+alone, 4x H200). ``second_group=`` runs phase 2 on a second communicator over the same ranks
+(as it runs Global-QSGD's SUM after the MAX of its scales, ``integer_all_reduce``); the caller
+must also keep consecutive calls off one CUDA stream (each call's decode waits for its last
+exchange on the stream it runs on: ``qsdp.ddp`` alternates two). The bytes, the noise keys and
+the result are those of one communicator.
 """
 
 from __future__ import annotations
@@ -103,7 +104,7 @@ def two_phase_all_reduce(
     backend: Backend = "auto",
     stats: CommStats | None = None,
     feedback: torch.Tensor | None = None,
-    gather_group: dist.ProcessGroup | None = None,
+    second_group: dist.ProcessGroup | None = None,
 ) -> C.CommWork | None:
     """All-reduce ``tensor`` in place through a quantized reduce-scatter and all-gather (CGX SRA).
 
@@ -131,7 +132,7 @@ def two_phase_all_reduce(
         stats: the byte counter to record into (default :data:`qsdp.comm.comm_stats`).
         feedback: float32, ``tensor``'s size, filled (by ``wait()``) with what this rank adds to
             its next input for error feedback: see [Note: exact error feedback].
-        gather_group: run phase 2 on this communicator, over the same ranks as ``group`` in
+        second_group: run phase 2 on this communicator, over the same ranks as ``group`` in
             the same order (default: ``group``), so that consecutive calls pipeline: one call's
             all-gather beside the next call's all-to-all (see [Note: two communicators]).
             The result is the same bits either way.
@@ -156,7 +157,7 @@ def two_phase_all_reduce(
         C.check_contiguous(feedback, "feedback")
         C.check_same_device(feedback, tensor, "feedback and tensor")
     owner = _Owner(r, n if op == "avg" else 1, feedback)
-    pgs = (pg, pg if gather_group is None else _same_ranks(gather_group, pg))
+    pgs = (pg, C.second_group(second_group, pg))
     if split is not None:
         check_split(split, tensor.numel(), "the tensor")
         stages = _split_phases(
@@ -165,19 +166,6 @@ def two_phase_all_reduce(
         return C.run_stages(stages, async_op, result=tensor)
     stages = _phases(tensor, pgs, n, op, spec, seed, step, bucket, backend, stats, owner)
     return C.run_stages(stages, async_op, result=tensor)
-
-
-def _same_ranks(gather_group: dist.ProcessGroup, pg: dist.ProcessGroup) -> dist.ProcessGroup:
-    """``gather_group``, checked to hold ``pg``'s ranks in ``pg``'s order (the same on every rank,
-    so every rank raises, or none)."""
-    mine, theirs = dist.get_process_group_ranks(pg), dist.get_process_group_ranks(gather_group)
-    if mine != theirs:
-        raise ValueError(
-            f"gather_group holds the ranks {theirs}, the all-reduce's group {mine}: phase 2 "
-            "must run over the same ranks in the same order; make it with "
-            "dist.new_group(dist.get_process_group_ranks(group))"
-        )
-    return gather_group
 
 
 class _Owner(NamedTuple):

@@ -35,10 +35,11 @@ def register(
             uncompressed (DDP gathers none).
         error_feedback: keep what the local quantizer loses and add it to the next step's
             gradient (quantized gradients only).
-        pipeline: run CGX's phase 2 on a second communicator (a process group over DDP's
-            ranks, made here) and alternate the buckets between two hook streams, so one
-            bucket's all-gather overlaps the next one's all-to-all (quantized gradients only;
-            the same results; see [Note: pipelined buckets] in ``qsdp/ddp/hook.py``).
+        pipeline: run the all-reduce's later exchange (CGX's phase 2, Global-QSGD's SUM) on a
+            second communicator (a process group over DDP's ranks, made here) and alternate the
+            buckets between two hook streams, so one bucket's exchange overlaps the next one's
+            (compressed gradients; the same results; [Note: pipelined buckets] in
+            ``qsdp/ddp/hook.py``).
 
     Returns:
         The hook's :class:`DDPCompression`: its ``stats`` count the bytes; save it with
@@ -98,23 +99,22 @@ def register(
             "error_feedback=True needs quantized gradients (QuantizedGrads: 'cgx', 'qsdp-g8'); "
             "Global-QSGD's integer codes are unbiased and carry no local residual"
         )
-    if pipeline and not isinstance(config.grads, QuantizedGrads):
+    if pipeline and config.grads is None:
         raise ValueError(
-            "pipeline=True runs CGX's second phase on a second communicator: it needs quantized "
-            f"gradients (QuantizedGrads: 'cgx', 'qsdp-g8'); {name} has "
-            f"{type(config.grads).__name__ if config.grads is not None else 'none'}: drop it"
+            f"pipeline=True runs a compressed all-reduce's later exchange on a second "
+            f"communicator; {name} has uncompressed gradients (DDP's own all-reduce): drop it"
         )
-    gather_group = None
+    second_group = None
     if pipeline:  # only DDP's ranks take part (DDP's group may be a subgroup)
         ranks = dist.get_process_group_ranks(model.process_group)
-        gather_group = dist.new_group(ranks, use_local_synchronization=True)
+        second_group = dist.new_group(ranks, use_local_synchronization=True)
     names = {id(p): n for n, p in model.module.named_parameters()}
     hook = DDPCompression(
         config,
         names=names,
         group=model.process_group,
         error_feedback=error_feedback,
-        gather_group=gather_group,
+        second_group=second_group,
     )
     hook._params = dict(model.module.named_parameters())
     hook.decision = decision

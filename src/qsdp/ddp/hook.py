@@ -45,10 +45,11 @@ per step, on the compute stream without the flag still 2 ms (a Python call per b
 On its own stream and one communicator, the hook still runs the buckets' exchanges one after
 another: bucket ``k``'s decode waits on the hook's stream for its all-gather, and bucket
 ``k + 1``'s encode queues behind it, then its all-to-all behind that all-gather on the
-communicator. ``register(..., pipeline=True)`` (quantized gradients) gives CGX's phase 2 a
-second communicator (``two_phase_all_reduce(gather_group=)``, [Note: two communicators]) and
-alternates the buckets between two hook streams, so bucket ``k``'s all-gather and bucket
-``k + 1``'s all-to-all can share the full-duplex link. Every rank issues the same collectives in
+communicator. ``register(..., pipeline=True)`` gives the plan's later exchange a second communicator
+(``second_group=``, [Note: two communicators]: CGX's phase 2, Global-QSGD's SUM after the MAX
+of its scales) and alternates the buckets between two hook streams, so bucket ``k``'s
+all-gather and bucket ``k + 1``'s all-to-all (or ``k``'s SUM and ``k + 1``'s MAX and encode) can
+share the full-duplex link. Every rank issues the same collectives in
 the same order on each communicator; the results are the same bits. Costs one more
 communicator's NCCL buffers and a stream.
 
@@ -104,14 +105,15 @@ class DDPCompression:
         names: dict[int, str],
         group: dist.ProcessGroup | None,
         error_feedback: bool,
-        gather_group: dist.ProcessGroup | None = None,
+        second_group: dist.ProcessGroup | None = None,
     ) -> None:
         self.config = config
         self.plan = config.grads.plan() if config.grads is not None else qc.PlainReduce()
         self.group = group
-        self.gather_group = gather_group
-        """``register(..., pipeline=True)``: CGX's phase 2 runs on this second communicator and
-        the buckets alternate between two hook streams (see [Note: pipelined buckets])."""
+        self.second_group = second_group
+        """``register(..., pipeline=True)``: the plan's later exchange (CGX's phase 2,
+        Global-QSGD's SUM) runs on this second communicator and the buckets alternate between
+        two hook streams (see [Note: pipelined buckets])."""
         self._turn = 0
         self.error_feedback = error_feedback
         self.stats = qc.CommStats()
@@ -166,7 +168,7 @@ class DDPCompression:
         tensor = bucket.buffer()
         if not tensor.is_cuda:
             return self._reduce(bucket, tensor)
-        if self.gather_group is not None:  # [Note: pipelined buckets]
+        if self.second_group is not None:  # [Note: pipelined buckets]
             self._turn ^= 1
         key = (tensor.device, self._turn)
         stream = self._streams.get(key)
@@ -235,8 +237,8 @@ class DDPCompression:
         self, tensor: torch.Tensor, split, step: int, index: int, *, feedback=None
     ) -> qc.CommWork:
         extra = {} if feedback is None else {"feedback": feedback}
-        if self.gather_group is not None:
-            extra["gather_group"] = self.gather_group
+        if self.second_group is not None:
+            extra["second_group"] = self.second_group
         return self._plan_for(index).all_reduce(
             tensor,
             self.group,

@@ -209,6 +209,7 @@ def _backward_syncs(rank: int, world: int) -> dict[str, str]:
         "qsdp-g8": ("qsdp-g8", {}, False),
         "cgx+s1": ("cgx", {"staleness": 1}, False),
         "cgx+pipeline": ("cgx", {}, "pipeline"),
+        "global-qsgd+pipeline": ("global-qsgd", {}, "pipeline"),
     }
     # the detector detects: a device read (and the list-indexed update error feedback had)
     assert _first_sync(lambda: torch.ones(1, device=dev).item()) != "none"
@@ -247,32 +248,35 @@ def test_the_hook_never_makes_the_host_wait_on_nccl():
         assert all(v == "none" for v in got.values()), got
 
 
-def _pipelined_on_nccl(rank: int, world: int) -> float:
+def _pipelined_on_nccl(rank: int, world: int) -> dict[str, float]:
     """An MLP (no embedding: its backward's atomics would differ run to run) trained 10 steps
-    with ``cgx``, once on one communicator and one hook stream, once pipelined: the largest
-    difference of the final weights."""
+    with each pipelining recipe, once on one communicator and one hook stream, once pipelined:
+    the largest difference of the final weights."""
     dev = torch.device("cuda", torch.cuda.current_device())
-    finals = []
-    for pipeline in (False, True):
-        torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(D, 4 * D), nn.GELU(), nn.Linear(4 * D, D)).to(dev)
-        ddp = DDP(model, device_ids=[dev.index], bucket_cap_mb=0.25)
-        qsdp.ddp.register(ddp, "cgx", pipeline=pipeline)
-        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
-        for step in range(10):
-            g = torch.Generator().manual_seed(100 * step + rank)
-            x = torch.randn(64, D, generator=g).to(dev)
-            opt.zero_grad()
-            ddp(x).square().mean().backward()
-            opt.step()
-        finals.append(torch.cat([p.detach().reshape(-1) for p in ddp.parameters()]))
-        assert_same_on_all_ranks(finals[-1])
-    return float((finals[0] - finals[1]).abs().max())
+    gaps = {}
+    for recipe in ("cgx", "global-qsgd"):
+        finals = []
+        for pipeline in (False, True):
+            torch.manual_seed(0)
+            model = nn.Sequential(nn.Linear(D, 4 * D), nn.GELU(), nn.Linear(4 * D, D)).to(dev)
+            ddp = DDP(model, device_ids=[dev.index], bucket_cap_mb=0.25)
+            qsdp.ddp.register(ddp, recipe, pipeline=pipeline)
+            opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+            for step in range(10):
+                g = torch.Generator().manual_seed(100 * step + rank)
+                x = torch.randn(64, D, generator=g).to(dev)
+                opt.zero_grad()
+                ddp(x).square().mean().backward()
+                opt.step()
+            finals.append(torch.cat([p.detach().reshape(-1) for p in ddp.parameters()]))
+            assert_same_on_all_ranks(finals[-1])
+        gaps[recipe] = float((finals[0] - finals[1]).abs().max())
+    return gaps
 
 
 def test_pipelined_buckets_train_the_same_on_nccl():
     """[Note: pipelined buckets] on CUDA: two hook streams and a second communicator. A decode
     racing its exchange, or buffers freed to the wrong stream, would show as garbage."""
     world = min(torch.cuda.device_count(), 4)
-    for gap in run_distributed(_pipelined_on_nccl, world, backend="nccl"):
-        assert gap < 1e-6, gap
+    for gaps in run_distributed(_pipelined_on_nccl, world, backend="nccl"):
+        assert all(gap < 1e-6 for gap in gaps.values()), gaps

@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from ..quant import Backend, QuantSpec, decode_rows, encode, flagged_groups
 from . import _common as C
+from ._calls import checked
 from ._split import Split, check_split, fused_row
 from ._stats import CommStats
 
@@ -42,6 +43,7 @@ def all_gather_wire_bytes(
     return fused_row(spec, split.n_comp, split.n_raw * element_size)[1]
 
 
+@checked("all_gather")
 def all_gather(
     output: torch.Tensor,
     input: torch.Tensor,
@@ -206,6 +208,7 @@ def _fused_stages(
     split.put(output.view(n, -1), comp_out, raw_out)
 
 
+@checked("all_gather_payloads")
 def all_gather_payloads(
     payload: torch.Tensor,
     group: dist.ProcessGroup | None = None,

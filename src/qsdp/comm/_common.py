@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from ..quant import NonFinite, QuantSpec
+from ._calls import before_exchange
 from ._split import Split, check_split
 from ._stats import CommStats, comm_stats
 
@@ -282,6 +283,7 @@ def agree_finite(
     flags[dist.get_rank()] = (bad > 0).to(torch.int64)
     flags[n] = bad
     for group in groups:
+        before_exchange(group)
         stats.add_bytes("nonfinite_check", _nbytes(flags))
         dist.all_reduce(flags, op=dist.ReduceOp.SUM, group=group)
     host = flags.tolist()
@@ -338,6 +340,7 @@ def all_gather(
     out: torch.Tensor, inp: torch.Tensor, group, stats: CommStats, name: str
 ) -> dist.Work:
     """``all_gather_single`` (torch >= 2.13) or ``all_gather_into_tensor``, async, counted."""
+    before_exchange(group)
     stats.add_bytes(name, _nbytes(inp))
     return dist_all_gather()(out, inp, group=group, async_op=True)
 
@@ -347,6 +350,7 @@ def reduce_scatter_sum(
 ) -> dist.Work:
     """``reduce_scatter_single`` (torch >= 2.13) or ``reduce_scatter_tensor`` with SUM; counts
     the ``n - 1`` chunks bound for the peers (the own chunk never leaves, see ``_stats``)."""
+    before_exchange(group)
     stats.add_bytes(name, _nbytes(inp) - _nbytes(out))
     return dist_reduce_scatter()(out, inp, op=dist.ReduceOp.SUM, group=group, async_op=True)
 
@@ -362,12 +366,14 @@ def all_to_all(
 ) -> dist.Work:
     """``all_to_all_single`` with explicit (possibly uneven) splits, async, counted."""
     stats.add_bytes(name, _nbytes(inp))
+    before_exchange(group)
     return dist.all_to_all_single(out, inp, out_splits, in_splits, group=group, async_op=True)
 
 
 def all_reduce(t: torch.Tensor, op: dist.ReduceOp, group, stats: CommStats, name: str) -> dist.Work:
     """``all_reduce`` in place, async, counted."""
     stats.add_bytes(name, _nbytes(t))
+    before_exchange(group)
     return dist.all_reduce(t, op=op, group=group, async_op=True)
 
 

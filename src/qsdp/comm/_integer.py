@@ -19,6 +19,7 @@ from ..quant import CARRIERS, Rounding, global_int_decode, global_int_encode, gl
 from ..quant import group_absmax as _group_absmax
 from ..quant.global_int import nonfinite_mode
 from . import _common as C
+from ._calls import checked
 from ._reduce_scatter import check_chunks
 from ._split import Split, check_split
 from ._stats import CommStats
@@ -119,6 +120,7 @@ def _check_global_scales(scales: torch.Tensor, what: str) -> None:
         )
 
 
+@checked("integer_all_reduce")
 def integer_all_reduce(
     tensor: torch.Tensor,
     group: dist.ProcessGroup | None = None,
@@ -227,6 +229,7 @@ def _all_reduce_stages(
     flat.copy_(global_int_decode(q, scales, levels, world_size=n, group_size=group_size, op=op))
 
 
+@checked("integer_reduce_scatter")
 def integer_reduce_scatter(
     output: torch.Tensor,
     input: torch.Tensor,

@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from ..quant import Backend, QuantSpec, decode_rows, decode_sum, encode, flagged_groups
 from . import _common as C
+from ._calls import checked
 from ._split import Split, check_split, fused_row
 from ._stats import CommStats
 
@@ -51,6 +52,7 @@ def reduce_scatter_wire_bytes(
     return (world_size - 1) * fused_row(spec, split.n_comp, split.n_raw * element_size)[1]
 
 
+@checked("reduce_scatter")
 def reduce_scatter(
     output: torch.Tensor,
     input: torch.Tensor,

@@ -49,6 +49,7 @@ import torch.distributed as dist
 from ..quant import Backend, QuantSpec
 from . import _common as C
 from ._all_gather import _all_gather_stages, all_gather_wire_bytes
+from ._calls import checked
 from ._reduce_scatter import _reduce_scatter_stages, reduce_scatter_wire_bytes
 from ._split import Split, check_split
 from ._stats import CommStats
@@ -90,6 +91,7 @@ def two_phase_all_reduce_wire_bytes(
     return world_size * spec.payload_bytes(m)
 
 
+@checked("two_phase_all_reduce")
 def two_phase_all_reduce(
     tensor: torch.Tensor,
     group: dist.ProcessGroup | None = None,

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from ..quant import Backend, QuantSpec, decode_add, encode_diff, flagged_groups
 from ..quant.codec import Encoded
 from . import _common as C
+from ._calls import checked
 from ._stats import CommStats
 
 __all__ = ["all_gather_diff"]
@@ -29,6 +30,7 @@ __all__ = ["all_gather_diff"]
 _NAME = "all_gather_diff"
 
 
+@checked("all_gather_diff")
 def all_gather_diff(
     output: torch.Tensor,
     input: torch.Tensor,

@@ -6,8 +6,6 @@ the exchange has finished): this is where a decode racing its exchange would sho
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -17,6 +15,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import qsdp
 from qsdp.testing import assert_same_on_all_ranks, run_distributed
 
+from ..host_syncs import first_sync
 from ..models import train_delayed_by_hand
 
 pytestmark = [
@@ -177,23 +176,6 @@ def test_error_feedback_applies_every_loss_once_on_nccl():
         assert gap < 1e-4, gap
 
 
-def _first_sync(fn) -> str:
-    """Run ``fn`` with CUDA's sync debug mode on (it warns at every op that makes the host wait
-    for the device; every rank runs to the end, so no collective is left unmatched): the first
-    warning, or ``"none"``."""
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            fn()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    syncs = [
-        str(w.message).splitlines()[0] for w in caught if "called a synchronizing" in str(w.message)
-    ]
-    return syncs[0] if syncs else "none"
-
-
 def _backward_syncs(rank: int, world: int) -> dict[str, str]:
     """Each recipe's backward (3 steps after 2 of warm-up, DDP's bucket rebuild among them)
     under ``torch.cuda.set_sync_debug_mode("warn")``: the warning of the first op that made the
@@ -212,9 +194,9 @@ def _backward_syncs(rank: int, world: int) -> dict[str, str]:
         "global-qsgd+pipeline": ("global-qsgd", {}, "pipeline"),
     }
     # the detector detects: a device read (and the list-indexed update error feedback had)
-    assert _first_sync(lambda: torch.ones(1, device=dev).item()) != "none"
+    assert first_sync(lambda: torch.ones(1, device=dev).item()) != "none"
     rows = torch.zeros(3, 8, device=dev)
-    assert _first_sync(lambda: rows[[0, 2]].sum()) != "none"
+    assert first_sync(lambda: rows[[0, 2]].sum()) != "none"
     for label, (name, extra, feedback) in cases.items():
         torch.manual_seed(0)
         model = nn.Sequential(
@@ -230,7 +212,7 @@ def _backward_syncs(rank: int, world: int) -> dict[str, str]:
         for step in range(5):
             ddp.zero_grad()
             loss = ddp(x + step).square().mean()
-            out[label] = _first_sync(loss.backward) if step >= 2 else out[label]
+            out[label] = first_sync(loss.backward) if step >= 2 else out[label]
             if out[label] != "none":
                 break
         torch.cuda.synchronize()

@@ -4,7 +4,6 @@ against plain FSDP2 on the same GPUs."""
 from __future__ import annotations
 
 import contextlib
-import warnings
 
 import pytest
 import torch
@@ -16,6 +15,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 import qsdp
 from qsdp.testing import assert_same_on_all_ranks, run_distributed
 
+from ..host_syncs import first_sync
 from .test_compress_fsdp import TinyGPT, _batches
 
 pytestmark = [
@@ -263,23 +263,6 @@ def test_widths_per_parameter_on_nccl():
     run_distributed(_widths_per_parameter_on_nccl, ws, backend="nccl", timeout_s=300)
 
 
-def _first_sync(fn) -> str:
-    """Run ``fn`` with CUDA's sync debug mode on (it warns at every op that makes the host wait
-    for the device; every rank runs to the end, so no collective is left unmatched): the first
-    warning, or ``"none"``."""
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            fn()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    syncs = [
-        str(w.message).splitlines()[0] for w in caught if "called a synchronizing" in str(w.message)
-    ]
-    return syncs[0] if syncs else "none"
-
-
 def _backward_syncs(rank: int, ws: int) -> dict[str, str]:
     """Each recipe's backward (after 2 warm-up steps) under
     ``torch.cuda.set_sync_debug_mode("warn")``: the first sync's warning, or ``"none"``
@@ -287,9 +270,9 @@ def _backward_syncs(rank: int, ws: int) -> dict[str, str]:
     dev = torch.device("cuda", torch.cuda.current_device())
     out = {}
     # the detector detects: a device read (and the list-indexed update error feedback had)
-    assert _first_sync(lambda: torch.ones(1, device=dev).item()) != "none"
+    assert first_sync(lambda: torch.ones(1, device=dev).item()) != "none"
     rows = torch.zeros(3, 8, device=dev)
-    assert _first_sync(lambda: rows[[0, 2]].sum()) != "none"
+    assert first_sync(lambda: rows[[0, 2]].sum()) != "none"
     for name in (*RECIPES, "cgx"):
         config = qsdp.recipe(name, nonfinite="propagate")
         model, _ = _build(name, ws, torch.bfloat16, config=config)
@@ -297,7 +280,7 @@ def _backward_syncs(rank: int, ws: int) -> dict[str, str]:
         for step, batch in zip(range(5), _batches(rank, ws), strict=False):
             batch = batch.to(dev)
             loss = model(batch[:, :-1]).float().square().mean()
-            out[name] = _first_sync(loss.backward) if step >= 2 else out[name]
+            out[name] = first_sync(loss.backward) if step >= 2 else out[name]
             if out[name] != "none":
                 break
         torch.cuda.synchronize()

@@ -1,0 +1,25 @@
+"""What the GPU tests use to find ops that make the host wait for the device."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+
+import torch
+
+
+def first_sync(fn: Callable[[], object]) -> str:
+    """Run ``fn`` with CUDA's sync debug mode on (it warns at every op that makes the host wait
+    for the device; every rank runs to the end, so no collective is left unmatched): the first
+    such warning, or ``"none"``."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = [
+        str(w.message).splitlines()[0] for w in caught if "called a synchronizing" in str(w.message)
+    ]
+    return syncs[0] if syncs else "none"

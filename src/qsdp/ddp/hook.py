@@ -135,6 +135,8 @@ class DDPCompression:
         self._streams: dict[tuple[torch.device, int], torch.cuda.Stream] = {}
         self._pending: dict[int, _Pending] = {}
         """Staleness 1: by parameter id, where its gradient of the last step is being reduced."""
+        self._consumer: torch.cuda.Stream | None = None
+        """CUDA: the stream DDP called the hook on, where it reads the results."""
         self._keep_local = False
         self._local: dict[int, _Pending] = {}
         """Staleness 1 with :meth:`keep_local_gradients`: by parameter id, this rank's own
@@ -174,7 +176,8 @@ class DDPCompression:
         stream = self._streams.get(key)
         if stream is None:
             stream = self._streams[key] = torch.cuda.Stream(tensor.device)
-        stream.wait_stream(torch.cuda.current_stream(tensor.device))
+        self._consumer = torch.cuda.current_stream(tensor.device)  # DDP reads results there
+        stream.wait_stream(self._consumer)
         with torch.cuda.stream(stream):  # see [Note: the hook's own stream]
             return self._reduce(bucket, tensor)
 
@@ -221,6 +224,8 @@ class DDPCompression:
         work = self._all_reduce(send, split, step, index, feedback=feedback)
         self._keep_residuals(params, feedback)
         previous = self._previous(params, like=tensor)
+        if previous.is_cuda:  # made on a hook stream, read by DDP on its own: not reused early
+            previous.record_stream(self._consumer)
         offset = 0
         future = work.get_future()
         for p in params:
@@ -397,11 +402,29 @@ class DDPCompression:
     def _add_residuals(self, tensor: torch.Tensor, params: list[nn.Parameter]) -> None:
         """Error feedback: add each parameter's residual (what the last reduction of it lost,
         this rank's share) to its piece of the bucket. A non-finite residual (a bucket the
-        NaN/Inf check zeroed) adds 0 there (zeroed in place: it is read once)."""
-        for name, piece in self._pieces(params):
-            r = self._residuals.get(name)
-            if r is not None:
-                tensor[piece].add_(r.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0))
+        NaN/Inf check zeroed) adds 0 there (zeroed in place in the feedback buffers the
+        residuals view: they are read once)."""
+        pieces = [(piece, self._residuals.get(name)) for name, piece in self._pieces(params)]
+        pieces = [(piece, r) for piece, r in pieces if r is not None]
+        if not pieces:
+            return
+        # the feedback buffers they view (a residual restored from a checkpoint is its own)
+        bases = [r if r._base is None else r._base for _, r in pieces]
+        buffers = {id(b): b for b in bases}
+        for buffer in buffers.values():  # once each: a few ops per bucket, not per parameter
+            buffer.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+            if buffer.is_cuda:  # made on a hook stream, maybe another one (pipelined buckets)
+                buffer.record_stream(torch.cuda.current_stream(buffer.device))
+        (buffer,) = buffers.values() if len(buffers) == 1 else (None,)
+        if (  # the same bucket as last step: one add of its whole feedback
+            buffer is not None
+            and len(pieces) == len(params)
+            and buffer.numel() == tensor.numel()
+            and all(r.storage_offset() - buffer.storage_offset() == p.start for p, r in pieces)
+        ):
+            tensor.add_(buffer)
+            return
+        torch._foreach_add_([tensor[piece] for piece, _ in pieces], [r for _, r in pieces])
 
     def _keep_residuals(self, params: list[nn.Parameter], feedback: torch.Tensor | None) -> None:
         """The reduction's ``feedback`` (filled when it completes) as the parameters' next

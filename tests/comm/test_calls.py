@@ -76,3 +76,27 @@ def test_a_call_refused_on_one_rank_raises_on_every_rank():
         assert "reduce_scatter: the ranks were asked for different calls" in out["empty"], out
         assert "group_size=32" in out["spec"] and "rank 1:" in out["spec"], out["spec"]
     assert len({tuple(sorted(o.items())) for o in results}) == 1  # the same errors everywhere
+
+
+def _ddp_checked(rank: int, world: int) -> None:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import qsdp
+
+    from ..models import classifier, train
+
+    runs = []
+    for check in ("0", "1"):
+        os.environ["QSDP_CHECK_CALLS"] = check
+        ddp = DDP(classifier(), bucket_cap_mb=0.01)  # several buckets, a policy split each
+        qsdp.ddp.register(ddp, "cgx", error_feedback=True, pipeline=True)
+        runs.append(train(ddp, rank, 4))
+        ddp2 = DDP(classifier(), bucket_cap_mb=0.01)
+        qsdp.ddp.register(ddp2, "global-qsgd")
+        runs.append(train(ddp2, rank, 4))
+    os.environ["QSDP_CHECK_CALLS"] = "0"
+    assert runs[0] == runs[2] and runs[1] == runs[3], runs  # checking changes nothing
+
+
+def test_checked_calls_through_the_ddp_hook_change_nothing():
+    run_distributed(_ddp_checked, 3)

@@ -76,3 +76,55 @@ def _refusals(rank: int, world: int) -> None:
 
 def test_hsdp_refusals():
     run_distributed(_refusals, 2)
+
+
+def _nan(rank: int, world: int, mode: str) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    model = _model(mesh["shard"])
+    qsdp.compress_fsdp(model, qsdp.recipe("cgx", nonfinite=mode), replicate=mesh["replicate"])
+    shard = mesh["shard"].get_group()
+    flag_groups = []  # where each int32 MAX (the NaN flags) ran: [Note: the flags' own ...]
+    real = dist.all_reduce
+
+    def recorded(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        if tensor.dtype == torch.int32 and op == dist.ReduceOp.MAX:
+            flag_groups.append(group)
+        return real(tensor, op=op, group=group, async_op=async_op)
+
+    dist.all_reduce = recorded
+    target = model[5]  # a sharded Linear
+
+    def poison(module, args) -> None:  # NaN in this module's weight gradient
+        module.weight.register_hook(lambda g: g * float("nan"))
+
+    if rank == 1:  # rank 1 only: the NaN reaches its shard's replica only
+        target.register_forward_pre_hook(poison)
+    x, y = _batch(rank, 1)
+    out = {"error": None}
+    try:
+        nn.functional.cross_entropy(model(x), y).backward()
+    except ValueError as e:
+        out["error"] = str(e)
+    finally:
+        dist.all_reduce = real
+    assert flag_groups and all(
+        g is not shard and dist.get_process_group_ranks(g) == dist.get_process_group_ranks(shard)
+        for g in flag_groups
+    ), flag_groups  # a second communicator over the shard's ranks, never FSDP2's own
+    if out["error"] is None:
+        out["finite"] = all(
+            bool(torch.isfinite(p.grad.to_local()).all()) for p in model.parameters()
+        )
+        hooks = qsdp.fsdp._state._installed(model).hooks
+        out["zeroed"] = sum(h.zeroed for h in hooks)
+    return out
+
+
+def test_nan_on_one_rank_same_outcome_everywhere_under_hsdp():
+    for out in run_distributed(_nan, 4, "raise", pg_timeout_s=30):
+        assert out["error"] is not None and "non-finite gradient" in out["error"], out
+    for out in run_distributed(_nan, 4, "zero", pg_timeout_s=30):
+        assert out["error"] is None and out["finite"] and out["zeroed"] == 1, out

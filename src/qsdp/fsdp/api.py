@@ -156,6 +156,11 @@ def compress_fsdp(
         if isinstance(plan, qc.TwoLevelReduce) and plan.mesh is not None:
             plan = dataclasses.replace(plan, mesh=twin_mesh(plan.mesh))
 
+    flag_twins = {}  # compressed HSDP: [Note: the flags' own communicator]
+    if replicate_pg is not None and check is not None and config.grads is not None:
+        shards = [g for g, native in groups.values() if g is not None and native is None]
+        flag_twins = twin_groups(shards)
+
     def split_of(layout: list | None) -> qc.Split | None:
         return policy.split(layout) if policy is not None and layout else None
 
@@ -197,6 +202,7 @@ def compress_fsdp(
                 plan=replicate_plan,
                 replicate=replicate_pg,
                 shard=groups[module][0],
+                flags=flag_twins.get(groups[module][0].group_name),
                 # uncompressed: as native HSDP, NaN/Inf travel as they are
                 check=check if config.grads is not None else None,
                 layout=[(n, k) for n, k, _ in layout] if layout else None,

@@ -201,3 +201,33 @@ def _own_group(rank: int, world: int) -> None:
 
 def test_own_reduce_group_reduces_the_same_on_a_second_communicator():
     run_distributed(_own_group, 3)
+
+
+def _flag_groups(rank: int, world: int) -> None:
+    # [Note: the flags' own communicator]: the check of an applied result waited for the
+    # previous step's reduction; its flags must not queue FSDP2's own communicator behind it
+    mesh = init_device_mesh("cpu", (world,))
+    model, opt = _build("qsdp-w8g8", 1, mesh=mesh)
+    fsdp_group = mesh.get_group()
+    seen = []
+    real = dist.all_reduce
+
+    def recorded(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        if tensor.dtype == torch.int32 and op == dist.ReduceOp.MAX:
+            seen.append(group)
+        return real(tensor, op=op, group=group, async_op=async_op)
+
+    dist.all_reduce = recorded
+    try:
+        _stale_run(model, opt, rank, range(3))
+    finally:
+        dist.all_reduce = real
+    assert seen, "no flags agreed"
+    ranks = dist.get_process_group_ranks(fsdp_group)
+    for g in seen:
+        assert g is not fsdp_group and g is not None, g
+        assert dist.get_process_group_ranks(g) == ranks
+
+
+def test_staleness_1_agrees_the_applied_flags_off_fsdp2s_communicator():
+    run_distributed(_flag_groups, 3)

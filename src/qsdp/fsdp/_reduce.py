@@ -68,6 +68,9 @@ class _Reduction:
         """Staleness 1: the reduction in flight (see [Note: staleness 1 in FSDP2])."""
         self.pipeline: Pipeline | None = None
         self.twins: dict[str, dist.ProcessGroup] = {}
+        self.flag_twins: dict[str, dist.ProcessGroup] = {}
+        """By group name: the communicator a result's NaN/Inf flags are agreed on when the
+        result depends on a slow exchange (see [Note: the flags' own communicator])."""
         self._group: dist.ProcessGroup | None = None
         """The group the applied result's NaN/Inf flags are agreed over."""
         self.widths: WidthController | None = None
@@ -163,7 +166,12 @@ class _Reduction:
         if self.check is None:
             return
         flags = nonfinite_flags(flat.reshape(1, -1), self.layout)
-        flat.masked_fill_(self._agree(flags, self._group), 0)
+        flat.masked_fill_(self._agree(flags, self._flags_group(self._group)), 0)
+
+    def _flags_group(self, group: dist.ProcessGroup) -> dist.ProcessGroup:
+        """Where flags of a result that waited for a reduction in flight are agreed: the
+        group's flag communicator, not FSDP2's own ([Note: the flags' own communicator])."""
+        return self.flag_twins.get(group.group_name, group)
 
     def _agree(self, flags: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
         """``flags`` MAX-reduced over ``group`` (every rank then holds the same), counted and

@@ -156,8 +156,9 @@ def compress_fsdp(
         if isinstance(plan, qc.TwoLevelReduce) and plan.mesh is not None:
             plan = dataclasses.replace(plan, mesh=twin_mesh(plan.mesh))
 
-    flag_twins = {}  # compressed HSDP: [Note: the flags' own communicator]
-    if replicate_pg is not None and check is not None and config.grads is not None:
+    flag_twins = {}  # [Note: the flags' own communicator]: compressed HSDP, staleness 1
+    hsdp_checked = replicate_pg is not None and config.grads is not None
+    if check is not None and (hsdp_checked or config.staleness):
         shards = [g for g, native in groups.values() if g is not None and native is None]
         flag_twins = twin_groups(shards)
 
@@ -202,7 +203,6 @@ def compress_fsdp(
                 plan=replicate_plan,
                 replicate=replicate_pg,
                 shard=groups[module][0],
-                flags=flag_twins.get(groups[module][0].group_name),
                 # uncompressed: as native HSDP, NaN/Inf travel as they are
                 check=check if config.grads is not None else None,
                 layout=[(n, k) for n, k, _ in layout] if layout else None,
@@ -214,6 +214,7 @@ def compress_fsdp(
             )
             module.set_all_reduce_hook(hook)
             hooks.append(hook)
+            hook.flag_twins = flag_twins
             hook.widths, hook.width_key = widths, i
             if pipeline is not None and layout != []:
                 hook.stale(pipeline=pipeline, twins=twins)
@@ -251,6 +252,7 @@ def compress_fsdp(
             module.set_custom_reduce_scatter(reduce)
             hooks.append(reduce)
             reduce.twins = twins or {}
+            reduce.flag_twins = flag_twins
             reduce.widths, reduce.width_key = widths, i
             if i in param_keys:  # [Note: widths per parameter]
                 reduce.per_parameter(param_keys[i], param_runs[i])

@@ -6,6 +6,7 @@ parameters (biases, LayerNorm) that the default policy sends raw beside the quan
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -108,3 +109,22 @@ def train_gated_by_hand(model: nn.Module, opt, backward) -> None:
                 p.grad.copy_(g)
             opt.step()
         opt.zero_grad(set_to_none=False)
+
+
+@contextlib.contextmanager
+def flag_groups() -> Iterator[list]:
+    """Record the process group of every int32 MAX all-reduce (qsdp's NaN/Inf flags) made
+    inside the block: [Note: the flags' own communicator]."""
+    seen: list = []
+    real = dist.all_reduce
+
+    def recorded(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        if tensor.dtype == torch.int32 and op == dist.ReduceOp.MAX:
+            seen.append(group)
+        return real(tensor, op=op, group=group, async_op=async_op)
+
+    dist.all_reduce = recorded
+    try:
+        yield seen
+    finally:
+        dist.all_reduce = real

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -11,7 +13,7 @@ import qsdp
 from qsdp.testing import assert_same_on_all_ranks, run_distributed
 
 from ..models import batch as _batch
-from ..models import classifier, train
+from ..models import classifier, flag_groups, train
 
 STEPS = 25
 
@@ -79,22 +81,10 @@ def test_hsdp_refusals():
 
 
 def _nan(rank: int, world: int, mode: str) -> dict:
-    import torch
-    import torch.distributed as dist
-
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     model = _model(mesh["shard"])
     qsdp.compress_fsdp(model, qsdp.recipe("cgx", nonfinite=mode), replicate=mesh["replicate"])
     shard = mesh["shard"].get_group()
-    flag_groups = []  # where each int32 MAX (the NaN flags) ran: [Note: the flags' own ...]
-    real = dist.all_reduce
-
-    def recorded(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
-        if tensor.dtype == torch.int32 and op == dist.ReduceOp.MAX:
-            flag_groups.append(group)
-        return real(tensor, op=op, group=group, async_op=async_op)
-
-    dist.all_reduce = recorded
     target = model[5]  # a sharded Linear
 
     def poison(module, args) -> None:  # NaN in this module's weight gradient
@@ -104,16 +94,15 @@ def _nan(rank: int, world: int, mode: str) -> dict:
         target.register_forward_pre_hook(poison)
     x, y = _batch(rank, 1)
     out = {"error": None}
-    try:
-        nn.functional.cross_entropy(model(x), y).backward()
-    except ValueError as e:
-        out["error"] = str(e)
-    finally:
-        dist.all_reduce = real
-    assert flag_groups and all(
+    with flag_groups() as seen:  # where each NaN-flag MAX ran
+        try:
+            nn.functional.cross_entropy(model(x), y).backward()
+        except ValueError as e:
+            out["error"] = str(e)
+    assert seen and all(
         g is not shard and dist.get_process_group_ranks(g) == dist.get_process_group_ranks(shard)
-        for g in flag_groups
-    ), flag_groups  # a second communicator over the shard's ranks, never FSDP2's own
+        for g in seen
+    ), seen  # a second communicator over the shard's ranks, never FSDP2's own
     if out["error"] is None:
         out["finite"] = all(
             bool(torch.isfinite(p.grad.to_local()).all()) for p in model.parameters()

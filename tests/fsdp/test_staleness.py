@@ -17,7 +17,14 @@ from torch.distributed.fsdp import fully_shard
 import qsdp
 from qsdp.testing import assert_same_on_all_ranks, run_distributed
 
-from ..models import batch, classifier, train_delayed_by_hand, train_gated, train_gated_by_hand
+from ..models import (
+    batch,
+    classifier,
+    flag_groups,
+    train_delayed_by_hand,
+    train_gated,
+    train_gated_by_hand,
+)
 
 STEPS = 6
 
@@ -209,19 +216,8 @@ def _flag_groups(rank: int, world: int) -> None:
     mesh = init_device_mesh("cpu", (world,))
     model, opt = _build("qsdp-w8g8", 1, mesh=mesh)
     fsdp_group = mesh.get_group()
-    seen = []
-    real = dist.all_reduce
-
-    def recorded(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
-        if tensor.dtype == torch.int32 and op == dist.ReduceOp.MAX:
-            seen.append(group)
-        return real(tensor, op=op, group=group, async_op=async_op)
-
-    dist.all_reduce = recorded
-    try:
+    with flag_groups() as seen:
         _stale_run(model, opt, rank, range(3))
-    finally:
-        dist.all_reduce = real
     assert seen, "no flags agreed"
     ranks = dist.get_process_group_ranks(fsdp_group)
     for g in seen:

@@ -125,7 +125,10 @@ def run(variant: str, a: argparse.Namespace, device: torch.device) -> float:
     t0 = time.perf_counter()
     for step in range(a.steps + (variant != "sync")):
         last = step == a.steps  # the delayed variants' extra step: the last gradient
-        lr = lr_at(min(step, a.steps - 1), a)
+        # a delayed step applies the previous step's gradient at that step's rate, as
+        # qsdp train does since 2026-11-27 ([Note: the delayed gradient's learning rate]; the
+        # committed runs of 2026-11-26 used lr_at(step), the schedule shifted by a step)
+        lr = lr_at(step - 1 if variant != "sync" and step > 0 else step, a)
         for group in opt.param_groups:
             group["lr"] = lr
         loss_sum = 0.0

@@ -297,6 +297,11 @@ def _check_stale(tmp_path: Path, parallel: str) -> None:
     # the first step applies nothing and takes no optimizer step: the second step computes on
     # the initial weights, where the synchronous run moved already
     assert sync[0] == straight[0] and sync[1] != straight[1]
+    # [Note: the delayed gradient's learning rate]: step t applies step t - 1's gradient at
+    # step t - 1's rate (step 0 applies nothing), so the applied rates are the synchronous ones
+    lrs = {n: [float(x) for x in col(n, "lr")] for n in ("sync", "straight")}
+    assert lrs["straight"][1:] == lrs["sync"][:-1], lrs
+    assert len(set(lrs["sync"])) > 2, lrs  # (a schedule that moves)
     # without a bound the gate only measures: lr * |g| of each applied gradient, never forced
     gap = col("straight", "stale_gap")
     assert gap[0] == "" and all(float(x) > 0 for x in gap[1:]), gap

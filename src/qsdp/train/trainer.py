@@ -330,7 +330,16 @@ def _choice(record: dict | None) -> tuple:
 
 
 def lr_at(cfg: TrainConfig, step: int) -> float:
-    """Linear warm-up to ``lr``, then cosine decay to ``min_lr_ratio * lr`` at the last step."""
+    """Linear warm-up to ``lr``, then cosine decay to ``min_lr_ratio * lr`` at the last step.
+
+    [Note: the delayed gradient's learning rate]
+    At staleness 1 the optimizer step of step ``t`` applies the gradient of step ``t - 1``'s
+    batch; it takes that step's rate, ``lr_at(t - 1)``, so the run applies the synchronous
+    run's (batch, rate) pairs in the synchronous order, one step late (and weight prediction,
+    which computes AdamW's next step, predicts with the rate that step will use). Until
+    2026-11-27 it took ``lr_at(t)``, the schedule shifted by a step. A synchronous step (after
+    the gate fired, or before ``--stale-after``) applies its own gradient at its own rate; the
+    gate's extra step and the last drain apply step ``t``'s gradient at ``lr_at(t)``."""
     if step < cfg.warmup:
         return cfg.lr * (step + 1) / cfg.warmup
     span = max(1, cfg.steps - cfg.warmup)
@@ -537,7 +546,12 @@ def train_rank(cfg: TrainConfig, data: TokenData, device: torch.device) -> dict:
     try:
         end = cfg.steps if cfg.stop_at is None else max(start, cfg.stop_at)
         for step in range(start, end):
-            lr = lr_at(cfg, step)
+            # after the staleness gate fired, one step reduces and applies at once
+            # (and through --stale-after's first steps)
+            sync_step = bool(sync_next) or bool(cfg.staleness and step < cfg.stale_after)
+            sync_next = False
+            # [Note: the delayed gradient's learning rate]
+            lr = lr_at(cfg, step - 1 if cfg.staleness and not sync_step and step > 0 else step)
             for group in opt.param_groups:
                 group["lr"] = lr
             before = {k: v.bytes for k, v in stats.snapshot().items()}
@@ -545,10 +559,6 @@ def train_rank(cfg: TrainConfig, data: TokenData, device: torch.device) -> dict:
                 torch.cuda.synchronize(device)
             t0 = time.perf_counter()
             loss_sum = torch.zeros((), device=device)
-            # after the staleness gate fired, one step reduces and applies at once
-            # (and through --stale-after's first steps)
-            sync_step = bool(sync_next) or bool(cfg.staleness and step < cfg.stale_after)
-            sync_next = False
             # a step whose backward applies a reduction in flight computes ahead, through
             # all its micro-batches
             ahead = (
@@ -596,6 +606,8 @@ def train_rank(cfg: TrainConfig, data: TokenData, device: torch.device) -> dict:
                     # apply the reduction in flight now; the next step computes synchronously
                     par.state.drain()
                     torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+                    for group in opt.param_groups:  # this step's own gradient, its own rate
+                        group["lr"] = lr_at(cfg, step)
                     opt.step()
                     opt.zero_grad(set_to_none=True)
                     sync_next = True
@@ -657,6 +669,8 @@ def train_rank(cfg: TrainConfig, data: TokenData, device: torch.device) -> dict:
             # the last step's gradient is still in flight: one more optimizer step applies it
             par.state.drain()
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+            for group in opt.param_groups:  # the last step's gradient, the last step's rate
+                group["lr"] = lr_at(cfg, cfg.steps - 1)
             opt.step()
             opt.zero_grad(set_to_none=True)
         if start < end:

@@ -281,6 +281,40 @@ def test_sdp4bit_two_level_on_a_2x2_mesh():
     assert abs(sum(sdp[-5:]) - sum(base[-5:])) / 5 < 0.005 * sum(base[-5:]) / 5
 
 
+def _two_level_flags(rank: int, world: int) -> str:
+    from ..models import flag_groups
+
+    # [Note: the flags' own communicator]: a two-level reduce-scatter's flags never go over
+    # FSDP2's communicator (which carries the backward's all-gathers); a NaN on one rank still
+    # stops every rank
+    model = _build("tlq-hs-only", (2, 2))
+    fsdp_group = model._get_fsdp_state()._fsdp_param_group.mesh_info.shard_process_group
+    batches = _batches(rank, world)
+    with flag_groups() as seen:
+        _step(model, next(batches))
+    assert seen and all(
+        g is not fsdp_group
+        and dist.get_process_group_ranks(g) == dist.get_process_group_ranks(fsdp_group)
+        for g in seen
+    ), seen
+
+    def poison(module, args) -> None:  # rank 2 only: NaN in this weight's gradient
+        module.weight.register_hook(lambda g: g * float("nan"))
+
+    if rank == 2:
+        model.blocks[0].up.register_forward_pre_hook(poison)
+    try:
+        _step(model, next(batches))
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_two_level_flags_go_over_their_own_communicator():
+    for msg in run_distributed(_two_level_flags, 4, pg_timeout_s=30):
+        assert msg.startswith("non-finite gradient"), msg
+
+
 def _train_accumulate(rank: int, world: int, recipe: str, clip: bool) -> list[float]:
     """bf16 compute with fp32 reduce, two micro-batches per step, optional grad clipping."""
     torch.manual_seed(0)

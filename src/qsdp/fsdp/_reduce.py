@@ -248,7 +248,7 @@ class QuantizedReduceScatter(_Reduction, _Hook, ReduceScatter):
         if self.check is not None:
             limit = min(plan.value_limit() for plan, *_ in sections)
             flags = nonfinite_flags(input_tensor.reshape(group.size(), -1), self.layout, limit)
-            bad = self._agree(flags, group)
+            bad = self._agree(flags, self._flags_group(group))
         step = self._steps.next()
         for plan, runs, sub, bucket in sections:
             # AVG or SUM as FSDP asks; a PREMUL_SUM (set_gradient_divide_factor) raises with a

@@ -156,9 +156,11 @@ def compress_fsdp(
         if isinstance(plan, qc.TwoLevelReduce) and plan.mesh is not None:
             plan = dataclasses.replace(plan, mesh=twin_mesh(plan.mesh))
 
-    flag_twins = {}  # [Note: the flags' own communicator]: compressed HSDP, staleness 1
+    flag_twins = {}  # [Note: the flags' own communicator]: compressed HSDP, staleness 1, and
+    # two levels (their stages wait on the mesh's exchanges on the reduce-scatter stream)
     hsdp_checked = replicate_pg is not None and config.grads is not None
-    if check is not None and (hsdp_checked or config.staleness):
+    two_level = plan is not None and plan.node_level
+    if check is not None and (hsdp_checked or config.staleness or two_level):
         shards = [g for g, native in groups.values() if g is not None and native is None]
         flag_twins = twin_groups(shards)
 

@@ -6,7 +6,8 @@ world size and tensor length, and returns a :class:`CommWork` for ``async_op=Tru
 """
 
 from ._all_gather import all_gather, all_gather_payloads, all_gather_wire_bytes
-from ._common import CommWork, dist_all_gather, noise_stream
+from ._common import CommWork, noise_stream
+from ._dist import dist_all_gather, group_device
 from ._hierarchical import hierarchical_reduce_scatter, hierarchical_reduce_scatter_wire_bytes
 from ._integer import (
     integer_all_reduce,
@@ -37,6 +38,7 @@ __all__ = [
     "all_gather_wire_bytes",
     "comm_stats",
     "dist_all_gather",
+    "group_device",
     "fused_row",
     "hierarchical_reduce_scatter",
     "hierarchical_reduce_scatter_wire_bytes",

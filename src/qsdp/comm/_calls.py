@@ -32,6 +32,8 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 
+from ._dist import dist_all_gather, group_device
+
 __all__ = ["before_exchange", "checked", "checking"]
 
 F = TypeVar("F", bound=Callable)
@@ -55,20 +57,17 @@ def _describe(value: object) -> str:
     return repr(value)
 
 
-def _call_text(name: str, signature: inspect.Signature, args, kwargs) -> str:
+def _call_text(name: str, arguments: dict) -> str:
     """The call as a text that ranks compare: a digest of the whole description first (a long
     split may be cut off in the all-gather), then the description."""
-    bound = signature.bind(*args, **kwargs)
     parts = [
-        f"{k}={_describe(v)}"
-        for k, v in bound.arguments.items()
-        if k not in _IGNORED and v is not None
+        f"{k}={_describe(v)}" for k, v in arguments.items() if k not in _IGNORED and v is not None
     ]
     text = f"{name}({', '.join(parts)})"
     return f"[{hashlib.sha256(text.encode()).hexdigest()[:12]}] {text}"
 
 
-def _agree(group: dist.ProcessGroup | None, device: torch.device, error: str | None) -> None:
+def _agree(group: dist.ProcessGroup | None, error: str | None) -> None:
     """One all-gather over ``group`` of ``[ok, text]``; raise on every rank unless every rank's
     checks passed and every rank describes the same call."""
     text = error if error is not None else _state.text
@@ -76,11 +75,11 @@ def _agree(group: dist.ProcessGroup | None, device: torch.device, error: str | N
     mine = torch.zeros(1 + _TEXT, dtype=torch.uint8)
     mine[0] = 1 if error is None else 0
     mine[1 : 1 + len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    device = group_device(group)
     mine = mine.to(device)
     n = dist.get_world_size(group)
     every = torch.empty(n * (1 + _TEXT), dtype=torch.uint8, device=device)
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(every, mine, group=group)
+    dist_all_gather()(every, mine, group=group)
     rows = every.cpu().view(n, 1 + _TEXT)
     ranks = dist.get_process_group_ranks(group) if group is not None else list(range(n))
     ok = [bool(r[0]) for r in rows]
@@ -102,18 +101,12 @@ def _agree(group: dist.ProcessGroup | None, device: torch.device, error: str | N
         )
 
 
-def _device(group: dist.ProcessGroup | None) -> torch.device:
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def before_exchange(group: dist.ProcessGroup | None) -> None:
     """Called by ``_common`` before each ``torch.distributed`` call of a collective: the first
     one of a checked call agrees on the call over ``group`` first."""
     if getattr(_state, "pending", False):
         _state.pending = False
-        _agree(group, _device(group), None)
+        _agree(group, None)
 
 
 def checked(name: str) -> Callable[[F], F]:
@@ -127,22 +120,23 @@ def checked(name: str) -> Callable[[F], F]:
         def call(*args, **kwargs):
             if not checking() or getattr(_state, "active", False) or not dist.is_initialized():
                 return fn(*args, **kwargs)
-            group = signature.bind(*args, **kwargs).arguments.get("group")
+            arguments = signature.bind(*args, **kwargs).arguments
+            group = arguments.get("group")
             _state.active, _state.pending, _state.name = True, True, name
             try:
-                _state.text = _call_text(name, signature, args, kwargs)
+                _state.text = _call_text(name, arguments)
                 result = fn(*args, **kwargs)
             except (ValueError, TypeError) as e:
                 if not _state.pending:  # raised after the agreement: on every rank alike
                     raise
                 _state.pending = False
-                _agree(group, _device(group), f"{type(e).__name__}: {e}")
+                _agree(group, f"{type(e).__name__}: {e}")
                 raise  # (only a rank whose own checks passed gets here without an error)
             finally:
                 _state.active = False
             if _state.pending:  # no exchange on this rank: agree on the way out
                 _state.pending = False
-                _agree(group, _device(group), None)
+                _agree(group, None)
             return result
 
         return call  # type: ignore[return-value]

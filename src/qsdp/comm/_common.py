@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from ..quant import NonFinite, QuantSpec
 from ._calls import before_exchange
+from ._dist import dist_all_gather, dist_reduce_scatter
 from ._split import Split, check_split
 from ._stats import CommStats, comm_stats
 
@@ -320,18 +321,6 @@ def noise_stream(rank: int, chunk: int, *, bucket: int = 0, hop: int = 0, piece:
 
 
 # --- torch.distributed calls, counted -----------------------------------------------------------
-def dist_all_gather() -> Callable[..., dist.Work | None]:
-    """torch's all-gather into one tensor: ``all_gather_single`` (torch >= 2.13, where the old
-    name is deprecated) or ``all_gather_into_tensor`` (torch 2.11). Looked up at call time."""
-    return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
-def dist_reduce_scatter() -> Callable[..., dist.Work | None]:
-    """torch's reduce-scatter of one tensor: ``reduce_scatter_single`` (torch >= 2.13) or
-    ``reduce_scatter_tensor`` (torch 2.11). Looked up at call time."""
-    return getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 

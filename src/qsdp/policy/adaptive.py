@@ -29,6 +29,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
+from ..comm import group_device
 from ..quant import BITS, QuantSpec, decode, encode
 
 __all__ = ["WIDTHS", "WidthPlan", "agree", "choose_widths", "measure_errors"]
@@ -204,12 +205,7 @@ def _sample(flat: torch.Tensor, group: int, sample: int) -> torch.Tensor:
 def agree(widths: Sequence[int], group: dist.ProcessGroup | None = None) -> tuple[int, ...]:
     """Rank 0's ``widths`` on every rank of ``group`` (payload sizes must match on all ranks).
     Every rank calls it with as many widths (its own plan's, or its current ones)."""
-    device = torch.device("cuda", torch.cuda.current_device()) if _nccl(group) else "cpu"
-    widths = torch.tensor(tuple(widths), dtype=torch.int32, device=device)
+    widths = torch.tensor(tuple(widths), dtype=torch.int32, device=group_device(group))
     src = dist.get_global_rank(group, 0) if group is not None else 0
     dist.broadcast(widths, src=src, group=group)
     return tuple(int(w) for w in widths.tolist())
-
-
-def _nccl(group: dist.ProcessGroup | None) -> bool:
-    return dist.get_backend(group) == "nccl"

@@ -18,6 +18,8 @@ import hashlib
 import torch
 import torch.distributed as dist
 
+from ..comm import group_device
+
 __all__ = ["check_same_arguments"]
 
 
@@ -29,9 +31,7 @@ def check_same_arguments(arguments: object, *, group: dist.ProcessGroup | None, 
         return
     text = repr(arguments)
     digest = int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little", signed=True)
-    nccl = dist.get_backend(group) == "nccl"
-    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
-    mine = torch.tensor([digest], dtype=torch.int64, device=device)
+    mine = torch.tensor([digest], dtype=torch.int64, device=group_device(group))
     every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(every, mine, group=group)
     digests = [int(t) for t in every]

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ..comm._common import dist_all_gather
+from ..comm import dist_all_gather
 
 __all__ = [
     "DistByteCounter",

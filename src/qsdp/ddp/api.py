@@ -50,7 +50,7 @@ def register(
         ValueError: the config compresses weights, or has two-level gradients (a
             reduce-scatter; DDP all-reduces), error feedback with integer gradients, other
             arguments on another rank of DDP's group (one all-gather first, see [Note: one
-            config on every rank]), ``pipeline`` without quantized gradients.
+            config on every rank]), ``pipeline`` with uncompressed gradients.
     """
     if not isinstance(model, DDP):
         raise TypeError(

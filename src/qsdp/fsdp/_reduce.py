@@ -169,8 +169,9 @@ class _Reduction:
         flat.masked_fill_(self._agree(flags, self._flags_group(self._group)), 0)
 
     def _flags_group(self, group: dist.ProcessGroup) -> dist.ProcessGroup:
-        """Where flags of a result that waited for a reduction in flight are agreed: the
-        group's flag communicator, not FSDP2's own ([Note: the flags' own communicator])."""
+        """Where this hook's NaN/Inf flags over ``group`` are agreed: the group's flag
+        communicator where ``compress_fsdp`` made one (compressed HSDP, staleness 1, two
+        levels), else ``group`` ([Note: the flags' own communicator])."""
         return self.flag_twins.get(group.group_name, group)
 
     def _agree(self, flags: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:

@@ -348,6 +348,14 @@ def lr_at(cfg: TrainConfig, step: int) -> float:
     return floor + 0.5 * (cfg.lr - floor) * (1 + math.cos(math.pi * progress))
 
 
+def _set_lr(opt: torch.optim.Optimizer, cfg: TrainConfig, step: int) -> float:
+    """Give every parameter group step ``step``'s learning rate; returns it."""
+    lr = lr_at(cfg, step)
+    for group in opt.param_groups:
+        group["lr"] = lr
+    return lr
+
+
 def _bf16_compute(cfg: TrainConfig, device: torch.device) -> bool:
     """bf16 parameters for compute on GPUs; fp32 on CPUs (gloo) and for the quantized master,
     which gathers the fp32 master itself."""
@@ -551,9 +559,9 @@ def train_rank(cfg: TrainConfig, data: TokenData, device: torch.device) -> dict:
             sync_step = bool(sync_next) or bool(cfg.staleness and step < cfg.stale_after)
             sync_next = False
             # [Note: the delayed gradient's learning rate]
-            lr = lr_at(cfg, step - 1 if cfg.staleness and not sync_step and step > 0 else step)
-            for group in opt.param_groups:
-                group["lr"] = lr
+            lr = _set_lr(
+                opt, cfg, step - 1 if cfg.staleness and not sync_step and step > 0 else step
+            )
             before = {k: v.bytes for k, v in stats.snapshot().items()}
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
@@ -606,8 +614,7 @@ def train_rank(cfg: TrainConfig, data: TokenData, device: torch.device) -> dict:
                     # apply the reduction in flight now; the next step computes synchronously
                     par.state.drain()
                     torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-                    for group in opt.param_groups:  # this step's own gradient, its own rate
-                        group["lr"] = lr_at(cfg, step)
+                    _set_lr(opt, cfg, step)  # this step's own gradient, its own rate
                     opt.step()
                     opt.zero_grad(set_to_none=True)
                     sync_next = True
@@ -669,8 +676,7 @@ def train_rank(cfg: TrainConfig, data: TokenData, device: torch.device) -> dict:
             # the last step's gradient is still in flight: one more optimizer step applies it
             par.state.drain()
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-            for group in opt.param_groups:  # the last step's gradient, the last step's rate
-                group["lr"] = lr_at(cfg, cfg.steps - 1)
+            _set_lr(opt, cfg, cfg.steps - 1)  # the last step's gradient, the last step's rate
             opt.step()
             opt.zero_grad(set_to_none=True)
         if start < end:

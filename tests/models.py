@@ -128,3 +128,13 @@ def flag_groups() -> Iterator[list]:
         yield seen
     finally:
         dist.all_reduce = real
+
+
+def nan_gradient(module: nn.Module) -> None:
+    """From the next forward on, ``module.weight``'s gradient turns NaN (the hook goes on the
+    weight each forward sees: under FSDP2 the unsharded one)."""
+
+    def poison(mod: nn.Module, args: object) -> None:
+        mod.weight.register_hook(lambda g: g * float("nan"))
+
+    module.register_forward_pre_hook(poison)

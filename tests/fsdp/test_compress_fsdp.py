@@ -19,6 +19,8 @@ from qsdp.testing import assert_same_on_all_ranks, count_dist_bytes, run_distrib
 from qsdp.train.model import GPT, ModelConfig
 from qsdp.train.quant_demo import corpus
 
+from ..models import flag_groups, nan_gradient
+
 STEPS = 30
 CTX = 32
 BATCH = 8
@@ -282,8 +284,6 @@ def test_sdp4bit_two_level_on_a_2x2_mesh():
 
 
 def _two_level_flags(rank: int, world: int) -> str:
-    from ..models import flag_groups
-
     # [Note: the flags' own communicator]: a two-level reduce-scatter's flags never go over
     # FSDP2's communicator (which carries the backward's all-gathers); a NaN on one rank still
     # stops every rank
@@ -297,12 +297,8 @@ def _two_level_flags(rank: int, world: int) -> str:
         and dist.get_process_group_ranks(g) == dist.get_process_group_ranks(fsdp_group)
         for g in seen
     ), seen
-
-    def poison(module, args) -> None:  # rank 2 only: NaN in this weight's gradient
-        module.weight.register_hook(lambda g: g * float("nan"))
-
     if rank == 2:
-        model.blocks[0].up.register_forward_pre_hook(poison)
+        nan_gradient(model.blocks[0].up)
     try:
         _step(model, next(batches))
     except ValueError as e:
@@ -358,13 +354,8 @@ def test_accumulation_mixed_precision_and_clipping(recipe):
 def _nan_grad(rank: int, world: int, mode: str) -> dict:
     config = qsdp.recipe("qsdp-w8g8", nonfinite=mode)
     model = _build(config)
-    target = model.blocks[1].down
-
-    def poison(module, args):  # rank 1 only: NaN in this one parameter's gradient
-        module.weight.register_hook(lambda g: g * float("nan"))
-
-    if rank == 1:
-        target.register_forward_pre_hook(poison)
+    if rank == 1:  # rank 1 only: NaN in this one parameter's gradient
+        nan_gradient(model.blocks[1].down)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     try:
         _step(model, next(_batches(rank, world)))

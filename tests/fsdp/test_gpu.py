@@ -16,6 +16,7 @@ import qsdp
 from qsdp.testing import assert_same_on_all_ranks, run_distributed
 
 from ..host_syncs import first_sync
+from ..models import nan_gradient
 from .test_compress_fsdp import TinyGPT, _batches
 
 pytestmark = [
@@ -93,12 +94,8 @@ def test_recipes_train_like_fsdp2_on_nccl():
 def _nan(rank: int, ws: int, mode: str) -> dict:
     config = qsdp.recipe("qsdp-w8g8", nonfinite=mode)
     model, dev = _build(None, ws, torch.bfloat16, config=config)
-
-    def poison(module, args):  # the unsharded weight of this forward: its gradient turns NaN
-        module.weight.register_hook(lambda g: g * float("nan"))
-
-    if rank == ws - 1:
-        model.blocks[1].down.register_forward_pre_hook(poison)
+    if rank == ws - 1:  # the unsharded weight of each forward: its gradient turns NaN
+        nan_gradient(model.blocks[1].down)
     batch = next(_batches(rank, ws)).to(dev)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     loss = nn.functional.cross_entropy(

@@ -13,7 +13,7 @@ import qsdp
 from qsdp.testing import assert_same_on_all_ranks, run_distributed
 
 from ..models import batch as _batch
-from ..models import classifier, flag_groups, train
+from ..models import classifier, flag_groups, nan_gradient, train
 
 STEPS = 25
 
@@ -85,13 +85,8 @@ def _nan(rank: int, world: int, mode: str) -> dict:
     model = _model(mesh["shard"])
     qsdp.compress_fsdp(model, qsdp.recipe("cgx", nonfinite=mode), replicate=mesh["replicate"])
     shard = mesh["shard"].get_group()
-    target = model[5]  # a sharded Linear
-
-    def poison(module, args) -> None:  # NaN in this module's weight gradient
-        module.weight.register_hook(lambda g: g * float("nan"))
-
-    if rank == 1:  # rank 1 only: the NaN reaches its shard's replica only
-        target.register_forward_pre_hook(poison)
+    if rank == 1:  # NaN in a sharded Linear's gradient: it reaches its shard's replica only
+        nan_gradient(model[5])
     x, y = _batch(rank, 1)
     out = {"error": None}
     with flag_groups() as seen:  # where each NaN-flag MAX ran

@@ -23,13 +23,14 @@ until the slow inter-node all-reduce ended, and every later collective of the co
 with it: the next module's reduce-scatter and the backward's weight all-gathers, which the
 compute waits for, so the backward would run in series with the inter-node link. (The
 compressed HSDP steps measured before this change, 0.25-0.30 s on 4x H200 against about 0.17 s
-of compute and 0.07 s of inter-node wire, look like that; not yet re-measured.) So the flags go
-over a communicator of their own with the shard group's ranks (``compress_fsdp`` makes one per
-group, ``_Reduction.flag_twins``). The same holds for staleness 1's check of the result it
-applies (FSDP2 and HSDP), which first waits for the previous step's reduction, and for a
-two-level reduce-scatter's flags: they are agreed before the module's own exchange, but on the
-reduce-scatter stream behind the previous module's stages, which wait on the mesh's
-communicators (inter-node), while FSDP2's communicator carries the backward's all-gathers.
+of compute and an estimated 0.07 s of inter-node wire, look like that; not yet re-measured.)
+So the flags go over a communicator of their own with the shard group's ranks
+(``compress_fsdp`` makes one per group, ``_Reduction.flag_twins``). The same holds for
+staleness 1's check of the result it applies (FSDP2 and HSDP), which first waits for the
+previous step's reduction, and for a two-level reduce-scatter's flags: they are agreed before
+the module's own exchange, but on the reduce-scatter stream behind the previous module's
+stages, which wait on the mesh's communicators (inter-node), while FSDP2's communicator
+carries the backward's all-gathers.
 """
 
 from __future__ import annotations

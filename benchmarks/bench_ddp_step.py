@@ -9,8 +9,9 @@ side by side in one run on the same weights and batches: ``ddp-fp32`` (DDP's own
 through ``qsdp.ddp.register`` (``NAME+s1``: the recipe at staleness 1, whose steps apply the
 previous step's gradient while their own reduction overlaps the next step; their step ends
 when the compute stream is done; ``+ef``: with error feedback; ``+g256``: gradient groups of
-256 elements; ``+pipe``: ``register(..., pipeline=True)``; e.g. ``cgx+ef+g256``). Each figure
-is set against two bounds measured in the same run:
+256 elements; ``+pipe``: ``register(..., pipeline=True)``; ``+bN``, on any variant, baselines
+included: DDP buckets of N MiB instead of ``--bucket-mb``; e.g. ``cgx+ef+g256``,
+``bf16_compress_hook+b100``). Each figure is set against two bounds measured in the same run:
 
 - compute: the same step under ``no_sync()`` (no communication at all);
 - wire: the variant's bytes per step (qsdp's counter, or the hook's known size) over the
@@ -79,28 +80,37 @@ def _hook_bytes(name: str, model: DDP, numel: int, state) -> int | None:
     return None
 
 
+def _bucket_mb(options: list[str], default: float) -> float:
+    """A variant's DDP bucket size: its ``+bN`` option (N MiB), else ``default``."""
+    sizes = [o[1:] for o in options if o.startswith("b") and o[1:].isdigit()]
+    if len(sizes) > 1:
+        raise SystemExit(f"+bN given {len(sizes)} times ({sizes}): give one bucket size")
+    return float(sizes[0]) if sizes else default
+
+
 def run_variant(name: str, a, cfg, device: torch.device, rank: int) -> dict:
     torch.manual_seed(0)
     module = GPT(cfg).to(device)
+    base, *options = name.split("+")
+    bucket_mb = _bucket_mb(options, a.bucket_mb)
     model = DDP(
         module,
         device_ids=[device.index] if device.type == "cuda" else None,
-        bucket_cap_mb=a.bucket_mb,
+        bucket_cap_mb=bucket_mb,
     )
     hook_state = None
     qsdp_state = None
-    if name == "bf16_compress_hook":
+    if base == "bf16_compress_hook":
         model.register_comm_hook(None, default_hooks.bf16_compress_hook)
-    elif name == "powerSGD":
+    elif base == "powerSGD":
         hook_state = powerSGD_hook.PowerSGDState(
             process_group=None, matrix_approximation_rank=4, start_powerSGD_iter=2
         )
         model.register_comm_hook(hook_state, powerSGD_hook.powerSGD_hook)
-    elif name == "auto":  # measures DDP's group and picks (qsdp.policy.auto)
+    elif base == "auto":  # measures DDP's group and picks (qsdp.policy.auto)
         qsdp_state = qsdp.ddp.register(model, "auto")
-    elif name != "ddp-fp32":
-        recipe, *options = name.split("+")
-        config = qsdp.recipe(recipe, staleness=1 if "s1" in options else 0)
+    elif base != "ddp-fp32":
+        config = qsdp.recipe(base, staleness=1 if "s1" in options else 0)
         group = next((int(o[1:]) for o in options if o.startswith("g") and o[1:].isdigit()), 0)
         if group:  # +gN: quantized gradients in groups of N
             spec = replace(config.grads.spec, group_size=group)
@@ -148,7 +158,7 @@ def run_variant(name: str, a, cfg, device: torch.device, rank: int) -> dict:
     step_bytes = (
         qsdp_state.wire_bytes_per_step()
         if qsdp_state is not None
-        else _hook_bytes(name, model, numel, hook_state)
+        else _hook_bytes(base, model, numel, hook_state)
     )
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
     del model, module, opt
@@ -159,6 +169,7 @@ def run_variant(name: str, a, cfg, device: torch.device, rank: int) -> dict:
     decision = getattr(qsdp_state, "decision", None)
     return {
         "variant": name,
+        "bucket_cap_mb": bucket_mb,
         **({"auto": decision_record(decision)} if decision else {}),
         "times": times,  # this rank's; main() takes the slowest rank's median over rounds
         "compute": compute,
@@ -281,7 +292,7 @@ def main() -> None:
         n
         for n in [*a.baselines, *a.recipes]
         # the bf16 hook refuses gloo; PowerSGD deadlocks there with 2+ buckets
-        if device.type == "cuda" or n not in ("bf16_compress_hook", "powerSGD")
+        if device.type == "cuda" or n.split("+")[0] not in ("bf16_compress_hook", "powerSGD")
     ]
     runs: dict[str, list[dict]] = {n: [] for n in names}
     for k in range(a.rounds):

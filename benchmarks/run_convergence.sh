@@ -40,6 +40,7 @@ declare -A ARGS=(
   [sdp4bit-s1-local]="--recipe sdp4bit --nodes 2 --staleness 1 --predict local"
   [sdp4bit-s1-local-after100]="--recipe sdp4bit --nodes 2 --staleness 1 --predict local --stale-after 100"
   [sdp4bit-s1-local-after150]="--recipe sdp4bit --nodes 2 --staleness 1 --predict local --stale-after 150"
+  [sdp4bit-s1-local-after150-repeat]="--recipe sdp4bit --nodes 2 --staleness 1 --predict local --stale-after 150"
   [bf16-s1-after100]="--recipe bf16 --nodes 2 --staleness 1 --stale-after 100"
   [bf16-s1-local-after50]="--recipe bf16 --nodes 2 --staleness 1 --predict local --stale-after 50"
   [bf16-s1-local-after100]="--recipe bf16 --nodes 2 --staleness 1 --predict local --stale-after 100"

@@ -51,6 +51,8 @@ def _what(c: dict, name: str = "") -> str:
         if c.get("predict") == "local" and "nodeavg" in name:  # runs of commit eab4760 on:
             # two-level reductions estimate from the node's average (the configs do not say)
             how = "prediction from the node's average gradient"
+        if name.endswith("-lr"):  # runs of commit 0e56009 on (the configs do not say)
+            how += ", each delayed gradient at its own step's learning rate"
         parts.append(f"staleness {c['staleness']}, {how}")
     if c.get("stale_after"):
         parts.append(f"synchronous before step {c['stale_after']}")

@@ -339,75 +339,68 @@ def memory_alone_table(paths: list[Path]) -> str:
     return "\n".join(out)
 
 
+SESSION12 = RESULTS / "session12_2026-11-27"
+#: The README's headline rows: (setting, results file under RESULTS, regime, baseline variant and
+#: label, qsdp variant and label). The latest run of each judged setting with the code as it is;
+#: the DDP sockets run is the middle one of three (2.31x, 2.48x, 2.49x for the pipelined row).
+HEADLINE = (
+    ("FSDP2, GPT 1.42 B, sockets", "fsdp_step_socket_NVIDIA_H200_2026-11-26.json",
+     ("fsdp2-bf16-reduce", "FSDP2 bf16 reduce"), ("sdp4bit", "`sdp4bit`")),
+    ("FSDP2, GPT 1.42 B, sockets",
+     "session12_2026-11-27/fsdp_bounds_socket_NVIDIA_H200_2026-11-27.json",
+     ("fsdp2-bf16-reduce", "FSDP2 bf16 reduce"), ("sdp4bit+s1", "`sdp4bit` staleness 1")),
+    ("FSDP2, GPT 1.42 B, NVLink", "fsdp_step_nvlink_NVIDIA_H200_2026-11-26.json",
+     ("fsdp2-bf16-reduce", "FSDP2 bf16 reduce"), ("sdp4bit", "`sdp4bit`")),
+    ("FSDP2, GPT 1.42 B, NVLink",
+     "auto_2026-11-27/run6/fsdp_auto_nvlink_ws4_NVIDIA_H200_2026-11-27.json",
+     ("fsdp2-bf16-reduce", "FSDP2 bf16 reduce"), ("auto", "`auto` (chose no compression)")),
+    ("HSDP, GPT 1.42 B, 2 nodes x 2",
+     "session12_2026-11-27/fsdp_step_hsdp_2x2_NVIDIA_H200_2026-11-27.json",
+     ("hsdp-bf16-reduce", "native HSDP bf16 reduce"), ("cgx", "`cgx`")),
+    ("DDP, GPT-125M, sockets",
+     "session12_2026-11-27/ddp_buckets_socket_ws4_NVIDIA_H200_2026-11-27.json",
+     ("bf16_compress_hook", "`bf16_compress_hook`"), ("cgx", "`cgx`")),
+    ("DDP, GPT-125M, sockets",
+     "session12_2026-11-27/ddp_buckets_socket_ws4_NVIDIA_H200_2026-11-27.json",
+     ("bf16_compress_hook", "`bf16_compress_hook`"),
+     ("cgx+pipe+b100", "`cgx`, `pipeline=True`, 100 MiB buckets")),
+    ("DDP, GPT-125M, sockets",
+     "session12_2026-11-27/ddp_buckets_socket_ws4_NVIDIA_H200_2026-11-27.json",
+     ("bf16_compress_hook", "`bf16_compress_hook`"),
+     ("global-qsgd+pipe+b100", "`global-qsgd`, `pipeline=True`, 100 MiB buckets")),
+    ("DDP, GPT-125M, NVLink",
+     "auto_2026-11-27/run6/ddp_auto_nvlink_ws4_NVIDIA_H200_2026-11-27.json",
+     ("bf16_compress_hook", "`bf16_compress_hook`"), ("cgx", "`cgx`")),
+    ("DDP, GPT-125M, NVLink",
+     "auto_2026-11-27/run6/ddp_auto_nvlink_ws4_NVIDIA_H200_2026-11-27.json",
+     ("bf16_compress_hook", "`bf16_compress_hook`"), ("auto", "`auto` (chose no compression)")),
+)  # fmt: skip
+
+
 def headline_table() -> str:
-    """The README's one table: each integration's best recipe against PyTorch's best plain
-    baseline of the same run."""
-
-    def load(pattern: str, regime: str, key: str = "variant") -> tuple[dict, dict]:
-        for p in sorted(RESULTS.glob(pattern)):
-            d = json.loads(p.read_text())
-            if d["regime"] == regime and d["world_size"] == 4:
-                return d, {r[key]: r for r in d["rows"]}
-        raise SystemExit(f"no {pattern} result for regime {regime!r} under {RESULTS}")
-
-    rows = []
-    for regime, label in (("socket", "sockets"), ("nvlink", "NVLink")):
-        d, by = load("fsdp_step_[!h]*.json", regime)
-        base, best = by["fsdp2-bf16-reduce"], by["sdp4bit"]
-        rows.append(
-            (
-                f"FSDP2, GPT {d['params'] / 1e9:.2f} B, {label}",
-                "FSDP2 bf16 reduce",
-                base["s_per_step"],
-                "`sdp4bit`",
-                best["s_per_step"],
-                d["date"][:10],
-            )
-        )
-    d, by = load("fsdp_step_hsdp_*.json", "2x2")
-    rows.append(
-        (
-            f"HSDP, GPT {d['params'] / 1e9:.2f} B, 2 nodes x 2",
-            "native HSDP bf16 reduce",
-            by["hsdp-bf16-reduce"]["s_per_step"],
-            "`cgx`",
-            by["cgx"]["s_per_step"],
-            d["date"][:10],
-        )
-    )
-    stale = json.loads((STALENESS / "fsdp_bounds_socket_ws4_NVIDIA_H200.json").read_text())
-    by = {r["variant"]: r for r in stale["rows"]}
-    rows.append(
-        (
-            f"FSDP2, GPT {stale['params'] / 1e9:.2f} B, sockets, staleness 1",
-            "FSDP2 bf16 reduce",
-            by["fsdp2-bf16-reduce"]["s_per_step"],
-            "`sdp4bit` staleness 1",
-            by["sdp4bit+s1"]["s_per_step"],
-            stale["date"][:10],
-        )
-    )
-    for regime, label in (("socket", "sockets"), ("nvlink", "NVLink")):
-        d, by = load("ddp_step_*.json", regime)
-        for recipe in ("cgx", "global-qsgd"):
-            rows.append(
-                (
-                    f"DDP, GPT-125M, {label}",
-                    "`bf16_compress_hook`",
-                    by["bf16_compress_hook"]["median_s"],
-                    f"`{recipe}`",
-                    by[recipe]["median_s"],
-                    d["date"][:10],
-                )
-            )
+    """The README's one table (:data:`HEADLINE`): qsdp against PyTorch's best plain baseline of
+    the same run, each row's file named."""
     out = [
-        f"4x {d['device']}, torch {d['torch']}; median seconds per training step, baseline "
-        "and qsdp measured side by side in one run (details: docs/results.md).\n",
-        "| setting | baseline | s/step | qsdp | s/step | speed-up | date |",
-        "|---|---|---|---|---|---|---|",
+        "4x NVIDIA H200, torch 2.11.0+cu130; median seconds per training step, baseline and qsdp "
+        "measured side by side in one run (each row's file under `benchmarks/results/`; "
+        "details: docs/results.md). The DDP buckets are DDP's default 25 MiB unless the row "
+        "says.\n",
+        "| setting | baseline | s/step | qsdp | s/step | speed-up | date | file |",
+        "|---|---|---|---|---|---|---|---|",
     ]
-    for setting, bname, b, qname, q, date in rows:
-        out.append(f"| {setting} | {bname} | {b:.3f} | {qname} | {q:.3f} | x{b / q:.2f} | {date} |")
+    for setting, name, (bkey, bname), (qkey, qname) in HEADLINE:
+        d = json.loads((RESULTS / name).read_text())
+        if d["world_size"] != 4 or "H200" not in d["device"] or not d["torch"].startswith("2.11"):
+            raise SystemExit(
+                f"{name}: {d['world_size']}x {d['device']}, torch {d['torch']}; the headline's "
+                "caption says 4x H200, torch 2.11: fix one"
+            )
+        by = {r["variant"]: r for r in d["rows"]}
+        b, q = (by[k].get("s_per_step", by[k].get("median_s")) for k in (bkey, qkey))
+        out.append(
+            f"| {setting} | {bname} | {b:.3f} | {qname} | {q:.3f} | x{b / q:.2f} | "
+            f"{d['date'][:10]} | `{name.rsplit('/', 1)[-1]}` |"
+        )
     return "\n".join(out)
 
 

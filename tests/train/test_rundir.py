@@ -180,7 +180,11 @@ def test_resume_checks_each_setting_and_lets_the_free_ones_change(run, files, mo
             validate(
                 dataclasses.replace(saved, **{name: value}), data, world_size=2, columns=COLUMNS
             )
-    for name, value in {"grad_group_size": 256, "grad_rounding": "nearest"}.items():
+    for name, value in {
+        "grad_group_size": 256,
+        "grad_rounding": "nearest",
+        "ddp_bucket_mb": 100.0,
+    }.items():
         # (overrides of quantized gradients: asked of a cgx run, beside the recipe's own change)
         with pytest.raises(ValueError, match=f"--{name.replace('_', '-')}: saved None"):
             cgx = dataclasses.replace(saved, recipe="cgx", parallel="ddp", **{name: value})
@@ -216,7 +220,7 @@ def test_resume_checks_each_setting_and_lets_the_free_ones_change(run, files, mo
     validate(as_is, data, world_size=2, columns=COLUMNS)
     unchecked = {"data", "tokenizer", "nodes", "staleness", "stale_bound", "stale_after"}
     unchecked |= {"adaptive_every", "adaptive_per_parameter", "predict", "error_feedback"}
-    unchecked |= {"adaptive_error", "grad_group_size", "grad_rounding"}  # (checked above)
+    unchecked |= {"adaptive_error", "grad_group_size", "grad_rounding", "ddp_bucket_mb"}
     assert set(CHANGED) | unchecked == set(RESUME_MUST_MATCH) & set(
         f.name for f in dataclasses.fields(TrainConfig)
     )

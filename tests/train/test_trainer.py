@@ -126,6 +126,28 @@ def test_ddp_error_feedback_trains_and_resumes_exactly(data_dir, tmp_path):
     assert saved["error_feedback"] is True
 
 
+def _buckets_and_pipeline(rank: int, world: int, data: str, root: str) -> None:
+    d, cpu = open_data(Path(data)), torch.device("cpu")
+    kw = {"steps": 4, "seed": 5, "parallel": "ddp"}
+    small = {"ddp_bucket_mb": 0.25}  # cpu-tiny's 3.4 MB of gradients: 13+ buckets, not 2
+    train_rank(_cfg(Path(root) / "default", "cgx", **kw), d, cpu)
+    train_rank(_cfg(Path(root) / "small", "cgx", **kw, **small), d, cpu)
+    train_rank(_cfg(Path(root) / "piped", "cgx", **kw, **small, pipeline=True), d, cpu)
+
+
+def test_ddp_bucket_size_and_pipeline_reach_ddp(data_dir, tmp_path):
+    # 3 ranks; --pipeline changes where the exchanges run, never the bits
+    run_distributed(_buckets_and_pipeline, 3, str(data_dir), str(tmp_path), timeout_s=600)
+    default, small, piped = (
+        [float(r["loss"]) for r in _rows(tmp_path / n)] for n in ("default", "small", "piped")
+    )
+    assert small == piped
+    # other buckets cut the quantization groups elsewhere: the run changes from its 2nd step
+    assert default[0] == small[0] and default != small
+    saved = json.loads((tmp_path / "piped" / "config.json").read_text())
+    assert (saved["ddp_bucket_mb"], saved["pipeline"]) == (0.25, True)
+
+
 def _redecide(rank: int, world: int, data: str, root: str) -> None:
     from qsdp.policy import auto
 
@@ -464,6 +486,11 @@ def test_schedule_warms_up_then_decays_to_the_floor():
         ({"grad_rounding": "down", "recipe": "cgx"}, "must be 'stochastic' or 'nearest'"),
         ({"grad_group_size": 100, "recipe": "cgx"}, "group_size"),
         ({"redecide": True, "resume": True, "recipe": "cgx"}, "(got --recipe cgx)"),
+        ({"ddp_bucket_mb": 100.0}, "--ddp-bucket-mb 100.0 is DDP's bucket size in MiB"),
+        ({"ddp_bucket_mb": 0.0, "parallel": "ddp", "recipe": "cgx"}, "give a positive size"),
+        ({"pipeline": True, "recipe": "cgx"}, "--pipeline is for --ddp"),
+        ({"pipeline": True, "parallel": "ddp", "recipe": "bf16"}, "not --recipe bf16 under ddp"),
+        ({"pipeline": True, "parallel": "ddp", "recipe": "auto"}, "not --recipe auto under ddp"),
         (
             {"error_feedback": True, "recipe": "global-qsgd", "parallel": "ddp"},
             "with quantized gradients (cgx, qsdp-g8), not --recipe global-qsgd",

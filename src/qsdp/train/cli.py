@@ -150,6 +150,17 @@ def parser() -> argparse.ArgumentParser:
         type=int,
         help="recipes with quantized gradients: their quantizer's group size (CGX's bucket)",
     )
+    p.add_argument(
+        "--ddp-bucket-mb",
+        type=float,
+        help="--ddp: DDP's bucket size in MiB (DDP's default 25; cgx over sockets: 100)",
+    )
+    p.add_argument(
+        "--pipeline",
+        action="store_true",
+        help="--ddp with compressed gradients: overlap one bucket's exchange with the next "
+        "one's on a second communicator (the same results)",
+    )
     p.add_argument("--nproc", type=int, default=2, help="CPU processes when not under torchrun")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--tensorboard", action=argparse.BooleanOptionalAction, default=None)
@@ -192,6 +203,8 @@ def config_from(args: argparse.Namespace) -> TrainConfig:
         error_feedback=args.error_feedback,
         grad_rounding=args.grad_rounding,
         grad_group_size=args.grad_group_size,
+        ddp_bucket_mb=args.ddp_bucket_mb,
+        pipeline=args.pipeline,
         redecide=args.redecide,
         tensorboard=args.tensorboard,
         progress=not args.no_progress,

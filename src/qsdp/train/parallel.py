@@ -148,6 +148,8 @@ def build(
     nodes: int | None,
     config: CompressionConfig | str | None = None,
     error_feedback: bool = False,
+    ddp_bucket_mb: float | None = None,
+    pipeline: bool = False,
 ) -> Parallel:
     """Build the GPT on ``device`` from ``seed`` and parallelise it as ``mode`` says."""
     if mode not in MODES:
@@ -157,8 +159,12 @@ def build(
         gpt = GPT(mc)
     config = config or recipe(recipe_name)  # the recipe with the run's overrides
     if mode == "ddp":
-        model = DDP(gpt, device_ids=[device.index] if device.type == "cuda" else None)
-        state = qddp.register(model, config, error_feedback=error_feedback)
+        model = DDP(
+            gpt,
+            device_ids=[device.index] if device.type == "cuda" else None,
+            **({"bucket_cap_mb": ddp_bucket_mb} if ddp_bucket_mb is not None else {}),
+        )
+        state = qddp.register(model, config, error_feedback=error_feedback, pipeline=pipeline)
         return Parallel(
             mode, model, gpt, state.stats, state, config=state.config, bf16_autocast=bf16
         )

@@ -95,6 +95,7 @@ RESUME_MUST_MATCH = (
     "error_feedback",
     "grad_rounding",
     "grad_group_size",
+    "ddp_bucket_mb",
 )
 """Keys of ``config.json`` that ``--resume`` requires to equal the saved run's."""
 
@@ -102,6 +103,7 @@ RESUME_MAY_CHANGE = (
     "out",
     "resume",
     "redecide",
+    "pipeline",
     "stop_at",
     "eval_every",
     "ckpt_every",

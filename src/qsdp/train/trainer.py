@@ -173,6 +173,13 @@ class TrainConfig:
     grad_group_size: int | None = None
     """Recipes with quantized gradients: replace their quantizer's group size (elements per
     scale; CGX's bucket)."""
+    ddp_bucket_mb: float | None = None
+    """``ddp``: DDP's ``bucket_cap_mb`` (default DDP's own, 25). Buckets decide what each hook
+    call quantizes and exchanges together; over sockets ``cgx`` ran fastest with 100-150 MiB
+    (docs/results.md, DDP)."""
+    pipeline: bool = False
+    """``ddp`` with compressed gradients: ``qsdp.ddp.register(..., pipeline=True)``, one bucket's
+    later exchange overlapping the next one's on a second communicator (the same results)."""
     nodes: int | None = None
     """``hsdp``: the number of nodes (default: torchrun's ``WORLD_SIZE / LOCAL_WORLD_SIZE``, or 2
     emulated nodes on one machine). ``fsdp``: the nodes of two-level recipes' and ``auto``'s
@@ -250,6 +257,20 @@ class TrainConfig:
             raise ValueError(
                 f"--error-feedback is for --ddp with quantized gradients (cgx, qsdp-g8), not "
                 f"--recipe {self.recipe} under {self.parallel}: drop it, or use those"
+            )
+        if self.ddp_bucket_mb is not None and (
+            self.parallel != "ddp" or not self.ddp_bucket_mb > 0
+        ):
+            raise ValueError(
+                f"--ddp-bucket-mb {self.ddp_bucket_mb} is DDP's bucket size in MiB: give a "
+                f"positive size with --ddp (this run is {self.parallel}), or drop it"
+            )
+        if self.pipeline and (
+            self.parallel != "ddp" or self.recipe == "auto" or recipe(self.recipe).grads is None
+        ):
+            raise ValueError(
+                f"--pipeline is for --ddp with compressed gradients (cgx, qsdp-g8, global-qsgd), "
+                f"not --recipe {self.recipe} under {self.parallel}: drop it, or use those"
             )
         overrides = {
             "--grad-rounding": self.grad_rounding,
@@ -488,6 +509,8 @@ def train_rank(cfg: TrainConfig, data: TokenData, device: torch.device) -> dict:
         two_level=cfg.two_level and (chosen is None or auto_uses_mesh(chosen)),
         nodes=cfg.nodes,
         error_feedback=cfg.error_feedback,
+        ddp_bucket_mb=cfg.ddp_bucket_mb,
+        pipeline=cfg.pipeline,
         # "auto" resumes with the recipe it chose, never a new measurement's
         config=auto_config(chosen) if chosen else compression,
     )

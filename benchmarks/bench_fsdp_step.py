@@ -310,8 +310,9 @@ def run_variant(
             prof.__exit__(None, None, None)
             if what == "bounds":
                 wire = _wire_alone(prof, device)
-            elif dist.get_rank() == 0:
-                path = args.profile / f"{args.regime}_{name}.txt"
+            elif dist.get_rank() == 0 or args.profile_all_ranks:
+                rank = f"_rank{dist.get_rank()}" if args.profile_all_ranks else ""
+                path = args.profile / f"{args.regime}_{name}{rank}.txt"
                 profiling.write_profile(prof, path, elapsed, phases.report())
             continue
         slowest = torch.tensor([elapsed], device=device, dtype=torch.float64)
@@ -444,6 +445,12 @@ def main() -> None:
     p.add_argument("--tiny", action="store_true", help="a 2-layer d-128 model (smoke tests)")
     p.add_argument("--mem-trace", action="store_true", help="print allocated memory per step")
     p.add_argument("--profile", type=Path, help="profile one extra step per variant into DIR")
+    p.add_argument(
+        "--profile-all-ranks",
+        action="store_true",
+        help="with --profile: every rank writes its profile (NAME_rankR.txt), not rank 0 alone "
+        "(skew between ranks: a collective's kernel waits for its slowest peer)",
+    )
     p.add_argument(
         "--bounds",
         action="store_true",

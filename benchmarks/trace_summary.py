@@ -1,0 +1,128 @@
+"""What a profiled step's GPU streams did: busy time, the compute stream's waits, rank skew.
+
+    python benchmarks/trace_summary.py DIR/2x2_cgx_rank0.txt.trace.json.gz [more ranks' traces]
+
+Reads the Chrome traces that ``--profile DIR`` writes (``bench_fsdp_step.py --profile-all-ranks``
+writes one per rank) and prints, per trace, each CUDA stream's busy time and its largest kernels;
+the compute stream's idle gaps, each charged to the kernel on another stream that ended when the
+gap ended (what the compute stream waited for); and, given two or more traces of one host (their
+clocks agree), the start of each NCCL kernel of a stream on every rank: a collective's kernel
+spins until its last peer arrives, so a kernel's busy time is often another rank's lateness.
+The compute stream is the one with the most kernels. Profiled steps run slower than measured
+ones (the profiler's host overhead per op): read the shares, not the absolute times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gzip
+import json
+from pathlib import Path
+
+KINDS = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+def load(path: Path) -> list[dict]:
+    """The trace's device events (kernels, copies, sets) as dicts with ts/dur in microseconds."""
+    with gzip.open(path) if str(path).endswith(".gz") else open(path) as f:
+        events = json.load(f)["traceEvents"]
+    return [e for e in events if e.get("ph") == "X" and e.get("cat") in KINDS]
+
+
+def _short(name: str) -> str:
+    return name.split("(")[0][:60]
+
+
+def streams(events: list[dict], top: int = 4) -> list[dict]:
+    """Per stream, busiest first: busy ms, kernel count, first and last ms, top kernels."""
+    t0 = min(e["ts"] for e in events)
+    by: dict[int, list[dict]] = collections.defaultdict(list)
+    for e in events:
+        by[e["tid"]].append(e)
+    out = []
+    for tid, es in by.items():
+        names: collections.Counter = collections.Counter()
+        for e in es:
+            names[_short(e["name"])] += e["dur"]
+        out.append(
+            {
+                "stream": tid,
+                "busy_ms": sum(e["dur"] for e in es) / 1e3,
+                "kernels": len(es),
+                "from_ms": (min(e["ts"] for e in es) - t0) / 1e3,
+                "to_ms": (max(e["ts"] + e["dur"] for e in es) - t0) / 1e3,
+                "top": [(n, t / 1e3) for n, t in names.most_common(top)],
+            }
+        )
+    return sorted(out, key=lambda s: -s["busy_ms"])
+
+
+def compute_stream(events: list[dict]) -> int:
+    """The stream with the most kernels (the forward's and backward's)."""
+    return collections.Counter(e["tid"] for e in events).most_common(1)[0][0]
+
+
+def waits(events: list[dict], min_gap_us: float = 200.0) -> tuple[float, list[tuple]]:
+    """The compute stream's idle gaps of at least ``min_gap_us``: total ms, and per cause
+    (stream, kernel ending within 30 us of the gap's end, or "host" when none did) the ms and
+    the count, largest first."""
+    tid = compute_stream(events)
+    mine = sorted((e for e in events if e["tid"] == tid), key=lambda e: e["ts"])
+    ends = sorted(((e["ts"] + e["dur"], e) for e in events if e["tid"] != tid), key=lambda x: x[0])
+    total, cause_ms, cause_n = 0.0, collections.Counter(), collections.Counter()
+    for a, b in zip(mine, mine[1:], strict=False):
+        start, end = a["ts"] + a["dur"], b["ts"]
+        if end - start < min_gap_us:
+            continue
+        total += end - start
+        near = [e for t, e in ends if abs(t - end) < 30]
+        key = (near[0]["tid"], _short(near[0]["name"])) if near else ("host", "")
+        cause_ms[key] += (end - start) / 1e3
+        cause_n[key] += 1
+    return total / 1e3, [(k, ms, cause_n[k]) for k, ms in cause_ms.most_common()]
+
+
+def skew(traces: list[list[dict]], tid: int, pattern: str) -> list[list[float]]:
+    """Start ms (against the first trace's first event) of the kernels on stream ``tid`` whose
+    name holds ``pattern``, in order, one list per trace (rows: the n-th kernel on each rank)."""
+    t0 = min(e["ts"] for e in traces[0])
+    cols = [
+        sorted((e["ts"] - t0) / 1e3 for e in t if e["tid"] == tid and pattern in e["name"])
+        for t in traces
+    ]
+    return [list(row) for row in zip(*cols, strict=False)]  # (the shortest)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("traces", nargs="+", type=Path)
+    p.add_argument("--skew-pattern", default="AllGather", help="NCCL kernel name for --skew")
+    p.add_argument("--skew-stream", type=int, help="the stream (tid) whose kernels to line up")
+    a = p.parse_args()
+    loaded = [load(t) for t in a.traces]
+    for path, events in zip(a.traces, loaded, strict=True):
+        span = (max(e["ts"] + e["dur"] for e in events) - min(e["ts"] for e in events)) / 1e3
+        print(f"== {path.name}: GPU span {span:.1f} ms, {len(events)} device events")
+        for s in streams(events):
+            print(
+                f"  stream {s['stream']}: busy {s['busy_ms']:.1f} ms, {s['kernels']} kernels, "
+                f"{s['from_ms']:.1f}-{s['to_ms']:.1f} ms"
+            )
+            for name, ms in s["top"]:
+                print(f"      {ms:8.2f} ms  {name}")
+        total, causes = waits(events)
+        print(f"  compute stream {compute_stream(events)} idle {total:.1f} ms in gaps > 0.2 ms:")
+        for (tid, name), ms, n in causes[:6]:
+            print(f"      {ms:8.1f} ms  {n:3d}x  waiting for stream {tid} {name}")
+    if len(loaded) > 1 and a.skew_stream is not None:
+        rows = skew(loaded, a.skew_stream, a.skew_pattern)
+        print(f"== stream {a.skew_stream} {a.skew_pattern!r} starts (ms), one column per trace")
+        for row in rows:
+            print(
+                "  " + "  ".join(f"{x:8.1f}" for x in row) + f"   spread {max(row) - min(row):5.1f}"
+            )
+
+
+if __name__ == "__main__":
+    main()

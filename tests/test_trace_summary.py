@@ -1,0 +1,65 @@
+"""benchmarks/trace_summary.py: per-stream busy time, the compute stream's waits and the skew
+between ranks, read from profiler traces (hand-made ones here, every figure known)."""
+
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _module():
+    spec = importlib.util.spec_from_file_location(
+        "trace_summary", ROOT / "benchmarks/trace_summary.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["trace_summary"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _k(tid: int, ts: float, dur: float, name: str, cat: str = "kernel") -> dict:
+    return {"ph": "X", "cat": cat, "tid": tid, "pid": 0, "ts": ts, "dur": dur, "name": name}
+
+
+def _trace(gather_start: float) -> dict:
+    """Compute stream 7: four kernels; it idles 1000-3000 us waiting for the all-gather on
+    stream 9 (which ends at 3000), and 4000-4500 with nothing ending then (the host)."""
+    events = [
+        _k(7, 0, 500, "gemm_a"),
+        _k(7, 500, 500, "gemm_b(args)"),
+        _k(7, 3000, 1000, "gemm_a"),
+        _k(7, 4500, 100, "gemm_c"),
+        _k(9, gather_start, 3000 - gather_start, "ncclDevKernel_AllGather_RING_LL(x)"),
+        _k(9, 5000, 10, "ncclDevKernel_AllGather_RING_LL(x)"),
+        _k(11, 100, 50, "Memcpy DtoD", cat="gpu_memcpy"),
+        {"ph": "X", "cat": "cpu_op", "tid": 1, "ts": 0, "dur": 9999, "name": "aten::mm"},
+    ]
+    return {"traceEvents": events}
+
+
+def test_streams_waits_and_skew(tmp_path):
+    ts = _module()
+    paths = []
+    for rank, start in ((0, 1200.0), (1, 2800.0)):  # rank 1 reaches the gather late
+        path = tmp_path / f"r{rank}.trace.json.gz"
+        with gzip.open(path, "wt") as f:
+            json.dump(_trace(start), f)
+        paths.append(path)
+    events = ts.load(paths[0])
+    assert len(events) == 7  # the cpu op is not a device event
+    rows = {s["stream"]: s for s in ts.streams(events)}
+    assert rows[7]["busy_ms"] == 2.1 and rows[7]["kernels"] == 4
+    assert rows[7]["top"][0] == ("gemm_a", 1.5)  # names cut at "(", summed
+    assert rows[9]["busy_ms"] == 1.81 and (rows[9]["from_ms"], rows[9]["to_ms"]) == (1.2, 5.01)
+    assert [s["stream"] for s in ts.streams(events)] == [7, 9, 11]  # busiest first
+    assert ts.compute_stream(events) == 7
+    total, causes = ts.waits(events)
+    assert total == 2.5
+    assert causes == [((9, "ncclDevKernel_AllGather_RING_LL"), 2.0, 1), (("host", ""), 0.5, 1)]
+    late = ts.skew([ts.load(p) for p in paths], 9, "AllGather")
+    assert late == [[1.2, 2.8], [5.0, 5.0]]  # rank 1 started the first gather 1.6 ms later

@@ -216,13 +216,15 @@ def ddp_table(paths: list[Path]) -> str:
     if not regimes:
         return ""
     meta = runs[regimes[0]]
+    named = any("+b" in x["variant"] for r in regimes for x in runs[r]["rows"])
+    sized = " (a `+bN` variant's: N MiB)" if named else ""
     head = (
         f"DDP training step, {meta['world_size']}x {meta['device']}, torch {meta['torch']}: "
         f"GPT-125M ({meta['model']['params'] / 1e6:.0f} M parameters, seq 1024), micro-batch "
         f"{meta['micro_batch']}, bf16 autocast, AdamW, DDP buckets of "
-        f"{meta.get('bucket_cap_mb', 25):g} MiB; median seconds per step (x speed-up vs DDP's "
-        "fp32 all-reduce / `bf16_compress_hook`), and the wire time of the step's bytes at the "
-        "all-reduce bandwidth measured in the same run. One run per regime: "
+        f"{meta.get('bucket_cap_mb', 25):g} MiB{sized}; median seconds per step (x speed-up vs "
+        "DDP's fp32 all-reduce / `bf16_compress_hook`), and the wire time of the step's bytes at "
+        "the all-reduce bandwidth measured in the same run. One run per regime: "
         + ", ".join(
             f"{r} {runs[r]['date'][:16].replace('T', ' ')} "
             f"({runs[r]['all_reduce_bytes_per_s'] / 1e9:.1f} GB/s all-reduce)"
@@ -249,11 +251,12 @@ def ddp_table(paths: list[Path]) -> str:
             if r is None:
                 cells += ["", ""]
                 continue
+            # (a run without the fp32 baseline: "-" in its place)
             ratio = (
-                f" (x{r['x_ddp-fp32']:.2f} / x{r['x_bf16_compress_hook']:.2f})"
-                if "x_bf16_compress_hook" in r
-                else ""
-            )
+                f" (x{r['x_ddp-fp32']:.2f} / " if "x_ddp-fp32" in r else " (- / "
+            ) + f"x{r['x_bf16_compress_hook']:.2f})"
+            if "x_bf16_compress_hook" not in r:
+                ratio = ""
             cells += [f"{r['median_s']:.3f}{ratio}", f"{r['wire_s']:.3f}"]
         out.append(
             f"| {name} | {row['bytes_per_step'] / 1e6:.1f} MB | "
@@ -428,6 +431,18 @@ def tables() -> dict[str, Callable[[], str]]:
         ),
         "staleness-ddp": lambda: ddp_table(
             [STALENESS / "ddp_staleness_socket_ws4_NVIDIA_H200.json"]
+        ),
+        # the twelfth session's runs (2026-11-27): DDP bucket sizes and pipelining, three runs
+        # in the order they ran; HSDP after the flags' own communicator; the staleness bounds
+        "ddp-session12": lambda: "\n\n".join(
+            ddp_table([SESSION12 / f"ddp_{name}_socket_ws4_NVIDIA_H200_2026-11-27.json"])
+            for name in ("pipe", "buckets", "buckets2", "buckets3")
+        ),
+        "hsdp-session12": lambda: hsdp_table(
+            [SESSION12 / "fsdp_step_hsdp_2x2_NVIDIA_H200_2026-11-27.json"]
+        ),
+        "staleness-session12": lambda: staleness_table(
+            [SESSION12 / "fsdp_bounds_socket_NVIDIA_H200_2026-11-27.json"]
         ),
         "convergence": lambda: study_tables.convergence_table(CONVERGENCE),
         "convergence-350m": lambda: study_tables.convergence_table(CONVERGENCE_350M),

@@ -284,19 +284,16 @@ def test_sdp4bit_two_level_on_a_2x2_mesh():
 
 
 def _two_level_flags(rank: int, world: int) -> str:
-    # [Note: the flags' own communicator]: a two-level reduce-scatter's flags never go over
-    # FSDP2's communicator (which carries the backward's all-gathers); a NaN on one rank still
-    # stops every rank
+    # [Note: one flag agreement per backward]: a two-level reduce-scatter's flags are agreed
+    # once, when the backward ends, for all three FSDP groups (never between two modules'
+    # exchanges, on the communicator that carries the backward's all-gathers); a NaN on one
+    # rank still stops every rank
     model = _build("tlq-hs-only", (2, 2))
     fsdp_group = model._get_fsdp_state()._fsdp_param_group.mesh_info.shard_process_group
     batches = _batches(rank, world)
     with flag_groups() as seen:
         _step(model, next(batches))
-    assert seen and all(
-        g is not fsdp_group
-        and dist.get_process_group_ranks(g) == dist.get_process_group_ranks(fsdp_group)
-        for g in seen
-    ), seen
+    assert seen == [fsdp_group], seen
     if rank == 2:
         nan_gradient(model.blocks[0].up)
     try:
@@ -306,7 +303,7 @@ def _two_level_flags(rank: int, world: int) -> str:
     return "no error"
 
 
-def test_two_level_flags_go_over_their_own_communicator():
+def test_two_level_flags_are_agreed_once_per_backward():
     for msg in run_distributed(_two_level_flags, 4, pg_timeout_s=30):
         assert msg.startswith("non-finite gradient"), msg
 
@@ -358,9 +355,13 @@ def _nan_grad(rank: int, world: int, mode: str) -> dict:
         nan_gradient(model.blocks[1].down)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     try:
-        _step(model, next(_batches(rank, world)))
+        with flag_groups() as seen:
+            _step(model, next(_batches(rank, world)))
     except ValueError as e:
-        return {"error": str(e)}
+        return {"error": str(e), "flag_all_reduces": len(seen)}
+    # the NaN's group zeroed on every rank (rank 0's own input was finite), the others kept
+    bad = [bool(p.grad.full_tensor().eq(0).all()) for p in model.blocks[1].parameters()]
+    good = [bool(p.grad.full_tensor().ne(0).any()) for p in model.blocks[0].parameters()]
     opt.step()
     finite = all(bool(torch.isfinite(p.full_tensor()).all()) for p in model.parameters())
     zeroed = sum(
@@ -368,13 +369,20 @@ def _nan_grad(rank: int, world: int, mode: str) -> dict:
         for m in model.modules()
         if isinstance(m, FSDPModule)
     )
-    return {"error": None, "finite": finite, "zeroed": zeroed}
+    return {
+        "error": None,
+        "finite": finite,
+        "zeroed": zeroed,
+        "bad_zero": all(bad),
+        "good_kept": all(good),
+        "flag_all_reduces": len(seen),
+    }
 
 
 def test_nan_gradient_raises_on_every_rank_naming_the_parameter():
     res = run_distributed(_nan_grad, 2, "raise", pg_timeout_s=20)
     for r in res:
-        assert r["error"] is not None
+        assert r["error"] is not None and r["flag_all_reduces"] == 1
         assert (
             "non-finite gradient (NaN/Inf, or too large to quantize) on at least one rank in "
             "blocks.1.down.weight;" in (r["error"])
@@ -386,6 +394,8 @@ def test_nan_gradient_zeroed_when_asked_and_weights_stay_finite():
     for r in res:
         assert r["error"] is None and r["finite"]
         assert r["zeroed"] == 1  # the one group holding the parameter, on every rank
+        assert r["bad_zero"] and r["good_kept"]
+        assert r["flag_all_reduces"] == 1  # 3 groups' flags, one agreement
 
 
 def _decisions(rank: int, world: int) -> list[int]:

@@ -73,6 +73,9 @@ class _Reduction:
         result depends on a slow exchange (see [Note: the flags' own communicator])."""
         self._group: dist.ProcessGroup | None = None
         """The group the applied result's NaN/Inf flags are agreed over."""
+        self.params: list[torch.Tensor] = []
+        """The parameters whose gradients this reduction makes (its FSDP group's own), zeroed
+        when the backward ends if its flags are set ([Note: one flag agreement per backward])."""
         self.widths: WidthController | None = None
         """Adaptive widths: the model's controller, and this group's key in it."""
         self.width_key = 0
@@ -174,6 +177,14 @@ class _Reduction:
         levels), else ``group`` ([Note: the flags' own communicator])."""
         return self.flag_twins.get(group.group_name, group)
 
+    def _defer(self, flags: torch.Tensor, group: dist.ProcessGroup) -> None:
+        """This rank's ``flags``, counted and handed to the check, which agrees them over
+        ``group`` with the other reductions' when the backward ends and zeroes
+        :attr:`params`' gradients where any rank's is set ([Note: one flag agreement per
+        backward] in ``qsdp.runtime.nonfinite``)."""
+        self.stats.add_bytes("nonfinite_check", flags.numel() * flags.element_size())
+        self.check.add(self, flags, group=group, params=self.params)
+
     def _agree(self, flags: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
         """``flags`` MAX-reduced over ``group`` (every rank then holds the same), counted and
         handed to the check; returns whether any is set, on the device (no host sync)."""
@@ -245,11 +256,10 @@ class QuantizedReduceScatter(_Reduction, _Hook, ReduceScatter):
         rows = input_tensor.view(group.size(), -1)
         split = _usable(self.split, rows.shape[1], self.stats)
         sections = self._sections_now(rows, split)
-        bad = None
-        if self.check is not None:
+        if self.check is not None:  # agreed, and acted on, when the backward ends
             limit = min(plan.value_limit() for plan, *_ in sections)
             flags = nonfinite_flags(input_tensor.reshape(group.size(), -1), self.layout, limit)
-            bad = self._agree(flags, self._flags_group(group))
+            self._defer(flags, self._flags_group(group))
         step = self._steps.next()
         for plan, runs, sub, bucket in sections:
             # AVG or SUM as FSDP asks; a PREMUL_SUM (set_gradient_divide_factor) raises with a
@@ -278,6 +288,4 @@ class QuantizedReduceScatter(_Reduction, _Hook, ReduceScatter):
                     [output_tensor.view(-1)[s : s + n] for s, n in runs],
                     list(part_out.split([n for _, n in runs])),
                 )
-        if bad is not None:  # on the device: no host sync, a NaN never reaches the optimizer
-            output_tensor.masked_fill_(bad, 0)
         return None

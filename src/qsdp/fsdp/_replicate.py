@@ -14,23 +14,21 @@ all-reduce of the sum, so the result is the same.
 
 NaN/Inf: a value in one shard reaches only that shard's replicas, so each hook's flag is
 MAX-reduced over the shard group (every rank then holds the same flags) and decided once per
-backward by the model's :class:`NonfiniteCheck`, as for the reduce-scatter.
+backward by the model's :class:`NonfiniteCheck`, as for the reduce-scatter: all modules' flags
+in one all-reduce when the backward ends ([Note: one flag agreement per backward] in
+``qsdp.runtime.nonfinite``).
 
 [Note: the flags' own communicator]
-That MAX runs after the module's replicate all-reduce (it flags the result), on FSDP2's
-all-reduce stream. On FSDP2's shard communicator it would sit in that communicator's queue
-until the slow inter-node all-reduce ended, and every later collective of the communicator
-with it: the next module's reduce-scatter and the backward's weight all-gathers, which the
-compute waits for, so the backward would run in series with the inter-node link. (The
-compressed HSDP steps measured before this change, 0.25-0.30 s on 4x H200 against about 0.17 s
-of compute and an estimated 0.07 s of inter-node wire, look like that; not yet re-measured.)
-So the flags go over a communicator of their own with the shard group's ranks
-(``compress_fsdp`` makes one per group, ``_Reduction.flag_twins``). The same holds for
-staleness 1's check of the result it applies (FSDP2 and HSDP), which first waits for the
-previous step's reduction, and for a two-level reduce-scatter's flags: they are agreed before
-the module's own exchange, but on the reduce-scatter stream behind the previous module's
-stages, which wait on the mesh's communicators (inter-node), while FSDP2's communicator
-carries the backward's all-gathers.
+A MAX of flags on FSDP2's shard communicator sits in that communicator's queue behind every
+collective issued before it. Made inside each hook, after the module's slow inter-node
+all-reduce (on FSDP2's all-reduce stream), it held back the next module's reduce-scatter and the
+backward's weight all-gathers, which the compute waits for. The flags therefore go over a
+communicator of their own with the shard group's ranks (``compress_fsdp`` makes one per group,
+``_Reduction.flag_twins``): now only for the one agreement at the end of the backward (where
+it costs nothing either way) and for staleness 1's check of the result it applies (FSDP2 and
+HSDP), which first waits for the previous step's reduction and is still agreed in its hook.
+Measured before and after (4x H200, 2x2): 0.302 and 0.320 s per `cgx` step in runs whose
+baseline moved from 0.529 to 0.587 s; no change the runs can resolve.
 """
 
 from __future__ import annotations
@@ -102,10 +100,10 @@ class ReplicateAllReduce(_Reduction):
                 stats=self.stats,
             )
             if self.check is not None:
-                # identical on the replicas after the all-reduce; MAX over the shard group
-                # makes every rank hold the same flags
+                # identical on the replicas after the all-reduce; agreed (MAX) over the shard
+                # group, and acted on, when the backward ends
                 flags = (~torch.isfinite(flat)).any().reshape(1).to(torch.int32)
-                flat.masked_fill_(self._agree(flags, self._flags_group(self.shard)), 0)
+                self._defer(flags, self._flags_group(self.shard))
 
 
 class ReplicateCounter:

@@ -156,11 +156,9 @@ def compress_fsdp(
         if isinstance(plan, qc.TwoLevelReduce) and plan.mesh is not None:
             plan = dataclasses.replace(plan, mesh=twin_mesh(plan.mesh))
 
-    flag_twins = {}  # [Note: the flags' own communicator]: compressed HSDP, staleness 1, and
-    # two levels (their stages wait on the mesh's exchanges on the reduce-scatter stream)
-    hsdp_checked = replicate_pg is not None and config.grads is not None
-    two_level = plan is not None and plan.node_level
-    if check is not None and (hsdp_checked or config.staleness or two_level):
+    flag_twins = {}  # [Note: the flags' own communicator]: staleness 1 agrees the flags of the
+    # result it applies inside its hook; every other reduction's wait for the backward's end
+    if check is not None and config.staleness:
         shards = [g for g, native in groups.values() if g is not None and native is None]
         flag_twins = twin_groups(shards)
 
@@ -217,6 +215,7 @@ def compress_fsdp(
             module.set_all_reduce_hook(hook)
             hooks.append(hook)
             hook.flag_twins = flag_twins
+            hook.params = _own_params(module)
             hook.widths, hook.width_key = widths, i
             if pipeline is not None and layout != []:
                 hook.stale(pipeline=pipeline, twins=twins)
@@ -255,6 +254,7 @@ def compress_fsdp(
             hooks.append(reduce)
             reduce.twins = twins or {}
             reduce.flag_twins = flag_twins
+            reduce.params = _own_params(module)
             reduce.widths, reduce.width_key = widths, i
             if i in param_keys:  # [Note: widths per parameter]
                 reduce.per_parameter(param_keys[i], param_runs[i])

@@ -1,20 +1,37 @@
-"""The NaN/Inf gradient check of a model's compressed reduce-scatters, decided once per backward.
+"""The NaN/Inf gradient check of a model's compressed reductions, decided once per backward.
 
 [Note: one host sync per backward]
-Each reduce-scatter computes per-parameter NaN/Inf flags of its input on the device and
-all-reduces them (MAX), so every rank holds the same flags, and zeroes its output where a flag
-is set (a NaN never reaches the optimizer). Reading the flags on the host inside the hook would
-stall the CPU once per FSDP group (25 times a step for a 24-block GPT), and with it the overlap
-of communication and compute. Instead the flags wait on the device, and one autograd final
-callback, queued by the first reduce-scatter of a backward, reads them all at once when the
-backward ends: it raises naming every affected parameter (``nonfinite="raise"``) or counts
-the zeroed groups (``"zero"``) before the optimizer can step. A reduce-scatter outside a backward
-(a direct call) decides at once.
+Each reduction computes per-parameter NaN/Inf flags on the device. Reading them on the host
+inside the hook would stall the CPU once per FSDP group (25 times a step for a 24-block GPT),
+and with it the overlap of communication and compute. Instead the flags wait on the device, and
+one autograd final callback, queued by the first reduction of a backward, reads them all at
+once when the backward ends: it raises naming every affected parameter (``nonfinite="raise"``)
+or counts the zeroed groups (``"zero"``) before the optimizer can step. A reduction outside a
+backward (a direct call) decides at once.
+
+[Note: one flag agreement per backward]
+Every rank must reach the same verdict, but an FSDP2 reduce-scatter's flags are of this rank's
+input, and compressed HSDP's of this rank's shard of the result. They used to be agreed (a MAX
+all-reduce over the shard group) inside each hook: 25 latency-bound collectives a step, each
+queued between two modules' exchanges. Now a hook hands its flags over unagreed, with the group
+to agree them over and the parameters whose gradients they speak for (``add(..., group=,
+params=)``), and the final callback agrees all of a group's flags in one all-reduce, in the
+order the hooks ran (the same on every rank of the group), before its one host read. The
+zeroing moves with it: where any rank's flag is set, every rank zeroes the module's gradients
+when the backward ends (after FSDP2's own final callback, queued first, has written them), not
+the reduction's output when it is made. So under ``"zero"`` with FSDP2 reducing every
+micro-batch of an accumulation, a NaN zeroes the module's gradient accumulated so far, not only
+the micro-batch's share. DDP's flags are of the all-reduced bucket, the same on every rank: they
+need no agreement (``ready=``: wait for the bucket's exchange first).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import NamedTuple
+
 import torch
+import torch.distributed as dist
 
 __all__ = ["NonfiniteCheck", "nonfinite_flags"]
 
@@ -35,6 +52,33 @@ def nonfinite_flags(
     return torch.stack([seg.any() for seg in segments]).to(torch.int32)
 
 
+class _Entry(NamedTuple):
+    """One reduction's flags in a backward: ``group`` None when they are agreed already."""
+
+    hook: object
+    flags: torch.Tensor
+    group: dist.ProcessGroup | None
+    params: tuple[torch.Tensor, ...]
+
+
+def _agree(pending: list[_Entry]) -> list[_Entry]:
+    """``pending`` with every deferred entry's flags MAX-reduced over its group: one
+    all-reduce per group, groups in the order their first entry came (the hooks' order, the
+    same on every rank of a group)."""
+    groups: dict[int, tuple[dist.ProcessGroup, list[int]]] = {}
+    for i, e in enumerate(pending):
+        if e.group is not None:
+            groups.setdefault(id(e.group), (e.group, []))[1].append(i)
+    out = list(pending)
+    for group, idx in groups.values():
+        flat = torch.cat([pending[i].flags.reshape(-1) for i in idx])
+        dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=group)
+        parts = flat.split([pending[i].flags.numel() for i in idx])
+        for i, part in zip(idx, parts, strict=True):
+            out[i] = pending[i]._replace(flags=part)
+    return out
+
+
 def _graph_task() -> int:
     """The running backward's id, -1 outside a backward."""
     task = getattr(torch._C, "_current_graph_task_id", None)
@@ -48,23 +92,33 @@ class NonfiniteCheck:
         if mode not in ("raise", "zero"):
             raise ValueError(f"NonfiniteCheck mode must be 'raise' or 'zero', got {mode!r}")
         self.mode = mode
-        self._pending: list[tuple[object, torch.Tensor]] = []
+        self._pending: list[_Entry] = []
         self._ready: list[torch.futures.Future] = []
         self._queued = -1  # the backward whose final callback is queued, -1 for none
 
     def add(
-        self, hook: object, flags: torch.Tensor, *, ready: torch.futures.Future | None = None
+        self,
+        hook: object,
+        flags: torch.Tensor,
+        *,
+        ready: torch.futures.Future | None = None,
+        group: dist.ProcessGroup | None = None,
+        params: Sequence[torch.Tensor] = (),
     ) -> None:
-        """Record a reduction's flags, the same on every rank; ``hook`` has ``layout``,
-        ``module_name`` and a ``zeroed`` counter. ``ready``: a future to wait for before the
-        flags are read (DDP fills them in its communication's callback)."""
+        """Record a reduction's flags; ``hook`` has ``layout``, ``module_name`` and a
+        ``zeroed`` counter. ``ready``: a future to wait for before the flags are read (DDP fills
+        them in its communication's callback). Without ``group`` the flags are the same on every
+        rank already; with it they are this rank's, agreed (MAX) over ``group`` when the
+        backward ends, and where any is set ``params``' gradients are zeroed then ([Note: one
+        flag agreement per backward])."""
+        entry = _Entry(hook, flags, group, tuple(params))
         task = _graph_task()
         if task != -1 and task == self._queued:
-            self._pending.append((hook, flags))
+            self._pending.append(entry)
             self._ready.extend([ready] if ready is not None else [])
             return
         # a new backward (flags left by one that failed before its end are dropped), or none
-        self._pending = [(hook, flags)]
+        self._pending = [entry]
         self._ready = [ready] if ready is not None else []
         if task == -1:
             self.decide()
@@ -81,15 +135,19 @@ class NonfiniteCheck:
             fut.wait()
         if not pending:
             return
-        host = torch.cat([f.reshape(-1) for _, f in pending]).tolist()
+        pending = _agree(pending)
+        host = torch.cat([e.flags.reshape(-1) for e in pending]).tolist()
         where: list[str] = []
         offset = 0
-        for hook, flags in pending:
+        for hook, flags, _, params in pending:
             mine = host[offset : offset + flags.numel()]
             offset += flags.numel()
             if not any(mine):
                 continue
             hook.zeroed += 1
+            for p in params:  # deferred: zeroed here, on every rank (raise: before raising)
+                if p.grad is not None:
+                    p.grad.zero_()
             layout = hook.layout
             if layout is not None and len(layout) == len(mine):
                 where += [layout[i][0] for i, bad in enumerate(mine) if bad]

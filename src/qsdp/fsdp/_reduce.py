@@ -69,8 +69,8 @@ class _Reduction:
         self.pipeline: Pipeline | None = None
         self.twins: dict[str, dist.ProcessGroup] = {}
         self.flag_twins: dict[str, dist.ProcessGroup] = {}
-        """By group name: the communicator a result's NaN/Inf flags are agreed on when the
-        result depends on a slow exchange (see [Note: the flags' own communicator])."""
+        """By group name: the communicator a result's NaN/Inf flags are agreed on when they are
+        agreed inside the hook (staleness 1; see [Note: the flags' own communicator])."""
         self._group: dist.ProcessGroup | None = None
         """The group the applied result's NaN/Inf flags are agreed over."""
         self.params: list[torch.Tensor] = []
@@ -173,8 +173,8 @@ class _Reduction:
 
     def _flags_group(self, group: dist.ProcessGroup) -> dist.ProcessGroup:
         """Where this hook's NaN/Inf flags over ``group`` are agreed: the group's flag
-        communicator where ``compress_fsdp`` made one (compressed HSDP, staleness 1, two
-        levels), else ``group`` ([Note: the flags' own communicator])."""
+        communicator where ``compress_fsdp`` made one (staleness 1), else ``group`` ([Note:
+        the flags' own communicator])."""
         return self.flag_twins.get(group.group_name, group)
 
     def _defer(self, flags: torch.Tensor, group: dist.ProcessGroup) -> None:

@@ -61,7 +61,7 @@ class _Entry(NamedTuple):
     params: tuple[torch.Tensor, ...]
 
 
-def _agree(pending: list[_Entry]) -> list[_Entry]:
+def _agree_deferred(pending: list[_Entry]) -> list[_Entry]:
     """``pending`` with every deferred entry's flags MAX-reduced over its group: one
     all-reduce per group, groups in the order their first entry came (the hooks' order, the
     same on every rank of a group)."""
@@ -135,7 +135,7 @@ class NonfiniteCheck:
             fut.wait()
         if not pending:
             return
-        pending = _agree(pending)
+        pending = _agree_deferred(pending)
         host = torch.cat([e.flags.reshape(-1) for e in pending]).tolist()
         where: list[str] = []
         offset = 0

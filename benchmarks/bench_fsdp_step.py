@@ -159,10 +159,17 @@ def build(
     if recipe is None or recipe == "compute-alone":
         return model
     # NAME+s1: the recipe at staleness 1 (+local: predicting from each rank's own gradient);
-    # NAME+own: its reduce-scatters on their own communicator (own_reduce_group)
+    # NAME+own: its reduce-scatters on their own communicator (own_reduce_group); NAME+pipe
+    # (--hsdp): compress_fsdp(..., pipeline=True)
     name, *options = recipe.split("+")
-    if set(options) - {"s1", "own", "local"} or ("local" in options and "s1" not in options):
-        raise SystemExit(f"variant {recipe!r}: options are +s1 (+local with it) and +own")
+    if (
+        set(options) - {"s1", "own", "local", "pipe"}
+        or ("local" in options and "s1" not in options)
+        or ("pipe" in options and hsdp is None)
+    ):
+        raise SystemExit(
+            f"variant {recipe!r}: options are +s1 (+local with it), +own and, with --hsdp, +pipe"
+        )
     if name == "auto":  # measures the regime's groups and picks (qsdp.policy.auto)
         if options:
             raise SystemExit(f"variant {recipe!r}: 'auto' takes no +options")
@@ -171,7 +178,7 @@ def build(
         return qsdp.compress_fsdp(model, "auto", mesh=mesh)
     config = qsdp.recipe(name, staleness=int("s1" in options), own_reduce_group="own" in options)
     if hsdp is not None:
-        qsdp.compress_fsdp(model, config, replicate=hsdp["replicate"])
+        qsdp.compress_fsdp(model, config, replicate=hsdp["replicate"], pipeline="pipe" in options)
     else:
         qsdp.compress_fsdp(model, config, mesh=mesh if config.two_level else None)
     return model
@@ -419,8 +426,9 @@ def main() -> None:
         "--recipes",
         nargs="*",
         help="default: qsdp-w8g8 global-qsgd sdp4bit sdp4bit+s1 qsdp-w8g8+s1 (with --hsdp: cgx "
-        "global-qsgd cgx+s1); NAME+s1 is the recipe at staleness 1, its step timed to the end "
-        "of the compute stream (its reduction runs on into the next step), drained at the end",
+        "cgx+pipe global-qsgd cgx+s1); NAME+s1 is the recipe at staleness 1, its step timed to "
+        "the end of the compute stream (its reduction runs on into the next step), drained at "
+        "the end; NAME+pipe (--hsdp) pipelines the replicate all-reduce across modules",
     )
     p.add_argument("--hsdp", action="store_true", help="HSDP on 2 nodes (see the docstring)")
     p.add_argument(
@@ -478,7 +486,7 @@ def main() -> None:
     ws = dist.get_world_size()
     if a.recipes is None:
         a.recipes = (
-            ["cgx", "global-qsgd", "cgx+s1"]
+            ["cgx", "cgx+pipe", "global-qsgd", "cgx+s1"]
             if a.hsdp
             else ["qsdp-w8g8", "global-qsgd", "sdp4bit", "sdp4bit+s1", "qsdp-w8g8+s1"]
         )

@@ -290,3 +290,38 @@ def test_the_hooks_never_make_the_host_wait_on_nccl():
     ws = min(torch.cuda.device_count(), 4)
     for got in run_distributed(_backward_syncs, ws, backend="nccl"):
         assert all(v == "none" for v in got.values()), got
+
+
+def _pipelined_hsdp(rank: int, ws: int) -> None:
+    """[Note: pipelined modules] on NCCL: two hook streams and a second replicate communicator
+    give the bits of the serial hook (what gloo cannot check: the streams)."""
+    mesh = init_device_mesh("cuda", (2, ws // 2), mesh_dim_names=("replicate", "shard"))
+    dev = torch.device("cuda", torch.cuda.current_device())
+    out = {}
+    for pipeline in (False, True):
+        torch.manual_seed(0)
+        with dev:
+            model = TinyGPT(d=256)
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh["shard"], mp_policy=mp)
+        fully_shard(model, mesh=mesh["shard"], mp_policy=mp)
+        qsdp.compress_fsdp(model, "cgx", replicate=mesh["replicate"], pipeline=pipeline)
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        for batch in list(_batches(rank, ws))[:6]:
+            batch = batch.to(dev)
+            logits = model(batch[:, :-1])
+            loss = nn.functional.cross_entropy(
+                logits.float().reshape(-1, 256), batch[:, 1:].reshape(-1)
+            )
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        out[pipeline] = [p.to_local().detach().clone() for p in model.parameters()]
+    for a, b in zip(out[False], out[True], strict=True):
+        assert torch.equal(a, b)
+
+
+def test_pipelined_hsdp_gives_the_same_bits_on_nccl():
+    ws = 4 if torch.cuda.device_count() >= 4 else 2
+    run_distributed(_pipelined_hsdp, ws, backend="nccl")

@@ -66,6 +66,55 @@ def test_compressed_hsdp_trains_like_native_hsdp(shape):
             assert abs(rel) < 0.03, f"{recipe}: {out[recipe]:.4f} vs native {out['native']:.4f}"
 
 
+def _pipelined(rank: int, world: int) -> None:
+    # [Note: pipelined modules]: the later exchange on a second communicator over the replicate
+    # ranks, the same training bit for bit (gloo has no streams to alternate)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    replicate = mesh["replicate"].get_group()
+    gather = qsdp.comm._dist.dist_all_gather()
+    name = gather.__name__
+    for recipe in ("cgx", "global-qsgd"):
+        out = []
+        for pipeline in (False, True):
+            model = _model(mesh["shard"])
+            qsdp.compress_fsdp(model, recipe, replicate=mesh["replicate"], pipeline=pipeline)
+            seen: list = []
+
+            def recorded(*args, group=None, _seen=seen, **kwargs):
+                _seen.append(group)
+                return gather(*args, group=group, **kwargs)
+
+            setattr(dist, name, recorded)
+            try:
+                losses = train(model, rank, 6)
+            finally:
+                setattr(dist, name, gather)
+            # the all-gathers across the nodes (FSDP2's own weight gathers stay in the node)
+            across = dist.get_process_group_ranks(replicate)
+            seen = [g for g in seen if dist.get_process_group_ranks(g) == across]
+            hooks = qsdp.fsdp._state._installed(model).hooks
+            second = {h.second_group for h in hooks}
+            out.append((losses, [p.to_local().detach().clone() for p in model.parameters()]))
+            if not pipeline:
+                assert second == {None}
+                if recipe == "cgx":  # CGX's phase 2 on the replicate communicator
+                    assert seen and all(g is replicate for g in seen), seen
+                continue
+            (twin,) = second
+            assert twin is not replicate
+            assert dist.get_process_group_ranks(twin) == dist.get_process_group_ranks(replicate)
+            if recipe == "cgx":  # ... and now on its twin, every time
+                assert seen and all(g is twin for g in seen), seen
+        (plain, plain_params), (piped, piped_params) = out
+        assert plain == piped, (recipe, plain, piped)
+        for a, b in zip(plain_params, piped_params, strict=True):
+            assert torch.equal(a, b)
+
+
+def test_pipelined_hsdp_trains_the_same_bits():
+    run_distributed(_pipelined, 4)
+
+
 def _refusals(rank: int, world: int) -> None:
     mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("replicate", "shard"))
     with pytest.raises(ValueError, match="native HSDP"):
@@ -74,6 +123,15 @@ def _refusals(rank: int, world: int) -> None:
         qsdp.compress_fsdp(_model(mesh["shard"]), "tlq-hs-only", replicate=mesh["replicate"])
     with pytest.raises(ValueError, match="1-D DeviceMesh"):
         qsdp.compress_fsdp(_model(mesh["shard"]), "cgx", replicate=mesh)
+    with pytest.raises(ValueError, match="pipelines compressed HSDP's replicate all-reduce"):
+        qsdp.compress_fsdp(_model(mesh["shard"]), "cgx", pipeline=True)
+    with pytest.raises(ValueError, match="this config's gradients are uncompressed"):
+        qsdp.compress_fsdp(
+            _model(mesh["shard"]), "bf16", replicate=mesh["replicate"], pipeline=True
+        )
+    stale = qsdp.recipe("cgx", staleness=1)
+    with pytest.raises(ValueError, match="with staleness=1"):
+        qsdp.compress_fsdp(_model(mesh["shard"]), stale, replicate=mesh["replicate"], pipeline=True)
 
 
 def test_hsdp_refusals():

@@ -133,15 +133,19 @@ def _buckets_and_pipeline(rank: int, world: int, data: str, root: str) -> None:
     train_rank(_cfg(Path(root) / "default", "cgx", **kw), d, cpu)
     train_rank(_cfg(Path(root) / "small", "cgx", **kw, **small), d, cpu)
     train_rank(_cfg(Path(root) / "piped", "cgx", **kw, **small, pipeline=True), d, cpu)
+    hsdp = kw | {"parallel": "hsdp", "nodes": 3}  # 3 nodes of 1: every exchange inter-node
+    train_rank(_cfg(Path(root) / "hsdp", "cgx", **hsdp), d, cpu)
+    train_rank(_cfg(Path(root) / "hsdp-piped", "cgx", **hsdp, pipeline=True), d, cpu)
 
 
-def test_ddp_bucket_size_and_pipeline_reach_ddp(data_dir, tmp_path):
+def test_ddp_bucket_size_and_pipeline_reach_ddp_and_hsdp(data_dir, tmp_path):
     # 3 ranks; --pipeline changes where the exchanges run, never the bits
     run_distributed(_buckets_and_pipeline, 3, str(data_dir), str(tmp_path), timeout_s=600)
-    default, small, piped = (
-        [float(r["loss"]) for r in _rows(tmp_path / n)] for n in ("default", "small", "piped")
+    default, small, piped, hsdp, hsdp_piped = (
+        [float(r["loss"]) for r in _rows(tmp_path / n)]
+        for n in ("default", "small", "piped", "hsdp", "hsdp-piped")
     )
-    assert small == piped
+    assert small == piped and hsdp == hsdp_piped
     # other buckets cut the quantization groups elsewhere: the run changes from its 2nd step
     assert default[0] == small[0] and default != small
     saved = json.loads((tmp_path / "piped" / "config.json").read_text())
@@ -488,7 +492,11 @@ def test_schedule_warms_up_then_decays_to_the_floor():
         ({"redecide": True, "resume": True, "recipe": "cgx"}, "(got --recipe cgx)"),
         ({"ddp_bucket_mb": 100.0}, "--ddp-bucket-mb 100.0 is DDP's bucket size in MiB"),
         ({"ddp_bucket_mb": 0.0, "parallel": "ddp", "recipe": "cgx"}, "give a positive size"),
-        ({"pipeline": True, "recipe": "cgx"}, "--pipeline is for --ddp"),
+        ({"pipeline": True, "recipe": "cgx"}, "--pipeline is for --ddp, or --hsdp at"),
+        (
+            {"pipeline": True, "recipe": "cgx", "parallel": "hsdp", "staleness": 1},
+            "under hsdp at staleness 1",
+        ),
         ({"pipeline": True, "parallel": "ddp", "recipe": "bf16"}, "not --recipe bf16 under ddp"),
         ({"pipeline": True, "parallel": "ddp", "recipe": "auto"}, "not --recipe auto under ddp"),
         (

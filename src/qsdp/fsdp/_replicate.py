@@ -29,6 +29,20 @@ it costs nothing either way) and for staleness 1's check of the result it applie
 HSDP), which first waits for the previous step's reduction and is still agreed in its hook.
 Measured before and after (4x H200, 2x2): 0.302 and 0.320 s per `cgx` step in runs whose
 baseline moved from 0.529 to 0.587 s; no change the runs can resolve.
+
+[Note: pipelined modules]
+FSDP2 runs every module's all-reduce hook on one stream, and qsdp's all-reduce runs both of its
+exchanges on the replicate communicator: module ``k``'s later exchange (CGX's all-gather,
+Global-QSGD's SUM) and module ``k + 1``'s first (the all-to-all, the scales' MAX) queue behind
+each other although the inter-node link is full duplex (the DDP hook's case, [Note: pipelined
+buckets] in ``qsdp/ddp/hook.py``). ``compress_fsdp(..., pipeline=True)`` gives the later exchange
+a second communicator over the replicate ranks (``second_group=`` of the plan's all-reduce) and
+hands FSDP2 two CUDA streams for the hooks, alternating by module
+(``set_all_reduce_hook(hook, stream=...)``, FSDP2's documented argument; it then copies each
+module's result on that module's stream and waits for both when the backward ends). Every rank
+issues the same collectives in the same order on each communicator; the results are the same
+bits (tested on gloo, where there are no streams). Costs one more communicator per replicate
+group and two streams.
 """
 
 from __future__ import annotations
@@ -51,6 +65,9 @@ class ReplicateAllReduce(_Reduction):
     ) -> None:
         super().__init__(**kwargs)  # type: ignore[arg-type]
         self.replicate, self.shard = replicate, shard
+        self.second_group: dist.ProcessGroup | None = None
+        """``compress_fsdp(pipeline=True)``: the later exchange's communicator ([Note:
+        pipelined modules])."""
 
     def __call__(self, reduce_output: torch.Tensor) -> None:
         with _Context("replicate all-reduce", self.module_name):
@@ -89,6 +106,7 @@ class ReplicateAllReduce(_Reduction):
                 )
                 return
             split = _usable(self.split, flat.numel(), self.stats)
+            second = {} if self.second_group is None else {"second_group": self.second_group}
             self._plan_now(flat.view(1, -1), split).all_reduce(
                 flat,
                 self.replicate,
@@ -98,6 +116,7 @@ class ReplicateAllReduce(_Reduction):
                 step=self._steps.next(),
                 bucket=self.bucket,
                 stats=self.stats,
+                **second,
             )
             if self.check is not None:
                 # identical on the replicas after the all-reduce; agreed (MAX) over the shard

@@ -53,6 +53,7 @@ def compress_fsdp(
     *,
     mesh: DeviceMesh | None = None,
     replicate: DeviceMesh | dist.ProcessGroup | None = None,
+    pipeline: bool = False,
 ) -> nn.Module:
     """Route every ``FSDPModule`` of ``model`` through qsdp's compressed collectives.
 
@@ -77,6 +78,11 @@ def compress_fsdp(
             ``IntegerGrads``: Global-QSGD; None: uncompressed, counted) and the reduce-scatter
             inside the node stays FSDP2's own; weights are gathered inside the node as the
             config says.
+        pipeline: compressed HSDP with compressed gradients: the replicate all-reduce's later
+            exchange (CGX's phase 2, Global-QSGD's SUM) on a second communicator over the
+            replicate ranks, and the modules' hooks on two alternating CUDA streams, so one
+            module's later exchange overlaps the next module's first (the same results; [Note:
+            pipelined modules] in ``qsdp/fsdp/_replicate.py``).
 
     Returns:
         ``model``, modified in place. :func:`fsdp_comm_stats` gives its byte counter.
@@ -86,10 +92,13 @@ def compress_fsdp(
             to a one-level recipe or not covering FSDP's shard group (found with one all-reduce,
             so every rank raises), a model (or part of one) already compressed, another config
             or mesh shape on another rank (one all-gather over the world first, see [Note: one
-            config on every rank]).
+            config on every rank]), ``pipeline`` without ``replicate``, with uncompressed
+            gradients or at staleness 1.
     """
     check_same_arguments(
-        (config, _shape(mesh), _shape(replicate)), group=None, what="qsdp.compress_fsdp"
+        (config, _shape(mesh), _shape(replicate), pipeline),
+        group=None,
+        what="qsdp.compress_fsdp",
     )
     decision = None
     if config == "auto":  # measure, predict, pick: see qsdp.policy.auto
@@ -126,6 +135,7 @@ def compress_fsdp(
         )
     groups = {m: _fsdp_groups(m) for m in modules}
     replicate_pg = _replicate_group(replicate, config, groups)
+    _check_pipeline(pipeline, replicate_pg, config)
     if mesh is not None:
         _check_mesh_covers(mesh, [g for g, _ in groups.values() if g is not None], modules)
     stats = CommStats()
@@ -145,10 +155,10 @@ def compress_fsdp(
         plan = None
     elif plan is None and (config.staleness or config.own_reduce_group):
         plan = qc.PlainReduce(name="reduce_scatter")  # a hook to move: FSDP2's reduction, counted
-    pipeline = twins = None
+    stale = twins = None
     own = config.staleness or (config.own_reduce_group and replicate_pg is None)
     if config.staleness:  # [Note: staleness 1 in FSDP2]
-        pipeline = Pipeline()
+        stale = Pipeline()
     if own:  # the reductions' own communicators (see CompressionConfig.own_reduce_group)
         used = [replicate_pg] if replicate_pg is not None else []
         used += [g for g, _ in groups.values() if g is not None and plan is not None]
@@ -161,6 +171,10 @@ def compress_fsdp(
     if check is not None and config.staleness:
         shards = [g for g, native in groups.values() if g is not None and native is None]
         flag_twins = twin_groups(shards)
+
+    second, streams, made = None, [], {}  # [Note: pipelined modules]
+    if pipeline:
+        second = twin_groups([replicate_pg])[replicate_pg.group_name]
 
     def split_of(layout: list | None) -> qc.Split | None:
         return policy.split(layout) if policy is not None and layout else None
@@ -212,14 +226,21 @@ def compress_fsdp(
                 stats=stats,
                 module_name=names[module],
             )
-            module.set_all_reduce_hook(hook)
+            hook.params = _own_params(module)
+            if second is not None:  # [Note: pipelined modules]
+                hook.second_group = second
+                streams.append(_hook_stream(hook.params, len(streams), made))
+            stream = streams[-1] if second is not None else None
+            if stream is not None:
+                module.set_all_reduce_hook(hook, stream=stream)
+            else:
+                module.set_all_reduce_hook(hook)
             hooks.append(hook)
             hook.flag_twins = flag_twins
-            hook.params = _own_params(module)
             hook.widths, hook.width_key = widths, i
-            if pipeline is not None and layout != []:
-                hook.stale(pipeline=pipeline, twins=twins)
-                pipeline.add(hook, _grad_params(model, layout))
+            if stale is not None and layout != []:
+                hook.stale(pipeline=stale, twins=twins)
+                stale.add(hook, _grad_params(model, layout))
         gather = None
         if isinstance(weights, WeightDiffs):
             gather = WeightDiffAllGather(
@@ -258,10 +279,10 @@ def compress_fsdp(
             reduce.widths, reduce.width_key = widths, i
             if i in param_keys:  # [Note: widths per parameter]
                 reduce.per_parameter(param_keys[i], param_runs[i])
-            if pipeline is not None and layout != []:
-                reduce.stale(pipeline=pipeline, twins=twins)
-                pipeline.add(reduce, _grad_params(model, layout))
-    _INSTALLED[model] = _Installed(config, stats, clock, gathers, hooks, pipeline, widths, decision)
+            if stale is not None and layout != []:
+                reduce.stale(pipeline=stale, twins=twins)
+                stale.add(reduce, _grad_params(model, layout))
+    _INSTALLED[model] = _Installed(config, stats, clock, gathers, hooks, stale, widths, decision)
     _HOOKED.update(modules)
     return model
 
@@ -381,6 +402,45 @@ def auto_config(decision: dict) -> CompressionConfig:
         # 8-bit weights are gathered again in the backward, as qsdp-w8g8's
         own_reduce_group=decision["weights"] == "w8",
     )
+
+
+def _check_pipeline(
+    pipeline: bool, replicate_pg: dist.ProcessGroup | None, config: CompressionConfig
+) -> None:
+    """``compress_fsdp(pipeline=True)``'s conditions (the same on every rank: checked after
+    the arguments were agreed)."""
+    if not pipeline:
+        return
+    if replicate_pg is None:
+        raise ValueError(
+            "compress_fsdp(pipeline=True) pipelines compressed HSDP's replicate all-reduce: "
+            "pass replicate= (FSDP2's own reduce-scatters are not pipelined; under DDP use "
+            "qsdp.ddp.register(..., pipeline=True)), or drop it"
+        )
+    if config.grads is None:
+        raise ValueError(
+            "compress_fsdp(pipeline=True) runs a compressed all-reduce's later exchange on a "
+            "second communicator; this config's gradients are uncompressed: drop it"
+        )
+    if config.staleness:
+        raise ValueError(
+            "compress_fsdp(pipeline=True) with staleness=1: the delayed reductions already "
+            "overlap the next step on communicators of their own; drop one of them"
+        )
+
+
+def _hook_stream(
+    params: list[nn.Parameter], k: int, made: dict[tuple[int | None, int], torch.cuda.Stream]
+) -> torch.cuda.Stream | None:
+    """The CUDA stream of the ``k``-th pipelined HSDP hook: two per device (``made``),
+    alternating; None off CUDA, where there are no streams to alternate."""
+    device = params[0].device if params else torch.device("cpu")
+    if device.type != "cuda":
+        return None
+    key = (device.index, k % 2)
+    if key not in made:
+        made[key] = torch.cuda.Stream(device)
+    return made[key]
 
 
 def _own_params(module: FSDPModule) -> list[nn.Parameter]:

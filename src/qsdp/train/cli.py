@@ -158,8 +158,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--pipeline",
         action="store_true",
-        help="--ddp with compressed gradients: overlap one bucket's exchange with the next "
-        "one's on a second communicator (the same results)",
+        help="--ddp, or --hsdp at staleness 0, with compressed gradients: overlap one bucket's "
+        "(module's) later exchange with the next one's on a second communicator (the same "
+        "results)",
     )
     p.add_argument("--nproc", type=int, default=2, help="CPU processes when not under torchrun")
     p.add_argument("--no-progress", action="store_true")

@@ -183,7 +183,7 @@ def build(
         fully_shard(block, mesh=shard_mesh, mp_policy=mp)
     fully_shard(gpt, mesh=shard_mesh, mp_policy=mp)
     if mode == "hsdp":
-        compress_fsdp(gpt, config, replicate=replicate)
+        compress_fsdp(gpt, config, replicate=replicate, pipeline=pipeline)
     elif config == "auto":  # it may choose two levels on the mesh
         compress_fsdp(gpt, config, mesh=_mesh(device, two_level, nodes))
     else:

@@ -178,8 +178,9 @@ class TrainConfig:
     call quantizes and exchanges together; over sockets ``cgx`` ran fastest with 100-150 MiB
     (docs/results.md, DDP)."""
     pipeline: bool = False
-    """``ddp`` with compressed gradients: ``qsdp.ddp.register(..., pipeline=True)``, one bucket's
-    later exchange overlapping the next one's on a second communicator (the same results)."""
+    """``ddp`` or ``hsdp`` with compressed gradients: ``qsdp.ddp.register(..., pipeline=True)``
+    or ``compress_fsdp(..., pipeline=True)``, one bucket's (module's) later exchange overlapping
+    the next one's on a second communicator (the same results)."""
     nodes: int | None = None
     """``hsdp``: the number of nodes (default: torchrun's ``WORLD_SIZE / LOCAL_WORLD_SIZE``, or 2
     emulated nodes on one machine). ``fsdp``: the nodes of two-level recipes' and ``auto``'s
@@ -266,11 +267,15 @@ class TrainConfig:
                 f"positive size with --ddp (this run is {self.parallel}), or drop it"
             )
         if self.pipeline and (
-            self.parallel != "ddp" or self.recipe == "auto" or recipe(self.recipe).grads is None
+            self.parallel == "fsdp"
+            or self.recipe == "auto"
+            or recipe(self.recipe).grads is None
+            or (self.parallel == "hsdp" and self.staleness)
         ):
             raise ValueError(
-                f"--pipeline is for --ddp with compressed gradients (cgx, qsdp-g8, global-qsgd), "
-                f"not --recipe {self.recipe} under {self.parallel}: drop it, or use those"
+                f"--pipeline is for --ddp, or --hsdp at staleness 0, with compressed gradients "
+                f"(cgx, qsdp-g8, global-qsgd), not --recipe {self.recipe} under {self.parallel}"
+                f"{' at staleness 1' if self.staleness else ''}: drop it, or use those"
             )
         overrides = {
             "--grad-rounding": self.grad_rounding,

@@ -367,3 +367,29 @@ def test_the_report_names_the_choice_and_its_predicted_communication():
         f"chose cgx: {ddp['cgx'] * 1e3:.1f} ms" in line
         and f"{ddp['bf16'] * 1e3:.1f} ms unc" in line
     )
+
+
+def _auto_pipeline(rank: int, world: int, link: Measured) -> tuple:
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import qsdp
+    from qsdp.policy import auto
+
+    from ..models import batch, classifier
+
+    auto.measure = lambda group, device, **kw: replace(link, world=world)
+    ddp = DDP(classifier())
+    hook = qsdp.ddp.register(ddp, "auto", pipeline=True)  # pipelined when it compresses
+    x, y = batch(rank, 0)
+    nn.functional.cross_entropy(ddp(x), y).backward()  # it trains either way
+    return hook.decision["recipe"], hook.second_group is not None, hook.decision.get("pipeline")
+
+
+def test_auto_pipelines_only_what_it_compresses():
+    fast = run_distributed(_auto_pipeline, 2, NVLINK)
+    assert all(r == ("bf16", False, False) for r in fast), fast
+    # (the test model is small: only a very slow link makes its bytes worth compressing)
+    crawl = Measured(latency_s=0.0, bytes_per_s=1e6, codec_s_per_element=CODEC, world=2)
+    slow = run_distributed(_auto_pipeline, 2, crawl)
+    assert all(r[0] != "bf16" and r[1:] == (True, None) for r in slow), slow

@@ -498,7 +498,6 @@ def test_schedule_warms_up_then_decays_to_the_floor():
             "under hsdp at staleness 1",
         ),
         ({"pipeline": True, "parallel": "ddp", "recipe": "bf16"}, "not --recipe bf16 under ddp"),
-        ({"pipeline": True, "parallel": "ddp", "recipe": "auto"}, "not --recipe auto under ddp"),
         (
             {"error_feedback": True, "recipe": "global-qsgd", "parallel": "ddp"},
             "with quantized gradients (cgx, qsdp-g8), not --recipe global-qsgd",

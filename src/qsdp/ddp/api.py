@@ -39,7 +39,7 @@ def register(
             second communicator (a process group over DDP's ranks, made here) and alternate the
             buckets between two hook streams, so one bucket's exchange overlaps the next one's
             (compressed gradients; the same results; [Note: pipelined buckets] in
-            ``qsdp/ddp/hook.py``).
+            ``qsdp/ddp/hook.py``). With ``"auto"``: when it chooses to compress.
 
     Returns:
         The hook's :class:`DDPCompression`: its ``stats`` count the bytes; save it with
@@ -99,6 +99,9 @@ def register(
             "error_feedback=True needs quantized gradients (QuantizedGrads: 'cgx', 'qsdp-g8'); "
             "Global-QSGD's integer codes are unbiased and carry no local residual"
         )
+    if pipeline and decision is not None and config.grads is None:
+        pipeline = False  # "auto" chose DDP's own all-reduce: nothing to pipeline
+        decision["pipeline"] = False
     if pipeline and config.grads is None:
         raise ValueError(
             f"pipeline=True runs a compressed all-reduce's later exchange on a second "

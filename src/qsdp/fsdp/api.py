@@ -82,7 +82,8 @@ def compress_fsdp(
             exchange (CGX's phase 2, Global-QSGD's SUM) on a second communicator over the
             replicate ranks, and the modules' hooks on two alternating CUDA streams, so one
             module's later exchange overlaps the next module's first (the same results; [Note:
-            pipelined modules] in ``qsdp/fsdp/_replicate.py``).
+            pipelined modules] in ``qsdp/fsdp/_replicate.py``). With ``"auto"``: when it
+            chooses to compress.
 
     Returns:
         ``model``, modified in place. :func:`fsdp_comm_stats` gives its byte counter.
@@ -135,6 +136,9 @@ def compress_fsdp(
         )
     groups = {m: _fsdp_groups(m) for m in modules}
     replicate_pg = _replicate_group(replicate, config, groups)
+    if pipeline and decision is not None and config.grads is None:
+        pipeline = False  # "auto" chose the plain all-reduce: nothing to pipeline
+        decision["pipeline"] = False
     _check_pipeline(pipeline, replicate_pg, config)
     if mesh is not None:
         _check_mesh_covers(mesh, [g for g, _ in groups.values() if g is not None], modules)

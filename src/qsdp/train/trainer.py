@@ -178,9 +178,10 @@ class TrainConfig:
     call quantizes and exchanges together; over sockets ``cgx`` ran fastest with 100-150 MiB
     (docs/results.md, DDP)."""
     pipeline: bool = False
-    """``ddp`` or ``hsdp`` with compressed gradients: ``qsdp.ddp.register(..., pipeline=True)``
-    or ``compress_fsdp(..., pipeline=True)``, one bucket's (module's) later exchange overlapping
-    the next one's on a second communicator (the same results)."""
+    """``ddp`` or ``hsdp`` with compressed gradients (or ``auto``, when it compresses):
+    ``qsdp.ddp.register(..., pipeline=True)`` or ``compress_fsdp(..., pipeline=True)``, one
+    bucket's (module's) later exchange overlapping the next one's on a second communicator (the
+    same results)."""
     nodes: int | None = None
     """``hsdp``: the number of nodes (default: torchrun's ``WORLD_SIZE / LOCAL_WORLD_SIZE``, or 2
     emulated nodes on one machine). ``fsdp``: the nodes of two-level recipes' and ``auto``'s
@@ -268,8 +269,7 @@ class TrainConfig:
             )
         if self.pipeline and (
             self.parallel == "fsdp"
-            or self.recipe == "auto"
-            or recipe(self.recipe).grads is None
+            or (self.recipe != "auto" and recipe(self.recipe).grads is None)
             or (self.parallel == "hsdp" and self.staleness)
         ):
             raise ValueError(
@@ -503,6 +503,7 @@ def train_rank(cfg: TrainConfig, data: TokenData, device: torch.device) -> dict:
     compression = cfg.compression()
     saved = saved_choice(out) if cfg.resume and compression == "auto" else None
     chosen = None if cfg.redecide else saved
+    resumed = auto_config(chosen) if chosen else None
     par = build(
         mode=cfg.parallel,
         recipe_name=cfg.recipe,
@@ -515,9 +516,10 @@ def train_rank(cfg: TrainConfig, data: TokenData, device: torch.device) -> dict:
         nodes=cfg.nodes,
         error_feedback=cfg.error_feedback,
         ddp_bucket_mb=cfg.ddp_bucket_mb,
-        pipeline=cfg.pipeline,
+        # (a resumed "auto" that chose no compression has nothing to pipeline)
+        pipeline=cfg.pipeline and (resumed is None or resumed.grads is not None),
         # "auto" resumes with the recipe it chose, never a new measurement's
-        config=auto_config(chosen) if chosen else compression,
+        config=resumed if resumed is not None else compression,
     )
     model = par.model
     config = par.config  # for "auto": the recipe it chose

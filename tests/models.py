@@ -114,7 +114,7 @@ def train_gated_by_hand(model: nn.Module, opt, backward) -> None:
 @contextlib.contextmanager
 def flag_groups() -> Iterator[list]:
     """Record the process group of every int32 MAX all-reduce (qsdp's NaN/Inf flags) made
-    inside the block: [Note: the flags' own communicator]."""
+    inside the block: [Note: one flag agreement per backward]."""
     seen: list = []
     real = dist.all_reduce
 

@@ -68,9 +68,6 @@ class _Reduction:
         """Staleness 1: the reduction in flight (see [Note: staleness 1 in FSDP2])."""
         self.pipeline: Pipeline | None = None
         self.twins: dict[str, dist.ProcessGroup] = {}
-        self.flag_twins: dict[str, dist.ProcessGroup] = {}
-        """By group name: the communicator a result's NaN/Inf flags are agreed on when they are
-        agreed inside the hook (staleness 1; see [Note: the flags' own communicator])."""
         self._group: dist.ProcessGroup | None = None
         """The group the applied result's NaN/Inf flags are agreed over."""
         self.params: list[torch.Tensor] = []
@@ -161,21 +158,17 @@ class _Reduction:
             output.zero_()
             return
         output.copy_(result.view_as(output))
-        self.check_applied(output)
+        if self.check is not None:  # agreed, and acted on, when the backward ends
+            self._defer(nonfinite_flags(output.reshape(1, -1), self.layout), group)
 
     def check_applied(self, flat: torch.Tensor) -> None:
-        """Zero ``flat`` (a result about to be applied) on every rank if any rank's holds a
-        NaN/Inf: per-parameter flags agreed over the hook's group, decided by the check."""
+        """Zero ``flat`` (a result about to be applied outside a backward: ``drain()``) on
+        every rank if any rank's holds a NaN/Inf: per-parameter flags agreed over the hook's
+        group now, decided by the check."""
         if self.check is None:
             return
         flags = nonfinite_flags(flat.reshape(1, -1), self.layout)
-        flat.masked_fill_(self._agree(flags, self._flags_group(self._group)), 0)
-
-    def _flags_group(self, group: dist.ProcessGroup) -> dist.ProcessGroup:
-        """Where this hook's NaN/Inf flags over ``group`` are agreed: the group's flag
-        communicator where ``compress_fsdp`` made one (staleness 1), else ``group`` ([Note:
-        the flags' own communicator])."""
-        return self.flag_twins.get(group.group_name, group)
+        flat.masked_fill_(self._agree(flags, self._group), 0)
 
     def _defer(self, flags: torch.Tensor, group: dist.ProcessGroup) -> None:
         """This rank's ``flags``, counted and handed to the check, which agrees them over
@@ -259,7 +252,7 @@ class QuantizedReduceScatter(_Reduction, _Hook, ReduceScatter):
         if self.check is not None:  # agreed, and acted on, when the backward ends
             limit = min(plan.value_limit() for plan, *_ in sections)
             flags = nonfinite_flags(input_tensor.reshape(group.size(), -1), self.layout, limit)
-            self._defer(flags, self._flags_group(group))
+            self._defer(flags, group)
         step = self._steps.next()
         for plan, runs, sub, bucket in sections:
             # AVG or SUM as FSDP asks; a PREMUL_SUM (set_gradient_divide_factor) raises with a

@@ -18,17 +18,12 @@ backward by the model's :class:`NonfiniteCheck`, as for the reduce-scatter: all 
 in one all-reduce when the backward ends ([Note: one flag agreement per backward] in
 ``qsdp.runtime.nonfinite``).
 
-[Note: the flags' own communicator]
-A MAX of flags on FSDP2's shard communicator sits in that communicator's queue behind every
-collective issued before it. Made inside each hook, after the module's slow inter-node
-all-reduce (on FSDP2's all-reduce stream), it held back the next module's reduce-scatter and the
-backward's weight all-gathers, which the compute waits for. The flags therefore go over a
-communicator of their own with the shard group's ranks (``compress_fsdp`` makes one per group,
-``_Reduction.flag_twins``): now only for the one agreement at the end of the backward (where
-it costs nothing either way) and for staleness 1's check of the result it applies (FSDP2 and
-HSDP), which first waits for the previous step's reduction and is still agreed in its hook.
-Measured before and after (4x H200, 2x2): 0.302 and 0.320 s per `cgx` step in runs whose
-baseline moved from 0.529 to 0.587 s; no change the runs can resolve.
+Before, each hook agreed its flags itself, on FSDP2's shard communicator after the module's
+slow inter-node all-reduce, where that MAX held back the next module's reduce-scatter and the
+backward's weight all-gathers; and then on a communicator of its own per shard group (measured
+before and after, 4x H200, 2x2: 0.302 and 0.320 s per `cgx` step in runs whose baseline moved
+from 0.529 to 0.587 s, no change the runs can resolve). Agreed once when the backward ends,
+nothing is left to queue behind and no extra communicator is needed.
 
 [Note: pipelined modules]
 FSDP2 runs every module's all-reduce hook on one stream, and qsdp's all-reduce runs both of its
@@ -122,7 +117,7 @@ class ReplicateAllReduce(_Reduction):
                 # identical on the replicas after the all-reduce; agreed (MAX) over the shard
                 # group, and acted on, when the backward ends
                 flags = (~torch.isfinite(flat)).any().reshape(1).to(torch.int32)
-                self._defer(flags, self._flags_group(self.shard))
+                self._defer(flags, self.shard)
 
 
 class ReplicateCounter:

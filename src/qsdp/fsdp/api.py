@@ -170,12 +170,6 @@ def compress_fsdp(
         if isinstance(plan, qc.TwoLevelReduce) and plan.mesh is not None:
             plan = dataclasses.replace(plan, mesh=twin_mesh(plan.mesh))
 
-    flag_twins = {}  # [Note: the flags' own communicator]: staleness 1 agrees the flags of the
-    # result it applies inside its hook; every other reduction's wait for the backward's end
-    if check is not None and config.staleness:
-        shards = [g for g, native in groups.values() if g is not None and native is None]
-        flag_twins = twin_groups(shards)
-
     second, streams, made = None, [], {}  # [Note: pipelined modules]
     if pipeline:
         second = twin_groups([replicate_pg])[replicate_pg.group_name]
@@ -240,7 +234,6 @@ def compress_fsdp(
             else:
                 module.set_all_reduce_hook(hook)
             hooks.append(hook)
-            hook.flag_twins = flag_twins
             hook.widths, hook.width_key = widths, i
             if stale is not None and layout != []:
                 hook.stale(pipeline=stale, twins=twins)
@@ -278,7 +271,6 @@ def compress_fsdp(
             module.set_custom_reduce_scatter(reduce)
             hooks.append(reduce)
             reduce.twins = twins or {}
-            reduce.flag_twins = flag_twins
             reduce.params = _own_params(module)
             reduce.widths, reduce.width_key = widths, i
             if i in param_keys:  # [Note: widths per parameter]

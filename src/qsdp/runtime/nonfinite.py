@@ -11,7 +11,8 @@ backward (a direct call) decides at once.
 
 [Note: one flag agreement per backward]
 Every rank must reach the same verdict, but an FSDP2 reduce-scatter's flags are of this rank's
-input, and compressed HSDP's of this rank's shard of the result. They used to be agreed (a MAX
+input, compressed HSDP's of this rank's shard of the result, and staleness 1's of the result it
+applies (outside a backward, ``drain()`` agrees at once). They used to be agreed (a MAX
 all-reduce over the shard group) inside each hook: 25 latency-bound collectives a step, each
 queued between two modules' exchanges. Now a hook hands its flags over unagreed, with the group
 to agree them over and the parameters whose gradients they speak for (``add(..., group=,

@@ -371,6 +371,8 @@ def test_the_report_names_the_choice_and_its_predicted_communication():
 
 def _auto_pipeline(rank: int, world: int, link: Measured) -> tuple:
     from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import qsdp
@@ -383,13 +385,31 @@ def _auto_pipeline(rank: int, world: int, link: Measured) -> tuple:
     hook = qsdp.ddp.register(ddp, "auto", pipeline=True)  # pipelined when it compresses
     x, y = batch(rank, 0)
     nn.functional.cross_entropy(ddp(x), y).backward()  # it trains either way
-    return hook.decision["recipe"], hook.second_group is not None, hook.decision.get("pipeline")
+    # compressed HSDP (2 nodes of 1): the same rule
+    mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("replicate", "shard"))
+    model = classifier()
+    for i in (2, 5):
+        fully_shard(model[i], mesh=mesh["shard"])
+    fully_shard(model, mesh=mesh["shard"])
+    qsdp.compress_fsdp(model, "auto", replicate=mesh["replicate"], pipeline=True)
+    nn.functional.cross_entropy(model(x), y).backward()
+    state = qsdp.fsdp.comm_state(model)
+    hooks = qsdp.fsdp._state._installed(model).hooks
+    seconds = {getattr(h, "second_group", None) is not None for h in hooks}
+    return (
+        hook.decision["recipe"],
+        hook.second_group is not None,
+        hook.decision.get("pipeline"),
+        state.decision["recipe"],
+        seconds,
+    )
 
 
 def test_auto_pipelines_only_what_it_compresses():
     fast = run_distributed(_auto_pipeline, 2, NVLINK)
-    assert all(r == ("bf16", False, False) for r in fast), fast
+    assert all(r == ("bf16", False, False, "bf16", {False}) for r in fast), fast
     # (the test model is small: only a very slow link makes its bytes worth compressing)
     crawl = Measured(latency_s=0.0, bytes_per_s=1e6, codec_s_per_element=CODEC, world=2)
     slow = run_distributed(_auto_pipeline, 2, crawl)
-    assert all(r[0] != "bf16" and r[1:] == (True, None) for r in slow), slow
+    assert all(r[0] != "bf16" and r[1:3] == (True, None) for r in slow), slow
+    assert all(r[3] != "bf16" and r[4] == {True} for r in slow), slow

@@ -170,7 +170,7 @@ def compress_fsdp(
         if isinstance(plan, qc.TwoLevelReduce) and plan.mesh is not None:
             plan = dataclasses.replace(plan, mesh=twin_mesh(plan.mesh))
 
-    second, streams, made = None, [], {}  # [Note: pipelined modules]
+    second, made, piped = None, {}, 0  # [Note: pipelined modules]: twin, streams, hooks
     if pipeline:
         second = twin_groups([replicate_pg])[replicate_pg.group_name]
 
@@ -225,14 +225,12 @@ def compress_fsdp(
                 module_name=names[module],
             )
             hook.params = _own_params(module)
+            stream = None  # FSDP2's all-reduce stream, unless pipelined on CUDA
             if second is not None:  # [Note: pipelined modules]
                 hook.second_group = second
-                streams.append(_hook_stream(hook.params, len(streams), made))
-            stream = streams[-1] if second is not None else None
-            if stream is not None:
-                module.set_all_reduce_hook(hook, stream=stream)
-            else:
-                module.set_all_reduce_hook(hook)
+                stream = _hook_stream(hook.params, piped, made)
+                piped += 1
+            module.set_all_reduce_hook(hook, **({} if stream is None else {"stream": stream}))
             hooks.append(hook)
             hook.widths, hook.width_key = widths, i
             if stale is not None and layout != []:

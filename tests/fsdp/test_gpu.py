@@ -48,19 +48,23 @@ def _build(recipe: str | None, ws: int, reduce_dtype: torch.dtype, config=None):
     return model, dev
 
 
+def _train_step(model: nn.Module, opt, dev: torch.device, batch: torch.Tensor) -> torch.Tensor:
+    """One step of the tier's training on ``dev``: next-token cross-entropy, backward, AdamW."""
+    batch = batch.to(dev)
+    logits = model(batch[:, :-1])
+    loss = nn.functional.cross_entropy(logits.float().reshape(-1, 256), batch[:, 1:].reshape(-1))
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    return loss
+
+
 def _train(rank: int, ws: int, recipe: str | None, reduce_dtype=torch.float32) -> list[float]:
     model, dev = _build(recipe, ws, reduce_dtype)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     losses = []
     for batch in _batches(rank, ws):
-        batch = batch.to(dev)
-        logits = model(batch[:, :-1])
-        loss = nn.functional.cross_entropy(
-            logits.float().reshape(-1, 256), batch[:, 1:].reshape(-1)
-        )
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+        loss = _train_step(model, opt, dev, batch)
         mean = loss.detach().clone()
         dist.all_reduce(mean, op=dist.ReduceOp.AVG)
         losses.append(float(mean))
@@ -309,14 +313,7 @@ def _pipelined_hsdp(rank: int, ws: int) -> None:
         qsdp.compress_fsdp(model, "cgx", replicate=mesh["replicate"], pipeline=pipeline)
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
         for batch in list(_batches(rank, ws))[:6]:
-            batch = batch.to(dev)
-            logits = model(batch[:, :-1])
-            loss = nn.functional.cross_entropy(
-                logits.float().reshape(-1, 256), batch[:, 1:].reshape(-1)
-            )
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
+            _train_step(model, opt, dev, batch)
         out[pipeline] = [p.to_local().detach().clone() for p in model.parameters()]
     for a, b in zip(out[False], out[True], strict=True):
         assert torch.equal(a, b)

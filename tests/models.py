@@ -6,6 +6,7 @@ parameters (biases, LayerNorm) that the default policy sends raw beside the quan
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Iterator
 
 import torch
@@ -112,22 +113,41 @@ def train_gated_by_hand(model: nn.Module, opt, backward) -> None:
 
 
 @contextlib.contextmanager
+def dist_calls(name: str) -> Iterator[list[dict]]:
+    """Record every call of ``torch.distributed.<name>`` made inside the block: its arguments
+    by name, defaults filled in."""
+    real = getattr(dist, name)
+    signature = inspect.signature(real)
+    calls: list[dict] = []
+
+    def recorded(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        calls.append(dict(bound.arguments))
+        return real(*args, **kwargs)
+
+    setattr(dist, name, recorded)
+    try:
+        yield calls
+    finally:
+        setattr(dist, name, real)
+
+
+@contextlib.contextmanager
 def flag_groups() -> Iterator[list]:
     """Record the process group of every int32 MAX all-reduce (qsdp's NaN/Inf flags) made
-    inside the block: [Note: one flag agreement per backward]."""
+    inside the block (filled when it ends, an exception or not): [Note: one flag agreement per
+    backward]."""
     seen: list = []
-    real = dist.all_reduce
-
-    def recorded(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
-        if tensor.dtype == torch.int32 and op == dist.ReduceOp.MAX:
-            seen.append(group)
-        return real(tensor, op=op, group=group, async_op=async_op)
-
-    dist.all_reduce = recorded
-    try:
-        yield seen
-    finally:
-        dist.all_reduce = real
+    with dist_calls("all_reduce") as calls:
+        try:
+            yield seen
+        finally:
+            seen += [
+                c["group"]
+                for c in calls
+                if c["tensor"].dtype == torch.int32 and c["op"] == dist.ReduceOp.MAX
+            ]
 
 
 def nan_gradient(module: nn.Module) -> None:

@@ -13,7 +13,7 @@ import qsdp
 from qsdp.testing import assert_same_on_all_ranks, run_distributed
 
 from ..models import batch as _batch
-from ..models import classifier, flag_groups, nan_gradient, train
+from ..models import classifier, dist_calls, flag_groups, nan_gradient, train
 
 STEPS = 25
 
@@ -71,27 +71,18 @@ def _pipelined(rank: int, world: int) -> None:
     # ranks, the same training bit for bit (gloo has no streams to alternate)
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     replicate = mesh["replicate"].get_group()
-    gather = qsdp.comm._dist.dist_all_gather()
-    name = gather.__name__
+    gather = qsdp.comm.dist_all_gather().__name__  # this torch's all-gather into one tensor
+    across = dist.get_process_group_ranks(replicate)
     for recipe in ("cgx", "global-qsgd"):
         out = []
         for pipeline in (False, True):
             model = _model(mesh["shard"])
             qsdp.compress_fsdp(model, recipe, replicate=mesh["replicate"], pipeline=pipeline)
-            seen: list = []
-
-            def recorded(*args, group=None, _seen=seen, **kwargs):
-                _seen.append(group)
-                return gather(*args, group=group, **kwargs)
-
-            setattr(dist, name, recorded)
-            try:
+            with dist_calls(gather) as calls:
                 losses = train(model, rank, 6)
-            finally:
-                setattr(dist, name, gather)
             # the all-gathers across the nodes (FSDP2's own weight gathers stay in the node)
-            across = dist.get_process_group_ranks(replicate)
-            seen = [g for g in seen if dist.get_process_group_ranks(g) == across]
+            groups = [c["group"] for c in calls]
+            seen = [g for g in groups if dist.get_process_group_ranks(g) == across]
             hooks = qsdp.fsdp._state._installed(model).hooks
             second = {h.second_group for h in hooks}
             out.append((losses, [p.to_local().detach().clone() for p in model.parameters()]))

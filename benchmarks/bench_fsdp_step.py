@@ -318,8 +318,8 @@ def run_variant(
             if what == "bounds":
                 wire = _wire_alone(prof, device)
             elif dist.get_rank() == 0 or args.profile_all_ranks:
-                rank = f"_rank{dist.get_rank()}" if args.profile_all_ranks else ""
-                path = args.profile / f"{args.regime}_{name}{rank}.txt"
+                suffix = f"_rank{dist.get_rank()}" if args.profile_all_ranks else ""
+                path = args.profile / f"{args.regime}_{name}{suffix}.txt"
                 profiling.write_profile(prof, path, elapsed, phases.report())
             continue
         slowest = torch.tensor([elapsed], device=device, dtype=torch.float64)

@@ -15,6 +15,7 @@ ones (the profiler's host overhead per op): read the shares, not the absolute ti
 from __future__ import annotations
 
 import argparse
+import bisect
 import collections
 import gzip
 import json
@@ -69,15 +70,17 @@ def waits(events: list[dict], min_gap_us: float = 200.0) -> tuple[float, list[tu
     the count, largest first."""
     tid = compute_stream(events)
     mine = sorted((e for e in events if e["tid"] == tid), key=lambda e: e["ts"])
-    ends = sorted(((e["ts"] + e["dur"], e) for e in events if e["tid"] != tid), key=lambda x: x[0])
+    others = sorted((e for e in events if e["tid"] != tid), key=lambda e: e["ts"] + e["dur"])
+    ends = [e["ts"] + e["dur"] for e in others]
     total, cause_ms, cause_n = 0.0, collections.Counter(), collections.Counter()
     for a, b in zip(mine, mine[1:], strict=False):
         start, end = a["ts"] + a["dur"], b["ts"]
         if end - start < min_gap_us:
             continue
         total += end - start
-        near = [e for t, e in ends if abs(t - end) < 30]
-        key = (near[0]["tid"], _short(near[0]["name"])) if near else ("host", "")
+        i = bisect.bisect_right(ends, end - 30)  # the first to end within 30 us of the gap's end
+        near = others[i] if i < len(ends) and ends[i] < end + 30 else None
+        key = (near["tid"], _short(near["name"])) if near else ("host", "")
         cause_ms[key] += (end - start) / 1e3
         cause_n[key] += 1
     return total / 1e3, [(k, ms, cause_n[k]) for k, ms in cause_ms.most_common()]

@@ -296,29 +296,36 @@ def test_the_hooks_never_make_the_host_wait_on_nccl():
         assert all(v == "none" for v in got.values()), got
 
 
-def _pipelined_hsdp(rank: int, ws: int) -> None:
+def _pipelined_hsdp(rank: int, ws: int, reduce_dtype: torch.dtype) -> None:
     """[Note: pipelined modules] on NCCL: two hook streams and a second replicate communicator
-    give the bits of the serial hook (what gloo cannot check: the streams)."""
+    give the bits of the serial hook (what gloo cannot check: the streams), and the replicas
+    stay bit-identical. A bf16 reduce under fp32 parameters makes FSDP2 cast and drop the
+    hook's buffer while the hook stream may still use it ([Note: the reduce-dtype buffer
+    outlives the hook] in ``qsdp.fsdp._replicate``); eight blocks give the next module's
+    reduce-scatter time to take it."""
     mesh = init_device_mesh("cuda", (2, ws // 2), mesh_dim_names=("replicate", "shard"))
     dev = torch.device("cuda", torch.cuda.current_device())
     out = {}
     for pipeline in (False, True):
         torch.manual_seed(0)
         with dev:
-            model = TinyGPT(d=256)
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            model = TinyGPT(d=256, layers=8)
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype)
         for block in model.blocks:
             fully_shard(block, mesh=mesh["shard"], mp_policy=mp)
         fully_shard(model, mesh=mesh["shard"], mp_policy=mp)
         qsdp.compress_fsdp(model, "cgx", replicate=mesh["replicate"], pipeline=pipeline)
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-        for batch in list(_batches(rank, ws))[:6]:
+        for batch in list(_batches(rank, ws))[:8]:
             _train_step(model, opt, dev, batch)
         out[pipeline] = [p.to_local().detach().clone() for p in model.parameters()]
+        for p in out[pipeline]:  # replicas agree
+            assert_same_on_all_ranks(p, group=mesh["replicate"].get_group())
     for a, b in zip(out[False], out[True], strict=True):
         assert torch.equal(a, b)
 
 
-def test_pipelined_hsdp_gives_the_same_bits_on_nccl():
+@pytest.mark.parametrize("reduce_dtype", [torch.float32, torch.bfloat16])
+def test_pipelined_hsdp_gives_the_same_bits_on_nccl(reduce_dtype):
     ws = 4 if torch.cuda.device_count() >= 4 else 2
-    run_distributed(_pipelined_hsdp, ws, backend="nccl")
+    run_distributed(_pipelined_hsdp, ws, reduce_dtype, backend="nccl")

@@ -143,10 +143,13 @@ def _nan(rank: int, world: int, mode: str) -> dict:
             nn.functional.cross_entropy(model(x), y).backward()
         except ValueError as e:
             out["error"] = str(e)
-    # every module's flags in one MAX over the shard's ranks when the backward ends, none
-    # between two modules' inter-node exchanges ([Note: one flag agreement per backward])
-    assert len(seen) == 1, seen
+    # every module's flags in one MAX over the shard's ranks, then one over the replicas', when
+    # the backward ends, none between two modules' inter-node exchanges ([Note: one flag
+    # agreement per backward])
+    assert len(seen) == 2, seen
     assert dist.get_process_group_ranks(seen[0]) == dist.get_process_group_ranks(shard)
+    replicate = mesh["replicate"].get_group()
+    assert dist.get_process_group_ranks(seen[1]) == dist.get_process_group_ranks(replicate)
     if out["error"] is None:
         out["finite"] = all(
             bool(torch.isfinite(p.grad.to_local()).all()) for p in model.parameters()
@@ -154,6 +157,38 @@ def _nan(rank: int, world: int, mode: str) -> dict:
         hooks = qsdp.fsdp._state._installed(model).hooks
         out["zeroed"] = sum(h.zeroed for h in hooks)
     return out
+
+
+def _diverged(rank: int, world: int) -> str | None:
+    """A replica whose all-reduce result turns NaN where its twin's does not (what a broken
+    exchange or a memory race would leave): the verdict must still be every rank's."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    model = _model(mesh["shard"])
+    qsdp.compress_fsdp(model, "cgx", replicate=mesh["replicate"], pipeline=False)
+    if rank == 2:  # rank 0's replica: after its all-reduce, one value of module 5 goes bad
+        hook = model[5]._get_fsdp_state()._fsdp_param_group._all_reduce_hook
+        plan_now = hook._plan_now
+
+        class Corrupted:
+            def __init__(self, plan) -> None:
+                self.plan = plan
+
+            def all_reduce(self, tensor: torch.Tensor, *args, **kwargs) -> None:
+                self.plan.all_reduce(tensor, *args, **kwargs)
+                tensor.view(-1)[0] = float("nan")
+
+        hook._plan_now = lambda *args: Corrupted(plan_now(*args))
+    x, y = _batch(rank, 1)
+    try:
+        nn.functional.cross_entropy(model(x), y).backward()
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_replicas_that_differ_still_raise_on_every_rank():
+    for err in run_distributed(_diverged, 4, pg_timeout_s=30):
+        assert err is not None and "non-finite gradient" in err, err
 
 
 def test_nan_on_one_rank_same_outcome_everywhere_under_hsdp():

@@ -170,9 +170,12 @@ class _Reduction:
         flags = nonfinite_flags(flat.reshape(1, -1), self.layout)
         flat.masked_fill_(self._agree(flags, self._group), 0)
 
-    def _defer(self, flags: torch.Tensor, group: dist.ProcessGroup) -> None:
+    def _defer(
+        self, flags: torch.Tensor, group: dist.ProcessGroup | tuple[dist.ProcessGroup, ...]
+    ) -> None:
         """This rank's ``flags``, counted and handed to the check, which agrees them over
-        ``group`` with the other reductions' when the backward ends and zeroes
+        ``group`` (or each of several in turn) with the other reductions' when the backward
+        ends and zeroes
         :attr:`params`' gradients where any rank's is set ([Note: one flag agreement per
         backward] in ``qsdp.runtime.nonfinite``)."""
         self.stats.add_bytes("nonfinite_check", flags.numel() * flags.element_size())

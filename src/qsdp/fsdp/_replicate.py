@@ -13,10 +13,12 @@ accumulation the replicate all-reduce runs per micro-batch; a sum of all-reduces
 all-reduce of the sum, so the result is the same.
 
 NaN/Inf: a value in one shard reaches only that shard's replicas, so each hook's flag is
-MAX-reduced over the shard group (every rank then holds the same flags) and decided once per
-backward by the model's :class:`NonfiniteCheck`, as for the reduce-scatter: all modules' flags
-in one all-reduce when the backward ends ([Note: one flag agreement per backward] in
-``qsdp.runtime.nonfinite``).
+MAX-reduced over the shard group and then over the replicate group (every rank then holds the
+same flags, even were the replicas ever to differ) and decided once per backward by the model's
+:class:`NonfiniteCheck`, as for the reduce-scatter: all modules' flags in one all-reduce per
+group when the backward ends ([Note: one flag agreement per backward] in
+``qsdp.runtime.nonfinite``). The replicate MAX is one 4-byte-per-module exchange over the slow
+link per backward, after the last module's; it is what makes every rank raise together.
 
 Before, each hook agreed its flags itself, on FSDP2's shard communicator after the module's
 slow inter-node all-reduce, where that MAX held back the next module's reduce-scatter and the
@@ -38,6 +40,19 @@ module's result on that module's stream and waits for both when the backward end
 issues the same collectives in the same order on each communicator; the results are the same
 bits (tested on gloo, where there are no streams). Costs one more communicator per replicate
 group and two streams.
+
+[Note: the reduce-dtype buffer outlives the hook]
+FSDP2 hands the hook its reduce-scatter output, allocated on the reduce-scatter stream, runs the
+hook on the all-reduce (hook) stream and then, when the reduce dtype is not the parameters'
+(bf16 reduce, fp32 master), casts it on that stream and drops it. The caching allocator then
+hands its memory to the next allocation on the reduce-scatter stream, the next module's
+reduce-scatter output, of the same size, at once, while the hook stream may still be decoding
+this module's all-reduce into it or casting it: the two modules' gradients overwrite each other,
+differently on each rank. FSDP2 holds the buffer for its own native all-reduce (PyTorch PR
+#140044), not for a hook. The hook marks it as used by its stream (``record_stream``), so the
+allocator reuses it only once that stream has passed the work queued on it. Found on 4x H200:
+pipelined ``cgx`` HSDP with a bf16 reduce lost replica agreement at step 4 (a non-finite
+gradient on one node only); the GPU test trains with that reduce dtype and checks the replicas.
 """
 
 from __future__ import annotations
@@ -67,6 +82,8 @@ class ReplicateAllReduce(_Reduction):
     def __call__(self, reduce_output: torch.Tensor) -> None:
         with _Context("replicate all-reduce", self.module_name):
             flat = reduce_output.view(-1)
+            if flat.is_cuda:  # [Note: the reduce-dtype buffer outlives the hook]
+                reduce_output.record_stream(torch.cuda.current_stream(flat.device))
             if self.delay is not None and self.pipeline.synchronous:
                 self.pipeline.check_synchronous(self)
             elif self.delay is not None:  # [Note: staleness 1 in FSDP2]
@@ -115,9 +132,9 @@ class ReplicateAllReduce(_Reduction):
             )
             if self.check is not None:
                 # identical on the replicas after the all-reduce; agreed (MAX) over the shard
-                # group, and acted on, when the backward ends
+                # and the replicate group, and acted on, when the backward ends
                 flags = (~torch.isfinite(flat)).any().reshape(1).to(torch.int32)
-                self._defer(flags, self.shard)
+                self._defer(flags, (self.shard, self.replicate))
 
 
 class ReplicateCounter:

@@ -54,26 +54,27 @@ def nonfinite_flags(
 
 
 class _Entry(NamedTuple):
-    """One reduction's flags in a backward: ``group`` None when they are agreed already."""
+    """One reduction's flags in a backward: ``groups`` empty when they are agreed already."""
 
     hook: object
     flags: torch.Tensor
-    group: dist.ProcessGroup | None
+    groups: tuple[dist.ProcessGroup, ...]
     params: tuple[torch.Tensor, ...]
 
 
 def _agree_deferred(pending: list[_Entry]) -> list[_Entry]:
-    """``pending`` with every deferred entry's flags MAX-reduced over its group: one
-    all-reduce per group, groups in the order their first entry came (the hooks' order, the
-    same on every rank of a group)."""
-    groups: dict[int, tuple[dist.ProcessGroup, list[int]]] = {}
+    """``pending`` with every deferred entry's flags MAX-reduced over its groups, one after the
+    other: one all-reduce per group, entries with the same groups together, in the order their
+    first entry came (the hooks' order, the same on every rank of a group)."""
+    groups: dict[tuple[int, ...], tuple[tuple[dist.ProcessGroup, ...], list[int]]] = {}
     for i, e in enumerate(pending):
-        if e.group is not None:
-            groups.setdefault(id(e.group), (e.group, []))[1].append(i)
+        if e.groups:
+            groups.setdefault(tuple(map(id, e.groups)), (e.groups, []))[1].append(i)
     out = list(pending)
-    for group, idx in groups.values():
+    for over, idx in groups.values():
         flat = torch.cat([pending[i].flags.reshape(-1) for i in idx])
-        dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=group)
+        for group in over:
+            dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=group)
         parts = flat.split([pending[i].flags.numel() for i in idx])
         for i, part in zip(idx, parts, strict=True):
             out[i] = pending[i]._replace(flags=part)
@@ -103,16 +104,21 @@ class NonfiniteCheck:
         flags: torch.Tensor,
         *,
         ready: torch.futures.Future | None = None,
-        group: dist.ProcessGroup | None = None,
+        group: dist.ProcessGroup | Sequence[dist.ProcessGroup] | None = None,
         params: Sequence[torch.Tensor] = (),
     ) -> None:
         """Record a reduction's flags; ``hook`` has ``layout``, ``module_name`` and a
         ``zeroed`` counter. ``ready``: a future to wait for before the flags are read (DDP fills
         them in its communication's callback). Without ``group`` the flags are the same on every
-        rank already; with it they are this rank's, agreed (MAX) over ``group`` when the
-        backward ends, and where any is set ``params``' gradients are zeroed then ([Note: one
-        flag agreement per backward])."""
-        entry = _Entry(hook, flags, group, tuple(params))
+        rank already; with it they are this rank's, agreed (MAX) over ``group`` (over each of
+        a sequence of groups in turn: over all their ranks) when the backward ends, and where
+        any is set ``params``' gradients are zeroed then ([Note: one flag agreement per
+        backward])."""
+        if group is None:
+            groups: tuple[dist.ProcessGroup, ...] = ()
+        else:
+            groups = (group,) if isinstance(group, dist.ProcessGroup) else tuple(group)
+        entry = _Entry(hook, flags, groups, tuple(params))
         task = _graph_task()
         if task != -1 and task == self._queued:
             self._pending.append(entry)

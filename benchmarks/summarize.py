@@ -343,6 +343,7 @@ def memory_alone_table(paths: list[Path]) -> str:
 
 
 SESSION12 = RESULTS / "session12_2026-11-27"
+SESSION13 = RESULTS / "session13_2026-11-27"
 #: The README's headline rows: (setting, results file under RESULTS, regime, baseline variant and
 #: label, qsdp variant and label). The latest run of each judged setting with the code as it is;
 #: the DDP sockets run is the middle one of three (2.31x, 2.48x, 2.49x for the pipelined row).
@@ -358,8 +359,11 @@ HEADLINE = (
      "auto_2026-11-27/run6/fsdp_auto_nvlink_ws4_NVIDIA_H200_2026-11-27.json",
      ("fsdp2-bf16-reduce", "FSDP2 bf16 reduce"), ("auto", "`auto` (chose no compression)")),
     ("HSDP, GPT 1.42 B, 2 nodes x 2",
-     "session12_2026-11-27/fsdp_step_hsdp_2x2_NVIDIA_H200_2026-11-27.json",
+     "session13_2026-11-27/fsdp_step_hsdp_2x2_NVIDIA_H200_2026-11-27.json",
      ("hsdp-bf16-reduce", "native HSDP bf16 reduce"), ("cgx", "`cgx`")),
+    ("HSDP, GPT 1.42 B, 2 nodes x 2",
+     "session13_2026-11-27/fsdp_step_hsdp_2x2_NVIDIA_H200_2026-11-27.json",
+     ("hsdp-bf16-reduce", "native HSDP bf16 reduce"), ("cgx+pipe", "`cgx`, `pipeline=True`")),
     ("DDP, GPT-125M, sockets",
      "session12_2026-11-27/ddp_buckets_socket_ws4_NVIDIA_H200_2026-11-27.json",
      ("bf16_compress_hook", "`bf16_compress_hook`"), ("cgx", "`cgx`")),
@@ -443,6 +447,14 @@ def tables() -> dict[str, Callable[[], str]]:
         ),
         "staleness-session12": lambda: staleness_table(
             [SESSION12 / "fsdp_bounds_socket_NVIDIA_H200_2026-11-27.json"]
+        ),
+        # the thirteenth session's: HSDP after the reduce-buffer fix; the socket bounds with the
+        # flags agreed once per backward
+        "hsdp-session13": lambda: hsdp_table(
+            [SESSION13 / "fsdp_step_hsdp_2x2_NVIDIA_H200_2026-11-27.json"]
+        ),
+        "staleness-session13": lambda: staleness_table(
+            [SESSION13 / "fsdp_step_socket_NVIDIA_H200_2026-11-27.json"]
         ),
         "convergence": lambda: study_tables.convergence_table(CONVERGENCE),
         "convergence-350m": lambda: study_tables.convergence_table(CONVERGENCE_350M),

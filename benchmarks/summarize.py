@@ -359,10 +359,10 @@ HEADLINE = (
      "auto_2026-11-27/run6/fsdp_auto_nvlink_ws4_NVIDIA_H200_2026-11-27.json",
      ("fsdp2-bf16-reduce", "FSDP2 bf16 reduce"), ("auto", "`auto` (chose no compression)")),
     ("HSDP, GPT 1.42 B, 2 nodes x 2",
-     "session13_2026-11-27/fsdp_step_hsdp_2x2_NVIDIA_H200_2026-11-27.json",
+     "session13_2026-11-27/hsdp_rounds3/fsdp_step_hsdp_2x2_NVIDIA_H200_2026-11-27.json",
      ("hsdp-bf16-reduce", "native HSDP bf16 reduce"), ("cgx", "`cgx`")),
     ("HSDP, GPT 1.42 B, 2 nodes x 2",
-     "session13_2026-11-27/fsdp_step_hsdp_2x2_NVIDIA_H200_2026-11-27.json",
+     "session13_2026-11-27/hsdp_rounds3/fsdp_step_hsdp_2x2_NVIDIA_H200_2026-11-27.json",
      ("hsdp-bf16-reduce", "native HSDP bf16 reduce"), ("cgx+pipe", "`cgx`, `pipeline=True`")),
     ("DDP, GPT-125M, sockets",
      "session12_2026-11-27/ddp_buckets_socket_ws4_NVIDIA_H200_2026-11-27.json",
@@ -452,6 +452,9 @@ def tables() -> dict[str, Callable[[], str]]:
         # flags agreed once per backward
         "hsdp-session13": lambda: hsdp_table(
             [SESSION13 / "fsdp_step_hsdp_2x2_NVIDIA_H200_2026-11-27.json"]
+        ),
+        "hsdp-session13-rounds3": lambda: hsdp_table(
+            [SESSION13 / "hsdp_rounds3" / "fsdp_step_hsdp_2x2_NVIDIA_H200_2026-11-27.json"]
         ),
         "staleness-session13": lambda: staleness_table(
             [SESSION13 / "fsdp_step_socket_NVIDIA_H200_2026-11-27.json"]

@@ -48,6 +48,7 @@ import profiling  # benchmarks/, the script's own folder
 import qsdp
 import regimes
 from qsdp.policy.auto import decision_record
+from qsdp.testing import assert_replicas_agree
 from qsdp.train.model import GPT, PRESETS
 
 GPT_125M = PRESETS["gpt-125m"].with_vocab(50257)
@@ -144,6 +145,8 @@ def run_variant(name: str, a, cfg, device: torch.device, rank: int) -> dict:
         qsdp_state.drain()
         opt.step()
         opt.zero_grad(set_to_none=True)
+    # every rank is a replica: a run whose replicas drifted apart measured a broken exchange
+    assert_replicas_agree(model)
     if a.profile is not None:  # one more step, profiled, after the measured ones
         _profiled_step(name, a, cfg, model, opt, amp, device, rank)
     for x, y in _batches(cfg, 3, a.batch, device, rank + 100):  # the compute bound

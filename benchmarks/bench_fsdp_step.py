@@ -56,6 +56,7 @@ import qsdp
 import regimes
 import wire_replay
 from qsdp.policy.auto import decision_record
+from qsdp.testing import assert_replicas_agree
 from qsdp.train.model import GPT, ModelConfig
 
 # The GPT of docs/gpu.md, 1.42 B parameters: qsdp's model with the options that reproduce this
@@ -337,6 +338,8 @@ def run_variant(
         opt.step()
         opt.zero_grad(set_to_none=True)
         profiling.sync(device)
+    if hsdp is not None:  # a shard's replicas that drifted apart measured a broken exchange
+        assert_replicas_agree(model, hsdp["replicate"].get_group())
     decision = getattr(state, "decision", None)  # an "auto" variant's choice, as JSON
     decision = decision_record(decision) if decision is not None else None
     del model, opt, state

@@ -4,6 +4,7 @@ deterministic per-rank inputs and quantization error bounds."""
 from .bounds import assert_within, dtype_slack, quant_steps, rounding_bound, to_quant_domain
 from .distributed import (
     DistByteCounter,
+    assert_replicas_agree,
     assert_same_on_all_ranks,
     count_dist_bytes,
     rank_tensor,
@@ -12,6 +13,7 @@ from .distributed import (
 
 __all__ = [
     "DistByteCounter",
+    "assert_replicas_agree",
     "assert_same_on_all_ranks",
     "assert_within",
     "count_dist_bytes",

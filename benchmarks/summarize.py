@@ -456,6 +456,12 @@ def tables() -> dict[str, Callable[[], str]]:
         "hsdp-session13-rounds3": lambda: hsdp_table(
             [SESSION13 / "hsdp_rounds3" / "fsdp_step_hsdp_2x2_NVIDIA_H200_2026-11-27.json"]
         ),
+        "hsdp-session13-check": lambda: hsdp_table(
+            [SESSION13 / "replica_check_run" / "fsdp_step_hsdp_2x2_NVIDIA_H200_2026-11-27.json"]
+        ),
+        "ddp-session13-check": lambda: ddp_table(
+            [SESSION13 / "replica_check_run" / "ddp_step_socket_ws4_NVIDIA_H200_2026-11-27.json"]
+        ),
         "staleness-session13": lambda: staleness_table(
             [SESSION13 / "fsdp_step_socket_NVIDIA_H200_2026-11-27.json"]
         ),

@@ -227,3 +227,22 @@ def _flag_groups(rank: int, world: int) -> None:
 
 def test_staleness_1_agrees_the_applied_flags_once_per_backward():
     run_distributed(_flag_groups, 3)
+
+
+def _hsdp_flag_groups(rank: int, world: int) -> None:
+    # compressed HSDP: the applied result's flags are agreed over the shard group, then over the
+    # replicate group (every rank then reaches the same verdict, even if replicas differed),
+    # once per backward and, in drain(), once per module
+    hsdp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    shard, replicate = hsdp["shard"].get_group(), hsdp["replicate"].get_group()
+    model, opt = _build("cgx", 1, mesh=hsdp["shard"], replicate=hsdp["replicate"])
+    with flag_groups() as seen:
+        _stale_run(model, opt, rank, range(3))  # the first step applies nothing
+    assert seen == [shard, replicate, shard, replicate], seen
+    with flag_groups() as seen:
+        qsdp.fsdp.comm_state(model).drain()
+    assert seen == [shard, replicate] * (len(seen) // 2) and len(seen) >= 2, seen
+
+
+def test_staleness_1_under_hsdp_agrees_the_applied_flags_over_every_rank():
+    run_distributed(_hsdp_flag_groups, 4)

@@ -148,9 +148,12 @@ class _Reduction:
             )
         return twin
 
-    def _apply_previous(self, output: torch.Tensor, group: dist.ProcessGroup) -> None:
+    def _apply_previous(
+        self, output: torch.Tensor, group: dist.ProcessGroup | tuple[dist.ProcessGroup, ...]
+    ) -> None:
         """Staleness 1: the previous step's result of this hook into ``output`` (zeros when
-        there is none), checked for NaN/Inf."""
+        there is none), checked for NaN/Inf; the flags are agreed over ``group`` (or each of
+        several in turn)."""
         self._group = group
         result = self.delay.finish()
         self.pipeline.applied_nothing = result is None
@@ -181,11 +184,15 @@ class _Reduction:
         self.stats.add_bytes("nonfinite_check", flags.numel() * flags.element_size())
         self.check.add(self, flags, group=group, params=self.params)
 
-    def _agree(self, flags: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        """``flags`` MAX-reduced over ``group`` (every rank then holds the same), counted and
-        handed to the check; returns whether any is set, on the device (no host sync)."""
+    def _agree(
+        self, flags: torch.Tensor, group: dist.ProcessGroup | tuple[dist.ProcessGroup, ...]
+    ) -> torch.Tensor:
+        """``flags`` MAX-reduced over ``group`` (or each of several in turn: every rank then
+        holds the same), counted and handed to the check; returns whether any is set, on the
+        device (no host sync)."""
         self.stats.add_bytes("nonfinite_check", flags.numel() * flags.element_size())
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+        for g in group if isinstance(group, tuple) else (group,):
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=g)
         self.check.add(self, flags)
         return flags.any()
 

@@ -88,7 +88,7 @@ class ReplicateAllReduce(_Reduction):
                 self.pipeline.check_synchronous(self)
             elif self.delay is not None:  # [Note: staleness 1 in FSDP2]
                 send = flat.clone()
-                self._apply_previous(flat, self.shard)
+                self._apply_previous(flat, (self.shard, self.replicate))
                 step = self._steps.next()
                 twin = self._twin(self.replicate)
                 split = _usable(self.split, flat.numel(), self.stats)

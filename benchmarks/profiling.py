@@ -34,7 +34,9 @@ def profiler(device: torch.device):
 def write_profile(prof, path: Path, elapsed: float, memory: str = "") -> None:
     """Rank 0's profile of one step: the top ops by host time and by device time in ``path``,
     and the whole timeline (Chrome trace, for chrome://tracing or Perfetto) in
-    ``path`` + ``.trace.json.gz``."""
+    ``path`` + ``.trace.json.gz``. A ``+`` in the file name (variant names: ``sdp4bit+s1``)
+    is written ``_``: some copy tools refuse it (the GPU lender's did, 2026-11-27)."""
+    path = path.with_name(path.name.replace("+", "_"))
     path.parent.mkdir(parents=True, exist_ok=True)
     ka = prof.key_averages()
     dev_key = "self_device_time_total" if hasattr(ka[0], "self_device_time_total") else None

@@ -178,9 +178,8 @@ class _Reduction:
     ) -> None:
         """This rank's ``flags``, counted and handed to the check, which agrees them over
         ``group`` (or each of several in turn) with the other reductions' when the backward
-        ends and zeroes
-        :attr:`params`' gradients where any rank's is set ([Note: one flag agreement per
-        backward] in ``qsdp.runtime.nonfinite``)."""
+        ends and zeroes :attr:`params`' gradients where any rank's is set ([Note: one flag
+        agreement per backward] in ``qsdp.runtime.nonfinite``)."""
         self.stats.add_bytes("nonfinite_check", flags.numel() * flags.element_size())
         self.check.add(self, flags, group=group, params=self.params)
 

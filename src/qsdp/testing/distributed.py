@@ -68,9 +68,19 @@ def _worker(
             timeout=datetime.timedelta(seconds=pg_timeout_s),
             **options,
         )
+        value = fn(rank, world_size, *args, **kwargs)
+        if dist.is_initialized():
+            # every rank done before any leaves: a rank that tears its groups down while a slower
+            # peer still connects to a group ``fn`` made (``new_group``) breaks that peer's
+            # connection (CI, 2026-11-27: "Gloo connectFullMesh failed ... Connection closed by
+            # peer" on the one rank still inside ``new_group``, its peers already gone)
+            try:
+                dist.barrier()
+            except RuntimeError:  # a peer failed, died or hangs: its own report (or its exit
+                pass  # code) names the cause; this rank's result stands
         # by value: a tensor put as it is travels as a shared-memory handle that the parent
         # fetches from this process, which may have exited by then ("connection reset by peer")
-        results.put((rank, True, pickle.dumps(fn(rank, world_size, *args, **kwargs))))
+        results.put((rank, True, pickle.dumps(value)))
     except BaseException:  # noqa: B036 - every failure, KeyboardInterrupt included, must reach the parent
         # Report before leaving the group: leaving makes the peers fail too, and the parent
         # names the first report as the cause.

@@ -1,8 +1,17 @@
 """What every integration (FSDP2, HSDP, DDP) needs at run time beside the collectives: the
-NaN/Inf verdict decided once per backward, and staleness 1's gate and weight prediction."""
+NaN/Inf verdict decided once per backward, staleness 1's gate and weight prediction, and the
+check that replicas hold the same bits."""
 
 from .nonfinite import NonfiniteCheck, nonfinite_flags
 from .prediction import WeightPrediction
+from .replicas import check_replicas, replica_mismatches
 from .staleness import StalenessGate
 
-__all__ = ["NonfiniteCheck", "StalenessGate", "WeightPrediction", "nonfinite_flags"]
+__all__ = [
+    "NonfiniteCheck",
+    "StalenessGate",
+    "WeightPrediction",
+    "check_replicas",
+    "nonfinite_flags",
+    "replica_mismatches",
+]

@@ -29,6 +29,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ..comm import dist_all_gather
+from ..runtime import replica_mismatches
 
 __all__ = [
     "DistByteCounter",
@@ -344,37 +345,14 @@ def assert_same_on_all_ranks(t: torch.Tensor, group: dist.ProcessGroup | None = 
             raise AssertionError(f"tensor differs between this rank and rank {j} in {diff} bytes")
 
 
-_AS_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
 def assert_replicas_agree(module: torch.nn.Module, group: dist.ProcessGroup | None = None) -> None:
     """Assert every parameter of ``module`` holds the same bits on every rank of ``group``: the
     ranks that replicate it (DDP's world, HSDP's replicate group; under FSDP2 each rank's local
-    shard). Compares one checksum per parameter (the sum of its bits as integers), so a check of a
-    large model moves a few bytes per parameter tensor, not the model; the error names the
-    parameters that differ and the ranks, on every rank of ``group``."""
-    names, sums = [], []
-    for name, p in module.named_parameters():
-        local = p.to_local() if hasattr(p, "to_local") else p
-        bits = local.detach().contiguous().reshape(-1)
-        names.append(name)
-        sums.append(bits.view(_AS_INT[bits.element_size()]).sum(dtype=torch.int64))
-    if not sums:
-        return
-    mine = torch.stack(sums)
-    n = dist.get_world_size(group)
-    rows = torch.empty(n * mine.numel(), dtype=mine.dtype, device=mine.device)
-    dist_all_gather()(rows, mine, group=group)
-    rows = rows.view(n, -1)
-    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(n))
-    bad = [
-        f"{names[i]} (ranks {[ranks[j] for j in range(n) if rows[j, i] != rows[0, i]]} differ "
-        f"from rank {ranks[0]})"
-        for i in range(mine.numel())
-        if not bool((rows[:, i] == rows[0, i]).all())
-    ]
+    shard), by one checksum per parameter (``qsdp.runtime.replica_mismatches``); the error names
+    the parameters that differ and the ranks, on every rank of ``group``."""
+    bad = replica_mismatches(module, group)
     if bad:
         raise AssertionError(
-            f"replicas differ in {len(bad)} of {mine.numel()} parameters: {', '.join(bad[:5])}"
-            + (" ..." if len(bad) > 5 else "")
+            f"replicas differ in {len(bad)} of {len(list(module.parameters()))} parameters: "
+            f"{', '.join(bad[:5])}" + (" ..." if len(bad) > 5 else "")
         )

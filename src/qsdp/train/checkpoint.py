@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from ..runtime import WeightPrediction
+from ..runtime import WeightPrediction, check_replicas
 from .parallel import Parallel
 
 __all__ = ["load_checkpoint", "save_checkpoint"]
@@ -48,6 +48,10 @@ def save_checkpoint(
     predict: WeightPrediction | None = None,
 ) -> Path:
     path = out / "ckpt" / f"step_{step:07d}"
+    if par.replicated:  # a save keeps one replica's copy: the others must hold the same bits
+        check_replicas(
+            par.model, par.replica_group, where=f"at step {step}; the checkpoint was not written"
+        )
     dcp.save(_checkpoint_state(par, opt, step, gate, predict), checkpoint_id=str(path))
     dist.barrier()
     if dist.get_rank() == 0:  # the marker goes last: a half-written checkpoint is never loaded

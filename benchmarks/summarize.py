@@ -406,7 +406,7 @@ def headline_table() -> str:
         b, q = (by[k].get("s_per_step", by[k].get("median_s")) for k in (bkey, qkey))
         out.append(
             f"| {setting} | {bname} | {b:.3f} | {qname} | {q:.3f} | x{b / q:.2f} | "
-            f"{d['date'][:10]} | `{name.rsplit('/', 1)[-1]}` |"
+            f"{d['date'][:10]} | `{name}` |"
         )
     return "\n".join(out)
 

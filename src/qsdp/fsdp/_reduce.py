@@ -9,6 +9,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
 from .. import comm as qc
 from ..runtime import NonfiniteCheck, nonfinite_flags
+from ..runtime.nonfinite import as_groups
 from ..runtime.widths import WidthController
 from ._hooks import _Context, _Counter, _Hook, _usable
 from ._stale import Delay, Pipeline
@@ -68,8 +69,8 @@ class _Reduction:
         """Staleness 1: the reduction in flight (see [Note: staleness 1 in FSDP2])."""
         self.pipeline: Pipeline | None = None
         self.twins: dict[str, dist.ProcessGroup] = {}
-        self._group: dist.ProcessGroup | None = None
-        """The group the applied result's NaN/Inf flags are agreed over."""
+        self._group: dist.ProcessGroup | tuple[dist.ProcessGroup, ...] | None = None
+        """The group (or groups, in turn) the applied result's NaN/Inf flags are agreed over."""
         self.params: list[torch.Tensor] = []
         """The parameters whose gradients this reduction makes (its FSDP group's own), zeroed
         when the backward ends if its flags are set ([Note: one flag agreement per backward])."""
@@ -190,7 +191,7 @@ class _Reduction:
         holds the same), counted and handed to the check; returns whether any is set, on the
         device (no host sync)."""
         self.stats.add_bytes("nonfinite_check", flags.numel() * flags.element_size())
-        for g in group if isinstance(group, tuple) else (group,):
+        for g in as_groups(group):
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=g)
         self.check.add(self, flags)
         return flags.any()

@@ -81,6 +81,16 @@ def _agree_deferred(pending: list[_Entry]) -> list[_Entry]:
     return out
 
 
+def as_groups(
+    group: dist.ProcessGroup | Sequence[dist.ProcessGroup] | None,
+) -> tuple[dist.ProcessGroup, ...]:
+    """``group`` as the tuple of groups flags are agreed over, one after the other (empty for
+    None: agreed already)."""
+    if group is None:
+        return ()
+    return (group,) if isinstance(group, dist.ProcessGroup) else tuple(group)
+
+
 def _graph_task() -> int:
     """The running backward's id, -1 outside a backward."""
     task = getattr(torch._C, "_current_graph_task_id", None)
@@ -114,11 +124,7 @@ class NonfiniteCheck:
         a sequence of groups in turn: over all their ranks) when the backward ends, and where
         any is set ``params``' gradients are zeroed then ([Note: one flag agreement per
         backward])."""
-        if group is None:
-            groups: tuple[dist.ProcessGroup, ...] = ()
-        else:
-            groups = (group,) if isinstance(group, dist.ProcessGroup) else tuple(group)
-        entry = _Entry(hook, flags, groups, tuple(params))
+        entry = _Entry(hook, flags, as_groups(group), tuple(params))
         task = _graph_task()
         if task != -1 and task == self._queued:
             self._pending.append(entry)

@@ -59,11 +59,14 @@ class Parallel:
     bf16_autocast: bool = False
     shard_size: int = 1
     """Ranks a parameter is sharded over (the world for FSDP2, a node for HSDP, 1 for DDP)."""
-    replicated: bool = False
-    """Whether ranks hold replicas of the parameters (DDP, HSDP): checked before every
-    checkpoint ([Note: checking replicas] in ``qsdp.runtime.replicas``)."""
     replica_group: dist.ProcessGroup | None = None
     """This rank's replicas (HSDP: the replicate group; DDP: None, the world)."""
+
+    @property
+    def replicated(self) -> bool:
+        """Whether ranks hold replicas of the parameters (DDP, HSDP): checked before every
+        checkpoint ([Note: checking replicas] in ``qsdp.runtime.replicas``)."""
+        return self.mode in ("ddp", "hsdp")
 
     def micro_step(self, last: bool) -> contextlib.AbstractContextManager:
         """The context of one micro-batch's forward and backward: gradients are synchronised
@@ -178,7 +181,6 @@ def build(
             state,
             config=state.config,
             bf16_autocast=bf16,
-            replicated=True,
         )
     mp = (
         MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -210,6 +212,5 @@ def build(
         state,
         config=state.config,
         shard_size=shard,
-        replicated=replicate is not None,
         replica_group=replicate.get_group() if replicate is not None else None,
     )

@@ -4,6 +4,7 @@ from ._gathers import QuantizedAllGather, QuantizedMasterAllGather, WeightDiffAl
 from ._hooks import StepClock
 from ._reduce import QuantizedReduceScatter
 from ._state import CommState, comm_state, fsdp_comm_stats, resync
+from ._step_in_backward import StepInBackward
 from .api import compress_fsdp
 
 __all__ = [
@@ -12,6 +13,7 @@ __all__ = [
     "QuantizedMasterAllGather",
     "QuantizedReduceScatter",
     "StepClock",
+    "StepInBackward",
     "WeightDiffAllGather",
     "comm_state",
     "compress_fsdp",

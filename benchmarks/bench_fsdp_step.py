@@ -507,14 +507,7 @@ def main() -> None:
         a.recipes = (
             ["cgx", "cgx+pipe", "global-qsgd", "cgx+s1"]
             if a.hsdp
-            else [
-                "qsdp-w8g8",
-                "global-qsgd",
-                "sdp4bit",
-                "sdp4bit+s1",
-                "sdp4bit+s1+pf",
-                "qsdp-w8g8+s1",
-            ]
+            else ["qsdp-w8g8", "global-qsgd", "sdp4bit", "sdp4bit+s1", "sdp4bit+s1+pf", "qsdp-w8g8+s1"]
         )
     base = "hsdp" if a.hsdp else "fsdp2"
     variants = [

@@ -189,65 +189,6 @@ def test_staleness_1_on_nccl(recipe, predict):
     run_distributed(_stale_vs_by_hand, ws, recipe, predict, backend="nccl", timeout_s=600)
 
 
-def _step_in_backward_on_nccl(rank: int, ws: int, prefetch: bool) -> None:
-    """StepInBackward on NCCL: the update on FSDP2's post-reduce stream, the next gathers on a
-    stream of its own, the forward served from them; the plain staleness-1 loop's losses and
-    parameters bit for bit (what only CUDA's streams can get wrong: an update or a gather
-    ordered before what it reads)."""
-    batches = [b.to(torch.device("cuda", torch.cuda.current_device())) for b in _batches(rank, 6)]
-
-    def run(in_backward: bool):
-        config = qsdp.recipe("sdp4bit", staleness=1)
-        model, dev = _build("sdp4bit", ws, torch.float32, config=config)
-        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-        state = qsdp.fsdp.comm_state(model)
-        sib = prediction = None
-        if in_backward:
-            sib = qsdp.fsdp.StepInBackward(model, opt, clip=0.5, predict="last", prefetch=prefetch)
-        else:
-            prediction = qsdp.WeightPrediction(opt)
-        losses = []
-        for batch in batches:
-            ahead = contextlib.nullcontext()
-            if prediction is not None:
-                ahead = prediction.ahead(enabled=state.in_flight)
-            with ahead:
-                logits = model(batch[:, :-1])
-                loss = nn.functional.cross_entropy(
-                    logits.float().reshape(-1, 256), batch[:, 1:].reshape(-1)
-                )
-                loss.backward()
-            losses.append(float(loss.detach()))
-            stepped = sib is not None and sib.finish() is not None
-            if not in_backward:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
-            if not stepped and not state.applied_nothing:
-                opt.step()
-            opt.zero_grad(set_to_none=True)
-        if sib is not None:
-            sib.settle()
-            assert sib.late == 0
-        else:
-            with prediction.ahead(enabled=state.in_flight):  # settle()'s x + u - u
-                pass
-        state.drain()
-        opt.step()
-        torch.cuda.synchronize()
-        return losses, [p.to_local().clone() for p in model.parameters()]
-
-    want_losses, want = run(False)
-    losses, got = run(True)
-    assert losses == want_losses, (losses, want_losses)
-    for a, b in zip(got, want, strict=True):
-        assert torch.equal(a, b), float((a - b).abs().max())
-
-
-@pytest.mark.parametrize("prefetch", [True, False])
-def test_step_in_backward_on_nccl(prefetch):
-    ws = min(torch.cuda.device_count(), 4)
-    run_distributed(_step_in_backward_on_nccl, ws, prefetch, backend="nccl", timeout_s=600)
-
-
 def _local_estimates_on_nccl(rank: int, ws: int, recipe: str) -> None:
     """Weight prediction from each rank's own gradient on NCCL: with the same batch on every
     rank, each rank's own row of the reduce-scatter's input is the averaged gradient itself, so

@@ -47,9 +47,7 @@ def _plain(recipe: str, mesh, rank: int, *, predict: str, clip: float | None):
     prediction = qsdp.WeightPrediction(opt) if predict == "last" else None
     losses = []
     for step in range(STEPS):
-        ahead = contextlib.nullcontext()
-        if prediction is not None:
-            ahead = prediction.ahead(enabled=state.in_flight)
+        ahead = prediction.ahead(enabled=state.in_flight) if prediction else contextlib.nullcontext()
         with ahead:
             loss = _loss(model, rank, step)
             loss.backward()
@@ -150,8 +148,7 @@ def _nan(rank: int, world: int) -> list[str]:
         except ValueError as err:
             assert "non-finite gradient" in str(err) and "no parameter moved" in str(err), err
             after = [p.to_local() for p in model.parameters()]
-            moved = [not torch.equal(a, b) for a, b in zip(after, before, strict=True)]
-            assert not any(moved), "a parameter moved"
+            assert all(torch.equal(a, b) for a, b in zip(after, before)), "a parameter moved"
             seen.append("raised")
         opt.zero_grad(set_to_none=True)
     return seen
@@ -177,7 +174,7 @@ def _refusals(rank: int, world: int) -> None:
     qsdp.compress_fsdp(sync, qsdp.recipe("sdp4bit"))
     with pytest.raises(ValueError, match="staleness=1"):
         qsdp.fsdp.StepInBackward(sync, torch.optim.AdamW(sync.parameters()))
-    qsdp.fsdp.StepInBackward(model, opt, prefetch=False)
+    sib = qsdp.fsdp.StepInBackward(model, opt, prefetch=False)
     for step in range(2):  # a forgotten finish() is named in the next backward
         _loss(model, rank, step).backward()
     with pytest.raises(RuntimeError, match="call sib.finish\\(\\) after every backward"):

@@ -196,9 +196,7 @@ class StepInBackward:
         if all(r is None for r in results) or self.pipeline.synchronous:
             return  # nothing to apply: the plain loop's step (or none) after the backward
         if any(r is None for r in results):
-            raise RuntimeError(
-                "qsdp StepInBackward: some groups have a result in flight, others not"
-            )
+            raise RuntimeError("qsdp StepInBackward: some groups have a result in flight, others not")
         for hook, _ in self.pipeline.entries:
             _check_avg(hook.delay, "StepInBackward needs it")
         self.pipeline.checked = True
@@ -216,8 +214,9 @@ class StepInBackward:
         """Every group's NaN/Inf flags, agreed over the shard group in one all-reduce and read
         once; the flagged groups' results are zeroed. Returns what raises the error on every
         rank (``"raise"``: no module steps in this backward), or None."""
-        pairs = zip(self.pipeline.entries, results, strict=True)
-        checked = [(hook, r) for (hook, _), r in pairs if hook.check]
+        checked = [
+            (hook, r) for (hook, _), r in zip(self.pipeline.entries, results) if hook.check
+        ]
         if not checked:
             return None
         flags = [nonfinite_flags(r.reshape(1, -1), hook.layout) for hook, r in checked]
@@ -226,7 +225,7 @@ class StepInBackward:
         dist.all_reduce(joined, op=dist.ReduceOp.MAX, group=self._group)
         host = joined.tolist()
         where, offset = [], 0
-        for (hook, result), f in zip(checked, flags, strict=True):
+        for (hook, result), f in zip(checked, flags):
             mine, offset = host[offset : offset + f.numel()], offset + f.numel()
             if not any(mine):
                 continue
@@ -255,7 +254,7 @@ class StepInBackward:
         """``clip_grad_norm_``'s coefficient for the gradients the backward applies, from the
         results (each parameter's gradient as FSDP2 will write it: cast to its dtype)."""
         views: dict[int, torch.Tensor] = {}
-        for (_, params), r in zip(self.pipeline.entries, results, strict=True):
+        for (_, params), r in zip(self.pipeline.entries, results):
             for p, v in _by_param(r, params).items():
                 views[id(p)] = like_param(v.to(p.dtype), p)
         total = torch.nn.utils.get_total_norm([views[id(p)] for p in self._order])
@@ -375,3 +374,4 @@ def _shard_group(params: list[nn.Parameter]) -> dist.ProcessGroup:
 def _graph_task() -> int:
     task = getattr(torch._C, "_current_graph_task_id", None)
     return -1 if task is None else task()
+

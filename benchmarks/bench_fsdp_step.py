@@ -159,21 +159,17 @@ def build(
     fully_shard(model, mesh=shard_on, mp_policy=mp)
     if recipe is None or recipe == "compute-alone":
         return model
-    # NAME+s1: the recipe at staleness 1 (+local: predicting from each rank's own gradient;
-    # +ib: each module's optimizer step in the backward, +pf: and its next gather started there);
+    # NAME+s1: the recipe at staleness 1 (+local: predicting from each rank's own gradient);
     # NAME+own: its reduce-scatters on their own communicator (own_reduce_group); NAME+pipe
     # (--hsdp): compress_fsdp(..., pipeline=True)
     name, *options = recipe.split("+")
     if (
-        set(options) - {"s1", "own", "local", "pipe", "ib", "pf"}
-        or (bool({"local", "ib", "pf"} & set(options)) and "s1" not in options)
-        or {"local", "ib", "pf"} <= set(options)
-        or {"ib", "pf"} <= set(options)
+        set(options) - {"s1", "own", "local", "pipe"}
+        or ("local" in options and "s1" not in options)
         or ("pipe" in options and hsdp is None)
     ):
         raise SystemExit(
-            f"variant {recipe!r}: options are +s1 (with it one of +local, +ib, +pf), +own and, "
-            "with --hsdp, +pipe"
+            f"variant {recipe!r}: options are +s1 (+local with it), +own and, with --hsdp, +pipe"
         )
     if name == "auto":  # measures the regime's groups and picks (qsdp.policy.auto)
         if options:
@@ -276,12 +272,7 @@ def run_variant(
     # staleness 1 computes ahead, as qsdp train does ([Note: weight prediction]): one more
     # buffer of the local shards, in the peak memory
     local = state if stale and "+local" in recipe else None  # (the hooks keep the estimates)
-    # +ib / +pf: the step (and the last-update prediction) in the backward, +pf prefetching
-    in_backward = stale and ("+ib" in recipe or "+pf" in recipe)
-    sib = None
-    if in_backward:
-        sib = qsdp.fsdp.StepInBackward(model, opt, predict="last", prefetch="+pf" in recipe)
-    predict = qsdp.WeightPrediction(opt, local=local) if stale and not in_backward else None
+    predict = qsdp.WeightPrediction(opt, local=local) if stale else None
     # extra steps after the measured ones: one profiled (--profile), one whose collectives are
     # read for the wire-alone replay (--bounds)
     bounds = args.bounds and recipe != "compute-alone"  # (no communication to replay)
@@ -316,8 +307,7 @@ def run_variant(
             phases.mark("forward")
             loss.backward()
             phases.mark("backward")
-        stepped = sib is not None and sib.finish() is not None  # (in the backward)
-        if not (stepped or (stale and state.applied_nothing)):  # a stale first step: nothing
+        if not (stale and state.applied_nothing):  # a stale first step applies nothing
             opt.step()
         opt.zero_grad(set_to_none=True)
         phases.mark("optimizer")
@@ -344,8 +334,6 @@ def run_variant(
         if i == timed - 1:  # the measured steps' peak, before a profiled step resets it
             peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
     if stale:  # the last gradient, as a training loop ends
-        if sib is not None:
-            sib.settle()
         state.drain()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -354,9 +342,7 @@ def run_variant(
         assert_replicas_agree(model, hsdp["replicate"].get_group())
     decision = getattr(state, "decision", None)  # an "auto" variant's choice, as JSON
     decision = decision_record(decision) if decision is not None else None
-    if sib is not None:
-        sib.remove()
-    del model, opt, state, sib
+    del model, opt, state
     gc.collect()  # FSDP's module <-> state references form cycles: free them before the next
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -442,12 +428,10 @@ def main() -> None:
     p.add_argument(
         "--recipes",
         nargs="*",
-        help="default: qsdp-w8g8 global-qsgd sdp4bit sdp4bit+s1 sdp4bit+s1+pf qsdp-w8g8+s1 "
-        "(with --hsdp: cgx cgx+pipe global-qsgd cgx+s1); NAME+s1 is the recipe at staleness 1, "
-        "its step timed to the end of the compute stream (its reduction runs on into the next "
-        "step), drained at the end; +s1+ib steps each module in the backward "
-        "(qsdp.fsdp.StepInBackward), +s1+pf also starts its next gather there; NAME+pipe "
-        "(--hsdp) pipelines the replicate all-reduce across modules",
+        help="default: qsdp-w8g8 global-qsgd sdp4bit sdp4bit+s1 qsdp-w8g8+s1 (with --hsdp: cgx "
+        "cgx+pipe global-qsgd cgx+s1); NAME+s1 is the recipe at staleness 1, its step timed to "
+        "the end of the compute stream (its reduction runs on into the next step), drained at "
+        "the end; NAME+pipe (--hsdp) pipelines the replicate all-reduce across modules",
     )
     p.add_argument("--hsdp", action="store_true", help="HSDP on 2 nodes (see the docstring)")
     p.add_argument(
@@ -507,7 +491,7 @@ def main() -> None:
         a.recipes = (
             ["cgx", "cgx+pipe", "global-qsgd", "cgx+s1"]
             if a.hsdp
-            else ["qsdp-w8g8", "global-qsgd", "sdp4bit", "sdp4bit+s1", "sdp4bit+s1+pf", "qsdp-w8g8+s1"]
+            else ["qsdp-w8g8", "global-qsgd", "sdp4bit", "sdp4bit+s1", "qsdp-w8g8+s1"]
         )
     base = "hsdp" if a.hsdp else "fsdp2"
     variants = [

@@ -4,7 +4,6 @@ from ._gathers import QuantizedAllGather, QuantizedMasterAllGather, WeightDiffAl
 from ._hooks import StepClock
 from ._reduce import QuantizedReduceScatter
 from ._state import CommState, comm_state, fsdp_comm_stats, resync
-from ._step_in_backward import StepInBackward
 from .api import compress_fsdp
 
 __all__ = [
@@ -13,7 +12,6 @@ __all__ = [
     "QuantizedMasterAllGather",
     "QuantizedReduceScatter",
     "StepClock",
-    "StepInBackward",
     "WeightDiffAllGather",
     "comm_state",
     "compress_fsdp",

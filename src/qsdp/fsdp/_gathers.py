@@ -128,8 +128,7 @@ class WeightDiffAllGather(_Gather):
         self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup
     ) -> None:
         fresh = self.recon is None or self.recon.shape != output_tensor.shape
-        epoch = self._clock_epoch(self.clock)
-        if not fresh and epoch == self._epoch and not self.versions.changed():
+        if not fresh and self.clock.epoch == self._epoch and not self.versions.changed():
             output_tensor.copy_(self.recon)  # weights unchanged since the last gather
             self.cached_gathers += 1
             return None
@@ -153,7 +152,7 @@ class WeightDiffAllGather(_Gather):
             stats=self.stats,
         )
         self._diffs = 0 if exact else self._diffs + 1
-        self._epoch, self._generation = epoch, self.clock.generation
+        self._epoch, self._generation = self.clock.epoch, self.clock.generation
         self.versions.record()
         if self.check_replicas:
             _check_replicas(self.recon, group)
@@ -208,8 +207,7 @@ class QuantizedMasterAllGather(_Gather):
     ) -> None:
         n, m = group.size(), input_tensor.numel()
         nbytes = self.spec.payload_bytes(m)
-        epoch = self._clock_epoch(self.clock)
-        if self._recv is None or self._epoch != epoch or self.versions.changed():
+        if self._recv is None or self._epoch != self.clock.epoch or self.versions.changed():
             if input_tensor.dtype != torch.float32 or any(
                 p.dtype != torch.float32 for p, _ in self.params
             ):
@@ -232,7 +230,7 @@ class QuantizedMasterAllGather(_Gather):
             self._recv = qc.all_gather_payloads(
                 send, group, stats=self.stats, name="all_gather_master"
             )
-            self._epoch = epoch
+            self._epoch = self.clock.epoch
         else:
             self.cached_gathers += 1
         qc_decode_rows(self._recv, m, self.spec, out=output_tensor.view(n, m))

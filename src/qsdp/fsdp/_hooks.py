@@ -117,12 +117,6 @@ class _Gather(_Hook, AllGather):
     FSDP's all-gather stream, which keeps the overlap with compute.
     """
 
-    for_next_step = False
-    """Set by :class:`qsdp.fsdp.StepInBackward` for a gather it starts in a backward for the
-    next step's forward: that gather belongs to the next :class:`StepClock` epoch (the clock
-    ticks only when the next forward starts), so the next backward's re-gather is served from
-    it as from any forward gather of its step."""
-
     def __call__(
         self,
         output_tensor: torch.Tensor,
@@ -131,15 +125,8 @@ class _Gather(_Hook, AllGather):
         async_op: bool = False,
     ) -> None:
         _check_gather_dtype(input_tensor)
-        try:
-            with _Context("all-gather", self.module_name):
-                self._call(output_tensor, input_tensor, group)
-        finally:
-            self.for_next_step = False
-
-    def _clock_epoch(self, clock: StepClock) -> int:
-        """The step clock's epoch this gather belongs to (see :attr:`for_next_step`)."""
-        return clock.epoch + int(self.for_next_step)
+        with _Context("all-gather", self.module_name):
+            self._call(output_tensor, input_tensor, group)
 
     def _call(
         self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup

@@ -156,16 +156,13 @@ class _Reduction:
         there is none), checked for NaN/Inf; the flags are agreed over ``group`` (or each of
         several in turn)."""
         self._group = group
-        if self.pipeline.on_apply is not None:
-            self.pipeline.on_apply()
         result = self.delay.finish()
         self.pipeline.applied_nothing = result is None
         if result is None:
             output.zero_()
             return
         output.copy_(result.view_as(output))
-        # agreed, and acted on, when the backward ends (unless StepInBackward did before)
-        if self.check is not None and not self.pipeline.checked:
+        if self.check is not None:  # agreed, and acted on, when the backward ends
             self._defer(nonfinite_flags(output.reshape(1, -1), self.layout), group)
 
     def check_applied(self, flat: torch.Tensor) -> None:

@@ -168,15 +168,6 @@ class Pipeline:
         self.keep_local = False
         """The hooks keep each rank's own share of the gradient in flight
         (:meth:`keep_local_gradients`)."""
-        self.owners: dict[int, tuple[nn.Module, object]] = {}
-        """By ``id(hook)``: the FSDP module whose gradients the hook reduces, and that module's
-        qsdp all-gather (or None), for :class:`qsdp.fsdp.StepInBackward`."""
-        self.checked = False
-        """The results this backward applies were checked for NaN/Inf already (by
-        ``StepInBackward``, before the first was applied): the hooks need not check them."""
-        self.on_apply: Callable[[], None] | None = None
-        """Called by every hook before it applies a result (``StepInBackward`` reads all the
-        results there, before the first is replaced by the next reduction)."""
 
     def check_synchronous(self, hook: object) -> None:
         """A synchronous backward with this hook's reduction still in flight would drop it."""
@@ -192,17 +183,8 @@ class Pipeline:
         """A reduction is in flight: the next backward applies it."""
         return any(hook.delay.result is not None for hook, _ in self.entries)
 
-    def add(
-        self,
-        hook: object,
-        params: list[tuple[nn.Parameter, int]],
-        *,
-        module: nn.Module | None = None,
-        gather: object = None,
-    ) -> None:
+    def add(self, hook: object, params: list[tuple[nn.Parameter, int]]) -> None:
         self.entries.append((hook, params))
-        if module is not None:
-            self.owners[id(hook)] = (module, gather)
 
     def keep_local_gradients(self) -> None:
         """From the next backward on, each delayed reduction keeps this rank's own share of its

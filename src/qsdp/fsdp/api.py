@@ -275,7 +275,7 @@ def compress_fsdp(
                 reduce.per_parameter(param_keys[i], param_runs[i])
             if stale is not None and layout != []:
                 reduce.stale(pipeline=stale, twins=twins)
-                stale.add(reduce, _grad_params(model, layout), module=module, gather=gather)
+                stale.add(reduce, _grad_params(model, layout))
     _INSTALLED[model] = _Installed(config, stats, clock, gathers, hooks, stale, widths, decision)
     _HOOKED.update(modules)
     return model

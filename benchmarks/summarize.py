@@ -298,9 +298,13 @@ def staleness_table(paths: list[Path]) -> str:
             if r["variant"] == "compute-alone":
                 continue
             wire = r.get("wire_serial_s")
+            # (a run without --baselines has no plain FSDP2 rows: its ratios are 0)
+            ratios = " / ".join(
+                f"x{r[k]:.2f}" if r.get(k) else "-"
+                for k in ("ratio_vs_fp32_reduce", "ratio_vs_bf16_reduce")
+            )
             out.append(
-                f"| {r['variant']} | {r['s_per_step']:.3f} | x{r['ratio_vs_fp32_reduce']:.2f} / "
-                f"x{r['ratio_vs_bf16_reduce']:.2f} | "
+                f"| {r['variant']} | {r['s_per_step']:.3f} | {ratios} | "
                 + (
                     f"{wire:.3f} | {r['wire_concurrent_s']:.3f} | x{r['step_over_wire']:.2f} | "
                     f"x{r['step_over_bound']:.2f}"
@@ -344,6 +348,7 @@ def memory_alone_table(paths: list[Path]) -> str:
 
 SESSION12 = RESULTS / "session12_2026-11-27"
 SESSION13 = RESULTS / "session13_2026-11-27"
+SESSION14 = RESULTS / "session14_2026-11-27"
 #: The README's headline rows: (setting, results file under RESULTS, regime, baseline variant and
 #: label, qsdp variant and label). The latest run of each judged setting with the code as it is;
 #: the DDP sockets run is the middle one of three (2.31x, 2.48x, 2.49x for the pipelined row).
@@ -464,6 +469,9 @@ def tables() -> dict[str, Callable[[], str]]:
         ),
         "staleness-session13": lambda: staleness_table(
             [SESSION13 / "fsdp_step_socket_NVIDIA_H200_2026-11-27.json"]
+        ),
+        "staleness-session14": lambda: staleness_table(
+            [SESSION14 / "fsdp_step_socket_NVIDIA_H200_2026-11-27.json"]
         ),
         "convergence": lambda: study_tables.convergence_table(CONVERGENCE),
         "convergence-350m": lambda: study_tables.convergence_table(CONVERGENCE_350M),

@@ -9,7 +9,8 @@ side by side in one run on the same weights and batches: ``ddp-fp32`` (DDP's own
 through ``qsdp.ddp.register`` (``NAME+s1``: the recipe at staleness 1, whose steps apply the
 previous step's gradient while their own reduction overlaps the next step; their step ends
 when the compute stream is done; ``+ef``: with error feedback; ``+g256``: gradient groups of
-256 elements; ``+pipe``: ``register(..., pipeline=True)``; ``+bN``, on any variant, baselines
+256 elements; ``+pipe``: ``register(..., pipeline=True)``; ``+prop``:
+``nonfinite="propagate"``, no NaN/Inf check at all; ``+bN``, on any variant, baselines
 included: DDP buckets of N MiB instead of ``--bucket-mb``; e.g. ``cgx+ef+g256``,
 ``bf16_compress_hook+b100``). Each figure is set against two bounds measured in the same run:
 
@@ -111,7 +112,12 @@ def run_variant(name: str, a, cfg, device: torch.device, rank: int) -> dict:
     elif base == "auto":  # measures DDP's group and picks (qsdp.policy.auto)
         qsdp_state = qsdp.ddp.register(model, "auto")
     elif base != "ddp-fp32":
-        config = qsdp.recipe(base, staleness=1 if "s1" in options else 0)
+        config = qsdp.recipe(
+            base,
+            staleness=1 if "s1" in options else 0,
+            # +prop: no NaN/Inf check at all
+            **({"nonfinite": "propagate"} if "prop" in options else {}),
+        )
         group = next((int(o[1:]) for o in options if o.startswith("g") and o[1:].isdigit()), 0)
         if group:  # +gN: quantized gradients in groups of N
             spec = replace(config.grads.spec, group_size=group)

@@ -161,15 +161,16 @@ def build(
         return model
     # NAME+s1: the recipe at staleness 1 (+local: predicting from each rank's own gradient);
     # NAME+own: its reduce-scatters on their own communicator (own_reduce_group); NAME+pipe
-    # (--hsdp): compress_fsdp(..., pipeline=True)
+    # (--hsdp): compress_fsdp(..., pipeline=True); NAME+prop: nonfinite="propagate"
     name, *options = recipe.split("+")
     if (
-        set(options) - {"s1", "own", "local", "pipe"}
+        set(options) - {"s1", "own", "local", "pipe", "prop"}
         or ("local" in options and "s1" not in options)
         or ("pipe" in options and hsdp is None)
     ):
         raise SystemExit(
-            f"variant {recipe!r}: options are +s1 (+local with it), +own and, with --hsdp, +pipe"
+            f"variant {recipe!r}: options are +s1 (+local with it), +own, +prop and, with "
+            "--hsdp, +pipe"
         )
     if name == "auto":  # measures the regime's groups and picks (qsdp.policy.auto)
         if options:
@@ -177,7 +178,13 @@ def build(
         if hsdp is not None:
             return qsdp.compress_fsdp(model, "auto", replicate=hsdp["replicate"])
         return qsdp.compress_fsdp(model, "auto", mesh=mesh)
-    config = qsdp.recipe(name, staleness=int("s1" in options), own_reduce_group="own" in options)
+    config = qsdp.recipe(
+        name,
+        staleness=int("s1" in options),
+        own_reduce_group="own" in options,
+        # +prop: no NaN/Inf check at all
+        **({"nonfinite": "propagate"} if "prop" in options else {}),
+    )
     if hsdp is not None:
         qsdp.compress_fsdp(model, config, replicate=hsdp["replicate"], pipeline="pipe" in options)
     else:

@@ -10,7 +10,7 @@ OUT=${OUT:-out}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | head -n 1
 declare -A PART=(
-  [distributed]="tests/comm tests/ddp tests/fsdp"
+  [distributed]="tests/comm tests/ddp tests/fsdp tests/train"
   [quant-plain]="tests/quant -k not(h16 or h32)"
   [quant-hadamard]="tests/quant -k h16 or h32"
 )

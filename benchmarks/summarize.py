@@ -349,6 +349,8 @@ def memory_alone_table(paths: list[Path]) -> str:
 SESSION12 = RESULTS / "session12_2026-11-27"
 SESSION13 = RESULTS / "session13_2026-11-27"
 SESSION14 = RESULTS / "session14_2026-11-27"
+SESSION15 = RESULTS / "session15_2026-11-27"
+H200 = "NVIDIA_H200_2026-11-27"
 #: The README's headline rows: (setting, results file under RESULTS, regime, baseline variant and
 #: label, qsdp variant and label). The latest run of each judged setting with the code as it is;
 #: the DDP sockets run is the middle one of three (2.31x, 2.48x, 2.49x for the pipelined row).
@@ -472,6 +474,16 @@ def tables() -> dict[str, Callable[[], str]]:
         ),
         "staleness-session14": lambda: staleness_table(
             [SESSION14 / "fsdp_step_socket_NVIDIA_H200_2026-11-27.json"]
+        ),
+        "ddp-session15-nonfinite": lambda: "\n\n".join(
+            ddp_table([SESSION15 / "nonfinite_read" / f"{when}_ddp_step_socket_ws2_{H200}.json"])
+            for when in ("before", "after")
+        ),
+        "fsdp-session15-nonfinite": lambda: "\n\n".join(
+            staleness_table(
+                [SESSION15 / "nonfinite_read" / f"{when}_fsdp_step_socket_ws2_{H200}.json"]
+            )
+            for when in ("before", "after")
         ),
         "convergence": lambda: study_tables.convergence_table(CONVERGENCE),
         "convergence-350m": lambda: study_tables.convergence_table(CONVERGENCE_350M),

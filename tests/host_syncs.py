@@ -23,3 +23,16 @@ def first_sync(fn: Callable[[], object]) -> str:
         str(w.message).splitlines()[0] for w in caught if "called a synchronizing" in str(w.message)
     ]
     return syncs[0] if syncs else "none"
+
+
+def host_runs_ahead(step: Callable[[], object], device: torch.device) -> bool:
+    """Whether the host returns from ``step`` (a forward and backward) while the device is
+    still busy with work queued before it: the device first sleeps for about a second, so a
+    host that waited for anything of the step (its collectives, a flag it reads) would find the
+    stream idle when ``step`` returns."""
+    torch.cuda.synchronize(device)
+    torch.cuda._sleep(2_000_000_000)  # clock cycles: about a second
+    step()
+    ahead = not torch.cuda.current_stream(device).query()
+    torch.cuda.synchronize(device)
+    return ahead

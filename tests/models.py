@@ -150,11 +150,12 @@ def flag_groups() -> Iterator[list]:
             ]
 
 
-def nan_gradient(module: nn.Module) -> None:
+def nan_gradient(module: nn.Module):
     """From the next forward on, ``module.weight``'s gradient turns NaN (the hook goes on the
-    weight each forward sees: under FSDP2 the unsharded one)."""
+    weight each forward sees: under FSDP2 the unsharded one); ``.remove()`` the returned
+    handle to stop it."""
 
     def poison(mod: nn.Module, args: object) -> None:
         mod.weight.register_hook(lambda g: g * float("nan"))
 
-    module.register_forward_pre_hook(poison)
+    return module.register_forward_pre_hook(poison)

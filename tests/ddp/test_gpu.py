@@ -15,7 +15,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import qsdp
 from qsdp.testing import assert_same_on_all_ranks, run_distributed
 
-from ..host_syncs import first_sync
+from ..host_syncs import first_sync, host_runs_ahead
 from ..models import train_delayed_by_hand
 
 pytestmark = [
@@ -179,9 +179,9 @@ def test_error_feedback_applies_every_loss_once_on_nccl():
 def _backward_syncs(rank: int, world: int) -> dict[str, str]:
     """Each recipe's backward (3 steps after 2 of warm-up, DDP's bucket rebuild among them)
     under ``torch.cuda.set_sync_debug_mode("warn")``: the warning of the first op that made the
-    host wait for the device, or ``"none"``. NaN/Inf ``"propagate"``: the one sync a backward
-    makes by design (``NonfiniteCheck`` reads its flags once at its end) is not what this
-    looks for."""
+    host wait for the device, or ``"none"``, with the default NaN/Inf check; then whether the
+    host returns from a forward and backward while the device is still busy (the check's
+    verdict is read one backward later: [Note: the verdict read one backward later])."""
     dev = torch.device("cuda", torch.cuda.current_device())
     out = {}
     cases = {
@@ -203,7 +203,7 @@ def _backward_syncs(rank: int, world: int) -> dict[str, str]:
             nn.Linear(D, 4 * D), nn.GELU(), nn.LayerNorm(4 * D), nn.Linear(4 * D, D)
         )
         ddp = DDP(model.to(dev), device_ids=[dev.index], bucket_cap_mb=0.25)
-        config = qsdp.recipe(name, nonfinite="propagate", **extra)
+        config = qsdp.recipe(name, **extra)  # the default NaN/Inf check included
         qsdp.ddp.register(
             ddp, config, error_feedback=feedback is True, pipeline=feedback == "pipeline"
         )
@@ -216,6 +216,9 @@ def _backward_syncs(rank: int, world: int) -> dict[str, str]:
             if out[label] != "none":
                 break
         torch.cuda.synchronize()
+        # the NaN/Inf verdict is read one backward later: the host never waits for a bucket
+        if not host_runs_ahead(lambda m=ddp, x=x: m(x).square().mean().backward(), dev):
+            out[label] = "the host waited for the step"
     return out
 
 

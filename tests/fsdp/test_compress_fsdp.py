@@ -298,6 +298,7 @@ def _two_level_flags(rank: int, world: int) -> str:
         nan_gradient(model.blocks[0].up)
     try:
         _step(model, next(batches))
+        qsdp.fsdp.comm_state(model).check_nonfinite()
     except ValueError as e:
         return str(e)
     return "no error"
@@ -348,51 +349,68 @@ def test_accumulation_mixed_precision_and_clipping(recipe):
     assert abs(sum(got[-4:]) - sum(base[-4:])) / 4 < 0.005 * sum(base[-4:]) / 4, (got, base)
 
 
-def _nan_grad(rank: int, world: int, mode: str) -> dict:
+def _nan_grad(rank: int, world: int, mode: str, read: str) -> dict:
+    """A NaN in one parameter's gradient on rank 1 only, at step 0 of two; the verdict read at
+    ``check_nonfinite()`` after step 0 (``read="check"``) or when the next backward ends
+    (``"next"``: [Note: the verdict read one backward later])."""
     config = qsdp.recipe("qsdp-w8g8", nonfinite=mode)
     model = _build(config)
-    if rank == 1:  # rank 1 only: NaN in this one parameter's gradient
-        nan_gradient(model.blocks[1].down)
+    handle = nan_gradient(model.blocks[1].down) if rank == 1 else None
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    try:
-        with flag_groups() as seen:
-            _step(model, next(_batches(rank, world)))
-    except ValueError as e:
-        return {"error": str(e), "flag_all_reduces": len(seen)}
-    # the NaN's group zeroed on every rank (rank 0's own input was finite), the others kept
-    bad = [bool(p.grad.full_tensor().eq(0).all()) for p in model.blocks[1].parameters()]
-    good = [bool(p.grad.full_tensor().ne(0).any()) for p in model.blocks[0].parameters()]
-    opt.step()
-    finite = all(bool(torch.isfinite(p.full_tensor()).all()) for p in model.parameters())
-    zeroed = sum(
+    batches = _batches(rank, world)
+    zeroed = lambda: sum(  # noqa: E731
         m._get_fsdp_state()._fsdp_param_group._reduce_scatter_comm.zeroed
         for m in model.modules()
         if isinstance(m, FSDPModule)
     )
-    return {
-        "error": None,
-        "finite": finite,
-        "zeroed": zeroed,
-        "bad_zero": all(bad),
-        "good_kept": all(good),
-        "flag_all_reduces": len(seen),
-    }
+    out: dict = {"error": None, "error_at": None}
+    with flag_groups() as seen:
+        _step(model, next(batches))  # no raise here: the host has not read the flags
+    out["flag_all_reduces"] = len(seen)
+    out["zeroed_before_read"] = zeroed()
+    # on the device already: the NaN's group zeroed on every rank (rank 0's own input was
+    # finite), the other groups kept
+    out["bad_zero"] = all(
+        bool(p.grad.full_tensor().eq(0).all()) for p in model.blocks[1].parameters()
+    )
+    out["good_kept"] = all(
+        bool(p.grad.full_tensor().ne(0).any()) for p in model.blocks[0].parameters()
+    )
+    opt.step()  # applies nothing of the bad group's gradient
+    opt.zero_grad()
+    if handle is not None:
+        handle.remove()
+    out["finite"] = all(bool(torch.isfinite(p.full_tensor()).all()) for p in model.parameters())
+    try:
+        if read == "check":
+            qsdp.fsdp.comm_state(model).check_nonfinite()
+        else:
+            _step(model, next(batches))
+    except ValueError as e:
+        out["error"], out["error_at"] = str(e), read
+    out["zeroed"] = zeroed()
+    qsdp.fsdp.comm_state(model).check_nonfinite()  # step 1's verdict: finite, no raise
+    return out
 
 
-def test_nan_gradient_raises_on_every_rank_naming_the_parameter():
-    res = run_distributed(_nan_grad, 2, "raise", pg_timeout_s=20)
+@pytest.mark.parametrize("read", ["check", "next"])
+def test_nan_gradient_raises_on_every_rank_naming_the_parameter(read):
+    res = run_distributed(_nan_grad, 2, "raise", read, pg_timeout_s=20)
     for r in res:
-        assert r["error"] is not None and r["flag_all_reduces"] == 1
+        assert r["error_at"] == read and r["flag_all_reduces"] == 1, r
         assert (
             "non-finite gradient (NaN/Inf, or too large to quantize) on at least one rank in "
             "blocks.1.down.weight;" in (r["error"])
         )
+        # before the raise: zeroed on the device, and the optimizer step stayed finite
+        assert r["bad_zero"] and r["good_kept"] and r["finite"], r
 
 
 def test_nan_gradient_zeroed_when_asked_and_weights_stay_finite():
-    res = run_distributed(_nan_grad, 2, "zero", pg_timeout_s=20)
+    res = run_distributed(_nan_grad, 2, "zero", "next", pg_timeout_s=20)
     for r in res:
         assert r["error"] is None and r["finite"]
+        assert r["zeroed_before_read"] == 0  # counted when read, one backward later
         assert r["zeroed"] == 1  # the one group holding the parameter, on every rank
         assert r["bad_zero"] and r["good_kept"]
         assert r["flag_all_reduces"] == 1  # 3 groups' flags, one agreement
@@ -567,6 +585,7 @@ def _nan_weight(rank: int, world: int) -> str:
             model.blocks[0].up.weight.to_local().view(-1)[:3] = float("nan")
     try:
         _step(model, next(_batches(rank, world)))
+        qsdp.fsdp.comm_state(model).check_nonfinite()
     except ValueError as e:
         return str(e)
     return "no error"

@@ -15,7 +15,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 import qsdp
 from qsdp.testing import assert_same_on_all_ranks, run_distributed
 
-from ..host_syncs import first_sync
+from ..host_syncs import first_sync, host_runs_ahead
 from ..models import nan_gradient
 from .test_compress_fsdp import TinyGPT, _batches
 
@@ -105,12 +105,13 @@ def _nan(rank: int, ws: int, mode: str) -> dict:
     loss = nn.functional.cross_entropy(
         model(batch[:, :-1]).float().reshape(-1, 256), batch[:, 1:].reshape(-1)
     )
-    try:
-        loss.backward()
-    except ValueError as e:
-        return {"error": str(e)}
+    loss.backward()  # zeroed on the device when it ends; the host reads the verdict later
     opt.step()
     finite = all(bool(torch.isfinite(p.full_tensor()).all()) for p in model.parameters())
+    try:
+        qsdp.fsdp.comm_state(model).check_nonfinite()
+    except ValueError as e:
+        return {"error": str(e), "finite": finite}
     return {"error": None, "finite": finite}
 
 
@@ -118,6 +119,7 @@ def test_nan_gradient_on_one_rank_raises_everywhere_or_is_zeroed():
     ws = min(4, torch.cuda.device_count())
     for r in run_distributed(_nan, ws, "raise", backend="nccl", pg_timeout_s=60):
         assert r["error"] is not None and "blocks.1.down.weight" in r["error"], r
+        assert r["finite"], r  # the optimizer step before the read applied nothing of it
     for r in run_distributed(_nan, ws, "zero", backend="nccl", pg_timeout_s=60):
         assert r["error"] is None and r["finite"], r
 
@@ -265,9 +267,11 @@ def test_widths_per_parameter_on_nccl():
 
 
 def _backward_syncs(rank: int, ws: int) -> dict[str, str]:
-    """Each recipe's backward (after 2 warm-up steps) under
-    ``torch.cuda.set_sync_debug_mode("warn")``: the first sync's warning, or ``"none"``
-    (``nonfinite="propagate"``: the one sync a backward makes by design is not looked for)."""
+    """Each recipe's backward (after 2 warm-up steps, with the default NaN/Inf check) under
+    ``torch.cuda.set_sync_debug_mode("warn")``: the first sync's warning, or ``"none"``; then
+    whether the host returns from a forward and backward while the device is still busy
+    (``"ahead"``: the check's verdict is read one backward later, [Note: the verdict read one
+    backward later])."""
     dev = torch.device("cuda", torch.cuda.current_device())
     out = {}
     # the detector detects: a device read (and the list-indexed update error feedback had)
@@ -275,16 +279,21 @@ def _backward_syncs(rank: int, ws: int) -> dict[str, str]:
     rows = torch.zeros(3, 8, device=dev)
     assert first_sync(lambda: rows[[0, 2]].sum()) != "none"
     for name in (*RECIPES, "cgx"):
-        config = qsdp.recipe(name, nonfinite="propagate")
-        model, _ = _build(name, ws, torch.bfloat16, config=config)
+        model, _ = _build(name, ws, torch.bfloat16, config=qsdp.recipe(name))
         out[name] = "none"
-        for step, batch in zip(range(5), _batches(rank, ws), strict=False):
+        batches = _batches(rank, ws)
+        for step, batch in zip(range(5), batches, strict=False):
             batch = batch.to(dev)
             loss = model(batch[:, :-1]).float().square().mean()
             out[name] = first_sync(loss.backward) if step >= 2 else out[name]
             if out[name] != "none":
                 break
         torch.cuda.synchronize()
+        batch = next(batches).to(dev)
+        if not host_runs_ahead(
+            lambda b=batch, m=model: m(b[:, :-1]).float().square().mean().backward(), dev
+        ):
+            out[name] = "the host waited for the step"
     return out
 
 

@@ -139,10 +139,14 @@ def _nan(rank: int, world: int, mode: str) -> dict:
     x, y = _batch(rank, 1)
     out = {"error": None}
     with flag_groups() as seen:  # where each NaN-flag MAX ran
-        try:
-            nn.functional.cross_entropy(model(x), y).backward()
-        except ValueError as e:
-            out["error"] = str(e)
+        nn.functional.cross_entropy(model(x), y).backward()
+    # zeroed on the device when the backward ended, on every rank; the host reads the verdict
+    # at check_nonfinite() (or when the next backward ends)
+    out["finite"] = all(bool(torch.isfinite(p.grad.to_local()).all()) for p in model.parameters())
+    try:
+        qsdp.fsdp.comm_state(model).check_nonfinite()
+    except ValueError as e:
+        out["error"] = str(e)
     # every module's flags in one MAX over the shard's ranks, then one over the replicas', when
     # the backward ends, none between two modules' inter-node exchanges ([Note: one flag
     # agreement per backward])
@@ -150,12 +154,8 @@ def _nan(rank: int, world: int, mode: str) -> dict:
     assert dist.get_process_group_ranks(seen[0]) == dist.get_process_group_ranks(shard)
     replicate = mesh["replicate"].get_group()
     assert dist.get_process_group_ranks(seen[1]) == dist.get_process_group_ranks(replicate)
-    if out["error"] is None:
-        out["finite"] = all(
-            bool(torch.isfinite(p.grad.to_local()).all()) for p in model.parameters()
-        )
-        hooks = qsdp.fsdp._state._installed(model).hooks
-        out["zeroed"] = sum(h.zeroed for h in hooks)
+    hooks = qsdp.fsdp._state._installed(model).hooks
+    out["zeroed"] = sum(h.zeroed for h in hooks)
     return out
 
 
@@ -181,6 +181,7 @@ def _diverged(rank: int, world: int) -> str | None:
     x, y = _batch(rank, 1)
     try:
         nn.functional.cross_entropy(model(x), y).backward()
+        qsdp.fsdp.comm_state(model).check_nonfinite()
     except ValueError as e:
         return str(e)
     return None
@@ -194,5 +195,6 @@ def test_replicas_that_differ_still_raise_on_every_rank():
 def test_nan_on_one_rank_same_outcome_everywhere_under_hsdp():
     for out in run_distributed(_nan, 4, "raise", pg_timeout_s=30):
         assert out["error"] is not None and "non-finite gradient" in out["error"], out
+        assert out["finite"], out  # zeroed before the raise
     for out in run_distributed(_nan, 4, "zero", pg_timeout_s=30):
         assert out["error"] is None and out["finite"] and out["zeroed"] == 1, out

@@ -13,9 +13,11 @@ two phases for quantized gradients, Global-QSGD's integer all-reduce), with
 - NaN/Inf: every qsdp all-reduce leaves bit-identical results on all ranks, so a non-finite
   value anywhere shows in the same places everywhere. The future's callback flags the bucket on
   the device and zeroes it (a NaN never reaches the optimizer); the model's
-  :class:`qsdp.runtime.NonfiniteCheck` reads all flags once, when the backward ends (after every
-  bucket's collectives were issued on every rank), and raises on every rank (``"raise"``,
-  surfacing from ``loss.backward()``) or counts (``"zero"``); ``"propagate"`` skips it all;
+  :class:`qsdp.runtime.NonfiniteCheck` takes all flags once, when the backward ends (after every
+  bucket's collectives were issued on every rank), and reads them on the host when the next
+  backward ends (or at :meth:`DDPCompression.check_nonfinite`), so the host never waits for the
+  exchange: it raises on every rank (``"raise"``, surfacing from the next ``loss.backward()``)
+  or counts (``"zero"``); ``"propagate"`` skips it all;
 - optional error feedback for quantized gradients: the part of each bucket the local
   quantizer loses is added to the next step's bucket (per parameter, so it survives rebuilds).
 
@@ -325,6 +327,7 @@ class DDPCompression:
         """
         if not self.config.staleness:
             raise ValueError("drain() is for staleness=1; a synchronous hook has nothing in flight")
+        self.check_nonfinite()  # the last backward's verdict first
         pending, self._pending = self._pending, {}
         self._local = {}
         if not pending:
@@ -471,8 +474,22 @@ class DDPCompression:
 
     @property
     def zeroed(self) -> int:
-        """Bucket reductions zeroed for NaN/Inf so far (counted when each backward ends)."""
+        """Bucket reductions zeroed for NaN/Inf so far, as read: each backward's count when the
+        next one ends, or at :meth:`check_nonfinite`."""
         return sum(r.zeroed for r in self._reports.values())
+
+    def check_nonfinite(self) -> None:
+        """Read the NaN/Inf verdict of the last backward now (it is otherwise read when the
+        next backward ends: [Note: the verdict read one backward later] in
+        ``qsdp.runtime.nonfinite``): call on every rank after the last step, and before a
+        checkpoint. A no-op with ``nonfinite="propagate"`` or nothing unread.
+
+        Raises:
+            ValueError: with ``nonfinite="raise"``, a bucket of that backward held NaN/Inf (on
+                every rank; it was zeroed on the device then).
+        """
+        if self.check is not None:
+            self.check.flush()
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The noise counters (and error-feedback residuals): a resumed run draws the same

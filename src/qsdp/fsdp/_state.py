@@ -13,6 +13,7 @@ from torch import nn
 
 from ..comm import CommStats
 from ..config import CompressionConfig
+from ..runtime import NonfiniteCheck
 from ..runtime.widths import WidthController
 from ._gathers import WeightDiffAllGather
 from ._hooks import StepClock
@@ -35,6 +36,8 @@ class _Installed:
     """Adaptive widths: each reduction group's width."""
     decision: dict | None = None
     """``"auto"``: what was measured, predicted and chosen."""
+    check: NonfiniteCheck | None = None
+    """The NaN/Inf check of the model's reductions (None: ``nonfinite="propagate"``)."""
 
 
 _INSTALLED: weakref.WeakKeyDictionary[nn.Module, _Installed] = weakref.WeakKeyDictionary()
@@ -117,19 +120,34 @@ class CommState:
         the last plan (``.plan``: bytes and error against the uniform width), or None."""
         return self._installed.widths
 
+    def check_nonfinite(self) -> None:
+        """Read the NaN/Inf verdict of the last backward now (it is otherwise read when the
+        next backward ends: [Note: the verdict read one backward later]): call on every rank
+        after the last step, and before a checkpoint to save only runs that were finite. A
+        no-op with ``nonfinite="propagate"`` or nothing unread.
+
+        Raises:
+            ValueError: with ``nonfinite="raise"``, a gradient of that backward held NaN/Inf
+                (on every rank; its groups' gradients were zeroed on the device then).
+        """
+        if self._installed.check is not None:
+            self._installed.check.flush()
+
     def drain(self) -> None:
         """Staleness 1, after the last backward: put the reductions still in flight into the
         parameters' ``.grad``, for one more ``optimizer.step()`` (see [Note: staleness 1 in
-        FSDP2]). Call on every rank.
+        FSDP2]). Call on every rank. Reads the last backward's NaN/Inf verdict first
+        (:meth:`check_nonfinite`).
 
         Raises:
-            ValueError: the model's config is synchronous, or a drained gradient holds NaN/Inf
-                with ``nonfinite="raise"`` (on every rank).
+            ValueError: the model's config is synchronous, or a gradient of the last backward
+                or a drained one holds NaN/Inf with ``nonfinite="raise"`` (on every rank).
         """
         if self._installed.pipeline is None:
             raise ValueError(
                 "drain() is for staleness=1; a synchronous model has nothing in flight"
             )
+        self.check_nonfinite()
         self._installed.pipeline.drain()
 
     @contextlib.contextmanager

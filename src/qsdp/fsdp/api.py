@@ -276,7 +276,9 @@ def compress_fsdp(
             if stale is not None and layout != []:
                 reduce.stale(pipeline=stale, twins=twins)
                 stale.add(reduce, _grad_params(model, layout))
-    _INSTALLED[model] = _Installed(config, stats, clock, gathers, hooks, stale, widths, decision)
+    _INSTALLED[model] = _Installed(
+        config, stats, clock, gathers, hooks, stale, widths, decision, check=check
+    )
     _HOOKED.update(modules)
     return model
 

@@ -694,6 +694,7 @@ def train_rank(cfg: TrainConfig, data: TokenData, device: torch.device) -> dict:
             )
             done = step + 1
             if cfg.ckpt_every and done % cfg.ckpt_every == 0 and done < end:
+                par.state.check_nonfinite()  # a checkpoint only of a finite run
                 save_checkpoint(
                     out,
                     par,
@@ -710,6 +711,9 @@ def train_rank(cfg: TrainConfig, data: TokenData, device: torch.device) -> dict:
             opt.step()
             opt.zero_grad(set_to_none=True)
         if start < end:
+            # the last backward's NaN/Inf verdict (read one backward later: [Note: the verdict
+            # read one backward later] in qsdp.runtime.nonfinite)
+            par.state.check_nonfinite()
             save_checkpoint(
                 out, par, opt, end, (gate.fired if gate else 0, int(sync_next)), predict=predict
             )

@@ -483,7 +483,7 @@ def tables() -> dict[str, Callable[[], str]]:
             staleness_table(
                 [SESSION15 / "nonfinite_read" / f"{when}_fsdp_step_socket_ws2_{H200}.json"]
             )
-            for when in ("before", "after")
+            for when in ("before", "after", "fused")
         ),
         "convergence": lambda: study_tables.convergence_table(CONVERGENCE),
         "convergence-350m": lambda: study_tables.convergence_table(CONVERGENCE_350M),

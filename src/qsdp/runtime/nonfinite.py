@@ -65,12 +65,12 @@ def nonfinite_flags(
         sizes = [rows.shape[1]]
     else:
         sizes = [n for _, n in layout]
-    peak = torch.zeros(len(sizes), dtype=chunks.dtype, device=chunks.device)
-    kept = [i for i, n in enumerate(sizes) if n]  # an empty run holds nothing to flag
-    if kept:
-        pieces = [piece for row in rows for piece in row.split(sizes) if piece.numel()]
-        norms = torch.stack(torch._foreach_norm(pieces, ord=float("inf")))
-        peak[kept] = norms.view(rows.shape[0], len(kept)).amax(dim=0)
+    pieces = [piece for row in rows for piece in row.split(sizes) if piece.numel()]
+    norms = iter(torch._foreach_norm(pieces, ord=float("inf")) if pieces else ())
+    zero = chunks.new_zeros(())  # an empty run holds nothing to flag
+    # (no indexing by a Python list: that copies the index to the device, a host sync)
+    peak = torch.stack([next(norms) if n else zero for _ in range(rows.shape[0]) for n in sizes])
+    peak = peak.view(rows.shape[0], len(sizes)).amax(dim=0)
     bad = ~torch.isfinite(peak) if limit == float("inf") else ~(peak <= limit)
     return bad.to(torch.int32)
 

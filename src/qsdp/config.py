@@ -259,9 +259,11 @@ class CompressionConfig:
     """The gradient reduction: ``QuantizedGrads``, ``TwoLevelGrads``, ``IntegerGrads`` or
     None."""
     nonfinite: NonFinite | str = NonFinite.RAISE
-    """NaN/Inf in a gradient about to be reduced: ``raise`` (every rank raises, naming the
-    parameters; one small all-reduce per reduction), ``zero`` (that reduction's gradient is
-    zeroed for the step and counted) or ``propagate`` (no check: NaN groups travel as NaN)."""
+    """NaN/Inf in a gradient about to be reduced: ``raise`` (the reduction's gradients are
+    zeroed on the device when the backward ends, and every rank raises, naming the parameters,
+    when the next backward ends or at ``check_nonfinite()``; one small all-reduce per backward),
+    ``zero`` (zeroed the same way, and counted) or ``propagate`` (no check: NaN groups travel as
+    NaN). See [Note: the verdict read one backward later] in ``qsdp.runtime.nonfinite``."""
     policy: ParamPolicy | None = ParamPolicy()
     """Parameters sent uncompressed (default: 1-D and under 1024 elements); ``None`` quantizes
     everything. Applies to quantized weights and gradients, not to weight differences (whose

@@ -199,7 +199,7 @@ class NonfiniteCheck:
             host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
             host.copy_(flags, non_blocking=True)
             event = torch.cuda.Event()
-            event.record()
+            event.record(torch.cuda.current_stream(flags.device))
         else:
             host, event = flags.clone(), None
         self._verdict = _Verdict(pending, host, event)

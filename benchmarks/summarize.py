@@ -372,14 +372,14 @@ HEADLINE = (
      "session13_2026-11-27/hsdp_rounds3/fsdp_step_hsdp_2x2_NVIDIA_H200_2026-11-27.json",
      ("hsdp-bf16-reduce", "native HSDP bf16 reduce"), ("cgx+pipe", "`cgx`, `pipeline=True`")),
     ("DDP, GPT-125M, sockets",
-     "session12_2026-11-27/ddp_buckets_socket_ws4_NVIDIA_H200_2026-11-27.json",
+     "session15_2026-11-27/ddp_4gpu/ddp_step_socket_ws4_NVIDIA_H200_2026-11-27.json",
      ("bf16_compress_hook", "`bf16_compress_hook`"), ("cgx", "`cgx`")),
     ("DDP, GPT-125M, sockets",
-     "session12_2026-11-27/ddp_buckets_socket_ws4_NVIDIA_H200_2026-11-27.json",
+     "session15_2026-11-27/ddp_4gpu/ddp_step_socket_ws4_NVIDIA_H200_2026-11-27.json",
      ("bf16_compress_hook", "`bf16_compress_hook`"),
      ("cgx+pipe+b100", "`cgx`, `pipeline=True`, 100 MiB buckets")),
     ("DDP, GPT-125M, sockets",
-     "session12_2026-11-27/ddp_buckets_socket_ws4_NVIDIA_H200_2026-11-27.json",
+     "session15_2026-11-27/ddp_4gpu/ddp_step_socket_ws4_NVIDIA_H200_2026-11-27.json",
      ("bf16_compress_hook", "`bf16_compress_hook`"),
      ("global-qsgd+pipe+b100", "`global-qsgd`, `pipeline=True`, 100 MiB buckets")),
     ("DDP, GPT-125M, NVLink",
@@ -478,6 +478,9 @@ def tables() -> dict[str, Callable[[], str]]:
         "ddp-session15-nonfinite": lambda: "\n\n".join(
             ddp_table([SESSION15 / "nonfinite_read" / f"{when}_ddp_step_socket_ws2_{H200}.json"])
             for when in ("before", "after")
+        ),
+        "ddp-session15-4gpu": lambda: ddp_table(
+            [SESSION15 / "ddp_4gpu" / f"ddp_step_socket_ws4_{H200}.json"]
         ),
         "fsdp-session15-nonfinite": lambda: "\n\n".join(
             staleness_table(

@@ -351,8 +351,8 @@ def test_accumulation_mixed_precision_and_clipping(recipe):
 
 def _nan_grad(rank: int, world: int, mode: str, read: str) -> dict:
     """A NaN in one parameter's gradient on rank 1 only, at step 0 of two; the verdict read at
-    ``check_nonfinite()`` after step 0 (``read="check"``) or when the next backward ends
-    (``"next"``: [Note: the verdict read one backward later])."""
+    ``check_nonfinite()`` after step 0 (``read="check"``), by ``state_dict()`` (``"state_dict"``)
+    or when the next backward ends (``"next"``: [Note: the verdict read one backward later])."""
     config = qsdp.recipe("qsdp-w8g8", nonfinite=mode)
     model = _build(config)
     handle = nan_gradient(model.blocks[1].down) if rank == 1 else None
@@ -384,6 +384,8 @@ def _nan_grad(rank: int, world: int, mode: str, read: str) -> dict:
     try:
         if read == "check":
             qsdp.fsdp.comm_state(model).check_nonfinite()
+        elif read == "state_dict":  # a checkpoint reads it first
+            qsdp.fsdp.comm_state(model).state_dict()
         else:
             _step(model, next(batches))
     except ValueError as e:
@@ -393,7 +395,7 @@ def _nan_grad(rank: int, world: int, mode: str, read: str) -> dict:
     return out
 
 
-@pytest.mark.parametrize("read", ["check", "next"])
+@pytest.mark.parametrize("read", ["check", "next", "state_dict"])
 def test_nan_gradient_raises_on_every_rank_naming_the_parameter(read):
     res = run_distributed(_nan_grad, 2, "raise", read, pg_timeout_s=20)
     for r in res:

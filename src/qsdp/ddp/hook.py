@@ -495,7 +495,9 @@ class DDPCompression:
         """The noise counters (and error-feedback residuals): a resumed run draws the same
         noise as an uninterrupted one. Fixed shapes (``torch.distributed.checkpoint`` loads
         into the tensors a fresh hook's ``state_dict`` gives): one counter per possible bucket
-        index, one residual per parameter."""
+        index, one residual per parameter. Reads the last backward's NaN/Inf verdict first
+        (:meth:`check_nonfinite`)."""
+        self.check_nonfinite()
         if self._calls and max(self._calls) >= _MAX_BUCKETS:
             raise ValueError(f"more than {_MAX_BUCKETS} DDP buckets: raise bucket_cap_mb")
         calls = torch.zeros(_MAX_BUCKETS, dtype=torch.int64)

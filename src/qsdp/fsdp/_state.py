@@ -89,6 +89,10 @@ class CommState:
         self._installed = installed
 
     def state_dict(self) -> dict[str, torch.Tensor]:
+        """The state to save; reads the last backward's NaN/Inf verdict first
+        (:meth:`check_nonfinite`: a checkpoint of a run whose last step was not finite raises
+        on every rank under ``nonfinite="raise"``, and no verdict is left unread in it)."""
+        self.check_nonfinite()
         inst = self._installed
         clock = inst.clock
         state = {

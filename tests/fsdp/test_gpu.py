@@ -269,17 +269,28 @@ def test_widths_per_parameter_on_nccl():
 def _backward_syncs(rank: int, ws: int) -> dict[str, str]:
     """Each recipe's backward (after 2 warm-up steps, with the default NaN/Inf check) under
     ``torch.cuda.set_sync_debug_mode("warn")``: the first sync's warning, or ``"none"``; then
-    whether the host returns from a forward and backward while the device is still busy
-    (``"ahead"``: the check's verdict is read one backward later, [Note: the verdict read one
-    backward later])."""
+    ``"the host waited for the step"`` unless the host returns from a forward and backward
+    while the device is still busy (the check's verdict is read one backward later, [Note: the
+    verdict read one backward later]). FSDP2 recipes, staleness 1, and compressed HSDP on a
+    (2, ws / 2) mesh with and without its pipeline."""
     dev = torch.device("cuda", torch.cuda.current_device())
     out = {}
     # the detector detects: a device read (and the list-indexed update error feedback had)
     assert first_sync(lambda: torch.ones(1, device=dev).item()) != "none"
     rows = torch.zeros(3, 8, device=dev)
     assert first_sync(lambda: rows[[0, 2]].sum()) != "none"
-    for name in (*RECIPES, "cgx"):
-        model, _ = _build(name, ws, torch.bfloat16, config=qsdp.recipe(name))
+    builds = {
+        name: lambda n=name: _build(n, ws, torch.bfloat16, config=qsdp.recipe(n))[0]
+        for name in (*RECIPES, "cgx")
+    }
+    builds["sdp4bit+s1"] = lambda: _build(
+        "sdp4bit", ws, torch.bfloat16, config=qsdp.recipe("sdp4bit", staleness=1)
+    )[0]
+    if ws % 2 == 0:
+        builds["hsdp-cgx"] = lambda: _hsdp(ws, dev, pipeline=False)
+        builds["hsdp-cgx+pipeline"] = lambda: _hsdp(ws, dev, pipeline=True)
+    for name, build in builds.items():
+        model = build()
         out[name] = "none"
         batches = _batches(rank, ws)
         for step, batch in zip(range(5), batches, strict=False):
@@ -295,6 +306,19 @@ def _backward_syncs(rank: int, ws: int) -> dict[str, str]:
         ):
             out[name] = "the host waited for the step"
     return out
+
+
+def _hsdp(ws: int, dev: torch.device, *, pipeline: bool) -> nn.Module:
+    """TinyGPT under compressed HSDP (``cgx`` across the replicas) on a (2, ws / 2) mesh."""
+    mesh = init_device_mesh("cuda", (2, ws // 2), mesh_dim_names=("replicate", "shard"))
+    torch.manual_seed(0)
+    with dev:
+        model = TinyGPT(d=256)
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh["shard"], mp_policy=mp)
+    fully_shard(model, mesh=mesh["shard"], mp_policy=mp)
+    return qsdp.compress_fsdp(model, "cgx", replicate=mesh["replicate"], pipeline=pipeline)
 
 
 def test_the_hooks_never_make_the_host_wait_on_nccl():

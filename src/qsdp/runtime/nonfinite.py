@@ -14,12 +14,12 @@ reads later: it agrees the flags, zeroes the flagged groups' gradients in place 
 (``masked_fill_`` with the agreed flag, on every rank, so no optimizer step ever applies them)
 and starts a non-blocking copy of the flags into pinned host memory. The host reads that copy
 when the next backward ends, before it acts on that one, or at :meth:`NonfiniteCheck.flush`
-(``drain()`` and ``check_nonfinite()`` of the integrations' states; ``qsdp train`` calls it
-after its last step and before each checkpoint): it raises naming every affected parameter
-(``nonfinite="raise"``) or counts the zeroed groups (``"zero"``). The verdict is the same on
-every rank (agreed flags), so every rank raises at the same point: one backward after the bad
-one, whose optimizer step ran with those groups' gradients zeroed. A reduction outside a
-backward (a direct call, ``drain()``) decides and reads at once.
+(``drain()``, ``check_nonfinite()`` and ``state_dict()`` of the integrations' states, so
+every checkpoint, ``qsdp train``'s after its last step included): it raises naming every
+affected parameter (``nonfinite="raise"``) or counts the zeroed groups (``"zero"``). The
+verdict is the same on every rank (agreed flags), so every rank raises at the same point: one
+backward after the bad one, whose optimizer step ran with those groups' gradients zeroed. A
+reduction outside a backward (a direct call, ``drain()``) decides and reads at once.
 
 [Note: one flag agreement per backward]
 Every rank must reach the same verdict, but an FSDP2 reduce-scatter's flags are of this rank's
@@ -45,7 +45,8 @@ from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
+
+from .placement import local_of
 
 __all__ = ["NonfiniteCheck", "nonfinite_flags"]
 
@@ -193,7 +194,7 @@ class NonfiniteCheck:
                 bad = entry.flags.any()
                 for p in entry.params:
                     if p.grad is not None:
-                        _local(p.grad).masked_fill_(bad, 0)
+                        local_of(p.grad).masked_fill_(bad, 0)
         flags = torch.cat([e.flags.reshape(-1) for e in pending])
         if flags.is_cuda:
             host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
@@ -240,8 +241,3 @@ class NonfiniteCheck:
                 "step applied them (read one backward later: [Note: the verdict read one "
                 "backward later] in qsdp.runtime.nonfinite)"
             )
-
-
-def _local(grad: torch.Tensor) -> torch.Tensor:
-    """A gradient's local tensor (FSDP2's are DTensors), to edit in place."""
-    return grad.to_local() if isinstance(grad, DTensor) else grad

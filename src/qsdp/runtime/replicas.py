@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..comm import dist_all_gather
+from .placement import local_of
 
 __all__ = ["check_replicas", "replica_mismatches"]
 
@@ -32,8 +33,7 @@ def replica_mismatches(module: nn.Module, group: dist.ProcessGroup | None = None
     on every rank of it; every rank of it gets the same list."""
     names, sums = [], []
     for name, p in module.named_parameters():
-        local = p.to_local() if hasattr(p, "to_local") else p
-        bits = local.detach().contiguous().reshape(-1)
+        bits = local_of(p).detach().contiguous().reshape(-1)
         names.append(name)
         sums.append(bits.view(_AS_INT[bits.element_size()]).sum(dtype=torch.int64))
     if not sums:

@@ -29,7 +29,7 @@ def _checkpoint_state(
     state = {
         "model": msd,
         "optim": osd,
-        "qsdp": par.state,
+        "qsdp": par.state,  # its state_dict() reads the last backward's NaN/Inf verdict first
         # the staleness gate: synchronous steps forced so far, whether the next one is
         "trainer": {"step": torch.tensor(step), "gate": torch.tensor(gate)},
     }

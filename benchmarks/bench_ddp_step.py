@@ -119,9 +119,13 @@ def run_variant(name: str, a, cfg, device: torch.device, rank: int) -> dict:
             **({"nonfinite": "propagate"} if "prop" in options else {}),
         )
         group = next((int(o[1:]) for o in options if o.startswith("g") and o[1:].isdigit()), 0)
-        if group:  # +gN: quantized gradients in groups of N
-            spec = replace(config.grads.spec, group_size=group)
-            config = replace(config, grads=replace(config.grads, spec=spec))
+        if group:  # +gN: quantized gradients in groups of N (a spec's, or integer codes')
+            grads = config.grads
+            if hasattr(grads, "spec"):
+                grads = replace(grads, spec=replace(grads.spec, group_size=group))
+            else:
+                grads = replace(grads, group_size=group)
+            config = replace(config, grads=grads)
         qsdp_state = qsdp.ddp.register(
             model, config, error_feedback="ef" in options, pipeline="pipe" in options
         )

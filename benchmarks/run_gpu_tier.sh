@@ -12,7 +12,7 @@ OUT=${OUT:-out}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | head -n 1
 declare -A PART=(
-  [distributed]="tests/comm tests/ddp tests/fsdp tests/train"
+  [distributed]="tests/comm tests/ddp tests/fsdp tests/train tests/runtime"
   [quant-plain]="tests/quant -k not(h16 or h32)"
   [quant-hadamard]="tests/quant -k h16 or h32"
 )

@@ -2,7 +2,7 @@
 
 The CPU tier cannot see CUDA stream and future semantics (gloo runs a future's callback once
 the exchange has finished): this is where a decode racing its exchange would show (see
-[Note: decoding in a CUDA future's callback] in ``qsdp.comm._common``)."""
+[Note: a CUDA future without a callback] in ``qsdp.comm._common``)."""
 
 from __future__ import annotations
 
@@ -265,3 +265,49 @@ def test_pipelined_buckets_train_the_same_on_nccl():
     world = min(torch.cuda.device_count(), 4)
     for gaps in run_distributed(_pipelined_on_nccl, world, backend="nccl"):
         assert all(gap < 1e-6 for gap in gaps.values()), gaps
+
+
+def _pool_streams_taken(rank: int, world: int) -> dict[str, int]:
+    """Streams taken from PyTorch's pool of low-priority streams during one backward (after
+    two of warm-up, DDP's bucket rebuild among them), plain DDP and each hook: the pool hands
+    its 32 streams out round-robin, so the position of a stream taken after the backward,
+    against one taken before it, counts those the backward took."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    pool = [torch.cuda.Stream(dev).cuda_stream for _ in range(32)]
+    assert torch.cuda.Stream(dev).cuda_stream == pool[0], "the pool is not round-robin over 32"
+    out = {}
+    for label in ("ddp", "cgx", "global-qsgd", "global-qsgd+pipeline", "cgx+s1"):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(D, 4 * D), nn.GELU(), nn.Linear(4 * D, D)).to(dev)
+        ddp = DDP(model, device_ids=[dev.index], bucket_cap_mb=0.25)  # four buckets
+        name, *option = label.split("+")
+        state = None
+        if name != "ddp":
+            config = qsdp.recipe(name, staleness=1 if option == ["s1"] else 0)
+            state = qsdp.ddp.register(ddp, config, pipeline=option == ["pipeline"])
+        x = torch.randn(64, D, device=dev)
+        for step in range(3):
+            ddp.zero_grad()
+            before = pool.index(torch.cuda.Stream(dev).cuda_stream) if step == 2 else 0
+            ddp(x + step).square().mean().backward()
+        out[label] = (pool.index(torch.cuda.Stream(dev).cuda_stream) - before - 1) % 32
+        if state is not None:  # its own streams: none of the pool communicators take from
+            mine = [s.cuda_stream for s in state._streams.values()]
+            assert mine and not set(mine) & set(pool), (label, "a hook stream is a pool stream")
+        if state is not None and state.second_group is not None:  # its own communicator too
+            nccl = state.second_group._get_backend(dev)
+            assert nccl.options.is_high_priority_stream, label
+        torch.cuda.synchronize()
+    return out
+
+
+def test_the_hook_takes_no_stream_from_the_pool_on_nccl():
+    """[Note: a CUDA future without a callback]: a hook's future chained by ``then`` ran its
+    callback on a stream taken from PyTorch's pool, a new one per bucket, round-robin, which
+    sooner or later was a hook stream and queued the next bucket's exchange behind this one's.
+    A backward with a hook takes no more pool streams than plain DDP's, and the hook's own
+    streams are not pool streams ([Note: side streams from the high-priority pool]: one that
+    was a communicator's queued the next bucket's scales behind this one's SUM)."""
+    world = min(torch.cuda.device_count(), 4)
+    for got in run_distributed(_pool_streams_taken, world, backend="nccl"):
+        assert all(n == got["ddp"] for n in got.values()), got

@@ -72,49 +72,47 @@ class CommWork:
         return self._done or all(w.is_completed() for w in self._pending or ())
 
     def get_future(self) -> torch.futures.Future:
-        """A future that completes with the collective's result tensor once it is decoded.
+        """A future that completes with the collective's result tensor once it is decoded
+        (what a DDP comm hook returns).
 
-        As ``dist.Work.get_future``: the decode runs in the callback of the last communication's
-        future (on CUDA after it, on its stream), which is what a DDP comm hook returns.
+        On CUDA the decode is queued at once on the current stream, after a stream wait for
+        every exchange (the host does not block), and the future is a CUDA-aware one holding
+        the result, which records that stream: whoever waits on it waits for the decode. On
+        gloo the decode runs in a callback once every exchange has finished.
         """
-        if self._done or not self._pending:
-            fut: torch.futures.Future = torch.futures.Future()
+        on_cuda = self._result is not None and self._result.is_cuda
+        if on_cuda or self._done or not self._pending:
+            # [Note: a CUDA future without a callback]
+            # The result must come as a CUDA-aware future (DDP waits on it through stream
+            # events). It used to be a callback chained on an NCCL work's future (``then``):
+            # that future is marked complete when the collective is queued, so the callback
+            # ran at once, but on a stream of its own that CUDA futures take from PyTorch's
+            # stream pool, a new one per callback, round-robin over the pool's 32 streams, the
+            # same pool ``torch.cuda.Stream()`` and the communicators' streams come from. Sooner
+            # or later the callback's stream was a hook stream, and that stream first waited
+            # for the bucket's exchange: whatever was queued there next (the next bucket's
+            # scales and codes) waited for it too (profiled, 4x H200 over sockets, DDP
+            # `global-qsgd` pipelined: the last bucket's MAX of scales queued 15 ms behind the
+            # third bucket's SUM). Now nothing takes a stream: ``Work.wait`` makes the current
+            # stream (the one the collective allocated its buffers on, so freed buffers return
+            # to its pool) wait for every exchange, the decode is queued behind, and the future
+            # records the current stream.
             self.wait()
+            fut: torch.futures.Future = torch.futures.Future(
+                devices=[self._result.device] if on_cuda else None
+            )
             fut.set_result(self._result)
             return fut
         works = list(self._pending)
-        on_cuda = self._result is not None and self._result.is_cuda
-        if not on_cuda:  # gloo: the callback runs once every exchange has finished
 
-            def finish_host(_: torch.futures.Future) -> torch.Tensor | None:
-                self._pending = None
-                self._run(defer=False)
-                return self._result
-
-            futs = [w.get_future() for w in works]
-            both = futs[0] if len(futs) == 1 else torch.futures.collect_all(futs)
-            return both.then(finish_host)
-        # [Note: decoding in a CUDA future's callback]
-        # The future must be CUDA-aware (DDP waits on it through stream events), so it chains on
-        # an NCCL work's own future; ``collect_all`` of several would not be, and its callback
-        # would not wait for the devices. Inside the callback every exchange is waited for
-        # explicitly (``Work.wait`` makes the current stream wait, the host does not), on the
-        # stream the collective allocated its buffers on: buffers freed when the callback ends
-        # return to that stream's pool, so no later allocation can race a kernel still reading
-        # them. The callback's own stream then waits for it, and the future records that.
-        origin = torch.cuda.current_stream()
-
-        def finish(_: torch.futures.Future) -> torch.Tensor | None:
+        def finish_host(_: torch.futures.Future) -> torch.Tensor | None:
             self._pending = None
-            callback = torch.cuda.current_stream()
-            with torch.cuda.stream(origin):
-                for w in works:
-                    w.wait()
-                self._run(defer=False)
-            callback.wait_stream(origin)
+            self._run(defer=False)
             return self._result
 
-        return works[0].get_future().then(finish)
+        futs = [w.get_future() for w in works]
+        both = futs[0] if len(futs) == 1 else torch.futures.collect_all(futs)
+        return both.then(finish_host)
 
 
 def run_stages(

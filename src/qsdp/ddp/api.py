@@ -8,6 +8,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from ..config import CompressionConfig, IntegerGrads, QuantizedGrads, recipe
 from ..policy import auto
 from ..runtime.agreement import check_same_arguments
+from ..runtime.streams import side_group
 from .hook import DDPCompression
 
 __all__ = ["register"]
@@ -110,7 +111,7 @@ def register(
     second_group = None
     if pipeline:  # only DDP's ranks take part (DDP's group may be a subgroup)
         ranks = dist.get_process_group_ranks(model.process_group)
-        second_group = dist.new_group(ranks, use_local_synchronization=True)
+        second_group = side_group(ranks, use_local_synchronization=True)
     names = {id(p): n for n, p in model.module.named_parameters()}
     hook = DDPCompression(
         config,

@@ -33,7 +33,10 @@ every later backward kernel would queue behind each bucket's communication, seri
 backward with the wire (measured on 4 GPUs over sockets: the compute stream idle for most of
 the step). So on CUDA the hook runs the plan on a stream of its own, which first waits for the
 compute stream (the bucket is complete there); the compute stream meets the result only through
-the returned future, which DDP waits on when the backward ends, as for its own all-reduce.
+the returned future, which DDP waits on when the backward ends, as for its own all-reduce. The
+stream comes from the high-priority pool, never a communicator's or a callback's
+([Note: side streams from the high-priority pool] in ``qsdp.runtime.streams``), and the future
+is completed at once on it, no callback ([Note: a CUDA future without a callback]).
 
 Uncompressed and synchronous (recipe ``"bf16"``, or what ``"auto"`` picks on a fast link), there
 is nothing for a hook to do that DDP's own all-reduce does not: :func:`qsdp.ddp.register`
@@ -83,7 +86,7 @@ from torch import nn
 
 from .. import comm as qc
 from ..config import CompressionConfig, NonFinite
-from ..runtime import NonfiniteCheck
+from ..runtime import NonfiniteCheck, side_stream
 from ..runtime.widths import WidthController
 
 __all__ = ["DDPCompression"]
@@ -177,7 +180,7 @@ class DDPCompression:
         key = (tensor.device, self._turn)
         stream = self._streams.get(key)
         if stream is None:
-            stream = self._streams[key] = torch.cuda.Stream(tensor.device)
+            stream = self._streams[key] = side_stream(tensor.device)
         self._consumer = torch.cuda.current_stream(tensor.device)  # DDP reads results there
         stream.wait_stream(self._consumer)
         with torch.cuda.stream(stream):  # see [Note: the hook's own stream]
@@ -374,21 +377,32 @@ class DDPCompression:
         params: list[nn.Parameter],
         index: int,
     ) -> torch.futures.Future:
-        """Flag and zero a non-finite result on the device; decided when the backward ends."""
-        if self.check is None:
-            return fut.then(lambda f: tensor)
-        flags = torch.zeros(1, dtype=torch.int32, device=tensor.device)
+        """Flag and zero a non-finite result on the device; decided when the backward ends.
 
-        def finish(_: torch.futures.Future) -> torch.Tensor:
-            bad = ~torch.isfinite(tensor).all()  # the same on every rank (see the note)
-            tensor.masked_fill_(bad, 0)
-            flags.copy_(bad.reshape(1))
+        On CUDA ``fut`` is complete already, its events recorded on the current (hook) stream:
+        the flagging is queued there at once and a new future records it, no callback (a
+        callback would take a stream from PyTorch's pool: [Note: a CUDA future without a
+        callback] in ``qsdp.comm._common``). On gloo it runs in ``fut``'s callback."""
+        flags = (
+            None if self.check is None else torch.zeros(1, dtype=torch.int32, device=tensor.device)
+        )
+
+        def finish(_: torch.futures.Future | None = None) -> torch.Tensor:
+            if flags is not None:
+                bad = ~torch.isfinite(tensor).all()  # the same on every rank (see the note)
+                tensor.masked_fill_(bad, 0)
+                flags.copy_(bad.reshape(1))
             return tensor
 
-        done = fut.then(finish)
-        report = self._reports.setdefault(index, _BucketReport())
-        report.name([self._names.get(id(p), "?") for p in params])
-        self.check.add(report, flags, ready=done)
+        if tensor.is_cuda:
+            fut.wait()  # (complete: the current stream waits for its events, the host does not)
+            done = _completed(finish())
+        else:
+            done = fut.then(finish)
+        if flags is not None:
+            report = self._reports.setdefault(index, _BucketReport())
+            report.name([self._names.get(id(p), "?") for p in params])
+            self.check.add(report, flags, ready=done)
         return done
 
     # --- policy split and error feedback ------------------------------------------------------

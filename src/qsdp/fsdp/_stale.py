@@ -38,6 +38,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from ..runtime.placement import like_param, local_of
+from ..runtime.streams import side_group, side_stream
 
 __all__ = ["Delay", "Pipeline", "twin_groups", "twin_mesh"]
 
@@ -53,7 +54,7 @@ def twin_groups(groups: list[dist.ProcessGroup]) -> dict[str, dist.ProcessGroup]
     dist.all_gather_object(everyone, mine)
     made = {}
     for ranks in sorted({r for lists in everyone for r in lists}):
-        made[ranks] = dist.new_group(list(ranks))
+        made[ranks] = side_group(list(ranks))
     return {g.group_name: made[tuple(dist.get_process_group_ranks(g))] for g in groups}
 
 
@@ -136,7 +137,7 @@ class Delay:
             launch(self.result)  # gloo: synchronous, applied one step late all the same
             return
         if self._stream is None:
-            self._stream = torch.cuda.Stream(like.device)
+            self._stream = side_stream(like.device)
             self.result.record_stream(self._stream)
         # the caching allocator must not hand FSDP2's buffer out again before this stream read it
         input.record_stream(self._stream)

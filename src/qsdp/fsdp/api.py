@@ -26,7 +26,7 @@ from ..config import (
     recipe,
 )
 from ..policy import auto
-from ..runtime import NonfiniteCheck
+from ..runtime import NonfiniteCheck, side_stream
 from ..runtime.agreement import check_same_arguments
 from ..runtime.widths import WidthController
 from ._gathers import QuantizedAllGather, QuantizedMasterAllGather, WeightDiffAllGather
@@ -435,7 +435,7 @@ def _hook_stream(
         return None
     key = (device.index, k % 2)
     if key not in made:
-        made[key] = torch.cuda.Stream(device)
+        made[key] = side_stream(device)
     return made[key]
 
 

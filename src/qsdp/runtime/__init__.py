@@ -1,11 +1,12 @@
 """What every integration (FSDP2, HSDP, DDP) needs at run time beside the collectives: the
 NaN/Inf verdict decided once per backward, staleness 1's gate and weight prediction, and the
-check that replicas hold the same bits."""
+check that replicas hold the same bits, and the side streams their communication work runs on."""
 
 from .nonfinite import NonfiniteCheck, nonfinite_flags
 from .prediction import WeightPrediction
 from .replicas import check_replicas, replica_mismatches
 from .staleness import StalenessGate
+from .streams import side_group, side_stream
 
 __all__ = [
     "NonfiniteCheck",
@@ -14,4 +15,6 @@ __all__ = [
     "check_replicas",
     "nonfinite_flags",
     "replica_mismatches",
+    "side_group",
+    "side_stream",
 ]

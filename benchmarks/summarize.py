@@ -350,10 +350,12 @@ SESSION12 = RESULTS / "session12_2026-11-27"
 SESSION13 = RESULTS / "session13_2026-11-27"
 SESSION14 = RESULTS / "session14_2026-11-27"
 SESSION15 = RESULTS / "session15_2026-11-27"
+SESSION16 = RESULTS / "session16_2026-11-27"
 H200 = "NVIDIA_H200_2026-11-27"
 #: The README's headline rows: (setting, results file under RESULTS, regime, baseline variant and
-#: label, qsdp variant and label). The latest run of each judged setting with the code as it is;
-#: the DDP sockets run is the middle one of three (2.31x, 2.48x, 2.49x for the pipelined row).
+#: label, qsdp variant and label). The latest run of each judged setting with the code as it is
+#: (the DDP sockets pipelined rows: the sixteenth session's run after its three stream fixes;
+#: DDP's 25 MiB `cgx` row: the fifteenth session's, not rerun).
 HEADLINE = (
     ("FSDP2, GPT 1.42 B, sockets", "fsdp_step_socket_NVIDIA_H200_2026-11-26.json",
      ("fsdp2-bf16-reduce", "FSDP2 bf16 reduce"), ("sdp4bit", "`sdp4bit`")),
@@ -375,13 +377,13 @@ HEADLINE = (
      "session15_2026-11-27/ddp_4gpu/ddp_step_socket_ws4_NVIDIA_H200_2026-11-27.json",
      ("bf16_compress_hook", "`bf16_compress_hook`"), ("cgx", "`cgx`")),
     ("DDP, GPT-125M, sockets",
-     "session15_2026-11-27/ddp_4gpu/ddp_step_socket_ws4_NVIDIA_H200_2026-11-27.json",
+     "session16_2026-11-27/6_high_priority_comms/ddp_step_socket_ws4_NVIDIA_H200_2026-11-27.json",
      ("bf16_compress_hook", "`bf16_compress_hook`"),
      ("cgx+pipe+b100", "`cgx`, `pipeline=True`, 100 MiB buckets")),
     ("DDP, GPT-125M, sockets",
-     "session15_2026-11-27/ddp_4gpu/ddp_step_socket_ws4_NVIDIA_H200_2026-11-27.json",
+     "session16_2026-11-27/6_high_priority_comms/ddp_step_socket_ws4_NVIDIA_H200_2026-11-27.json",
      ("bf16_compress_hook", "`bf16_compress_hook`"),
-     ("global-qsgd+pipe+b100", "`global-qsgd`, `pipeline=True`, 100 MiB buckets")),
+     ("global-qsgd+pipe+b50", "`global-qsgd`, `pipeline=True`, 50 MiB buckets")),
     ("DDP, GPT-125M, NVLink",
      "auto_2026-11-27/run6/ddp_auto_nvlink_ws4_NVIDIA_H200_2026-11-27.json",
      ("bf16_compress_hook", "`bf16_compress_hook`"), ("cgx", "`cgx`")),
@@ -481,6 +483,24 @@ def tables() -> dict[str, Callable[[], str]]:
         ),
         "ddp-session15-4gpu": lambda: ddp_table(
             [SESSION15 / "ddp_4gpu" / f"ddp_step_socket_ws4_{H200}.json"]
+        ),
+        # the sixteenth session's: before its stream fixes (the profiled run; the old code's
+        # run beside the first fix), then after each fix in the order they landed
+        "ddp-session16-before": lambda: "\n\n".join(
+            ddp_table([SESSION16 / name])
+            for name in (
+                f"1_profile_before/ddp_step_socket_ws4_{H200}.json",
+                f"3_no_callbacks/before_ddp_step_socket_ws4_{H200}.json",
+            )
+        ),
+        "ddp-session16-after": lambda: "\n\n".join(
+            ddp_table([SESSION16 / run / f"ddp_step_socket_ws4_{H200}.json"])
+            for run in (
+                "3_no_callbacks",
+                "4_bucket_sweep",
+                "5_side_streams",
+                "6_high_priority_comms",
+            )
         ),
         "fsdp-session15-nonfinite": lambda: "\n\n".join(
             staleness_table(

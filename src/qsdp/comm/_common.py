@@ -92,11 +92,11 @@ class CommWork:
             # or later the callback's stream was a hook stream, and that stream first waited
             # for the bucket's exchange: whatever was queued there next (the next bucket's
             # scales and codes) waited for it too (profiled, 4x H200 over sockets, DDP
-            # `global-qsgd` pipelined: the last bucket's MAX of scales queued 15 ms behind the
-            # third bucket's SUM). Now nothing takes a stream: ``Work.wait`` makes the current
-            # stream (the one the collective allocated its buffers on, so freed buffers return
-            # to its pool) wait for every exchange, the decode is queued behind, and the future
-            # records the current stream.
+            # `global-qsgd` pipelined: the last bucket's MAX of scales ran only once the third
+            # bucket's SUM had ended, 30 ms after the host queued it). Now nothing takes a
+            # stream: ``Work.wait`` makes the current stream (the one the collective allocated
+            # its buffers on, so freed buffers return to its pool) wait for every exchange, the
+            # decode is queued behind, and the future records the current stream.
             self.wait()
             fut: torch.futures.Future = torch.futures.Future(
                 devices=[self._result.device] if on_cuda else None

@@ -4,20 +4,23 @@
 ``torch.cuda.Stream()`` hands out PyTorch's pooled streams round-robin: 32 low-priority streams
 per device, the same 32 that every NCCL communicator's internal stream comes from (unless its
 process group asks for a high-priority one) and that CUDA futures run their callbacks on. A
-hook stream that is also a communicator's stream joins two queues that must stay apart: on
-4x H200 over sockets, DDP ``global-qsgd`` pipelined in 100 MiB buckets, the first hook stream
-was the scales' communicator's stream, so the last bucket's MAX of scales (on that
-communicator) queued behind the third bucket's decode (on that hook stream), which waited for
-the third bucket's SUM: 11 ms of the wire idle in a 100 ms step (profiled; the sibling
-[Note: a CUDA future without a callback] in ``qsdp.comm._common`` is the same collision with a
-callback's stream). So qsdp's own streams come from the high-priority pool, as FSDP2's own
-streams do: no default communicator or callback takes from it, and the small encode kernels
-queued there run ahead of the backward's kernels when both are ready. The communicators qsdp
-makes for itself (the second communicator of pipelined buckets, staleness 1's) ask NCCL for a
-high-priority internal stream too (:func:`side_group`): a new communicator's stream is the pool's
-next one, wherever the round-robin stands, and one run that profiled both exchanges of a bucket
-on a single stream (the scales' MAX and the codes' SUM of `global-qsgd`, whose overlap is the
-point of the second communicator) had drawn the default communicator's stream again.
+hook stream that is also a communicator's stream joins two queues that must stay apart: on 4x
+H200 over sockets, DDP ``global-qsgd`` pipelined in 100 MiB buckets, the first hook stream was
+the default communicator's stream, which carries the scales' MAX, so the last bucket's MAX
+queued behind the third bucket's decode (on that hook stream), which waited for the third
+bucket's SUM, and the wire idled between the last two SUMs while the MAX and the encode ran
+(profiled; the sibling [Note: a CUDA future without a callback] in ``qsdp.comm._common`` is the
+same collision with a callback's stream; with both, 5 ms of a 100 ms step passed between the
+SUMs, against 0.5 ms after the fixes: ``benchmarks/results/session16_2026-11-27/``). So qsdp's
+own streams come from the high-priority pool, as FSDP2's own streams do: no default
+communicator or callback takes from it, and the small encode kernels queued there run ahead of
+the backward's kernels when both are ready. The communicators qsdp makes for itself (the second
+communicator of pipelined buckets, staleness 1's twins) ask NCCL for a high-priority internal
+stream too (:func:`side_group`): a new communicator's stream is the pool's next one, wherever
+the round-robin stands, and one run that profiled both exchanges of a bucket on a single stream
+(the scales' MAX and the codes' SUM of ``global-qsgd``, whose overlap is the point of the second
+communicator) had drawn the default communicator's stream again. Not yet: the twin 2-D mesh of
+staleness 1's two-level reductions (``qsdp.fsdp._stale.twin_mesh``), which ``DeviceMesh`` builds.
 """
 
 from __future__ import annotations

@@ -8,6 +8,9 @@ the compute stream's idle gaps, each charged to the kernel on another stream tha
 gap ended (what the compute stream waited for); and, given two or more traces of one host (their
 clocks agree), the start of each NCCL kernel of a stream on every rank: a collective's kernel
 spins until its last peer arrives, so a kernel's busy time is often another rank's lateness.
+``--timeline``: every NCCL kernel (stream, start, duration) and the time between the first and
+the last when none ran (the link idle as this rank saw it: which stream each exchange ran on
+shows two communicators that share one stream).
 The compute stream is the one with the most kernels. Profiled steps run slower than measured
 ones (the profiler's host overhead per op): read the shares, not the absolute times.
 """
@@ -97,11 +100,39 @@ def skew(traces: list[list[dict]], tid: int, pattern: str) -> list[list[float]]:
     return [list(row) for row in zip(*cols, strict=False)]  # (the shortest)
 
 
+def nccl_timeline(events: list[dict]) -> list[tuple[int, float, float, str]]:
+    """Every NCCL kernel as (stream, start ms, duration ms, short name), in start order (ms
+    against the trace's first device event)."""
+    t0 = min(e["ts"] for e in events)
+    nccl = sorted((e for e in events if e["name"].startswith("nccl")), key=lambda e: e["ts"])
+    return [(e["tid"], (e["ts"] - t0) / 1e3, e["dur"] / 1e3, _short(e["name"])) for e in nccl]
+
+
+def wire_idle(events: list[dict], pattern: str = "nccl") -> tuple[float, float]:
+    """From the first start to the last end of the kernels whose name holds ``pattern`` (every
+    NCCL kernel by default; ``"Sum_u8"``: integer codes' SUMs): that span in ms, and the ms in
+    it when none of them ran on any stream (the link idle between them, as this rank saw it)."""
+    spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if pattern in e["name"])
+    if not spans:
+        return 0.0, 0.0
+    idle, reach = 0.0, spans[0][1]
+    for start, end in spans[1:]:
+        idle += max(0.0, start - reach)
+        reach = max(reach, end)
+    return (reach - spans[0][0]) / 1e3, idle / 1e3
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("traces", nargs="+", type=Path)
     p.add_argument("--skew-pattern", default="AllGather", help="NCCL kernel name for --skew")
     p.add_argument("--skew-stream", type=int, help="the stream (tid) whose kernels to line up")
+    p.add_argument(
+        "--timeline", action="store_true", help="every NCCL kernel, and the wire's idle time"
+    )
+    p.add_argument(
+        "--wire-pattern", default="nccl", help="--timeline: the kernels the idle time is between"
+    )
     a = p.parse_args()
     loaded = [load(t) for t in a.traces]
     for path, events in zip(a.traces, loaded, strict=True):
@@ -118,6 +149,14 @@ def main() -> None:
         print(f"  compute stream {compute_stream(events)} idle {total:.1f} ms in gaps > 0.2 ms:")
         for (tid, name), ms, n in causes[:6]:
             print(f"      {ms:8.1f} ms  {n:3d}x  waiting for stream {tid} {name}")
+        if a.timeline:
+            span, idle = wire_idle(events, a.wire_pattern)
+            print(
+                f"  kernels holding {a.wire_pattern!r} over {span:.1f} ms, none running for "
+                f"{idle:.1f} ms of it; every NCCL kernel:"
+            )
+            for tid, start, dur, name in nccl_timeline(events):
+                print(f"      stream {tid:4d} {start:8.1f} +{dur:7.1f} ms  {name}")
     if len(loaded) > 1 and a.skew_stream is not None:
         rows = skew(loaded, a.skew_stream, a.skew_pattern)
         print(f"== stream {a.skew_stream} {a.skew_pattern!r} starts (ms), one column per trace")

@@ -63,3 +63,23 @@ def test_streams_waits_and_skew(tmp_path):
     assert causes == [((9, "ncclDevKernel_AllGather_RING_LL"), 2.0, 1), (("host", ""), 0.5, 1)]
     late = ts.skew([ts.load(p) for p in paths], 9, "AllGather")
     assert late == [[1.2, 2.8], [5.0, 5.0]]  # rank 1 started the first gather 1.6 ms later
+
+
+def test_nccl_timeline_and_wire_idle():
+    """NCCL kernels on two streams: 0-2 ms and 1-3 ms overlap, then nothing until 4 ms, then
+    4-5 ms: a 5 ms span with the wire idle for 1 ms; other kernels do not count."""
+    ts = _module()
+    events = [
+        _k(7, 0, 9000, "gemm_a"),
+        _k(19, 0, 2000, "ncclDevKernel_AllReduce_Sum_f32_RING_LL(x)"),
+        _k(21, 1000, 2000, "ncclDevKernel_AllReduce_Sum_u8_RING_LL(x)"),
+        _k(21, 4000, 1000, "ncclDevKernel_AllReduce_Sum_u8_RING_LL(x)"),
+    ]
+    assert ts.wire_idle(events) == (5.0, 1.0)
+    assert ts.wire_idle(events, "Sum_u8") == (4.0, 1.0)  # 1-3 and 4-5 ms
+    assert ts.nccl_timeline(events) == [
+        (19, 0.0, 2.0, "ncclDevKernel_AllReduce_Sum_f32_RING_LL"),
+        (21, 1.0, 2.0, "ncclDevKernel_AllReduce_Sum_u8_RING_LL"),
+        (21, 4.0, 1.0, "ncclDevKernel_AllReduce_Sum_u8_RING_LL"),
+    ]
+    assert ts.wire_idle([_k(7, 0, 10, "gemm_a")]) == (0.0, 0.0)

@@ -10,8 +10,8 @@ the default communicator's stream, which carries the scales' MAX, so the last bu
 queued behind the third bucket's decode (on that hook stream), which waited for the third
 bucket's SUM, and the wire idled between the last two SUMs while the MAX and the encode ran
 (profiled; the sibling [Note: a CUDA future without a callback] in ``qsdp.comm._common`` is the
-same collision with a callback's stream; with both, 5 ms of a 100 ms step passed between the
-SUMs, against 0.5 ms after the fixes: ``benchmarks/results/session16_2026-11-27/``). So qsdp's
+same collision with a callback's stream; with both, the codes' SUMs left the link idle 5.2 ms
+of a 100 ms step, 0.5 ms after the fixes: ``benchmarks/results/session16_2026-11-27/``). So qsdp's
 own streams come from the high-priority pool, as FSDP2's own streams do: no default
 communicator or callback takes from it, and the small encode kernels queued there run ahead of
 the backward's kernels when both are ready. The communicators qsdp makes for itself (the second

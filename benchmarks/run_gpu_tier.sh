@@ -2,8 +2,9 @@
 # The GPU test tier in parts that each fit one device call (the whole tier no longer fits 600 s:
 # the Hadamard-32 parity cases are compile-bound). Each part has its own time limit and log
 # under $OUT, so a stopped part leaves the others' results; pytest -v names every case.
-# PART_LIMIT (default 420 s) bounds each part: "distributed" took 195 s on 2x H200 before
-# tests/train and the no-host-wait test's staleness and HSDP cases joined it (2026-11-27).
+# PART_LIMIT (default 480 s) bounds each part: "distributed" took 348 s on 4x H200 with
+# tests/train and the no-host-wait test's staleness and HSDP cases (2026-11-27), before the
+# stream-pool tests joined it.
 #   OUT=out bash benchmarks/run_gpu_tier.sh [distributed quant-plain quant-hadamard]
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -24,7 +25,7 @@ for part in "${parts[@]}"; do
   keyword=""
   [[ "${PART[$part]}" == *" -k "* ]] && keyword="${PART[$part]#* -k }"
   start=$(date +%s)
-  timeout "${PART_LIMIT:-420}" python -m pytest -m gpu "${where[@]}" ${keyword:+-k "$keyword"} \
+  timeout "${PART_LIMIT:-480}" python -m pytest -m gpu "${where[@]}" ${keyword:+-k "$keyword"} \
     -v --no-header -p no:cacheprovider -rfE > "$OUT/gpu_tier_${part}_${gpu}_${day}.log" 2>&1
   rc=$?
   log="$OUT/gpu_tier_${part}_${gpu}_${day}.log"

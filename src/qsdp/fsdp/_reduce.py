@@ -9,7 +9,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
 from .. import comm as qc
 from ..runtime import NonfiniteCheck, nonfinite_flags
-from ..runtime.nonfinite import as_groups
+from ..runtime.nonfinite import agree
 from ..runtime.widths import WidthController
 from ._hooks import _Context, _Counter, _Hook, _usable
 from ._stale import Delay, Pipeline
@@ -191,8 +191,7 @@ class _Reduction:
         holds the same), counted and handed to the check; returns whether any is set, on the
         device (no host sync)."""
         self.stats.add_bytes("nonfinite_check", flags.numel() * flags.element_size())
-        for g in as_groups(group):
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=g)
+        agree(flags, group)
         self.check.add(self, flags)
         return flags.any()
 

@@ -96,12 +96,20 @@ def _agree_deferred(pending: list[_Entry]) -> list[_Entry]:
     out = list(pending)
     for over, idx in groups.values():
         flat = torch.cat([pending[i].flags.reshape(-1) for i in idx])
-        for group in over:
-            dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=group)
+        agree(flat, over)
         parts = flat.split([pending[i].flags.numel() for i in idx])
         for i, part in zip(idx, parts, strict=True):
             out[i] = pending[i]._replace(flags=part)
     return out
+
+
+def agree(
+    flags: torch.Tensor, group: dist.ProcessGroup | Sequence[dist.ProcessGroup] | None
+) -> None:
+    """``flags`` MAX-reduced in place over ``group``, or over each of several in turn (then
+    over all their ranks): every rank of them holds the same flags after."""
+    for g in as_groups(group):
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=g)
 
 
 def as_groups(

@@ -48,6 +48,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import profiling  # benchmarks/, the script's own folder
 import qsdp
 import regimes
+import variants
 from qsdp.policy.auto import decision_record
 from qsdp.testing import assert_replicas_agree
 from qsdp.train.model import GPT, PRESETS
@@ -118,14 +119,8 @@ def run_variant(name: str, a, cfg, device: torch.device, rank: int) -> dict:
             # +prop: no NaN/Inf check at all
             **({"nonfinite": "propagate"} if "prop" in options else {}),
         )
-        group = next((int(o[1:]) for o in options if o.startswith("g") and o[1:].isdigit()), 0)
-        if group:  # +gN: quantized gradients in groups of N (a spec's, or integer codes')
-            grads = config.grads
-            if hasattr(grads, "spec"):
-                grads = replace(grads, spec=replace(grads.spec, group_size=group))
-            else:
-                grads = replace(grads, group_size=group)
-            config = replace(config, grads=grads)
+        if variants.group_size(options):  # +gN: gradients in groups of N
+            config = variants.with_group_size(config, variants.group_size(options))
         qsdp_state = qsdp.ddp.register(
             model, config, error_feedback="ef" in options, pipeline="pipe" in options
         )

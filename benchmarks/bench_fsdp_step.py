@@ -54,6 +54,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 import profiling  # benchmarks/, the script's own folder
 import qsdp
 import regimes
+import variants
 import wire_replay
 from qsdp.policy.auto import decision_record
 from qsdp.testing import assert_replicas_agree
@@ -161,16 +162,18 @@ def build(
         return model
     # NAME+s1: the recipe at staleness 1 (+local: predicting from each rank's own gradient);
     # NAME+own: its reduce-scatters on their own communicator (own_reduce_group); NAME+pipe
-    # (--hsdp): compress_fsdp(..., pipeline=True); NAME+prop: nonfinite="propagate"
+    # (--hsdp): compress_fsdp(..., pipeline=True); NAME+prop: nonfinite="propagate"; NAME+gN:
+    # gradients in groups of N
     name, *options = recipe.split("+")
+    group = variants.group_size(options)
     if (
-        set(options) - {"s1", "own", "local", "pipe", "prop"}
+        set(options) - {"s1", "own", "local", "pipe", "prop", f"g{group}"}
         or ("local" in options and "s1" not in options)
         or ("pipe" in options and hsdp is None)
     ):
         raise SystemExit(
-            f"variant {recipe!r}: options are +s1 (+local with it), +own, +prop and, with "
-            "--hsdp, +pipe"
+            f"variant {recipe!r}: options are +s1 (+local with it), +own, +prop, +gN and, "
+            "with --hsdp, +pipe"
         )
     if name == "auto":  # measures the regime's groups and picks (qsdp.policy.auto)
         if options:
@@ -185,6 +188,8 @@ def build(
         # +prop: no NaN/Inf check at all
         **({"nonfinite": "propagate"} if "prop" in options else {}),
     )
+    if group:
+        config = variants.with_group_size(config, group)
     if hsdp is not None:
         qsdp.compress_fsdp(model, config, replicate=hsdp["replicate"], pipeline="pipe" in options)
     else:

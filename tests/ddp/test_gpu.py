@@ -292,7 +292,7 @@ def _pool_streams_taken(rank: int, world: int) -> dict[str, int]:
             ddp(x + step).square().mean().backward()
         out[label] = (pool.index(torch.cuda.Stream(dev).cuda_stream) - before - 1) % 32
         if state is not None:  # its own streams: none of the pool communicators take from
-            mine = [s.cuda_stream for s in state._streams.values()]
+            mine = [s.cuda_stream for s in state._streams.made()]
             assert mine and not set(mine) & set(pool), (label, "a hook stream is a pool stream")
         if state is not None and state.second_group is not None:  # its own communicator too
             nccl = state.second_group._get_backend(dev)
@@ -311,3 +311,58 @@ def test_the_hook_takes_no_stream_from_the_pool_on_nccl():
     world = min(torch.cuda.device_count(), 4)
     for got in run_distributed(_pool_streams_taken, world, backend="nccl"):
         assert all(n == got["ddp"] for n in got.values()), got
+
+
+def _nan_on_nccl(rank: int, world: int, mode: str, name: str, pipeline: bool) -> dict:
+    """A NaN loss on the last rank at step 0 of three (as ``tests/ddp/test_ddp.py::_nan`` on
+    gloo): on CUDA the hook flags and zeroes the buckets on its own stream, in no callback
+    ([Note: a CUDA future without a callback]), and the host reads the verdict one backward
+    later."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(D, 4 * D), nn.GELU(), nn.Linear(4 * D, D)).to(dev)
+    ddp = DDP(model, device_ids=[dev.index], bucket_cap_mb=0.25)  # several buckets
+    state = qsdp.ddp.register(ddp, qsdp.recipe(name, nonfinite=mode), pipeline=pipeline)
+    verdict, finite, steps = "ok", [], 0
+    for step in range(3):
+        g = torch.Generator().manual_seed(1000 * step + rank)
+        x = torch.randn(64, D, generator=g).to(dev)
+        loss = ddp(x).square().mean()
+        if rank == world - 1 and step == 0:
+            loss = loss * float("nan")
+        try:
+            loss.backward()
+        except Exception as e:  # DDP re-raises the hook's error
+            verdict = f"step {step}: {e}"
+            break
+        steps += 1
+        grads = torch.cat([p.grad.reshape(-1) for p in ddp.parameters()])
+        finite.append(bool(torch.isfinite(grads).all()))
+        if rank == 0 and step == 1:  # the other steps' gradients: those of plain DDP's sum
+            assert float(grads.abs().max()) > 0
+        ddp.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    return {"verdict": verdict, "finite": finite, "zeroed": getattr(state, "zeroed", 0)}
+
+
+@pytest.mark.parametrize("pipeline", [False, True], ids=["one-group", "pipelined"])
+def test_nan_in_one_rank_bucket_same_outcome_everywhere_on_nccl(pipeline):
+    """On CUDA the NaN/Inf flags are computed and the bad buckets zeroed on the hook stream:
+    ``raise`` raises from the next backward on every rank with one message, after the bad
+    step's gradients were zeroed on the device; ``zero`` zeroes them and trains on."""
+    world = min(torch.cuda.device_count(), 4)
+    for name in ("cgx", "global-qsgd"):
+        got = run_distributed(
+            _nan_on_nccl, world, "raise", name, pipeline, backend="nccl", pg_timeout_s=60
+        )
+        verdicts = {r["verdict"] for r in got}
+        assert len(verdicts) == 1, (name, got)  # the same verdict on every rank
+        v = verdicts.pop()
+        assert v.startswith("step 1: ") and "non-finite gradient" in v, (name, v)
+        assert all(r["finite"] == [True] for r in got), (name, got)  # step 0's zeroed
+        got = run_distributed(
+            _nan_on_nccl, world, "zero", name, pipeline, backend="nccl", pg_timeout_s=60
+        )
+        for r in got:
+            assert r["verdict"] == "ok" and r["finite"] == [True, True, True], (name, r)
+            assert r["zeroed"] >= 1, (name, r)

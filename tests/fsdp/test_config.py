@@ -39,8 +39,8 @@ def test_recipes_are_typed_configs():
     assert recipe("qwd-only").grads is None and recipe("tlq-hs-only").weights is None
     assert recipe("w4-direct").weights.spec == sdp.weights.spec
     assert isinstance(recipe("w4-direct").weights, qsdp.QuantizedWeights)
-    cgx = recipe("cgx").grads.spec  # CGX: 4-bit min-max, buckets of 1024, stochastic
-    assert (cgx.bits, cgx.group_size, cgx.scheme.value) == (4, 1024, "minmax")
+    cgx = recipe("cgx").grads.spec  # CGX: 4-bit min-max, stochastic, groups of 256 (not 1024)
+    assert (cgx.bits, cgx.group_size, cgx.scheme.value) == (4, 256, "minmax")
     assert recipe("cgx").weights is None
 
 

@@ -191,6 +191,50 @@ def test_staleness_1_on_nccl(recipe, predict):
     run_distributed(_stale_vs_by_hand, ws, recipe, predict, backend="nccl", timeout_s=600)
 
 
+def _delay_streams(rank: int, ws: int, recipe: str) -> dict:
+    """Staleness 1 on a 34-group model (more groups than a stream pool holds): which streams
+    the delayed reductions ran on, and FSDP2's own streams."""
+    torch.manual_seed(0)
+    dev = torch.device("cuda", torch.cuda.current_device())
+    with dev:
+        model = TinyGPT(d=64, layers=33)
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    mesh = None
+    if qsdp.recipe(recipe).two_level:
+        mesh = init_device_mesh("cuda", (2, ws // 2), mesh_dim_names=("inter", "intra"))
+    qsdp.compress_fsdp(model, qsdp.recipe(recipe, staleness=1), mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for batch in list(_batches(rank, ws))[:2]:
+        _train_step(model, opt, dev, batch)
+    torch.cuda.synchronize()
+    pipeline = qsdp.fsdp.comm_state(model)._installed.pipeline
+    ctx = model._get_fsdp_state()._comm_ctx
+    fsdp2 = [ctx.all_gather_copy_in_stream, ctx.all_gather_stream, ctx.reduce_scatter_stream]
+    fsdp2.append(ctx.all_reduce_stream)
+    return {
+        "hooks": len(pipeline.entries),
+        "delays": {hook.delay._stream.cuda_stream for hook, _ in pipeline.entries},
+        "fsdp2": {s.cuda_stream for s in fsdp2},
+    }
+
+
+@pytest.mark.parametrize("recipe", ["qsdp-w8g8", "sdp4bit"])
+def test_delayed_reductions_never_run_on_fsdp2_streams_on_nccl(recipe):
+    """[Note: side streams from the high-priority pool]: a stream per delayed reduction wrapped
+    around the high-priority pool FSDP2's streams come from; one that was FSDP2's reduce-scatter
+    stream made the end of the backward wait for a reduction meant to overlap the next step.
+    The delayed reductions share the pipeline's two streams, none of them FSDP2's."""
+    ws = min(torch.cuda.device_count(), 4)
+    if recipe == "sdp4bit" and ws % 2:
+        pytest.skip("two levels need an even number of GPUs")
+    for got in run_distributed(_delay_streams, ws, recipe, backend="nccl", timeout_s=300):
+        assert got["hooks"] >= 33, got["hooks"]  # more than the 32 of a pool
+        assert len(got["delays"]) == 2, got
+        assert not got["delays"] & got["fsdp2"], got
+
+
 def _local_estimates_on_nccl(rank: int, ws: int, recipe: str) -> None:
     """Weight prediction from each rank's own gradient on NCCL: with the same batch on every
     rank, each rank's own row of the reduce-scatter's input is the averaged gradient itself, so

@@ -86,7 +86,7 @@ from torch import nn
 
 from .. import comm as qc
 from ..config import CompressionConfig, NonFinite
-from ..runtime import NonfiniteCheck, side_stream
+from ..runtime import NonfiniteCheck, SideStreams
 from ..runtime.widths import WidthController
 
 __all__ = ["DDPCompression"]
@@ -137,7 +137,7 @@ class DDPCompression:
         mode = config.nonfinite
         self.check = None if mode is NonFinite.PROPAGATE else NonfiniteCheck(mode.value)
         self._reports: dict[int, _BucketReport] = {}  # one per bucket index, reused
-        self._streams: dict[tuple[torch.device, int], torch.cuda.Stream] = {}
+        self._streams = SideStreams(2)
         self._pending: dict[int, _Pending] = {}
         """Staleness 1: by parameter id, where its gradient of the last step is being reduced."""
         self._consumer: torch.cuda.Stream | None = None
@@ -177,10 +177,7 @@ class DDPCompression:
             return self._reduce(bucket, tensor)
         if self.second_group is not None:  # [Note: pipelined buckets]
             self._turn ^= 1
-        key = (tensor.device, self._turn)
-        stream = self._streams.get(key)
-        if stream is None:
-            stream = self._streams[key] = side_stream(tensor.device)
+        stream = self._streams.get(tensor.device, self._turn)
         self._consumer = torch.cuda.current_stream(tensor.device)  # DDP reads results there
         stream.wait_stream(self._consumer)
         with torch.cuda.stream(stream):  # see [Note: the hook's own stream]

@@ -138,7 +138,7 @@ class _Reduction:
 
     def stale(self, *, pipeline: Pipeline, twins: dict[str, dist.ProcessGroup]) -> None:
         """Run at staleness 1 within ``pipeline``, reducing over ``twins`` (by group name)."""
-        self.delay, self.pipeline, self.twins = Delay(), pipeline, twins
+        self.delay, self.pipeline, self.twins = pipeline.new_delay(), pipeline, twins
 
     def _twin(self, group: dist.ProcessGroup) -> dist.ProcessGroup:
         twin = self.twins.get(group.group_name)

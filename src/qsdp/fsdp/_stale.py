@@ -38,7 +38,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from ..runtime.placement import like_param, local_of
-from ..runtime.streams import side_group, side_stream
+from ..runtime.streams import SideStreams, side_group
 
 __all__ = ["Delay", "Pipeline", "twin_groups", "twin_mesh"]
 
@@ -66,13 +66,15 @@ def twin_mesh(mesh: DeviceMesh) -> DeviceMesh:
 
 class Delay:
     """One hook's reduction in flight: its result buffer and (on CUDA) the event that marks
-    its end on the hook's own stream."""
+    its end on the stream it runs on, the ``index``-th of ``streams`` (the pipeline's two side
+    streams, alternating between the hooks: [Note: side streams from the high-priority pool])."""
 
-    def __init__(self) -> None:
+    def __init__(self, streams: SideStreams, index: int) -> None:
         self.result: torch.Tensor | None = None
         """The last reduction's result, or None: nothing in flight."""
         self._event: torch.cuda.Event | None = None
         self._event_device: torch.device | None = None
+        self._streams, self._index = streams, index
         self._stream: torch.cuda.Stream | None = None
         self.op: str = "avg"
         self.local: torch.Tensor | None = None
@@ -137,7 +139,7 @@ class Delay:
             launch(self.result)  # gloo: synchronous, applied one step late all the same
             return
         if self._stream is None:
-            self._stream = side_stream(like.device)
+            self._stream = self._streams.get(like.device, self._index)
             self.result.record_stream(self._stream)
         # the caching allocator must not hand FSDP2's buffer out again before this stream read it
         input.record_stream(self._stream)
@@ -159,6 +161,9 @@ class Pipeline:
     result belongs to, and the state a checkpoint keeps. See [Note: staleness 1 in FSDP2]."""
 
     def __init__(self) -> None:
+        self.streams = SideStreams(2)
+        """The side streams every delayed reduction runs on, two per device, alternating."""
+        self._delays = 0
         self.entries: list[tuple[object, list[tuple[nn.Parameter, int]]]] = []
         """(hook, [(parameter, padded elements in the hook's flat shard)]) per hook."""
         self.applied_nothing = True
@@ -183,6 +188,11 @@ class Pipeline:
     def in_flight(self) -> bool:
         """A reduction is in flight: the next backward applies it."""
         return any(hook.delay.result is not None for hook, _ in self.entries)
+
+    def new_delay(self) -> Delay:
+        """A hook's :class:`Delay`, on the next of :attr:`streams` in turn."""
+        self._delays += 1
+        return Delay(self.streams, self._delays - 1)
 
     def add(self, hook: object, params: list[tuple[nn.Parameter, int]]) -> None:
         self.entries.append((hook, params))

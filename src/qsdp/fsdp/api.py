@@ -26,7 +26,7 @@ from ..config import (
     recipe,
 )
 from ..policy import auto
-from ..runtime import NonfiniteCheck, side_stream
+from ..runtime import NonfiniteCheck, SideStreams
 from ..runtime.agreement import check_same_arguments
 from ..runtime.widths import WidthController
 from ._gathers import QuantizedAllGather, QuantizedMasterAllGather, WeightDiffAllGather
@@ -170,7 +170,7 @@ def compress_fsdp(
         if isinstance(plan, qc.TwoLevelReduce) and plan.mesh is not None:
             plan = dataclasses.replace(plan, mesh=twin_mesh(plan.mesh))
 
-    second, made, piped = None, {}, 0  # [Note: pipelined modules]: twin, streams, hooks
+    second, made, piped = None, SideStreams(2), 0  # [Note: pipelined modules]
     if pipeline:
         second = twin_groups([replicate_pg])[replicate_pg.group_name]
 
@@ -425,18 +425,11 @@ def _check_pipeline(
         )
 
 
-def _hook_stream(
-    params: list[nn.Parameter], k: int, made: dict[tuple[int | None, int], torch.cuda.Stream]
-) -> torch.cuda.Stream | None:
+def _hook_stream(params: list[nn.Parameter], k: int, made: SideStreams) -> torch.cuda.Stream | None:
     """The CUDA stream of the ``k``-th pipelined HSDP hook: two per device (``made``),
     alternating; None off CUDA, where there are no streams to alternate."""
     device = params[0].device if params else torch.device("cpu")
-    if device.type != "cuda":
-        return None
-    key = (device.index, k % 2)
-    if key not in made:
-        made[key] = side_stream(device)
-    return made[key]
+    return made.get(device, k) if device.type == "cuda" else None
 
 
 def _own_params(module: FSDPModule) -> list[nn.Parameter]:

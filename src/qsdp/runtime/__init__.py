@@ -6,10 +6,11 @@ from .nonfinite import NonfiniteCheck, nonfinite_flags
 from .prediction import WeightPrediction
 from .replicas import check_replicas, replica_mismatches
 from .staleness import StalenessGate
-from .streams import side_group, side_stream
+from .streams import SideStreams, side_group, side_stream
 
 __all__ = [
     "NonfiniteCheck",
+    "SideStreams",
     "StalenessGate",
     "WeightPrediction",
     "check_replicas",

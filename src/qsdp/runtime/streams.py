@@ -21,6 +21,15 @@ the round-robin stands, and one run that profiled both exchanges of a bucket on 
 (the scales' MAX and the codes' SUM of ``global-qsgd``, whose overlap is the point of the second
 communicator) had drawn the default communicator's stream again. Not yet: the twin 2-D mesh of
 staleness 1's two-level reductions (``qsdp.fsdp._stale.twin_mesh``), which ``DeviceMesh`` builds.
+
+The high-priority pool is round-robin too, 32 streams per device, and FSDP2's own streams
+(all-gather copy-in, all-gather, reduce-scatter, all-reduce) and those high-priority
+communicators draw from it: a side stream per hook wraps around it. Staleness 1 once made one
+per FSDP group (25 for the 1.42 B GPT), and one of them was a stream FSDP2's end-of-backward
+callback waits on: the compute stream waited 143 ms for a delayed reduction that should have run
+under the next step (profiled, 4x H200, sockets: ``benchmarks/results/session17_2026-11-27/``).
+So every user takes its streams from :class:`SideStreams`: two per device, made once, alternated
+by the caller (one reduction's decode then never holds up the next one's encode).
 """
 
 from __future__ import annotations
@@ -28,7 +37,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-__all__ = ["side_group", "side_stream"]
+__all__ = ["SideStreams", "side_group", "side_stream"]
 
 HIGH_PRIORITY = -1
 """The stream priority of qsdp's own streams (FSDP2's ``high_priority``; lower is higher)."""
@@ -39,6 +48,31 @@ def side_stream(device: torch.device) -> torch.cuda.Stream:
     reductions), from the high-priority pool ([Note: side streams from the high-priority
     pool])."""
     return torch.cuda.Stream(device, priority=HIGH_PRIORITY)
+
+
+class SideStreams:
+    """A fixed set of side streams per device (:func:`side_stream`), made on first use and
+    handed out by turn: ``get(device, k)`` is the ``k % count``-th. A module that needs streams
+    for many hooks holds one of these instead of a stream per hook
+    ([Note: side streams from the high-priority pool])."""
+
+    def __init__(self, count: int = 2) -> None:
+        if not isinstance(count, int) or count < 1:
+            raise ValueError(f"SideStreams(count={count!r}) needs a positive int, e.g. 2")
+        self.count = count
+        self._made: dict[tuple[int | None, int], torch.cuda.Stream] = {}
+
+    def get(self, device: torch.device, k: int) -> torch.cuda.Stream:
+        """The ``k % count``-th side stream of ``device`` (a CUDA device)."""
+        key = (device.index, k % self.count)
+        stream = self._made.get(key)
+        if stream is None:
+            stream = self._made[key] = side_stream(device)
+        return stream
+
+    def made(self) -> list[torch.cuda.Stream]:
+        """Every stream made so far."""
+        return list(self._made.values())
 
 
 def side_group(ranks: list[int], **kwargs) -> dist.ProcessGroup:

@@ -65,6 +65,10 @@ def groupings(model: GPT, policy: ParamPolicy) -> dict[str, list[list[str]]]:
 NARROW = (2, 4, 8)
 """The widths the payload format packed before 3 and 6 bits (for comparison)."""
 
+REFERENCE = replace(qsdp.recipe("cgx").grads.spec, group_size=1024)
+"""The uniform reference of the committed studies: CGX's 4-bit min-max codes in its examples'
+groups of 1024 (the ``cgx`` recipe's default until 2026-11-27; 256 since)."""
+
 GROUP_SIZES = (64, 128, 256, 1024)
 """``--group-sizes``: the quantization group sizes a plan may also choose among (CGX: 1024)."""
 
@@ -159,7 +163,7 @@ def main() -> None:
     batches = Batches(data, order="pass")
     model = GPT(PRESETS[a.preset].with_vocab(data.vocab_size)).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=(0.9, 0.95), weight_decay=0.1)
-    spec = qsdp.recipe("cgx").grads.spec
+    spec = REFERENCE
     groups = groupings(model, ParamPolicy())
     results = []
     t0 = time.perf_counter()

@@ -69,6 +69,9 @@ def _what(c: dict, name: str = "") -> str:
         parts.append(f"{c['grad_rounding']} rounding")
     if c.get("grad_group_size"):
         parts.append(f"groups of {c['grad_group_size']}")
+    elif c.get("recipe") == "cgx":  # made before 2026-11-27, when cgx's default was 1024 (every
+        # cgx run of run_convergence.sh since names its group size)
+        parts.append("groups of 1024")
     if c.get("recipe") == "auto" and c.get("auto"):
         parts.append(f"auto chose `{c['auto']['recipe']}`")
     if c.get("seed"):

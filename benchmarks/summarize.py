@@ -351,6 +351,7 @@ SESSION13 = RESULTS / "session13_2026-11-27"
 SESSION14 = RESULTS / "session14_2026-11-27"
 SESSION15 = RESULTS / "session15_2026-11-27"
 SESSION16 = RESULTS / "session16_2026-11-27"
+SESSION17 = RESULTS / "session17_2026-11-27"
 H200 = "NVIDIA_H200_2026-11-27"
 #: The README's headline rows: (setting, results file under RESULTS, regime, baseline variant and
 #: label, qsdp variant and label). The latest run of each judged setting with the code as it is
@@ -368,25 +369,26 @@ HEADLINE = (
      "auto_2026-11-27/run6/fsdp_auto_nvlink_ws4_NVIDIA_H200_2026-11-27.json",
      ("fsdp2-bf16-reduce", "FSDP2 bf16 reduce"), ("auto", "`auto` (chose no compression)")),
     ("HSDP, GPT 1.42 B, 2 nodes x 2",
-     "session13_2026-11-27/hsdp_rounds3/fsdp_step_hsdp_2x2_NVIDIA_H200_2026-11-27.json",
+     "session17_2026-11-27/3_hsdp_group_sizes/fsdp_step_hsdp_2x2_NVIDIA_H200_2026-11-27.json",
      ("hsdp-bf16-reduce", "native HSDP bf16 reduce"), ("cgx", "`cgx`")),
     ("HSDP, GPT 1.42 B, 2 nodes x 2",
-     "session13_2026-11-27/hsdp_rounds3/fsdp_step_hsdp_2x2_NVIDIA_H200_2026-11-27.json",
+     "session17_2026-11-27/3_hsdp_group_sizes/fsdp_step_hsdp_2x2_NVIDIA_H200_2026-11-27.json",
      ("hsdp-bf16-reduce", "native HSDP bf16 reduce"), ("cgx+pipe", "`cgx`, `pipeline=True`")),
     ("DDP, GPT-125M, sockets",
      "session15_2026-11-27/ddp_4gpu/ddp_step_socket_ws4_NVIDIA_H200_2026-11-27.json",
-     ("bf16_compress_hook", "`bf16_compress_hook`"), ("cgx", "`cgx`")),
-    ("DDP, GPT-125M, sockets",
-     "session16_2026-11-27/6_high_priority_comms/ddp_step_socket_ws4_NVIDIA_H200_2026-11-27.json",
      ("bf16_compress_hook", "`bf16_compress_hook`"),
-     ("cgx+pipe+b100", "`cgx`, `pipeline=True`, 100 MiB buckets")),
+     ("cgx", "`cgx` in groups of 1024 (its default before 2026-11-27)")),
+    ("DDP, GPT-125M, sockets",
+     "session17_2026-11-27/2_cgx_group_sizes_4gpu/ddp_step_socket_ws4_NVIDIA_H200_2026-11-27.json",
+     ("bf16_compress_hook", "`bf16_compress_hook`"),
+     ("cgx+pipe+b100+g256", "`cgx`, `pipeline=True`, 100 MiB buckets")),
     ("DDP, GPT-125M, sockets",
      "session16_2026-11-27/6_high_priority_comms/ddp_step_socket_ws4_NVIDIA_H200_2026-11-27.json",
      ("bf16_compress_hook", "`bf16_compress_hook`"),
      ("global-qsgd+pipe+b50", "`global-qsgd`, `pipeline=True`, 50 MiB buckets")),
     ("DDP, GPT-125M, NVLink",
      "auto_2026-11-27/run6/ddp_auto_nvlink_ws4_NVIDIA_H200_2026-11-27.json",
-     ("bf16_compress_hook", "`bf16_compress_hook`"), ("cgx", "`cgx`")),
+     ("bf16_compress_hook", "`bf16_compress_hook`"), ("cgx", "`cgx` in groups of 1024")),
     ("DDP, GPT-125M, NVLink",
      "auto_2026-11-27/run6/ddp_auto_nvlink_ws4_NVIDIA_H200_2026-11-27.json",
      ("bf16_compress_hook", "`bf16_compress_hook`"), ("auto", "`auto` (chose no compression)")),
@@ -501,6 +503,23 @@ def tables() -> dict[str, Callable[[], str]]:
                 "5_side_streams",
                 "6_high_priority_comms",
             )
+        ),
+        # the seventeenth session's: cgx's group sizes side by side (2 and 4 GPUs; the code
+        # then had 1024 as the default: `cgx` rows there are groups of 1024), HSDP after the
+        # default became 256, and staleness 1 before and after its streams were shared
+        "ddp-session17": lambda: "\n\n".join(
+            ddp_table([SESSION17 / name])
+            for name in (
+                f"1_nan_test_group_sizes/ddp_step_socket_ws2_{H200}.json",
+                f"2_cgx_group_sizes_4gpu/ddp_step_socket_ws4_{H200}.json",
+            )
+        ),
+        "hsdp-session17": lambda: hsdp_table(
+            [SESSION17 / "3_hsdp_group_sizes" / f"fsdp_step_hsdp_2x2_{H200}.json"]
+        ),
+        "staleness-session17": lambda: "\n\n".join(
+            staleness_table([SESSION17 / run / f"fsdp_step_socket_{H200}.json"])
+            for run in ("4_fsdp_profile", "5_shared_delay_streams")
         ),
         "fsdp-session15-nonfinite": lambda: "\n\n".join(
             staleness_table(

@@ -25,9 +25,10 @@ staleness 1's two-level reductions (``qsdp.fsdp._stale.twin_mesh``), which ``Dev
 The high-priority pool is round-robin too, 32 streams per device, and FSDP2's own streams
 (all-gather copy-in, all-gather, reduce-scatter, all-reduce) and those high-priority
 communicators draw from it: a side stream per hook wraps around it. Staleness 1 once made one
-per FSDP group (25 for the 1.42 B GPT), and one of them was a stream FSDP2's end-of-backward
-callback waits on: the compute stream waited 143 ms for a delayed reduction that should have run
-under the next step (profiled, 4x H200, sockets: ``benchmarks/results/session17_2026-11-27/``).
+per FSDP group (25 for the 1.42 B GPT) and they came around to FSDP2's: in one profiled step
+the compute stream waited 143 ms at the end of the backward for a delayed reduction that should
+have run under the next step (4x H200, sockets: ``benchmarks/results/session17_2026-11-27/``;
+a GPU test found three of FSDP2's streams among a 34-group model's delay streams).
 So every user takes its streams from :class:`SideStreams`: two per device, made once, alternated
 by the caller (one reduction's decode then never holds up the next one's encode).
 """

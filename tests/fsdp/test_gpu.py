@@ -213,10 +213,18 @@ def _delay_streams(rank: int, ws: int, recipe: str) -> dict:
     ctx = model._get_fsdp_state()._comm_ctx
     fsdp2 = [ctx.all_gather_copy_in_stream, ctx.all_gather_stream, ctx.reduce_scatter_stream]
     fsdp2.append(ctx.all_reduce_stream)
+    twin = getattr(pipeline.entries[0][0].plan, "mesh", None)  # two levels: the twin mesh
     return {
         "hooks": len(pipeline.entries),
         "delays": {hook.delay._stream.cuda_stream for hook, _ in pipeline.entries},
         "fsdp2": {s.cuda_stream for s in fsdp2},
+        # [Note: side streams from the high-priority pool]: its communicators' NCCL streams
+        "twin_high_priority": None
+        if twin is None
+        else [
+            twin.get_group(d)._get_backend(dev).options.is_high_priority_stream
+            for d in twin.mesh_dim_names
+        ],
     }
 
 
@@ -233,6 +241,7 @@ def test_delayed_reductions_never_run_on_fsdp2_streams_on_nccl(recipe):
         assert got["hooks"] >= 33, got["hooks"]  # more than the 32 of a pool
         assert len(got["delays"]) == 2, got
         assert not got["delays"] & got["fsdp2"], got
+        assert got["twin_high_priority"] == (None if recipe == "qsdp-w8g8" else [True, True])
 
 
 def _local_estimates_on_nccl(rank: int, ws: int, recipe: str) -> None:

@@ -38,7 +38,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from ..runtime.placement import like_param, local_of
-from ..runtime.streams import SideStreams, side_group
+from ..runtime.streams import SideStreams, side_group, side_mesh
 
 __all__ = ["Delay", "Pipeline", "twin_groups", "twin_mesh"]
 
@@ -59,9 +59,9 @@ def twin_groups(groups: list[dist.ProcessGroup]) -> dict[str, dist.ProcessGroup]
 
 
 def twin_mesh(mesh: DeviceMesh) -> DeviceMesh:
-    """A 2-D mesh of the same layout on new communicators (a dimension that spans the whole
-    world stays on the default group, as ``DeviceMesh`` builds it). Call on every rank."""
-    return DeviceMesh(mesh.device_type, mesh.mesh, mesh_dim_names=mesh.mesh_dim_names)
+    """A 2-D mesh of the same layout on new communicators, each on a high-priority NCCL stream
+    (:func:`qsdp.runtime.streams.side_mesh`). Call on every rank."""
+    return side_mesh(mesh)
 
 
 class Delay:

@@ -6,7 +6,7 @@ from .nonfinite import NonfiniteCheck, nonfinite_flags
 from .prediction import WeightPrediction
 from .replicas import check_replicas, replica_mismatches
 from .staleness import StalenessGate
-from .streams import SideStreams, side_group, side_stream
+from .streams import SideStreams, side_group, side_mesh, side_stream
 
 __all__ = [
     "NonfiniteCheck",
@@ -17,5 +17,6 @@ __all__ = [
     "nonfinite_flags",
     "replica_mismatches",
     "side_group",
+    "side_mesh",
     "side_stream",
 ]

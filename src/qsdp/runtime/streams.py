@@ -19,8 +19,9 @@ communicator of pipelined buckets, staleness 1's twins) ask NCCL for a high-prio
 stream too (:func:`side_group`): a new communicator's stream is the pool's next one, wherever
 the round-robin stands, and one run that profiled both exchanges of a bucket on a single stream
 (the scales' MAX and the codes' SUM of ``global-qsgd``, whose overlap is the point of the second
-communicator) had drawn the default communicator's stream again. Not yet: the twin 2-D mesh of
-staleness 1's two-level reductions (``qsdp.fsdp._stale.twin_mesh``), which ``DeviceMesh`` builds.
+communicator) had drawn the default communicator's stream again. The twin 2-D mesh of
+staleness 1's two-level reductions is built the same way (:func:`side_mesh`: ``DeviceMesh``'s
+``backend_override`` with those options for every dimension).
 
 The high-priority pool is round-robin too, 32 streams per device, and FSDP2's own streams
 (all-gather copy-in, all-gather, reduce-scatter, all-reduce) and those high-priority
@@ -37,8 +38,9 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["SideStreams", "side_group", "side_stream"]
+__all__ = ["SideStreams", "side_group", "side_mesh", "side_stream"]
 
 HIGH_PRIORITY = -1
 """The stream priority of qsdp's own streams (FSDP2's ``high_priority``; lower is higher)."""
@@ -81,7 +83,24 @@ def side_group(ranks: list[int], **kwargs) -> dist.ProcessGroup:
     stream comes from the high-priority pool, never the default communicator's stream
     ([Note: side streams from the high-priority pool]); other backends as they are."""
     if dist.get_backend() == "nccl" and "pg_options" not in kwargs:
-        options = dist.ProcessGroupNCCL.Options()
-        options.is_high_priority_stream = True
-        kwargs["pg_options"] = options
+        kwargs["pg_options"] = _high_priority_options()
     return dist.new_group(ranks, **kwargs)
+
+
+def _high_priority_options() -> dist.ProcessGroupNCCL.Options:
+    options = dist.ProcessGroupNCCL.Options()
+    options.is_high_priority_stream = True
+    return options
+
+
+def side_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """A mesh of ``mesh``'s layout on new communicators for qsdp's own communication (every
+    dimension a new process group, the whole world's too); on NCCL their internal streams come
+    from the high-priority pool, as :func:`side_group`'s. Call on every rank."""
+    backend = dist.get_backend()
+    override = tuple(
+        (backend, _high_priority_options() if backend == "nccl" else None) for _ in range(mesh.ndim)
+    )
+    return DeviceMesh(
+        mesh.device_type, mesh.mesh, mesh_dim_names=mesh.mesh_dim_names, backend_override=override
+    )

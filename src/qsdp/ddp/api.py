@@ -29,7 +29,7 @@ def register(
     Args:
         model: a ``torch.nn.parallel.DistributedDataParallel`` module.
         config: a :class:`qsdp.CompressionConfig` or a recipe name: ``"cgx"`` (CGX: two-phase
-            all-reduce, 4-bit min-max, buckets of 1024, stochastic), ``"global-qsgd"`` (integer
+            all-reduce, 4-bit min-max, groups of 256, stochastic), ``"global-qsgd"`` (integer
             all-reduce, int8 carrier), ``"qsdp-g8"`` (8-bit min-max two-phase), or ``"bf16"``
             (uncompressed, counted; as DDP's own all-reduce, NaN/Inf travel in the sum to every
             rank), or ``"auto"`` (measured, see ``qsdp.policy.auto``). Weights must be

@@ -521,14 +521,14 @@ def test_bad_settings_are_refused(kw, message):
 
 def test_gradient_quantizer_overrides_reach_the_config():
     config = TrainConfig(
-        out="x", recipe="cgx", parallel="ddp", grad_group_size=256, grad_rounding="nearest"
+        out="x", recipe="cgx", parallel="ddp", grad_group_size=1024, grad_rounding="nearest"
     ).compression()
-    assert (config.grads.spec.group_size, config.grads.spec.rounding.value) == (256, "nearest")
+    assert (config.grads.spec.group_size, config.grads.spec.rounding.value) == (1024, "nearest")
     assert (
         config.grads.spec.bits == 4 and config.grads.spec.scheme.value == "minmax"
     )  # the rest kept
     plain = TrainConfig(out="x", recipe="cgx").compression()
-    assert plain.grads.spec.group_size == 1024 and plain.grads.spec.rounding.value == "stochastic"
+    assert plain.grads.spec.group_size == 256 and plain.grads.spec.rounding.value == "stochastic"
 
 
 @pytest.mark.parametrize(

@@ -3,11 +3,12 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from qsdp.runtime import side_mesh
+from qsdp.runtime import SideStreams, side_mesh
 from qsdp.testing import run_distributed
 
 
@@ -37,3 +38,9 @@ def test_side_mesh_has_the_layout_on_new_communicators():
     # a dimension that spans the world (one node of 3) gets a new group too
     for got in run_distributed(_twin, 3, (1, 3)):
         assert got[1] == ([0, 1, 2], True, 6.0), got
+
+
+def test_side_streams_refuse_a_count_below_one():
+    with pytest.raises(ValueError, match=r"SideStreams\(count=0\) needs a positive int"):
+        SideStreams(0)
+    assert SideStreams().count == 2 and SideStreams().made() == []

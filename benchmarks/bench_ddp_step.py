@@ -119,8 +119,9 @@ def run_variant(name: str, a, cfg, device: torch.device, rank: int) -> dict:
             # +prop: no NaN/Inf check at all
             **({"nonfinite": "propagate"} if "prop" in options else {}),
         )
-        if variants.group_size(options):  # +gN: gradients in groups of N
-            config = variants.with_group_size(config, variants.group_size(options))
+        group = variants.group_size(options)
+        if group:  # +gN: gradients in groups of N
+            config = variants.with_group_size(config, group)
         qsdp_state = qsdp.ddp.register(
             model, config, error_feedback="ef" in options, pipeline="pipe" in options
         )

@@ -34,13 +34,12 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from ..runtime.placement import like_param, local_of
-from ..runtime.streams import SideStreams, side_group, side_mesh
+from ..runtime.streams import SideStreams, side_group
 
-__all__ = ["Delay", "Pipeline", "twin_groups", "twin_mesh"]
+__all__ = ["Delay", "Pipeline", "twin_groups"]
 
 
 def twin_groups(groups: list[dist.ProcessGroup]) -> dict[str, dist.ProcessGroup]:
@@ -56,12 +55,6 @@ def twin_groups(groups: list[dist.ProcessGroup]) -> dict[str, dist.ProcessGroup]
     for ranks in sorted({r for lists in everyone for r in lists}):
         made[ranks] = side_group(list(ranks))
     return {g.group_name: made[tuple(dist.get_process_group_ranks(g))] for g in groups}
-
-
-def twin_mesh(mesh: DeviceMesh) -> DeviceMesh:
-    """A 2-D mesh of the same layout on new communicators, each on a high-priority NCCL stream
-    (:func:`qsdp.runtime.streams.side_mesh`). Call on every rank."""
-    return side_mesh(mesh)
 
 
 class Delay:

@@ -26,14 +26,14 @@ from ..config import (
     recipe,
 )
 from ..policy import auto
-from ..runtime import NonfiniteCheck, SideStreams
+from ..runtime import NonfiniteCheck, SideStreams, side_mesh
 from ..runtime.agreement import check_same_arguments
 from ..runtime.widths import WidthController
 from ._gathers import QuantizedAllGather, QuantizedMasterAllGather, WeightDiffAllGather
 from ._hooks import StepClock
 from ._reduce import QuantizedReduceScatter, compressed_runs
 from ._replicate import ReplicateAllReduce, ReplicateCounter
-from ._stale import Pipeline, twin_groups, twin_mesh
+from ._stale import Pipeline, twin_groups
 from ._state import (
     _INSTALLED,
     _Installed,
@@ -168,7 +168,7 @@ def compress_fsdp(
         used += [g for g, _ in groups.values() if g is not None and plan is not None]
         twins = twin_groups(used)
         if isinstance(plan, qc.TwoLevelReduce) and plan.mesh is not None:
-            plan = dataclasses.replace(plan, mesh=twin_mesh(plan.mesh))
+            plan = dataclasses.replace(plan, mesh=side_mesh(plan.mesh))  # the twin mesh
 
     second, made, piped = None, SideStreams(2), 0  # [Note: pipelined modules]
     if pipeline:

@@ -6,7 +6,7 @@ world size and tensor length, and returns a :class:`CommWork` for ``async_op=Tru
 """
 
 from ._all_gather import all_gather, all_gather_payloads, all_gather_wire_bytes
-from ._common import CommWork, noise_stream
+from ._common import CommWork, noise_rank, noise_stream, replica_seed
 from ._dist import dist_all_gather, group_device
 from ._hierarchical import hierarchical_reduce_scatter, hierarchical_reduce_scatter_wire_bytes
 from ._integer import (
@@ -46,7 +46,9 @@ __all__ = [
     "integer_all_reduce_wire_bytes",
     "integer_reduce_scatter",
     "integer_reduce_scatter_wire_bytes",
+    "noise_rank",
     "noise_stream",
+    "replica_seed",
     "reduce_scatter",
     "reduce_scatter_wire_bytes",
     "two_phase_all_reduce",

@@ -153,7 +153,7 @@ def _all_gather_stages(
         step=step,
         out=send,
         backend=backend,
-        stream=C.noise_stream(dist.get_rank(), 0, bucket=bucket, hop=hop),
+        stream=C.noise_stream(C.noise_rank(pg), 0, bucket=bucket, hop=hop),
     )
     if enc_spec is not spec:  # every rank agrees before anything is exchanged
         C.agree_finite(flagged_groups(send, m, spec), [pg], stats, name)
@@ -190,7 +190,7 @@ def _fused_stages(
             step=step,
             out=send[:nbytes],
             backend=backend,
-            stream=C.noise_stream(dist.get_rank(), 0, bucket=bucket, hop=hop),
+            stream=C.noise_stream(C.noise_rank(pg), 0, bucket=bucket, hop=hop),
         )
     send[at : at + raw_bytes].copy_(raw.view(torch.uint8))
     if enc_spec is not spec:  # every rank agrees before anything is exchanged

@@ -304,8 +304,34 @@ def _mix64(z: int) -> int:
     return z ^ (z >> 31)
 
 
+def noise_rank(group: dist.ProcessGroup | None) -> int:
+    """The ``rank`` of :func:`noise_stream` for this process's encodes in a collective over
+    ``group``: its place in the group.
+
+    [Note: noise per place in the group]
+    Stochastic rounding must draw independent noise for the ranks whose codes are summed: the
+    ranks of the collective's group, told apart by their place in it. The global rank would also
+    tell apart ranks that must draw the *same* noise: under tensor parallelism the TP peers of a
+    data-parallel rank hold the same replicated parameters (norms, embeddings), reduce the same
+    gradients and gather the same weights over their own data-parallel groups, and must end with
+    the same bits (with noise keyed by the global rank their replicas drifted apart, issue 31).
+    Groups whose codes are never summed together (the shard groups of two HSDP replicas) may
+    draw alike; where their results are later averaged (native HSDP's replicate all-reduce),
+    the integration keys them apart through the seed (:func:`replica_seed`).
+    """
+    return dist.get_rank(group)
+
+
+def replica_seed(seed: int, replica: int) -> int:
+    """The noise seed of replica ``replica`` of a data-parallel layout whose replicas reduce
+    over groups of their own and are averaged later (native HSDP): distinct per replica, equal
+    to ``seed`` for replica 0 ([Note: noise per place in the group])."""
+    return seed if replica == 0 else _mix64((seed + replica * 0xD1B54A32D192ED03) & _MASK64)
+
+
 def noise_stream(rank: int, chunk: int, *, bucket: int = 0, hop: int = 0, piece: int = 0) -> int:
-    """Philox ``stream`` word of one encode: distinct per (bucket, hop, global rank, chunk, piece).
+    """Philox ``stream`` word of one encode: distinct per (bucket, hop, rank, chunk, piece), with
+    ``rank`` the encoder's place in the collective's group (:func:`noise_rank`).
 
     Stochastic rounding must draw independent noise on every rank (shared noise correlates the
     errors and breaks the 1/n variance of the mean) and for every chunk a rank encodes (each

@@ -419,7 +419,7 @@ class _Plan:
         self.a, self.b = self.layout.coord
         self.na, self.nb = self.shape
         self.inter, self.intra = self.layout.inter, self.layout.intra
-        self.me = dist.get_rank()
+        self.me = self.a * self.nb + self.b  # [Note: noise per place in the group]
         # The own chunk never travels: start the float32 sum from it, exact.
         self.acc = torch.empty(self.chunks.shape[1], dtype=torch.float32, device=self.chunks.device)
         self.acc.copy_(self.chunks[self.layout.chunk_of(self.a, self.b)])

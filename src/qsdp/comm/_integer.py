@@ -141,9 +141,10 @@ def integer_all_reduce(
     """Global-QSGD all-reduce of ``tensor`` in place: one MAX of scales, one integer SUM.
 
     Error bound (per element, against the exact float64 sum): with ``M`` the global max-abs of
-    the element's group and ``s = floor(L / n)`` levels, each rank's code is off by at most
-    ``M / (2 s)`` (nearest) or ``< M / s`` (stochastic, unbiased), so the sum is within
-    ``n * M / (2 s)`` (resp. ``< n * M / s``), the mean within ``M / (2 s)`` (resp. ``M / s``),
+    the element's group, ``s = floor(L / n)`` levels and the step ``d = max(M / s, 2^-126)``
+    (floored for tiny groups: [Note: step floor] in ``qsdp.quant.reference``), each rank's code
+    is off by at most ``d / 2`` (nearest) or ``< d`` (stochastic, unbiased), so the sum is within
+    ``n * d / 2`` (resp. ``< n * d``), the mean within ``d / 2`` (resp. ``d``),
     plus the rounding to ``tensor``'s dtype and float32 scaling (a few ``M * 2^-24`` per rank,
     visible only with the int32 carrier, whose levels are capped at 2^24). The integer sum
     itself is exact: no overflow for any input, by the level rule.
@@ -222,7 +223,7 @@ def _all_reduce_stages(
         rounding=rnd,
         seed=seed,
         step=step,
-        stream=C.noise_stream(dist.get_rank(), 0, bucket=bucket),
+        stream=C.noise_stream(C.noise_rank(pgs[0]), 0, bucket=bucket),
         nonfinite=nonfinite,
     )
     yield [C.all_reduce(q, dist.ReduceOp.SUM, pgs[1], stats, name)], True
@@ -330,7 +331,7 @@ def _reduce_scatter_stages(
         _check_global_scales(scales, name)
     dtype = CARRIERS[carrier][0]
     q = torch.empty(n, m, dtype=dtype, device=input.device)
-    me = dist.get_rank()
+    me = C.noise_rank(pg)
     for j in range(n):
         global_int_encode(
             chunks[j],

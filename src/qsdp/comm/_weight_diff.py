@@ -96,7 +96,7 @@ def all_gather_diff(
         enc_spec,
         seed=seed,
         step=step,
-        stream=C.noise_stream(dist.get_rank(), 0, bucket=bucket),
+        stream=C.noise_stream(C.noise_rank(pg), 0, bucket=bucket),
         out=send,
         backend=backend,
     )

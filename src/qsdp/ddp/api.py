@@ -8,7 +8,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from ..config import CompressionConfig, IntegerGrads, QuantizedGrads, recipe
 from ..policy import auto
 from ..runtime.agreement import check_same_arguments
-from ..runtime.streams import side_group
+from ..runtime.streams import twin_group
 from .hook import DDPCompression
 
 __all__ = ["register"]
@@ -60,7 +60,9 @@ def register(
         )
     # the same on every rank of DDP's group, before anything can raise on one rank alone
     check_same_arguments(
-        (config, error_feedback, pipeline), group=model.process_group, what="qsdp.ddp.register"
+        (config, error_feedback, pipeline),
+        groups=[model.process_group],
+        what="qsdp.ddp.register",
     )
     decision = None
     if config == "auto":  # measure, predict, pick: see qsdp.policy.auto
@@ -111,7 +113,7 @@ def register(
     second_group = None
     if pipeline:  # only DDP's ranks take part (DDP's group may be a subgroup)
         ranks = dist.get_process_group_ranks(model.process_group)
-        second_group = side_group(ranks, use_local_synchronization=True)
+        second_group = twin_group(ranks)  # [Note: qsdp's own communicators]
     names = {id(p): n for n, p in model.module.named_parameters()}
     hook = DDPCompression(
         config,

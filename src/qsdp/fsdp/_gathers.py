@@ -208,12 +208,21 @@ class QuantizedMasterAllGather(_Gather):
         n, m = group.size(), input_tensor.numel()
         nbytes = self.spec.payload_bytes(m)
         if self._recv is None or self._epoch != self.clock.epoch or self.versions.changed():
-            if input_tensor.dtype != torch.float32 or any(
-                p.dtype != torch.float32 for p, _ in self.params
-            ):
+            stored = sorted({str(p.dtype) for p, _ in self.params if p.dtype != torch.float32})
+            if stored:
                 raise ValueError(
-                    "the quantized-master recipe gathers the fp32 master itself: drop "
-                    "MixedPrecisionPolicy(param_dtype=...) for these modules"
+                    f"the quantized-master recipe keeps an fp32 master on the lattice; module "
+                    f"'{self.module_name or '<root>'}' stores its parameters in {stored}: "
+                    "build the model in float32 (model.float() before fully_shard; bf16 compute "
+                    "through MixedPrecisionPolicy is not possible with this recipe), or use "
+                    "'qsdp-w8g8'"
+                )
+            if input_tensor.dtype != torch.float32:
+                raise ValueError(
+                    f"the quantized-master recipe gathers the fp32 master itself, but FSDP2 "
+                    f"hands module '{self.module_name or '<root>'}' its weights in "
+                    f"{input_tensor.dtype} (a MixedPrecisionPolicy(param_dtype=...)): drop the "
+                    "param_dtype for these modules, or use 'qsdp-w8g8'"
                 )
             step = self._steps.next()
             send = torch.empty(nbytes, dtype=torch.uint8, device=input_tensor.device)
@@ -222,7 +231,7 @@ class QuantizedMasterAllGather(_Gather):
                 self.spec,
                 seed=self.seed,
                 step=step,
-                stream=qc.noise_stream(dist.get_rank(), 0, bucket=self.bucket),
+                stream=qc.noise_stream(qc.noise_rank(group), 0, bucket=self.bucket),
                 out=send,
             )
             self._write_master(qc_decode(enc))

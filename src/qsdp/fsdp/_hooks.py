@@ -27,9 +27,14 @@ from .. import comm as qc
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
+# what a failed collective says on gloo and NCCL (torch's DistError subclasses aside)
+_WIRE_WORDS = ("gloo", "nccl", "connection", "timed out", "timeout", "peer", "socket")
+
+
 class _Context:
     """Re-raise a ``torch.distributed`` failure (a peer gone, a timeout) with what qsdp was
-    doing: which collective of which FSDP module."""
+    doing: which collective of which FSDP module. Any other error (out of memory, a CUDA
+    launch failure, a bug) propagates as it is, its type kept, with a note naming the module."""
 
     def __init__(self, what: str, module: str) -> None:
         self.what, self.module = what, module
@@ -38,13 +43,27 @@ class _Context:
         return None
 
     def __exit__(self, kind, err, tb) -> bool:
-        if kind is not None and issubclass(kind, RuntimeError) and not str(err).startswith("qsdp"):
+        if kind is None or str(err).startswith("qsdp"):
+            return False
+        where = f"qsdp {self.what} of FSDP module '{self.module or '<root>'}'"
+        if _from_the_wire(err):
             raise RuntimeError(
-                f"qsdp {self.what} of FSDP module '{self.module or '<root>'}' failed in "
-                f"torch.distributed (a peer rank died, hung past the process group's timeout, or "
-                f"the network failed): {err}"
+                f"{where} failed in torch.distributed (a peer rank died, hung past the process "
+                f"group's timeout, or the network failed): {err}"
             ) from err
+        if hasattr(err, "add_note"):  # Python >= 3.11
+            err.add_note(f"(raised inside {where})")
         return False
+
+
+def _from_the_wire(err: BaseException) -> bool:
+    """Whether ``err`` is a failed collective (not out of memory, not a kernel's error)."""
+    if isinstance(err, torch.OutOfMemoryError):
+        return False
+    if isinstance(err, getattr(dist, "DistError", ())):
+        return True
+    text = str(err).lower()
+    return isinstance(err, RuntimeError) and any(w in text for w in _WIRE_WORDS)
 
 
 def _usable(split: qc.Split | None, chunk: int, stats: qc.CommStats) -> qc.Split | None:

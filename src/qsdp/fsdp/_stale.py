@@ -37,24 +37,18 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 from ..runtime.placement import like_param, local_of
-from ..runtime.streams import SideStreams, side_group
+from ..runtime.streams import SideStreams, twin_group
 
 __all__ = ["Delay", "Pipeline", "twin_groups"]
 
 
 def twin_groups(groups: list[dist.ProcessGroup]) -> dict[str, dist.ProcessGroup]:
-    """A second process group over the same ranks for each of ``groups``, by group name.
-
-    ``new_group`` is collective over the world, in the same order on every rank, so every
-    rank's groups (their rank lists, gathered) are made in one sorted order; a rank makes each
-    group, member or not. Call on every rank."""
-    mine = sorted({tuple(dist.get_process_group_ranks(g)) for g in groups})
-    everyone: list[list[tuple[int, ...]]] = [[] for _ in range(dist.get_world_size())]
-    dist.all_gather_object(everyone, mine)
-    made = {}
-    for ranks in sorted({r for lists in everyone for r in lists}):
-        made[ranks] = side_group(list(ranks))
-    return {g.group_name: made[tuple(dist.get_process_group_ranks(g))] for g in groups}
+    """A second communicator over the same ranks for each of ``groups``, by group name: the
+    process's :func:`qsdp.runtime.twin_group` of those ranks ([Note: qsdp's own
+    communicators]), made in sorted order, by their members only."""
+    ranks = {g.group_name: tuple(dist.get_process_group_ranks(g)) for g in groups}
+    made = {r: twin_group(list(r)) for r in sorted(set(ranks.values()))}
+    return {name: made[r] for name, r in ranks.items()}
 
 
 class Delay:

@@ -10,7 +10,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
 
 from .. import comm as qc
 from ..comm import CommStats
@@ -27,9 +26,10 @@ from ..config import (
 )
 from ..policy import auto
 from ..runtime import NonfiniteCheck, SideStreams, side_mesh
-from ..runtime.agreement import check_same_arguments
+from ..runtime.agreement import agree_verdict, check_same_arguments
 from ..runtime.widths import WidthController
 from ._gathers import QuantizedAllGather, QuantizedMasterAllGather, WeightDiffAllGather
+from ._groups import FSDPGroup, fsdp_groups
 from ._hooks import StepClock
 from ._reduce import QuantizedReduceScatter, compressed_runs
 from ._replicate import ReplicateAllReduce, ReplicateCounter
@@ -96,14 +96,15 @@ def compress_fsdp(
             config on every rank]), ``pipeline`` without ``replicate``, with uncompressed
             gradients or at staleness 1.
     """
-    check_same_arguments(
-        (config, _shape(mesh), _shape(replicate), pipeline),
-        group=None,
-        what="qsdp.compress_fsdp",
-    )
+    modules, groups = _fsdp_groups_of(model)
+    replicate_pg = _as_group(replicate)
+    # the same on every rank of the model's groups, and a layout that agrees with the
+    # arguments, before anything can raise on one rank alone ([Note: agreement over the
+    # model's groups] in qsdp.runtime.agreement)
+    _check_agreed(groups, (config, _shape(mesh), _shape(replicate), pipeline), replicate_pg, mesh)
     decision = None
     if config == "auto":  # measure, predict, pick: see qsdp.policy.auto
-        decision = _auto(model, mesh=mesh, replicate=replicate)
+        decision = _auto(model, groups, mesh=mesh, replicate=replicate_pg)
         config = auto_config(decision)
         if not auto_uses_mesh(decision):
             mesh = None
@@ -113,35 +114,16 @@ def compress_fsdp(
         raise TypeError(
             f"config must be a qsdp.CompressionConfig or a recipe name, got {type(config).__name__}"
         )
-    if mesh is not None:
-        if not config.two_level:
-            raise ValueError(
-                "compress_fsdp(mesh=...) is for two-level gradients (grads=TwoLevelGrads(...), "
-                "e.g. 'sdp4bit'); this config reduces over FSDP's own group: drop the mesh"
-            )
-        _check_two_dimensional(mesh)
-    modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
-    if not modules:
+    if mesh is not None and not config.two_level:
         raise ValueError(
-            "compress_fsdp found no FSDPModule in the model: call "
-            "torch.distributed.fsdp.fully_shard on its blocks and its root first"
+            "compress_fsdp(mesh=...) is for two-level gradients (grads=TwoLevelGrads(...), "
+            "e.g. 'sdp4bit'); this config reduces over FSDP's own group: drop the mesh"
         )
-    names = {m: name for name, m in model.named_modules()}
-    done = [names[m] or "<root>" for m in modules if m in _HOOKED]
-    if done:
-        raise ValueError(
-            f"compress_fsdp was already applied to FSDP modules {done[:4]} of this model: qsdp's "
-            "hooks cannot be stacked or swapped in place; call it once per model (to change "
-            "the recipe, build and fully_shard the model again)"
-        )
-    groups = {m: _fsdp_groups(m) for m in modules}
-    replicate_pg = _replicate_group(replicate, config, groups)
+    _check_replicate_grads(replicate_pg, config)
     if pipeline and decision is not None and config.grads is None:
         pipeline = False  # "auto" chose the plain all-reduce: nothing to pipeline
         decision["pipeline"] = False
     _check_pipeline(pipeline, replicate_pg, config)
-    if mesh is not None:
-        _check_mesh_covers(mesh, [g for g, _ in groups.values() if g is not None], modules)
     stats = CommStats()
     weights, policy = config.weights, config.policy
     check = None
@@ -165,7 +147,7 @@ def compress_fsdp(
         stale = Pipeline()
     if own:  # the reductions' own communicators (see CompressionConfig.own_reduce_group)
         used = [replicate_pg] if replicate_pg is not None else []
-        used += [g for g, _ in groups.values() if g is not None and plan is not None]
+        used += [g.shard_group for g in groups if g.shard_group is not None and plan is not None]
         twins = twin_groups(used)
         if isinstance(plan, qc.TwoLevelReduce) and plan.mesh is not None:
             plan = dataclasses.replace(plan, mesh=side_mesh(plan.mesh))  # the twin mesh
@@ -189,14 +171,8 @@ def compress_fsdp(
                     "per_parameter=False (a width per group)"
                 )
             keys = 0
-            for i, module in enumerate(modules):
-                layout = _layout(module, names[module], grads_only=True)
-                if layout is None:
-                    raise ValueError(
-                        "AdaptiveWidths(per_parameter=True) needs FSDP2's parameter layout, "
-                        "which this torch version does not expose where qsdp reads it (see "
-                        "[Note: what compress_fsdp reads of FSDP2]); use per_parameter=False"
-                    )
+            for i, group in enumerate(groups):
+                layout = group.layout(grads_only=True)
                 param_runs[i] = compressed_runs(layout, policy)
                 param_keys[i] = list(range(keys, keys + len(param_runs[i])))
                 keys += len(param_runs[i])
@@ -205,16 +181,17 @@ def compress_fsdp(
         )
     gathers: list[WeightDiffAllGather] = []
     hooks: list[object] = []
-    for i, module in enumerate(modules):
-        key = dict(seed=config.seed, stats=stats, bucket=2 * i, module_name=names[module])
-        if groups[module][1] is not None:  # HSDP: FSDP2's own replicate all-reduce, counted
+    for i, group in enumerate(groups):
+        module = group.module
+        key = dict(seed=config.seed, stats=stats, bucket=2 * i, module_name=group.name)
+        if group.replicate_group is not None:  # HSDP: FSDP2's own replicate all-reduce, counted
             module.set_all_reduce_hook(ReplicateCounter(stats))
-        elif replicate_pg is not None and groups[module][0] is not None:
-            layout = _layout(module, names[module], grads_only=True)
+        elif replicate_pg is not None and group.shard_group is not None:
+            layout = group.layout(grads_only=True)
             hook = ReplicateAllReduce(
                 plan=replicate_plan,
                 replicate=replicate_pg,
-                shard=groups[module][0],
+                shard=group.shard_group,
                 # uncompressed: as native HSDP, NaN/Inf travel as they are
                 check=check if config.grads is not None else None,
                 layout=[(n, k) for n, k, _ in layout] if layout else None,
@@ -222,9 +199,9 @@ def compress_fsdp(
                 seed=config.seed,
                 bucket=2 * len(modules) + i,
                 stats=stats,
-                module_name=names[module],
+                module_name=group.name,
             )
-            hook.params = _own_params(module)
+            hook.params = list(group.params)
             stream = None  # FSDP2's all-reduce stream, unless pipelined on CUDA
             if second is not None:  # [Note: pipelined modules]
                 hook.second_group = second
@@ -241,24 +218,26 @@ def compress_fsdp(
             gather = WeightDiffAllGather(
                 weights.spec,
                 clock=clock,
-                params=_own_params(module),
+                params=list(group.params),
                 resync_every=weights.resync_every,
                 check_replicas=weights.check_replicas,
                 **key,
             )
             gathers.append(gather)
         elif isinstance(weights, QuantizedMaster):
-            params = _master_params(model, module, names[module])
+            params = _master_params(model, group)
             gather = QuantizedMasterAllGather(weights.spec, clock=clock, params=params, **key)
         elif isinstance(weights, QuantizedWeights):
-            layout = _layout(module, names[module], grads_only=False)
+            layout = group.layout(grads_only=False)
             gather = QuantizedAllGather(weights.spec, split=split_of(layout), **key)
         if gather is not None:
             module.set_custom_all_gather(gather)
             hooks.append(gather)
         if plan is not None:
-            layout = _layout(module, names[module], grads_only=True)
+            layout = group.layout(grads_only=True)
             key["bucket"] += 1
+            if group.replicate_group is not None:  # [Note: noise per place in the group]
+                key["seed"] = qc.replica_seed(config.seed, group.replicate_group.rank())
             reduce = QuantizedReduceScatter(
                 plan=plan,
                 check=check,
@@ -269,7 +248,7 @@ def compress_fsdp(
             module.set_custom_reduce_scatter(reduce)
             hooks.append(reduce)
             reduce.twins = twins or {}
-            reduce.params = _own_params(module)
+            reduce.params = list(group.params)
             reduce.widths, reduce.width_key = widths, i
             if i in param_keys:  # [Note: widths per parameter]
                 reduce.per_parameter(param_keys[i], param_runs[i])
@@ -283,7 +262,7 @@ def compress_fsdp(
     return model
 
 
-def _auto(model: nn.Module, *, mesh, replicate) -> dict:
+def _auto(model: nn.Module, groups: list[FSDPGroup], *, mesh, replicate) -> dict:
     """``compress_fsdp(model, "auto")``: measure FSDP's shard group (compressed HSDP: the
     replicate group, whose all-reduce is the one to compress; the gathers and reduce-scatters
     inside the node stay FSDP2's own) and this device's quantizers, predict each recipe's
@@ -293,31 +272,39 @@ def _auto(model: nn.Module, *, mesh, replicate) -> dict:
             "recipe 'auto' with replicate= decides the all-reduce across the nodes; the mesh is "
             "for two-level reduce-scatters over FSDP's shard group: pass one of them"
         )
-    if mesh is not None:
-        _check_two_dimensional(mesh)
-    if isinstance(replicate, DeviceMesh):
-        replicate = replicate.get_group(0)
-    modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
-    groups = [_fsdp_groups(m) for m in modules]
-    shard = next((g for g, _ in groups if g is not None), None)
-    if shard is None or any(rep is not None for _, rep in groups):
+    shard = next((g.shard_group for g in groups if g.shard_group is not None), None)
+    if shard is None or any(g.replicate_group is not None for g in groups):
         raise ValueError(
             "recipe 'auto' needs modules fully_shard-ed on one mesh dimension (no native HSDP)"
         )
-    if mesh is not None:  # before measuring on it (every rank raises together)
-        _check_mesh_covers(mesh, [shard], modules)
-    names = {m: name for name, m in model.named_modules()}
     shards, gather_bytes, reduce_bytes = [], [], []
-    for m in modules:
-        layout = _layout(m, names[m], grads_only=False)
-        if layout is None:
-            raise ValueError("recipe 'auto' needs FSDP2's parameter layout (torch >= 2.11)")
-        if layout:
-            shards.append(sum(n for _, n, _ in layout))
-            gather, reduce = _wire_dtypes(m)
-            gather_bytes.append(gather.itemsize)
-            reduce_bytes.append(reduce.itemsize)
-    device = next(p.to_local().device for p in model.parameters() if isinstance(p, DTensor))
+    for g in groups:
+        if g.slots:
+            shards.append(sum(s.elements for s in g.slots))
+            gather_bytes.append(g.param_dtype.itemsize)
+            reduce_bytes.append(g.reduce_dtype.itemsize)
+    return _auto_measured(
+        shard=shard,
+        device=next(g.device for g in groups if g.params),
+        mesh=mesh,
+        replicate=replicate,
+        shards=shards,
+        gather_bytes=gather_bytes,
+        reduce_bytes=reduce_bytes,
+    )
+
+
+def _auto_measured(
+    *,
+    shard: dist.ProcessGroup,
+    device: torch.device,
+    mesh: DeviceMesh | None,
+    replicate: dist.ProcessGroup | None,
+    shards: list[int],
+    gather_bytes: list[int],
+    reduce_bytes: list[int],
+) -> dict:
+    """``"auto"``'s measurements, prediction and choice (see :func:`_auto`)."""
     if replicate is None:  # each collective apart: the weights' gathers, the gradients'
         measured = auto.measure(shard, device)
         levels = None
@@ -432,105 +419,132 @@ def _hook_stream(params: list[nn.Parameter], k: int, made: SideStreams) -> torch
     return made.get(device, k) if device.type == "cuda" else None
 
 
-def _own_params(module: FSDPModule) -> list[nn.Parameter]:
-    """The sharded parameters ``module``'s FSDP group manages (not those of nested FSDP
-    modules). Read at installation, when FSDP2 has the sharded DTensors registered."""
-    nested = {
-        id(p)
-        for sub in module.modules()
-        if sub is not module and isinstance(sub, FSDPModule)
-        for p in sub.parameters()
-    }
-    return [p for p in module.parameters() if id(p) not in nested]
-
-
-def _fsdp_groups(
-    module: FSDPModule,
-) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
-    """(shard group, replicate group or None) of ``module``'s parameters, read from their
-    ``DTensor`` mesh and placements (FSDP2 shards on the mesh's last dim; HSDP replicates on
-    the first); (None, None) for a module without parameters of its own."""
-    params = [p for p in _own_params(module) if isinstance(p, DTensor)]
-    if not params:
-        return None, None
-    mesh = params[0].device_mesh
-    if mesh.ndim == 1:
-        return mesh.get_group(0), None
-    return mesh.get_group(mesh.ndim - 1), mesh.get_group(0)
-
-
-def _check_two_dimensional(mesh: object) -> None:
-    if not isinstance(mesh, DeviceMesh) or mesh.ndim != 2:
+def _fsdp_groups_of(model: nn.Module) -> tuple[list[FSDPModule], list[FSDPGroup]]:
+    """The model's FSDPModules and their groups as FSDP2 set them up; refuses a model without
+    any, or one whose modules already carry qsdp's hooks (the same on every rank running the
+    same model: no collective)."""
+    groups = fsdp_groups(model)
+    if not groups:
         raise ValueError(
-            f"mesh must be a 2-D DeviceMesh (inter-node, intra-node); got {mesh!r}; build it "
-            "with init_device_mesh(device, (nodes, gpus_per_node), "
+            "compress_fsdp found no FSDPModule in the model: call "
+            "torch.distributed.fsdp.fully_shard on its blocks and its root first"
+        )
+    done = [g.name or "<root>" for g in groups if g.module in _HOOKED]
+    if done:
+        raise ValueError(
+            f"compress_fsdp was already applied to FSDP modules {done[:4]} of this model: qsdp's "
+            "hooks cannot be stacked or swapped in place; call it once per model (to change "
+            "the recipe, build and fully_shard the model again)"
+        )
+    return [g.module for g in groups], groups
+
+
+def _as_group(replicate: DeviceMesh | dist.ProcessGroup | None) -> dist.ProcessGroup | None:
+    """``replicate=`` as a process group (type checks only: the same on every rank)."""
+    if replicate is None:
+        return None
+    if isinstance(replicate, DeviceMesh):
+        if replicate.ndim != 1:
+            raise ValueError(
+                f"replicate must be a 1-D DeviceMesh (or process group) across nodes; got "
+                f"{replicate.ndim} dims: pass mesh_2d['replicate']"
+            )
+        return replicate.get_group(0)
+    if not isinstance(replicate, dist.ProcessGroup):
+        raise TypeError(
+            f"replicate must be a DeviceMesh or ProcessGroup, got {type(replicate).__name__}"
+        )
+    return replicate
+
+
+def _check_agreed(
+    groups: list[FSDPGroup],
+    arguments: tuple,
+    replicate: dist.ProcessGroup | None,
+    mesh: DeviceMesh | None,
+) -> None:
+    """The same ``arguments`` on every rank of the model's groups, and arguments that agree
+    with the layout FSDP2 set up; else every rank of those groups raises, naming the fix
+    ([Note: agreement over the model's groups]): a ``replicate=`` group under native HSDP or
+    overlapping FSDP's shard group (FSDP would reduce over those ranks twice), a two-level mesh
+    that is not FSDP's shard group."""
+    shard_groups = [g.shard_group for g in groups if g.shard_group is not None]
+    native = [g.replicate_group for g in groups if g.replicate_group is not None]
+    talk = shard_groups + native + ([replicate] if replicate is not None else []) or [None]
+    check_same_arguments(arguments, groups=talk, what="qsdp.compress_fsdp")
+    me = dist.get_rank()
+    problem, fix = "", ""
+    if mesh is not None and (not isinstance(mesh, DeviceMesh) or mesh.ndim != 2):
+        problem = f"mesh must be a 2-D DeviceMesh (inter-node, intra-node); got {mesh!r}"
+        fix = (
+            "build it with init_device_mesh(device, (nodes, gpus_per_node), "
             "mesh_dim_names=('inter', 'intra'))"
         )
+    elif mesh is not None:
+        mesh_ranks = sorted(mesh.mesh.flatten().tolist())
+        for g in groups:
+            if g.shard_group is not None and sorted(g.shard_ranks) != mesh_ranks:
+                problem = (
+                    f"the two-level mesh {mesh.mesh.tolist()} ({len(mesh_ranks)} ranks) must hold "
+                    f"exactly the ranks FSDP shards over; FSDP shards module "
+                    f"'{g.name or '<root>'}' over ranks {list(g.shard_ranks)} (on rank {me})"
+                )
+                fix = (
+                    "build it over FSDP's shard group, e.g. init_device_mesh(device, (nodes, "
+                    "gpus_per_node)) for a model sharded over the world"
+                )
+                break
+    if replicate is not None and not problem:
+        replicas = set(dist.get_process_group_ranks(replicate))
+        for g in groups:
+            if g.replicate_group is not None:
+                problem = (
+                    f"replicate= was passed, but module '{g.name or '<root>'}' is native HSDP "
+                    f"(fully_shard on a 2-D mesh, replicated over ranks {list(g.replicate_ranks)})"
+                    ", whose own replicate all-reduce cannot be replaced"
+                )
+                fix = (
+                    "shard the modules on the intra-node mesh only (fully_shard(m, "
+                    "mesh=mesh_2d['shard'])) and pass replicate=mesh_2d['replicate']"
+                )
+                break
+            both = sorted(replicas & set(g.shard_ranks or ()))
+            if g.shard_group is not None and both != [me]:
+                problem = (
+                    f"the replicate group {sorted(replicas)} overlaps the group FSDP shards "
+                    f"module '{g.name or '<root>'}' over ({list(g.shard_ranks)}) in ranks {both}: "
+                    "FSDP2 already reduces over those ranks, and qsdp would average their "
+                    "gradients a second time"
+                )
+                fix = (
+                    "shard the modules on the intra-node mesh (fully_shard(m, "
+                    "mesh=mesh_2d['shard'])) and pass replicate=mesh_2d['replicate'], or drop "
+                    "replicate= to compress FSDP2's own reduce-scatter"
+                )
+                break
+    agree_verdict(problem, groups=talk, what="qsdp.compress_fsdp", fix=fix)
 
 
-def _check_mesh_covers(
-    mesh: DeviceMesh, shard_groups: list[dist.ProcessGroup], modules: list[FSDPModule]
-) -> None:
-    """Refuse a two-level mesh that does not hold exactly FSDP's shard group.
-
-    Whether it does can differ between ranks (a rank outside the mesh), so every rank's verdict
-    goes through one MAX all-reduce of the world and all raise together, at installation
-    instead of inside the first backward.
-    """
-    mesh_ranks = sorted(mesh.mesh.flatten().tolist())
-    problem = ""
-    if dist.get_rank() not in mesh_ranks:
-        problem = f"rank {dist.get_rank()} is not in the mesh"
-    for group in shard_groups:
-        ranks = sorted(dist.get_process_group_ranks(group))
-        if ranks != mesh_ranks and not problem:
-            problem = f"FSDP shards over ranks {ranks} (on rank {dist.get_rank()})"
-    device = next(
-        (p.to_local().device for m in modules for p in _own_params(m) if isinstance(p, DTensor)),
-        torch.device("cpu"),
-    )
-    verdict = torch.tensor([1 if problem else 0], dtype=torch.int32, device=device)
-    dist.all_reduce(verdict, op=dist.ReduceOp.MAX)
-    if int(verdict):
+def _check_replicate_grads(replicate: dist.ProcessGroup | None, config: CompressionConfig) -> None:
+    """Compressed HSDP compresses an all-reduce: refuse a reduce-scatter's sub-config."""
+    if replicate is None or config.grads is None:
+        return
+    if not isinstance(config.grads, (QuantizedGrads, IntegerGrads)):
         raise ValueError(
-            f"compress_fsdp: the two-level mesh {mesh.mesh.tolist()} ({len(mesh_ranks)} ranks) "
-            f"must hold exactly the ranks FSDP shards over; {problem or 'another rank disagrees'}"
-            ". Build it over FSDP's shard group, e.g. init_device_mesh(device, (nodes, "
-            "gpus_per_node)) for a model sharded over the world"
+            f"compress_fsdp(replicate=...) compresses an all-reduce; "
+            f"{type(config.grads).__name__} is a reduce-scatter: use QuantizedGrads ('cgx', "
+            "'qsdp-g8') or IntegerGrads ('global-qsgd')"
         )
 
 
 def _layout(
     module: FSDPModule, prefix: str, *, grads_only: bool
-) -> list[tuple[str, int, tuple[int, ...]]] | None:
-    """(name, elements per rank, full shape) of each parameter in the module's flat chunk.
-
-    [Note: what compress_fsdp reads of FSDP2]
-    FSDP2's all-gather and reduce-scatter hand over one flat buffer per parameter group, each
-    rank's chunk the concatenation of the parameters' padded shards in the group's order (for
-    the reduce-scatter only those with gradients). To apply a per-parameter policy and to name
-    the parameter that holds a NaN, this reads the group's ``fsdp_params`` (module, name,
-    ``padded_sharded_param_size``, original size) through ``_get_fsdp_state()._fsdp_param_group``,
-    which no public API exposes. Where that is missing (another torch version) the policy is not
-    applied (everything is quantized, as the config's byte counter shows: no raw bytes) and
-    errors name the module instead.
-    """
-    try:
-        group = module._get_fsdp_state()._fsdp_param_group
-        if group is None:  # no parameters of its own: FSDP2 never gathers or reduces for it
-            return []
-        params = group.fsdp_params
-        layout = []
-        for p in params:
-            if grads_only and not p.sharded_param.requires_grad:
-                continue
-            info = p._module_info
-            mod = next((n for n, m in module.named_modules() if m is info.module), "")
-            name = ".".join(x for x in (prefix, mod, info.param_name) if x)
-            layout.append((name, p.padded_sharded_param_size.numel(), tuple(p._orig_size)))
-        return layout
-    except AttributeError:
-        return None
+) -> list[tuple[str, int, tuple[int, ...]]]:
+    """``(name, elements per rank, shape)`` of each parameter of ``module``'s chunk, named from
+    ``prefix`` (the module's name in the model); see :func:`fsdp_groups`."""
+    (group,) = [g for g in fsdp_groups(module) if g.module is module]
+    rename = (lambda n: ".".join(x for x in (prefix, n) if x)) if prefix else (lambda n: n)
+    return [(rename(n), k, shape) for n, k, shape in group.layout(grads_only=grads_only)]
 
 
 def _shape(mesh: DeviceMesh | dist.ProcessGroup | None) -> tuple[int, ...] | None:
@@ -543,79 +557,13 @@ def _shape(mesh: DeviceMesh | dist.ProcessGroup | None) -> tuple[int, ...] | Non
     return (dist.get_world_size(mesh),) if isinstance(mesh, dist.ProcessGroup) else (-1,)
 
 
-def _wire_dtypes(module: FSDPModule) -> tuple[torch.dtype, torch.dtype]:
-    """(gathered, reduced) dtype of ``module``'s parameter group as FSDP2 resolves its
-    ``MixedPrecisionPolicy``: parameters gather in ``param_dtype`` (their own dtype when unset)
-    and gradients reduce in ``reduce_dtype`` (the gathered dtype when unset). Read from the
-    parameter group's policy (see [Note: what compress_fsdp reads of FSDP2]; FSDP2 resolves it
-    per parameter only at its lazy init, in the first forward)."""
-    try:
-        group = module._get_fsdp_state()._fsdp_param_group
-        policy = group.mp_policy
-        gathered = policy.param_dtype or group.fsdp_params[0].sharded_param.dtype
-        return gathered, policy.reduce_dtype or gathered
-    except AttributeError as e:
-        raise ValueError(
-            "recipe 'auto' reads FSDP2's mixed-precision dtypes, which this torch version does "
-            f"not expose where qsdp reads them ({e}); name a recipe instead"
-        ) from e
-
-
 def _grad_params(
-    model: nn.Module, layout: list[tuple[str, int, tuple[int, ...]]] | None
+    model: nn.Module, layout: list[tuple[str, int, tuple[int, ...]]]
 ) -> list[tuple[nn.Parameter, int]]:
     """(parameter, padded elements per rank) of a group's gradient chunk, for staleness 1."""
-    if layout is None:
-        raise ValueError(
-            "staleness=1 needs FSDP2's parameter layout, which this torch version does not "
-            "expose where qsdp reads it (see [Note: what compress_fsdp reads of FSDP2]); use "
-            "staleness=0"
-        )
     return [(model.get_parameter(name), n) for name, n, _ in layout]
 
 
-def _master_params(
-    model: nn.Module, module: FSDPModule, prefix: str
-) -> list[tuple[nn.Parameter, int]]:
+def _master_params(model: nn.Module, group: FSDPGroup) -> list[tuple[nn.Parameter, int]]:
     """(parameter, padded elements per rank) of the module's group, in all-gather order."""
-    layout = _layout(module, prefix, grads_only=False)
-    if layout is None:
-        raise ValueError(
-            "the quantized-master recipe needs FSDP2's parameter layout, which this torch "
-            "version does not expose where qsdp reads it; use 'qsdp-w8g8'"
-        )
-    return [(model.get_parameter(name), n) for name, n, _ in layout]
-
-
-def _replicate_group(
-    replicate: DeviceMesh | dist.ProcessGroup | None,
-    config: CompressionConfig,
-    groups: dict,
-) -> dist.ProcessGroup | None:
-    """The replicate group of compressed HSDP, validated (same on every rank: no collective)."""
-    if replicate is None:
-        return None
-    if isinstance(replicate, DeviceMesh):
-        if replicate.ndim != 1:
-            raise ValueError(
-                f"replicate must be a 1-D DeviceMesh (or process group) across nodes; got "
-                f"{replicate.ndim} dims: pass mesh_2d['replicate']"
-            )
-        replicate = replicate.get_group(0)
-    if not isinstance(replicate, dist.ProcessGroup):
-        raise TypeError(
-            f"replicate must be a DeviceMesh or ProcessGroup, got {type(replicate).__name__}"
-        )
-    if any(rep is not None for _, rep in groups.values()):
-        raise ValueError(
-            "compress_fsdp(replicate=...) needs the modules sharded on the intra-node mesh only "
-            "(fully_shard(m, mesh=mesh_2d['shard'])); these use native HSDP (a 2-D mesh), whose "
-            "own replicate all-reduce cannot be replaced"
-        )
-    if config.grads is not None and not isinstance(config.grads, (QuantizedGrads, IntegerGrads)):
-        raise ValueError(
-            f"compress_fsdp(replicate=...) compresses an all-reduce; "
-            f"{type(config.grads).__name__} is a reduce-scatter: use QuantizedGrads ('cgx', "
-            "'qsdp-g8') or IntegerGrads ('global-qsgd')"
-        )
-    return replicate
+    return [(model.get_parameter(name), n) for name, n, _ in group.layout(grads_only=False)]

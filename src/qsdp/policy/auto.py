@@ -48,6 +48,7 @@ Checked against the GPU benchmark in ``docs/results.md``.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -122,7 +123,9 @@ def measure(
 ) -> Measured:
     """Fit the link of ``group`` (all-gathers of two per-rank sizes) and the quantizers on
     ``device`` (encode + decode of two sizes: a cost per call, the launches, and per element).
-    Collective: call on every rank of ``group``; every rank gets the same result."""
+    Collective: call on every rank of ``group``; every rank gets the same result. A group of
+    one rank has no link: nothing crosses a wire (zero latency, infinite bandwidth), and only
+    the quantizers are measured."""
     n = dist.get_world_size(group)
     if sizes is None:  # on a GPU the large gather must outlast the latency many times over:
         # 4 MiB per rank (16 MiB gathered at 4 ranks) took ~40 us on NVLink, too close to the
@@ -130,17 +133,18 @@ def measure(
         # 0.1 s over a 1 GB/s socket, whatever the world size
         large = max(1 << 20, (1 << 27) // n) if device.type == "cuda" else 1 << 22
         sizes = (1 << 16, large)
-    times = []
+    times = [0.0, 0.0]
     gather = dist_all_gather()
-    for size in sizes:
+    for k, size in enumerate(sizes if n > 1 else ()):
         inp = torch.zeros(size, dtype=torch.uint8, device=device)
         out = torch.empty(n * size, dtype=torch.uint8, device=device)
-        times.append(_timed(lambda o=out, i=inp: gather(o, i, group=group), device))
+        times[k] = _timed(lambda o=out, i=inp: gather(o, i, group=group), device)
     if codec_sizes is None:  # large enough on a GPU that launches do not hide the slope
         codec_sizes = (1 << 18, 1 << 24) if device.type == "cuda" else (1 << 12, 1 << 16)
     codec = []
+    noise = torch.Generator(device).manual_seed(0)  # the user's RNG state stays as it was
     for numel in codec_sizes:
-        x = torch.randn(numel, device=device)
+        x = torch.randn(numel, device=device, generator=noise)
         codec += [_timed(lambda s=s, x=x: decode(encode(x, s)), device) for s in _SPECS.values()]
         del x
     agreed = torch.tensor([*times, *codec], dtype=torch.float64, device=device)
@@ -152,16 +156,24 @@ def measure(
         small, large = codec[i], codec[k + i]
         per_element[bits] = max(large - small, 1e-15) / (codec_sizes[1] - codec_sizes[0])
         per_call[bits] = max(small - per_element[bits] * codec_sizes[0], 0.0)
-    wire = (n - 1) / n * n * (sizes[1] - sizes[0])  # bus bytes between the two sizes
-    slope = max(t_large - t_small, 1e-12) / wire
-    latency = max(t_small - slope * (n - 1) * sizes[0], 0.0)
+    if n == 1:  # no link
+        slope = latency = 0.0
+    else:
+        wire = (n - 1) / n * n * (sizes[1] - sizes[0])  # bus bytes between the two sizes
+        slope = max(t_large - t_small, 1e-12) / wire
+        latency = max(t_small - slope * (n - 1) * sizes[0], 0.0)
     return Measured(
         latency_s=latency,
-        bytes_per_s=1 / slope,
+        bytes_per_s=_rate(slope),
         codec_s_per_element=per_element,
         world=n,
         codec_s_per_call=per_call,
     )
+
+
+def _rate(seconds_per_byte: float) -> float:
+    """Bytes per second of a link taking ``seconds_per_byte`` (infinite for no link)."""
+    return math.inf if seconds_per_byte == 0 else 1 / seconds_per_byte
 
 
 def agree(
@@ -184,7 +196,7 @@ def agree(
     return [
         Measured(
             latency_s=row[0],
-            bytes_per_s=1 / row[1],
+            bytes_per_s=_rate(row[1]),
             codec_s_per_element=dict(zip(bits, row[2 : 2 + k], strict=True)),
             world=m.world,
             codec_s_per_call=dict(zip(bits, row[2 + k :], strict=True)),
@@ -365,7 +377,8 @@ def decision_record(decision: dict) -> dict:
     with the link it measured."""
     m = decision["measured"]
     return {k: v for k, v in decision.items() if k != "measured"} | {
-        "bus_gb_per_s": m.bytes_per_s / 1e9,
+        # a group of one rank has no link: JSON has no infinity
+        "bus_gb_per_s": None if math.isinf(m.bytes_per_s) else m.bytes_per_s / 1e9,
         "latency_us": m.latency_s * 1e6,
     }
 

@@ -3,10 +3,11 @@ NaN/Inf verdict decided once per backward, staleness 1's gate and weight predict
 check that replicas hold the same bits, and the side streams their communication work runs on."""
 
 from .nonfinite import NonfiniteCheck, nonfinite_flags
+from .placement import local_of
 from .prediction import WeightPrediction
 from .replicas import check_replicas, replica_mismatches
 from .staleness import StalenessGate
-from .streams import SideStreams, side_group, side_mesh, side_stream
+from .streams import SideStreams, side_group, side_mesh, side_stream, twin_group
 
 __all__ = [
     "NonfiniteCheck",
@@ -14,9 +15,11 @@ __all__ = [
     "StalenessGate",
     "WeightPrediction",
     "check_replicas",
+    "local_of",
     "nonfinite_flags",
     "replica_mismatches",
     "side_group",
     "side_mesh",
     "side_stream",
+    "twin_group",
 ]

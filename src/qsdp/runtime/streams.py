@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["SideStreams", "side_group", "side_mesh", "side_stream"]
+__all__ = ["SideStreams", "side_group", "side_mesh", "side_stream", "twin_group"]
 
 HIGH_PRIORITY = -1
 """The stream priority of qsdp's own streams (FSDP2's ``high_priority``; lower is higher)."""
@@ -85,6 +85,37 @@ def side_group(ranks: list[int], **kwargs) -> dist.ProcessGroup:
     if dist.get_backend() == "nccl" and "pg_options" not in kwargs:
         kwargs["pg_options"] = _high_priority_options()
     return dist.new_group(ranks, **kwargs)
+
+
+_TWINS: dict[tuple[int, ...], dist.ProcessGroup] = {}
+_TWINS_OF: list[dist.ProcessGroup | None] = [None]  # the default group the twins belong to
+
+
+def twin_group(ranks: list[int]) -> dist.ProcessGroup:
+    """qsdp's own communicator over ``ranks`` (a :func:`side_group`): made once per process
+    and set of ranks, and only by those ranks.
+
+    [Note: qsdp's own communicators]
+    A second communicator over a group's ranks lets qsdp's reductions overlap the collectives
+    FSDP2 or DDP queue on the first (staleness 1, ``own_reduce_group``, pipelining). It is made
+    with local synchronization (``new_group(..., use_local_synchronization=True)``): only its
+    members take part, so pipeline stages that compress with different recipes never wait for
+    each other, and nothing is exchanged over the world. Such a group is named by its ranks,
+    so a second one over the same ranks would collide (and destroying one and making it again
+    hangs on gloo): every model, hook and integration of the process over those ranks shares
+    this one, made at first use. Each issues its collectives in the same order on every rank,
+    so sharing is safe. A new default group (``destroy_process_group`` then
+    ``init_process_group``) starts a new set.
+    """
+    world = dist.group.WORLD
+    if _TWINS_OF[0] is not world:
+        _TWINS.clear()
+        _TWINS_OF[0] = world
+    key = tuple(sorted(ranks))
+    twin = _TWINS.get(key)
+    if twin is None:
+        twin = _TWINS[key] = side_group(list(key), use_local_synchronization=True)
+    return twin
 
 
 def _high_priority_options() -> dist.ProcessGroupNCCL.Options:

@@ -1,0 +1,238 @@
+"""qsdp where FSDP2 composes: tensor parallelism on a (dp, tp) mesh, HSDP arguments that
+contradict the model's layout, pipeline stages with their own recipes (issue 31)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    RowwiseParallel,
+    parallelize_module,
+)
+
+import qsdp
+from qsdp.testing import assert_same_on_all_ranks, run_distributed
+
+from ..models import VOCAB, batch, classifier
+
+D = 48
+STEPS = 12
+
+
+class _MLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(D, 2 * D)
+        self.down = nn.Linear(2 * D, D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(nn.functional.gelu(self.up(x)))
+
+
+class _Net(nn.Module):
+    """Tokens in, class out (the task of ``tests.models``), through two MLP blocks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(VOCAB, D)
+        self.blocks = nn.ModuleList([_MLP(), _MLP()])
+        self.norm = nn.LayerNorm(D)
+        self.head = nn.Linear(D, VOCAB)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.emb(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(self.norm(h.mean(1)))
+
+
+def _tp_model(mesh) -> nn.Module:
+    """Each block's MLP tensor-parallel over ``tp`` (up column-wise, down row-wise, as
+    torchtitan does), every block and the root ``fully_shard``-ed over ``dp``."""
+    model = _Net()
+    for block in model.blocks:
+        parallelize_module(block, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+        fully_shard(block, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    return model
+
+
+def _train_tp(model: nn.Module, dp_rank: int, dp: dist.ProcessGroup) -> list[float]:
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    for step in range(STEPS):
+        x, y = batch(dp_rank, step)  # the tp ranks of a dp rank see one batch
+        loss = nn.functional.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean, group=dp)
+        losses.append(float(mean) / dist.get_world_size(dp))
+    return losses
+
+
+def _tp_worker(rank: int, world: int, recipes: list[str]) -> dict:
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    dp_rank, dp = mesh["dp"].get_local_rank(), mesh.get_group("dp")
+    plain = _tp_model(mesh)
+    out = {"plain": _train_tp(plain, dp_rank, dp)[-1]}
+    with torch.no_grad():
+        assert_same_on_all_ranks(plain(batch(0, 999)[0]))
+    for name in recipes:
+        model = _tp_model(mesh)
+        qsdp.compress_fsdp(model, name)
+        groups = qsdp.fsdp.fsdp_groups(model)
+        # FSDP2's own view: the shard group is dp, no replicate group; TP's stays PyTorch's
+        assert all(g.shard_ranks == tuple(dist.get_process_group_ranks(dp)) for g in groups)
+        assert all(g.replicate_ranks is None for g in groups)
+        out[name] = _train_tp(model, dp_rank, dp)[-1]
+        with torch.no_grad():  # every rank computes the same function of the same batch
+            try:
+                assert_same_on_all_ranks(model(batch(0, 999)[0]))
+            except AssertionError as e:
+                raise AssertionError(f"{name}: {e}") from None
+        stats = qsdp.fsdp_comm_stats(model)
+        # only the dp collectives are qsdp's: its counters hold no TP all-reduce
+        assert "all_reduce_replicate" not in stats.snapshot(), (name, stats)
+    return out
+
+
+def test_fsdp_with_tensor_parallel_trains_like_plain_fsdp_for_every_recipe():
+    recipes = [n for n in qsdp.RECIPES if n not in ("bf16",)]
+    results = run_distributed(_tp_worker, 4, recipes, timeout_s=240)
+    for r in results:
+        assert r == results[0]  # the loss is averaged over dp: the same on every rank
+    plain = results[0]["plain"]
+    for name in recipes:
+        # the compressed runs end near the uncompressed one (the bounds of test_compress_fsdp)
+        assert results[0][name] == pytest.approx(plain, rel=0.15), (name, results[0])
+
+
+def _sharded_classifier(mesh) -> nn.Module:
+    model = classifier()
+    for i in (2, 5):
+        fully_shard(model[i], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def _misuse_worker(rank: int, world: int) -> dict:
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    out = {}
+    for name in ("cgx", "bf16"):
+        # the README's HSDP snippet without fully_shard(mesh=mesh["shard"]): FSDP shards over
+        # the world, which the replicate group overlaps
+        model = _sharded_classifier(None)
+        try:
+            qsdp.compress_fsdp(model, name, replicate=mesh["replicate"])
+            out[name] = "installed"
+        except ValueError as e:
+            out[name] = str(e)
+    return out
+
+
+def test_a_replicate_group_overlapping_fsdp_shards_raises_on_every_rank():
+    for r in run_distributed(_misuse_worker, 4):
+        for name in ("cgx", "bf16"):
+            message = r[name]
+            assert "overlaps the group FSDP shards" in message, (name, message)
+            assert "mesh=mesh_2d['shard']" in message, message
+
+
+def _stages_worker(rank: int, world: int) -> dict:
+    """Two pipeline stages of two ranks each, every stage sharding its own model over its own
+    pair and compressing it with its own recipe (no collective over the world)."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    stage, dp = rank // 2, mesh.get_group("dp")
+    name = ("sdp4bit", "qsdp-w8g8")[stage]
+    plain = _sharded_classifier(mesh["dp"])
+    losses = {"plain": _train_on(plain, rank % 2, dp)}
+    model = _sharded_classifier(mesh["dp"])
+    qsdp.compress_fsdp(model, name)
+    losses[name] = _train_on(model, rank % 2, dp)
+    for p in model.parameters():  # the stage's shards keep in step: same bits on both ranks
+        assert_same_on_all_ranks(p.full_tensor().detach(), group=dp)
+    return {"stage": stage, **losses}
+
+
+def _train_on(model: nn.Module, dp_rank: int, dp: dist.ProcessGroup) -> float:
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    for step in range(STEPS):
+        x, y = batch(dp_rank, step)
+        loss = nn.functional.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    mean = loss.detach().clone()
+    dist.all_reduce(mean, group=dp)
+    return float(mean) / dist.get_world_size(dp)
+
+
+def test_pipeline_stages_compress_with_their_own_recipes():
+    results = run_distributed(_stages_worker, 4)
+    for stage, name in ((0, "sdp4bit"), (1, "qsdp-w8g8")):
+        pair = [r for r in results if r["stage"] == stage]
+        assert pair[0] == pair[1]
+        assert pair[0][name] == pytest.approx(pair[0]["plain"], rel=0.15), pair[0]
+
+
+def _auto_worker(rank: int, world: int, hsdp: bool) -> dict:
+    """``"auto"`` where a group has one rank: the whole world of one, or an HSDP replicate
+    dimension of one; it leaves torch's RNG state as it was."""
+    out = {"plain": _train_on(_sharded_classifier(None), rank, dist.group.WORLD)}
+    if hsdp:
+        mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("replicate", "shard"))
+        model = _sharded_classifier(mesh["shard"])
+        before = torch.get_rng_state()
+        qsdp.compress_fsdp(model, "auto", replicate=mesh["replicate"])
+    else:
+        model = _sharded_classifier(None)
+        before = torch.get_rng_state()
+        qsdp.compress_fsdp(model, "auto")
+    out["rng_kept"] = bool(torch.equal(before, torch.get_rng_state()))
+    out["recipe"] = qsdp.fsdp.comm_state(model).decision["recipe"]
+    out["loss"] = _train_on(model, rank, dist.group.WORLD)
+    return out
+
+
+@pytest.mark.parametrize("world,hsdp", [(1, False), (2, True)])
+def test_auto_with_a_group_of_one_rank(world, hsdp):
+    results = run_distributed(_auto_worker, world, hsdp)
+    for r in results:
+        assert r["rng_kept"], r
+        # no link to save time on: uncompressed, training as plain FSDP2 does
+        assert r["recipe"] == "bf16", r
+        assert r["loss"] == pytest.approx(r["plain"], rel=1e-6), r
+
+
+def _oom_worker(rank: int, world: int) -> str:
+    """An out-of-memory error inside a reduce-scatter hook reaches the caller as one."""
+    model = _sharded_classifier(None)
+    qsdp.compress_fsdp(model, "qsdp-g8")
+    plan_type = type(qsdp.recipe("qsdp-g8").grads.plan())
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("injected: CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    real, plan_type.reduce_scatter = plan_type.reduce_scatter, out_of_memory
+    try:
+        x, y = batch(rank, 0)
+        nn.functional.cross_entropy(model(x), y).backward()
+    except Exception as e:  # what the training loop sees
+        return f"{type(e).__name__}: {e} {getattr(e, '__notes__', '')}"
+    finally:
+        plan_type.reduce_scatter = real
+    return "no error"
+
+
+def test_out_of_memory_in_a_hook_reaches_the_caller_as_one():
+    for message in run_distributed(_oom_worker, 2):
+        assert message.startswith("OutOfMemoryError: injected"), message
+        assert "reduce-scatter of FSDP module" in message, message  # where, as a note

@@ -1,7 +1,7 @@
 """qsdp's compressed collectives beside the matching NCCL collective, on 4 GPUs of one host.
 
     torchrun --nproc-per-node 4 benchmarks/bench_collectives.py --regime nvlink \
-        --out benchmarks/results/collectives_nvlink.json
+        --out benchmarks/results/collectives_<date>/collectives_nvlink.json
 
 (``benchmarks/run_collectives.sh`` runs the three regimes with the environment of
 ``docs/gpu.md``.) For messages of 16 MiB, 256 MiB and 1 GiB (the uncompressed collective's full

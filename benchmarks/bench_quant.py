@@ -1,6 +1,6 @@
 """Quantizer kernel throughput on one GPU, beside a device-to-device copy in the same run.
 
-    python benchmarks/bench_quant.py --out benchmarks/results/quant_<gpu>.json
+    python benchmarks/bench_quant.py --out benchmarks/results/quant_<date>/quant_<gpu>.json
 
 For 256 MiB and 1 GiB bf16 inputs, 8/4/2 bits, with and without Hadamard (block 32), nearest
 and stochastic rounding: encode and decode through the public API (``backend="triton"``), each

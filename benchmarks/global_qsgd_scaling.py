@@ -324,11 +324,14 @@ def _json_float(v):
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="fewer ranks, seeds and elements")
-    p.add_argument("--out", type=Path, default=None, help="JSON file (default: results/...)")
+    p.add_argument(
+        "--out", type=Path, default=None, help="JSON file (default: results/<study>_<date>/...)"
+    )
     a = p.parse_args()
     cfg = QUICK if a.quick else Config()
     date = datetime.date.today().isoformat()
-    out = a.out or RESULTS / f"global_qsgd_scaling_cpu_{date}{'_quick' if a.quick else ''}.json"
+    name = f"global_qsgd_scaling_cpu_{date}{'_quick' if a.quick else ''}.json"
+    out = a.out or RESULTS / f"global_qsgd_scaling_{date}" / name  # a folder per study
     t0 = time.perf_counter()
     rows = measure(cfg)
     elapsed = time.perf_counter() - t0

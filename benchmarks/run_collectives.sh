@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # On a 4-GPU host: qsdp's compressed collectives beside NCCL in the three regimes of docs/gpu.md.
 #   bash benchmarks/run_collectives.sh [extra bench_collectives.py args, e.g. --sizes-mib 16 256]
-# Writes $RESULTS_DIR/collectives_<regime>_<gpu>_<date>.json (default benchmarks/results), one
-# file per regime.
+# Writes $RESULTS_DIR/collectives_<regime>_<gpu>_<date>.json (default
+# benchmarks/results/collectives_<date>), one file per regime.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source benchmarks/run_env.sh  # PYTHONPATH, GPU safety variables, gpu, day, RESULTS_DIR

@@ -21,12 +21,19 @@ RESULTS = Path(__file__).resolve().parent / "results"
 sys.path.insert(0, str(RESULTS.parent))  # the study's tables, beside this script
 import study_tables  # noqa: E402
 
-CONVERGENCE = RESULTS / "convergence_debian_docs_2026-11-26" / "lr3e-4"
-STALENESS_2GPU = RESULTS / "convergence_debian_docs_2026-11-26" / "staleness_2gpu"
-AUTO = (RESULTS / "auto_2026-11-26", RESULTS / "auto_2026-11-27")
-ADAPTIVE_2GPU = RESULTS / "convergence_debian_docs_2026-11-26" / "adaptive_2gpu"
-CONVERGENCE_350M = RESULTS / "convergence_debian_docs_2026-11-26" / "gpt350m"
-QUANT_WIDTHS = RESULTS / "quant_widths_2026-11-27" / "quant_h200.json"
+# Each study's folder, relative to RESULTS (one folder per study, its README.md says what ran
+# and which table reads it); joined to RESULTS when a table is made, so a test can point
+# RESULTS at a copy.
+QUANT = Path("quant_2026-11-26")
+COLLECTIVES = Path("collectives_2026-11-26")
+FSDP_STEP = Path("fsdp_step_2026-11-26")
+DDP_STEP = Path("ddp_step_2026-11-26")
+CONVERGENCE = Path("convergence_debian_docs_2026-11-26", "lr3e-4")
+STALENESS_2GPU = Path("convergence_debian_docs_2026-11-26", "staleness_2gpu")
+AUTO = (Path("auto_2026-11-26"), Path("auto_2026-11-27"))
+ADAPTIVE_2GPU = Path("convergence_debian_docs_2026-11-26", "adaptive_2gpu")
+CONVERGENCE_350M = Path("convergence_debian_docs_2026-11-26", "gpt350m")
+QUANT_WIDTHS = Path("quant_widths_2026-11-27", "quant_h200.json")
 
 
 def quant_table(path: Path) -> str:
@@ -266,7 +273,7 @@ def ddp_table(paths: list[Path]) -> str:
     return "\n".join(out)
 
 
-STALENESS = RESULTS / "staleness_2026-11-26"
+STALENESS = Path("staleness_2026-11-26")
 
 
 def staleness_table(paths: list[Path]) -> str:
@@ -346,24 +353,26 @@ def memory_alone_table(paths: list[Path]) -> str:
     return "\n".join(out)
 
 
-SESSION12 = RESULTS / "session12_2026-11-27"
-SESSION13 = RESULTS / "session13_2026-11-27"
-SESSION14 = RESULTS / "session14_2026-11-27"
-SESSION15 = RESULTS / "session15_2026-11-27"
-SESSION16 = RESULTS / "session16_2026-11-27"
-SESSION17 = RESULTS / "session17_2026-11-27"
+SESSION12 = Path("session12_2026-11-27")
+SESSION13 = Path("session13_2026-11-27")
+SESSION14 = Path("session14_2026-11-27")
+SESSION15 = Path("session15_2026-11-27")
+SESSION16 = Path("session16_2026-11-27")
+SESSION17 = Path("session17_2026-11-27")
 H200 = "NVIDIA_H200_2026-11-27"
 #: The README's headline rows: (setting, results file under RESULTS, regime, baseline variant and
 #: label, qsdp variant and label). The latest run of each judged setting with the code as it is
 #: (the DDP sockets pipelined rows: the sixteenth session's run after its three stream fixes;
 #: DDP's 25 MiB `cgx` row: the fifteenth session's, not rerun).
 HEADLINE = (
-    ("FSDP2, GPT 1.42 B, sockets", "fsdp_step_socket_NVIDIA_H200_2026-11-26.json",
+    ("FSDP2, GPT 1.42 B, sockets",
+     "fsdp_step_2026-11-26/fsdp_step_socket_NVIDIA_H200_2026-11-26.json",
      ("fsdp2-bf16-reduce", "FSDP2 bf16 reduce"), ("sdp4bit", "`sdp4bit`")),
     ("FSDP2, GPT 1.42 B, sockets",
      "session12_2026-11-27/fsdp_bounds_socket_NVIDIA_H200_2026-11-27.json",
      ("fsdp2-bf16-reduce", "FSDP2 bf16 reduce"), ("sdp4bit+s1", "`sdp4bit` staleness 1")),
-    ("FSDP2, GPT 1.42 B, NVLink", "fsdp_step_nvlink_NVIDIA_H200_2026-11-26.json",
+    ("FSDP2, GPT 1.42 B, NVLink",
+     "fsdp_step_2026-11-26/fsdp_step_nvlink_NVIDIA_H200_2026-11-26.json",
      ("fsdp2-bf16-reduce", "FSDP2 bf16 reduce"), ("sdp4bit", "`sdp4bit`")),
     ("FSDP2, GPT 1.42 B, NVLink",
      "auto_2026-11-27/run6/fsdp_auto_nvlink_ws4_NVIDIA_H200_2026-11-27.json",
@@ -424,79 +433,84 @@ def headline_table() -> str:
 
 def tables() -> dict[str, Callable[[], str]]:
     """Every generated table by block name."""
-    glob = lambda pattern: sorted(RESULTS.glob(pattern))  # noqa: E731
-    coll = glob("collectives_*.json")
+    at = lambda study: RESULTS / study  # noqa: E731
+    glob = lambda study, pattern: sorted(at(study).glob(pattern))  # noqa: E731
+    coll = glob(COLLECTIVES, "collectives_*.json")
+    staleness, auto = at(STALENESS), tuple(at(a) for a in AUTO)
+    s12, s13, s14, s15, s16, s17 = (
+        at(s) for s in (SESSION12, SESSION13, SESSION14, SESSION15, SESSION16, SESSION17)
+    )
     out: dict[str, Callable[[], str]] = {
-        "quant": lambda: "\n\n".join(quant_table(q) for q in glob("quant_*.json")),
-        "quant-widths": lambda: quant_table(QUANT_WIDTHS),
-        "fsdp": lambda: fsdp_table(glob("fsdp_step_*.json")),
-        "scaling": lambda: scaling_table(glob("fsdp_step_*.json")),
-        "hsdp": lambda: hsdp_table(glob("fsdp_step_hsdp_*.json")),
-        "ddp": lambda: ddp_table(glob("ddp_step_*.json")),
+        "quant": lambda: "\n\n".join(quant_table(q) for q in glob(QUANT, "quant_*.json")),
+        "quant-widths": lambda: quant_table(at(QUANT_WIDTHS)),
+        "fsdp": lambda: fsdp_table(glob(FSDP_STEP, "fsdp_step_*.json")),
+        "scaling": lambda: scaling_table(glob(FSDP_STEP, "fsdp_step_*.json")),
+        "hsdp": lambda: hsdp_table(glob(FSDP_STEP, "fsdp_step_hsdp_*.json")),
+        "ddp": lambda: ddp_table(glob(DDP_STEP, "ddp_step_*.json")),
         "headline": headline_table,
         "staleness": lambda: staleness_table(
             [
                 p
-                for p in sorted(STALENESS.glob("fsdp_*.json"))
+                for p in sorted(staleness.glob("fsdp_*.json"))
                 if not p.name.startswith("fsdp_memory_alone")
             ]
         ),
         "memory-alone": lambda: memory_alone_table(
-            sorted(STALENESS.glob("fsdp_memory_alone_*.json"))
+            sorted(staleness.glob("fsdp_memory_alone_*.json"))
         ),
         "staleness-ddp": lambda: ddp_table(
-            [STALENESS / "ddp_staleness_socket_ws4_NVIDIA_H200.json"]
+            [staleness / "ddp_staleness_socket_ws4_NVIDIA_H200.json"]
         ),
         # the twelfth session's runs (2026-11-27): DDP bucket sizes and pipelining, three runs
         # in the order they ran; HSDP after the flags' own communicator; the staleness bounds
         "ddp-session12": lambda: "\n\n".join(
-            ddp_table([SESSION12 / f"ddp_{name}_socket_ws4_NVIDIA_H200_2026-11-27.json"])
+            ddp_table([s12 / f"ddp_{name}_socket_ws4_NVIDIA_H200_2026-11-27.json"])
             for name in ("pipe", "buckets", "buckets2", "buckets3")
         ),
         "hsdp-session12": lambda: hsdp_table(
-            [SESSION12 / "fsdp_step_hsdp_2x2_NVIDIA_H200_2026-11-27.json"]
+            [s12 / "fsdp_step_hsdp_2x2_NVIDIA_H200_2026-11-27.json"]
         ),
         "staleness-session12": lambda: staleness_table(
-            [SESSION12 / "fsdp_bounds_socket_NVIDIA_H200_2026-11-27.json"]
+            [s12 / "fsdp_bounds_socket_NVIDIA_H200_2026-11-27.json"]
         ),
         # the thirteenth session's: HSDP after the reduce-buffer fix; the socket bounds with the
         # flags agreed once per backward
         "hsdp-session13": lambda: hsdp_table(
-            [SESSION13 / "fsdp_step_hsdp_2x2_NVIDIA_H200_2026-11-27.json"]
+            [s13 / "fsdp_step_hsdp_2x2_NVIDIA_H200_2026-11-27.json"]
         ),
         "hsdp-session13-rounds3": lambda: hsdp_table(
-            [SESSION13 / "hsdp_rounds3" / "fsdp_step_hsdp_2x2_NVIDIA_H200_2026-11-27.json"]
+            [s13 / "hsdp_rounds3" / "fsdp_step_hsdp_2x2_NVIDIA_H200_2026-11-27.json"]
         ),
         "hsdp-session13-check": lambda: hsdp_table(
-            [SESSION13 / "replica_check_run" / "fsdp_step_hsdp_2x2_NVIDIA_H200_2026-11-27.json"]
+            [s13 / "replica_check_run" / "fsdp_step_hsdp_2x2_NVIDIA_H200_2026-11-27.json"]
         ),
         "ddp-session13-check": lambda: ddp_table(
-            [SESSION13 / "replica_check_run" / "ddp_step_socket_ws4_NVIDIA_H200_2026-11-27.json"]
+            [s13 / "replica_check_run" / "ddp_step_socket_ws4_NVIDIA_H200_2026-11-27.json"]
         ),
         "staleness-session13": lambda: staleness_table(
-            [SESSION13 / "fsdp_step_socket_NVIDIA_H200_2026-11-27.json"]
+            [s13 / "fsdp_step_socket_NVIDIA_H200_2026-11-27.json"]
         ),
         "staleness-session14": lambda: staleness_table(
-            [SESSION14 / "fsdp_step_socket_NVIDIA_H200_2026-11-27.json"]
+            [s14 / "fsdp_step_socket_NVIDIA_H200_2026-11-27.json"]
         ),
         "ddp-session15-nonfinite": lambda: "\n\n".join(
-            ddp_table([SESSION15 / "nonfinite_read" / f"{when}_ddp_step_socket_ws2_{H200}.json"])
+            ddp_table([s15 / "nonfinite_read" / f"{when}_ddp_step_socket_ws2_{H200}.json"])
             for when in ("before", "after")
         ),
         "ddp-session15-4gpu": lambda: ddp_table(
-            [SESSION15 / "ddp_4gpu" / f"ddp_step_socket_ws4_{H200}.json"]
+            [s15 / "ddp_4gpu" / f"ddp_step_socket_ws4_{H200}.json"]
         ),
         # the sixteenth session's: before its stream fixes (the profiled run; the old code's
         # run beside the first fix), then after each fix in the order they landed
         "ddp-session16-before": lambda: "\n\n".join(
-            ddp_table([SESSION16 / name])
+            ddp_table([s16 / name])
             for name in (
                 f"1_profile_before/ddp_step_socket_ws4_{H200}.json",
                 f"3_no_callbacks/before_ddp_step_socket_ws4_{H200}.json",
             )
         ),
         "ddp-session16-after": lambda: "\n\n".join(
-            ddp_table([SESSION16 / run / f"ddp_step_socket_ws4_{H200}.json"])
+            ddp_table([s16 / run / f"ddp_step_socket_ws4_{H200}.json"])
             for run in (
                 "3_no_callbacks",
                 "4_bucket_sweep",
@@ -508,45 +522,43 @@ def tables() -> dict[str, Callable[[], str]]:
         # then had 1024 as the default: `cgx` rows there are groups of 1024), HSDP after the
         # default became 256, and staleness 1 before and after its streams were shared
         "ddp-session17": lambda: "\n\n".join(
-            ddp_table([SESSION17 / name])
+            ddp_table([s17 / name])
             for name in (
                 f"1_nan_test_group_sizes/ddp_step_socket_ws2_{H200}.json",
                 f"2_cgx_group_sizes_4gpu/ddp_step_socket_ws4_{H200}.json",
             )
         ),
         "hsdp-session17": lambda: hsdp_table(
-            [SESSION17 / "3_hsdp_group_sizes" / f"fsdp_step_hsdp_2x2_{H200}.json"]
+            [s17 / "3_hsdp_group_sizes" / f"fsdp_step_hsdp_2x2_{H200}.json"]
         ),
         "staleness-session17": lambda: "\n\n".join(
-            staleness_table([SESSION17 / run / f"fsdp_step_socket_{H200}.json"])
+            staleness_table([s17 / run / f"fsdp_step_socket_{H200}.json"])
             for run in ("4_fsdp_profile", "5_shared_delay_streams")
         ),
         "fsdp-session15-nonfinite": lambda: "\n\n".join(
-            staleness_table(
-                [SESSION15 / "nonfinite_read" / f"{when}_fsdp_step_socket_ws2_{H200}.json"]
-            )
+            staleness_table([s15 / "nonfinite_read" / f"{when}_fsdp_step_socket_ws2_{H200}.json"])
             for when in ("before", "after", "fused")
         ),
-        "convergence": lambda: study_tables.convergence_table(CONVERGENCE),
-        "convergence-350m": lambda: study_tables.convergence_table(CONVERGENCE_350M),
-        "staleness-2gpu": lambda: study_tables.convergence_table(STALENESS_2GPU / "lr3e-4"),
+        "convergence": lambda: study_tables.convergence_table(at(CONVERGENCE)),
+        "convergence-350m": lambda: study_tables.convergence_table(at(CONVERGENCE_350M)),
+        "staleness-2gpu": lambda: study_tables.convergence_table(at(STALENESS_2GPU) / "lr3e-4"),
         "staleness-2gpu-lr1.5e-4": lambda: study_tables.convergence_table(
-            STALENESS_2GPU / "lr1.5e-4"
+            at(STALENESS_2GPU) / "lr1.5e-4"
         ),
         "staleness-2gpu-local": lambda: study_tables.convergence_table(
-            STALENESS_2GPU / "local_h100"
+            at(STALENESS_2GPU) / "local_h100"
         ),
-        "adaptive-2gpu": lambda: study_tables.convergence_table(ADAPTIVE_2GPU),
-        "sdp4bit-table1": lambda: study_tables.sdp4bit_table(CONVERGENCE),
+        "adaptive-2gpu": lambda: study_tables.convergence_table(at(ADAPTIVE_2GPU)),
+        "sdp4bit-table1": lambda: study_tables.sdp4bit_table(at(CONVERGENCE)),
         "auto": lambda: study_tables.auto_table(
-            [p for d in AUTO for p in sorted(d.glob("*/*.json"))]
+            [p for d in auto for p in sorted(d.glob("*/*.json"))]
         ),
         # the runs of the lease the --bounds run measured (2026-11-26): another lease's link
         # differs by more than the check resolves (sockets: 1.83-2.11 s per plain step in two
         # calls of one 2026-11-27 lease)
         "auto-model-check": lambda: study_tables.model_check_table(
-            sorted(AUTO[0].glob("*/fsdp_*.json")),
-            sorted(STALENESS.glob("fsdp_bounds_*.json")),
+            sorted(auto[0].glob("*/fsdp_*.json")),
+            sorted(staleness.glob("fsdp_bounds_*.json")),
         ),
     }
     for size, dtype in ((1024, "bfloat16"), (256, "bfloat16"), (1024, "float32")):

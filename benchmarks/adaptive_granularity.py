@@ -35,9 +35,9 @@ import torch
 import qsdp
 from qsdp.policy.adaptive import WIDTHS, choose_widths, measure_errors
 from qsdp.policy.params import ParamPolicy
-from qsdp.train.batches import Batches
-from qsdp.train.data import open_data
-from qsdp.train.model import GPT, PRESETS
+from qsdp_train.batches import Batches
+from qsdp_train.data import open_data
+from qsdp_train.model import GPT, PRESETS
 
 BUCKET_BYTES = 25 * 2**20
 

@@ -51,7 +51,7 @@ import regimes
 import variants
 from qsdp.policy.auto import decision_record
 from qsdp.testing import assert_replicas_agree
-from qsdp.train.model import GPT, PRESETS
+from qsdp_train.model import GPT, PRESETS
 
 GPT_125M = PRESETS["gpt-125m"].with_vocab(50257)
 TINY = replace(GPT_125M, n_layer=2, d_model=128, n_head=4, block_size=64, vocab_size=512)

@@ -3,7 +3,7 @@
     torchrun --nproc-per-node 4 benchmarks/bench_fsdp_step.py --regime socket --out r.json
 
 (``benchmarks/run_fsdp_step.sh`` runs the regimes of ``docs/gpu.md``.) The model is the GPT of
-``docs/gpu.md`` (``qsdp.train.model.GPT`` with ``GPT_1_4B`` below): a pre-norm decoder, 24
+``docs/gpu.md`` (``qsdp_train.model.GPT`` with ``GPT_1_4B`` below): a pre-norm decoder, 24
 layers, d 2048, 16 heads, sequence 1024, vocabulary 50304 (1.42 B parameters), micro-batch 8 per
 GPU, fp32 master weights with bf16 compute (``MixedPrecisionPolicy(param_dtype=bf16)``),
 AdamW, every block ``fully_shard``-ed. Variants, side by side in one run on the same data:
@@ -58,13 +58,13 @@ import variants
 import wire_replay
 from qsdp.policy.auto import decision_record
 from qsdp.testing import assert_replicas_agree
-from qsdp.train.model import GPT, ModelConfig
+from qsdp_train.model import GPT, ModelConfig
 
 # The GPT of docs/gpu.md, 1.42 B parameters: qsdp's model with the options that reproduce this
 # benchmark's own copy of it, which it carried until the model moved to the package (biased
 # LayerNorms, untied head, PyTorch's default initialisation with zero positions; the same
 # weights from the same seed), so results from before and after the move compare. See
-# qsdp.train.model's [Note: the benchmark's GPT].
+# qsdp_train.model's [Note: the benchmark's GPT].
 GPT_1_4B = ModelConfig(
     n_layer=24,
     n_head=16,

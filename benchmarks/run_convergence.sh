@@ -82,7 +82,7 @@ for r in "${runs[@]}"; do
   start=$(date +%s)
   rm -rf "${RUNS_DIR:?}/$r"
   # shellcheck disable=SC2086
-  timeout "$LIMIT_S" torchrun --standalone --nproc-per-node "$NPROC" -m qsdp.train \
+  timeout "$LIMIT_S" torchrun --standalone --nproc-per-node "$NPROC" -m qsdp_train train \
     --out "$RUNS_DIR/$r" --preset "$PRESET" --data "$DATA" --data-order pass \
     --steps "$STEPS" --micro-batch "$MICRO" --lr "$LR" --warmup "$WARMUP" --min-lr-ratio 0.1 \
     --eval-every 50 --eval-batches 10 --seed 0 --no-progress ${ARGS[$r]} > "$OUT/$r.log" 2>&1

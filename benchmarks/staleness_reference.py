@@ -37,9 +37,9 @@ from pathlib import Path
 import torch
 
 import qsdp
-from qsdp.train.batches import Batches
-from qsdp.train.data import open_data
-from qsdp.train.model import GPT, PRESETS
+from qsdp_train.batches import Batches
+from qsdp_train.data import open_data
+from qsdp_train.model import GPT, PRESETS
 
 RANKS = 4  # the study's GPUs: each step is the batches of 4 ranks
 

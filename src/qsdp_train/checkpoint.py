@@ -12,7 +12,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from ..runtime import WeightPrediction, check_replicas
+from qsdp.runtime import WeightPrediction, check_replicas
+
 from .parallel import Parallel
 
 __all__ = ["load_checkpoint", "save_checkpoint"]

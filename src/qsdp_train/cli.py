@@ -1,4 +1,5 @@
-"""The ``qsdp`` command: ``train``, ``demo``, ``plot``, ``quant-demo`` and ``prepare-data``."""
+"""The ``qsdp`` command (also ``python -m qsdp_train``): ``train``, ``demo``, ``plot``,
+``quant-demo`` and ``prepare-data``."""
 
 from __future__ import annotations
 
@@ -25,27 +26,27 @@ def main(argv: list[str] | None = None) -> None:
         return
     cmd, rest = args[0], args[1:]
     if cmd == "train":
-        from .train.cli import main as train
+        from .train_cli import main as train
 
         train(rest)
         return
     if cmd == "demo":
-        from .train.demo import main as demo
+        from .demo import main as demo
 
         demo(rest)
         return
     if cmd == "quant-demo":
-        from .train.quant_demo import main as quant_demo
+        from .quant_demo import main as quant_demo
 
         quant_demo(rest)
         return
     if cmd == "plot":
-        from .train.plot import main as plot
+        from .plot import main as plot
 
         plot(rest)
         return
     if cmd == "prepare-data":
-        from .train.prepare_cli import main as prepare
+        from .prepare_cli import main as prepare
 
         prepare(rest)
         return

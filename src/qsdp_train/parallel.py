@@ -30,11 +30,12 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from .. import ddp as qddp
-from ..comm import CommStats
-from ..config import CompressionConfig, recipe
-from ..fsdp import comm_state, compress_fsdp, fsdp_comm_stats
-from ..fsdp.api import _layout
+from qsdp import CompressionConfig, recipe
+from qsdp import ddp as qddp
+from qsdp.comm import CommStats
+from qsdp.fsdp import comm_state, compress_fsdp, fsdp_comm_stats
+from qsdp.fsdp.api import _layout  # private: replaced by the lead (issue 31)
+
 from .model import GPT, ModelConfig
 
 __all__ = ["MODES", "Parallel", "build"]

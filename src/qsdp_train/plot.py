@@ -249,7 +249,7 @@ def build_figure(
     """Draw the two panels of :func:`plot_runs` (for tests and notebooks).
 
     Args:
-        runs: runs as read by :func:`~qsdp.train.metrics.read_metrics`.
+        runs: runs as read by :func:`~qsdp_train.metrics.read_metrics`.
         x: ``"tokens"`` or ``"step"``, the loss panel's x axis.
         smoothing: EMA factor of the training loss, in [0, 1); ``None`` averages over about
             a fiftieth of the longest run, at least 10 steps (0.9 for short runs).

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import torch
 
-from ..quant import QuantSpec, decode, encode, encode_diff
+from qsdp.quant import QuantSpec, decode, encode, encode_diff
+
 from .model import GPT, ModelConfig
 
 #: The quantizers of the recipes, by role.

@@ -1,4 +1,4 @@
-"""``qsdp train`` (and ``python -m qsdp.train``): arguments to a :class:`TrainConfig`."""
+"""``qsdp train`` (and ``python -m qsdp_train train``): arguments to a :class:`TrainConfig`."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import os
 import sys
 import traceback
 
-from ..config import RECIPES
+from qsdp import RECIPES
+
 from .launch import _USER_ERRORS, TrainError, _describe, launch, under_torchrun
 from .model import PRESETS
 from .trainer import PREDICTIONS, TrainConfig

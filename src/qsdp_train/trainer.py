@@ -32,18 +32,19 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
-from .. import quant
-from ..config import (
+from qsdp import (
     RECIPES,
     AdaptiveWidths,
     CompressionConfig,
     QuantizedGrads,
     TwoLevelGrads,
+    decode,
+    encode,
     recipe,
 )
-from ..fsdp.api import auto_config, auto_uses_mesh
-from ..runtime import StalenessGate, WeightPrediction
-from ..runtime.placement import local_of
+from qsdp.fsdp.api import auto_config, auto_uses_mesh  # private: replaced by the lead (issue 31)
+from qsdp.runtime import StalenessGate, WeightPrediction, local_of
+
 from .batches import DATA_ORDERS, Batches
 from .checkpoint import load_checkpoint, save_checkpoint
 from .data import TokenData
@@ -411,7 +412,7 @@ def _quant_error(model: GPT, config: CompressionConfig) -> float | None:  # the 
     x = local.reshape(-1)[: 1 << 16].float()
     if x.numel() == 0 or not bool(torch.isfinite(x).all()) or float(x.norm()) == 0:
         return None
-    y = quant.decode(quant.encode(x, spec, seed=7, step=0))
+    y = decode(encode(x, spec, seed=7, step=0))
     return float((y - x).norm() / x.norm())
 
 

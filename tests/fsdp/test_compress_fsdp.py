@@ -16,37 +16,13 @@ from qsdp.comm import fused_row
 from qsdp.fsdp._state import _installed
 from qsdp.fsdp.api import _layout
 from qsdp.testing import assert_same_on_all_ranks, count_dist_bytes, run_distributed
-from qsdp.train.model import GPT, ModelConfig
-from qsdp.train.quant_demo import corpus
 
 from ..models import flag_groups, nan_gradient
+from ..tiny_gpt import TinyGPT, corpus
 
 STEPS = 30
 CTX = 32
 BATCH = 8
-
-
-class TinyGPT(GPT):
-    """The FSDP benchmark's GPT (biased LayerNorms, untied head, PyTorch's default init; see
-    qsdp.train.model) at test size, over bytes: 2 blocks of width 64 with 4 heads, context 32,
-    0.13 M parameters. Called on token ids, it returns the logits."""
-
-    def __init__(self, d: int = 64, layers: int = 2, checkpointed: bool = False):
-        config = ModelConfig(
-            n_layer=layers,
-            n_head=4,
-            d_model=d,
-            block_size=CTX,
-            vocab_size=256,
-            norm_bias=True,
-            tie_head=False,
-            init="torch",
-            checkpoint_blocks=checkpointed,  # activation checkpointing: blocks rerun in backward
-        )
-        super().__init__(config)
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        return super().forward(idx)[0]
 
 
 def _build(config, mesh_shape: tuple[int, int] | None = None, checkpointed: bool = False):

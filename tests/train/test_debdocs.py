@@ -11,11 +11,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from qsdp.train import corpora, debcorpus
-from qsdp.train.data import prepare_data
-from qsdp.train.debcorpus import DebCorpus
-from qsdp.train.debdocs import DebPackage, PageText, fetch_deb, html_to_text, package_pages
-from qsdp.train.prepare_cli import main as prepare_main
+from qsdp_train import corpora, debcorpus
+from qsdp_train.data import prepare_data
+from qsdp_train.debcorpus import DebCorpus
+from qsdp_train.debdocs import DebPackage, PageText, fetch_deb, html_to_text, package_pages
+from qsdp_train.prepare_cli import main as prepare_main
 
 ROOT = "usr/share/doc/fake-doc/html"
 
@@ -274,7 +274,7 @@ def test_cli_prepares_and_prints(fake, monkeypatch, capsys):
 
 
 def test_cli_bad_corpus_lists_the_valid_ones(capsys):
-    from qsdp.cli import main as qsdp_main
+    from qsdp_train.cli import main as qsdp_main
 
     with pytest.raises(
         SystemExit, match=r"unknown corpus 'nope'; use one of \['debian-docs', 'shakespeare'\]"

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from qsdp.train.demo import main as demo
+from qsdp_train.demo import main as demo
 
 TEXT = "Shall I compare thee to a summer's day? Thou art more lovely and more temperate. " * 300
 

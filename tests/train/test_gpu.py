@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from qsdp.testing import run_distributed
-from qsdp.train.data import open_data, prepare_data
-from qsdp.train.trainer import TrainConfig, train_rank
+from qsdp_train.data import open_data, prepare_data
+from qsdp_train.trainer import TrainConfig, train_rank
 
 pytestmark = [
     pytest.mark.gpu,

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from qsdp.train.metrics import MetricsWriter, Progress, read_metrics
+from qsdp_train.metrics import MetricsWriter, Progress, read_metrics
 
 COLUMNS = ["step", "tokens", "loss", "val_loss", "wire_bytes", "compression_ratio"]
 
@@ -162,7 +162,7 @@ def test_tensorboard_requested_but_missing_raises_before_writing(tmp_path, no_te
 
 def test_tensorboard_auto_says_once_that_it_is_off(tmp_path, no_tensorboard, caplog):
     _write_config(tmp_path)
-    with caplog.at_level(logging.INFO, logger="qsdp.train.metrics"):
+    with caplog.at_level(logging.INFO, logger="qsdp_train.metrics"):
         with MetricsWriter(tmp_path, COLUMNS, tensorboard=None) as w:
             _log_steps(w, range(1, 4))
     assert [r.getMessage() for r in caplog.records] == [
@@ -175,7 +175,7 @@ def test_tensorboard_writes_scalars_and_purges_on_resume(tmp_path, caplog):
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    with caplog.at_level(logging.INFO, logger="qsdp.train.metrics"):
+    with caplog.at_level(logging.INFO, logger="qsdp_train.metrics"):
         with MetricsWriter(tmp_path, COLUMNS, tensorboard=None) as w:
             assert w.tensorboard_dir == tmp_path / "tb"
             _log_steps(w, range(1, 7))

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from qsdp.train.model import GPT, PRESETS, Init, ModelConfig
+from qsdp_train.model import GPT, PRESETS, Init, ModelConfig
 
 # benchmarks/bench_fsdp_step.py's --tiny model, with the options of its 1.42 B GPT
 BENCH_TINY = ModelConfig(

@@ -8,9 +8,9 @@ import pytest
 
 pytest.importorskip("matplotlib")
 
-from qsdp.cli import main as cli_main  # noqa: E402
-from qsdp.train.metrics import MetricsWriter, read_metrics  # noqa: E402
-from qsdp.train.plot import build_figure, plot_runs, run_labels  # noqa: E402
+from qsdp_train.cli import main as cli_main  # noqa: E402
+from qsdp_train.metrics import MetricsWriter, read_metrics  # noqa: E402
+from qsdp_train.plot import build_figure, plot_runs, run_labels  # noqa: E402
 
 COLUMNS = [
     "step",

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from qsdp.train.quant_demo import corpus, run
+from qsdp_train.quant_demo import corpus, run
 
 
 def test_corpus_is_real_english_text():
@@ -23,7 +23,7 @@ def test_corpus_does_not_depend_on_what_the_process_did_before():
     2 x H100). Run in a fresh process, so that nothing here has read them already."""
     code = (
         "import hashlib, importlib, inspect\n"
-        "from qsdp.train.quant_demo import CORPUS_MODULES, corpus\n"
+        "from qsdp_train.quant_demo import CORPUS_MODULES, corpus\n"
         "a = corpus()\n"
         "for name in CORPUS_MODULES:\n"
         "    for obj in list(vars(importlib.import_module(name)).values()):\n"
@@ -66,18 +66,20 @@ def test_compression_ratios(rows):
 
 def test_cli():
     help_text = subprocess.run(
-        [sys.executable, "-m", "qsdp", "--help"], capture_output=True, text=True, check=True
+        [sys.executable, "-m", "qsdp_train", "--help"], capture_output=True, text=True, check=True
     ).stdout
     assert "demo" in help_text
-    bad = subprocess.run([sys.executable, "-m", "qsdp", "bogus"], capture_output=True, text=True)
+    bad = subprocess.run(
+        [sys.executable, "-m", "qsdp_train", "bogus"], capture_output=True, text=True
+    )
     assert bad.returncode != 0 and "unknown command 'bogus'" in bad.stderr
     bad = subprocess.run(
-        [sys.executable, "-m", "qsdp", "quant-demo", "--steps", "0"],
+        [sys.executable, "-m", "qsdp_train", "quant-demo", "--steps", "0"],
         capture_output=True,
         text=True,
     )
     assert bad.returncode != 0 and "--steps=0 must be >= 1" in bad.stderr
     bad = subprocess.run(
-        [sys.executable, "-m", "qsdp", "demo", "--steps", "0"], capture_output=True, text=True
+        [sys.executable, "-m", "qsdp_train", "demo", "--steps", "0"], capture_output=True, text=True
     )
     assert bad.returncode != 0 and "qsdp demo: --steps=0 must be >= 5" in bad.stderr

@@ -16,13 +16,13 @@ from pathlib import Path
 import pytest
 import torch
 
-import qsdp.train.launch as launch_module
+import qsdp_train.launch as launch_module
 from qsdp.testing import run_distributed
-from qsdp.train.cli import main as train_main
-from qsdp.train.data import open_data, prepare_data
-from qsdp.train.launch import TrainError, launch
-from qsdp.train.rundir import RESUME_MAY_CHANGE, RESUME_MUST_MATCH, validate
-from qsdp.train.trainer import COLUMNS, TrainConfig, train_rank
+from qsdp_train.data import open_data, prepare_data
+from qsdp_train.launch import TrainError, launch
+from qsdp_train.rundir import RESUME_MAY_CHANGE, RESUME_MUST_MATCH, validate
+from qsdp_train.train_cli import main as train_main
+from qsdp_train.trainer import COLUMNS, TrainConfig, train_rank
 
 TEXT = "To be, or not to be, that is the question: whether 'tis nobler in the mind. " * 400
 SETTINGS = dict(

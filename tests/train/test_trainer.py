@@ -17,9 +17,9 @@ import torch
 import qsdp
 from qsdp.config import RECIPES
 from qsdp.testing import run_distributed
-from qsdp.train.cli import main as train_main
-from qsdp.train.data import open_data, prepare_data
-from qsdp.train.trainer import TrainConfig, lr_at, train_rank
+from qsdp_train.data import open_data, prepare_data
+from qsdp_train.train_cli import main as train_main
+from qsdp_train.trainer import TrainConfig, lr_at, train_rank
 
 TEXT = "To be, or not to be, that is the question: whether 'tis nobler in the mind. " * 400
 
@@ -609,7 +609,7 @@ def test_accumulation_gathers_per_micro_step_and_reduces_once(data_dir, tmp_path
 
 
 def test_one_pass_refuses_a_run_longer_than_the_data(data_dir, tmp_path):
-    from qsdp.train.rundir import validate
+    from qsdp_train.rundir import validate
 
     data = open_data(data_dir)
     windows = (data.train.size - 1) // 32

@@ -1,0 +1,44 @@
+"""``qsdp train``'s checkpoints: no checkpoint of replicas that differ ([Note: checking
+replicas] in ``qsdp.runtime.replicas``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from qsdp.testing import run_distributed
+from qsdp_train.checkpoint import save_checkpoint
+from qsdp_train.model import ModelConfig
+from qsdp_train.parallel import build
+
+
+def _save(rank: int, world: int, out: str) -> str | None:
+    mc = ModelConfig(n_layer=1, n_head=2, d_model=16, block_size=8, vocab_size=32)
+    par = build(
+        mode="ddp",
+        recipe_name="cgx",
+        mc=mc,
+        device=torch.device("cpu"),
+        seed=0,
+        bf16=False,
+        two_level=False,
+        nodes=None,
+    )
+    opt = torch.optim.AdamW(par.model.parameters(), lr=1e-3)
+    if rank == 1:  # a replica that drifted
+        with torch.no_grad():
+            next(par.model.parameters()).view(-1)[0] += 1.0
+    try:
+        save_checkpoint(Path(out), par, opt, 7)
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+def test_qsdp_train_does_not_checkpoint_differing_replicas(tmp_path):
+    for err in run_distributed(_save, 2, str(tmp_path)):
+        assert err is not None and "replicas of the model differ at step 7" in err, err
+        assert "the checkpoint was not written" in err
+    assert not (tmp_path / "ckpt" / "step_0000007").exists()
+    assert not (tmp_path / "ckpt" / "latest").exists()

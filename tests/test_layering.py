@@ -20,12 +20,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 
 #: The trainer's private imports still waiting for a public replacement (issue 31), as
 #: (module, name). Empty it, never grow it: add the name to a public ``__all__`` instead.
-ALLOWED_PRIVATE = {
-    ("qsdp.fsdp.api", "_layout"),
-    ("qsdp.fsdp.api", "auto_config"),
-    ("qsdp.fsdp.api", "auto_uses_mesh"),
-    ("qsdp.policy", "auto"),
-}
+ALLOWED_PRIVATE: set[tuple[str, str]] = set()
 
 
 def _public_modules() -> set[str]:

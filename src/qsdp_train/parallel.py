@@ -27,14 +27,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from qsdp import CompressionConfig, recipe
 from qsdp import ddp as qddp
 from qsdp.comm import CommStats
-from qsdp.fsdp import comm_state, compress_fsdp, fsdp_comm_stats
-from qsdp.fsdp.api import _layout  # private: replaced by the lead (issue 31)
+from qsdp.fsdp import comm_state, compress_fsdp, fsdp_comm_stats, fsdp_groups
 
 from .model import GPT, ModelConfig
 
@@ -93,15 +92,10 @@ class Parallel:
             return (0, 0, full_ar), (0, 0, 0)  # the hook counts even the uncompressed one
         ag = rs = shard_total = 0
         s = self.shard_size
-        for name, m in self.model.named_modules():
-            if not isinstance(m, FSDPModule):
-                continue
-            layout = _layout(m, name, grads_only=False)
-            if layout is None:
-                raise RuntimeError("qsdp train needs FSDP2's parameter layout (torch >= 2.11)")
-            shard = sum(n for _, n, _ in layout)
+        for group in fsdp_groups(self.model):
+            shard = sum(s.elements for s in group.slots)
             shard_total += shard
-            gathers = 1 if m is self.model else 2  # the root is not resharded after forward
+            gathers = 1 if group.module is self.model else 2  # the root is not resharded
             ag += accum * gathers * shard * compute_bytes
             rs += (s - 1) * shard * 4  # the chunks that leave for the peers
         plain_ag = 0 if config.weights is not None else ag

@@ -42,7 +42,7 @@ from qsdp import (
     encode,
     recipe,
 )
-from qsdp.fsdp.api import auto_config, auto_uses_mesh  # private: replaced by the lead (issue 31)
+from qsdp.fsdp import auto_config, auto_uses_mesh
 from qsdp.runtime import StalenessGate, WeightPrediction, local_of
 
 from .batches import DATA_ORDERS, Batches

@@ -14,7 +14,6 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 import qsdp
 from qsdp.comm import fused_row
 from qsdp.fsdp._state import _installed
-from qsdp.fsdp.api import _layout
 from qsdp.testing import assert_same_on_all_ranks, count_dist_bytes, run_distributed
 
 from ..models import flag_groups, nan_gradient
@@ -140,18 +139,17 @@ def _one_step_bytes(rank: int, world: int, recipe: str, policy: bool = True) -> 
         # what the quantizer specs predict from each group's split (compressed / raw elements)
         expect_ag = expect_raw = 0
         raw_names = set()
-        for m in model.modules():
-            if isinstance(m, FSDPModule):
-                ag = m._get_fsdp_state()._fsdp_param_group._all_gather_comm
-                chunk = sum(n for _, n, _ in _layout(m, "", grads_only=False))
-                n_comp, n_raw = (ag.split.n_comp, ag.split.n_raw) if ag.split else (chunk, 0)
-                raw_names.update(ag.split.raw_names if ag.split else ())
-                if ag.split:  # codes and raw values in one all-gather (16-byte aligned)
-                    row = fused_row(config.weights.spec, n_comp, 4 * n_raw)[1]
-                    expect_ag += ag._steps.calls * row
-                else:
-                    expect_ag += ag._steps.calls * config.weights.spec.payload_bytes(n_comp)
-                expect_raw += ag._steps.calls * n_raw * 4
+        for group in qsdp.fsdp.fsdp_groups(model):
+            ag = group.module._get_fsdp_state()._fsdp_param_group._all_gather_comm
+            chunk = sum(s.elements for s in group.slots)
+            n_comp, n_raw = (ag.split.n_comp, ag.split.n_raw) if ag.split else (chunk, 0)
+            raw_names.update(ag.split.raw_names if ag.split else ())
+            if ag.split:  # codes and raw values in one all-gather (16-byte aligned)
+                row = fused_row(config.weights.spec, n_comp, 4 * n_raw)[1]
+                expect_ag += ag._steps.calls * row
+            else:
+                expect_ag += ag._steps.calls * config.weights.spec.payload_bytes(n_comp)
+            expect_raw += ag._steps.calls * n_raw * 4
         out["expect_ag"], out["expect_raw"], out["raw_names"] = expect_ag, expect_raw, raw_names
     return out
 

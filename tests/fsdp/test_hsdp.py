@@ -42,13 +42,9 @@ def _worker(rank: int, world: int, shape: tuple[int, int]) -> dict:
         hooks = qsdp.fsdp._state._installed(model).hooks
         expect = sum(
             plan.all_reduce_wire_bytes(
-                sum(p.to_local().numel() for p in qsdp.fsdp.api._own_params(h_mod)),
-                shape[0],
-                split=h.split,
+                sum(p.to_local().numel() for p in group.params), shape[0], split=h.split
             )
-            for h, h_mod in zip(
-                hooks, [m for m in model.modules() if hasattr(m, "unshard")], strict=True
-            )
+            for h, group in zip(hooks, qsdp.fsdp.fsdp_groups(model), strict=True)
         )
         name = "integer_all_reduce" if recipe == "global-qsgd" else "two_phase_all_reduce"
         before = stats[name].bytes

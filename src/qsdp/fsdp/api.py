@@ -96,29 +96,33 @@ def compress_fsdp(
             config on every rank]), ``pipeline`` without ``replicate``, with uncompressed
             gradients or at staleness 1.
     """
+    # what each rank can check alone, the same on every rank passing the same arguments
+    arguments = (config, _shape(mesh), _shape(replicate), pipeline)
+    if isinstance(config, str) and config != "auto":
+        config = recipe(config)
+    elif not isinstance(config, (str, CompressionConfig)):
+        raise TypeError(
+            f"config must be a qsdp.CompressionConfig or a recipe name, got {type(config).__name__}"
+        )
+    if mesh is not None and config != "auto" and not config.two_level:
+        raise ValueError(
+            "compress_fsdp(mesh=...) is for two-level gradients (grads=TwoLevelGrads(...), "
+            "e.g. 'sdp4bit'); this config reduces over FSDP's own group: drop the mesh"
+        )
+    if mesh is not None:
+        _check_two_dimensional(mesh)
     modules, groups = _fsdp_groups_of(model)
     replicate_pg = _as_group(replicate)
     # the same on every rank of the model's groups, and a layout that agrees with the
     # arguments, before anything can raise on one rank alone ([Note: agreement over the
     # model's groups] in qsdp.runtime.agreement)
-    _check_agreed(groups, (config, _shape(mesh), _shape(replicate), pipeline), replicate_pg, mesh)
+    _check_agreed(groups, arguments, replicate_pg, mesh)
     decision = None
     if config == "auto":  # measure, predict, pick: see qsdp.policy.auto
         decision = _auto(model, groups, mesh=mesh, replicate=replicate_pg)
         config = auto_config(decision)
         if not auto_uses_mesh(decision):
             mesh = None
-    elif isinstance(config, str):
-        config = recipe(config)
-    elif not isinstance(config, CompressionConfig):
-        raise TypeError(
-            f"config must be a qsdp.CompressionConfig or a recipe name, got {type(config).__name__}"
-        )
-    if mesh is not None and not config.two_level:
-        raise ValueError(
-            "compress_fsdp(mesh=...) is for two-level gradients (grads=TwoLevelGrads(...), "
-            "e.g. 'sdp4bit'); this config reduces over FSDP's own group: drop the mesh"
-        )
     _check_replicate_grads(replicate_pg, config)
     if pipeline and decision is not None and config.grads is None:
         pipeline = False  # "auto" chose the plain all-reduce: nothing to pipeline
@@ -439,6 +443,15 @@ def _fsdp_groups_of(model: nn.Module) -> tuple[list[FSDPModule], list[FSDPGroup]
     return [g.module for g in groups], groups
 
 
+def _check_two_dimensional(mesh: object) -> None:
+    if not isinstance(mesh, DeviceMesh) or mesh.ndim != 2:
+        raise ValueError(
+            f"mesh must be a 2-D DeviceMesh (inter-node, intra-node); got {mesh!r}; build it "
+            "with init_device_mesh(device, (nodes, gpus_per_node), "
+            "mesh_dim_names=('inter', 'intra'))"
+        )
+
+
 def _as_group(replicate: DeviceMesh | dist.ProcessGroup | None) -> dist.ProcessGroup | None:
     """``replicate=`` as a process group (type checks only: the same on every rank)."""
     if replicate is None:
@@ -474,13 +487,7 @@ def _check_agreed(
     check_same_arguments(arguments, groups=talk, what="qsdp.compress_fsdp")
     me = dist.get_rank()
     problem, fix = "", ""
-    if mesh is not None and (not isinstance(mesh, DeviceMesh) or mesh.ndim != 2):
-        problem = f"mesh must be a 2-D DeviceMesh (inter-node, intra-node); got {mesh!r}"
-        fix = (
-            "build it with init_device_mesh(device, (nodes, gpus_per_node), "
-            "mesh_dim_names=('inter', 'intra'))"
-        )
-    elif mesh is not None:
+    if mesh is not None:
         mesh_ranks = sorted(mesh.mesh.flatten().tolist())
         for g in groups:
             if g.shard_group is not None and sorted(g.shard_ranks) != mesh_ranks:
@@ -535,16 +542,6 @@ def _check_replicate_grads(replicate: dist.ProcessGroup | None, config: Compress
             f"{type(config.grads).__name__} is a reduce-scatter: use QuantizedGrads ('cgx', "
             "'qsdp-g8') or IntegerGrads ('global-qsgd')"
         )
-
-
-def _layout(
-    module: FSDPModule, prefix: str, *, grads_only: bool
-) -> list[tuple[str, int, tuple[int, ...]]]:
-    """``(name, elements per rank, shape)`` of each parameter of ``module``'s chunk, named from
-    ``prefix`` (the module's name in the model); see :func:`fsdp_groups`."""
-    (group,) = [g for g in fsdp_groups(module) if g.module is module]
-    rename = (lambda n: ".".join(x for x in (prefix, n) if x)) if prefix else (lambda n: n)
-    return [(rename(n), k, shape) for n, k, shape in group.layout(grads_only=grads_only)]
 
 
 def _shape(mesh: DeviceMesh | dist.ProcessGroup | None) -> tuple[int, ...] | None:

@@ -19,9 +19,11 @@ reduction once as ``nonfinite`` says. ``recipe(name, **overrides)`` gives the na
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from .comm import IntegerReduce, QuantizedReduce, ReducePlan, TwoLevelReduce
@@ -421,3 +423,53 @@ def recipe(name: str, **overrides: object) -> CompressionConfig:
             f"{sorted(fields)}"
         )
     return dataclasses.replace(base, **overrides) if overrides else base
+
+
+def describe(config: CompressionConfig) -> str:
+    """``config`` as a checkpoint records it: the named recipe it equals (with the fields that
+    differ from it) or its full ``repr``. Two configs are the same exactly when their
+    descriptions are (see :func:`check_saved`)."""
+    for name, build in RECIPES.items():
+        base = build()
+        changed = {
+            f.name: getattr(config, f.name)
+            for f in dataclasses.fields(CompressionConfig)
+            if getattr(config, f.name) != getattr(base, f.name)
+        }
+        if base.weights == config.weights and base.grads == config.grads:
+            extra = ", ".join(f"{k}={v!r}" for k, v in sorted(changed.items()))
+            return f"recipe {name!r}" + (f" with {extra}" if extra else "")
+    return repr(config)
+
+
+_RECORD_BYTES = 512
+
+
+def config_record(config: CompressionConfig) -> torch.Tensor:
+    """:func:`describe` of ``config`` as a checkpoint keeps it: a uint8 tensor of a fixed
+    size (so that another config's record loads into it and :func:`check_saved` can say what
+    was saved): the description's UTF-8 bytes (cut at 504) and, in the last 8, a digest of the
+    whole description."""
+    text = describe(config).encode()
+    out = torch.zeros(_RECORD_BYTES, dtype=torch.uint8)
+    shown = text[: _RECORD_BYTES - 8]
+    out[: len(shown)] = torch.frombuffer(bytearray(shown), dtype=torch.uint8)
+    out[-8:] = torch.frombuffer(bytearray(hashlib.sha256(text).digest()[:8]), dtype=torch.uint8)
+    return out
+
+
+def check_saved(saved: torch.Tensor, config: CompressionConfig, *, what: str) -> None:
+    """Raise ``ValueError`` unless a checkpoint's record (``saved``, from
+    :func:`config_record`) is ``config``'s: its counters, widths and reductions in flight
+    belong to that config's collectives."""
+    mine = config_record(config)
+    saved = saved.detach().cpu().to(torch.uint8).reshape(-1)
+    if saved.numel() == mine.numel() and torch.equal(saved[-8:], mine[-8:]):
+        return
+    shown = bytes(saved[:-8].tolist()).rstrip(b"\0").decode(errors="replace")
+    raise ValueError(
+        f"{what}: this checkpoint's qsdp state was saved with {shown}; the model is "
+        f"compressed with {describe(config)}. Compress the model as it was when saved, or load "
+        "the model and optimizer without the qsdp state (the run then draws new "
+        "stochastic-rounding noise)"
+    )

@@ -3,6 +3,8 @@ contradict the model's layout, pipeline stages with their own recipes (issue 31)
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -18,7 +20,7 @@ from torch.distributed.tensor.parallel import (
 import qsdp
 from qsdp.testing import assert_same_on_all_ranks, run_distributed
 
-from ..models import VOCAB, batch, classifier
+from ..models import VOCAB, batch, classifier, dist_calls
 
 D = 48
 STEPS = 12
@@ -78,6 +80,20 @@ def _train_tp(model: nn.Module, dp_rank: int, dp: dist.ProcessGroup) -> list[flo
     return losses
 
 
+_COLLECTIVES = (
+    "all_gather_into_tensor",
+    "all_gather_single",
+    "all_to_all_single",
+    "reduce_scatter_tensor",
+    "reduce_scatter_single",
+    "all_reduce",
+)
+
+
+def _ranks(group: dist.ProcessGroup | None) -> tuple[int, ...]:
+    return tuple(dist.get_process_group_ranks(group or dist.group.WORLD))
+
+
 def _tp_worker(rank: int, world: int, recipes: list[str]) -> dict:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     dp_rank, dp = mesh["dp"].get_local_rank(), mesh.get_group("dp")
@@ -99,8 +115,18 @@ def _tp_worker(rank: int, world: int, recipes: list[str]) -> dict:
             except AssertionError as e:
                 raise AssertionError(f"{name}: {e}") from None
         stats = qsdp.fsdp_comm_stats(model)
-        # only the dp collectives are qsdp's: its counters hold no TP all-reduce
+        # only the dp collectives are qsdp's: its counters hold no TP all-reduce, and every
+        # torch.distributed collective of a step runs over this rank's dp ranks (TP's own run
+        # as DTensor functional collectives, untouched)
         assert "all_reduce_replicate" not in stats.snapshot(), (name, stats)
+        before = stats.total_bytes
+        with contextlib.ExitStack() as stack:
+            calls = [stack.enter_context(dist_calls(n)) for n in _COLLECTIVES if hasattr(dist, n)]
+            x, y = batch(dp_rank, STEPS)
+            nn.functional.cross_entropy(model(x), y).backward()
+        groups = {_ranks(c["group"]) for called in calls for c in called}
+        assert groups == {tuple(dist.get_process_group_ranks(dp))}, (name, groups)
+        assert stats.total_bytes > before, name
     return out
 
 
@@ -236,3 +262,31 @@ def test_out_of_memory_in_a_hook_reaches_the_caller_as_one():
     for message in run_distributed(_oom_worker, 2):
         assert message.startswith("OutOfMemoryError: injected"), message
         assert "reduce-scatter of FSDP module" in message, message  # where, as a note
+
+
+def _other_recipe_worker(rank: int, world: int, path: str) -> dict:
+    """A checkpoint's qsdp state loaded into a model compressed with another recipe."""
+    from torch.distributed import checkpoint as dcp
+
+    saved = _sharded_classifier(None)
+    qsdp.compress_fsdp(saved, "qsdp-w8g8")
+    _train_on(saved, rank, dist.group.WORLD)
+    dcp.save({"qsdp": qsdp.fsdp.comm_state(saved)}, checkpoint_id=path)
+    out = {}
+    for name in ("qsdp-w8g8", "global-qsgd", "cgx"):
+        model = _sharded_classifier(None)
+        qsdp.compress_fsdp(model, name)
+        try:
+            dcp.load({"qsdp": qsdp.fsdp.comm_state(model)}, checkpoint_id=path)
+            out[name] = "loaded"
+        except ValueError as e:
+            out[name] = str(e)
+    return out
+
+
+def test_loading_another_recipes_state_says_what_was_saved(tmp_path):
+    for r in run_distributed(_other_recipe_worker, 2, str(tmp_path / "ckpt")):
+        assert r["qsdp-w8g8"] == "loaded"
+        for name in ("global-qsgd", "cgx"):
+            assert "saved with recipe 'qsdp-w8g8'" in r[name], r[name]
+            assert f"compressed with recipe '{name}'" in r[name], r[name]

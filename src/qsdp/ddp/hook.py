@@ -85,7 +85,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import comm as qc
-from ..config import CompressionConfig, NonFinite
+from ..config import CompressionConfig, NonFinite, check_saved, config_record
 from ..runtime import NonfiniteCheck, SideStreams
 from ..runtime.widths import WidthController
 
@@ -514,7 +514,7 @@ class DDPCompression:
         calls = torch.zeros(_MAX_BUCKETS, dtype=torch.int64)
         for index, n in self._calls.items():
             calls[index] = n
-        state = {"calls": calls}
+        state = {"recipe": config_record(self.config), "calls": calls}
         if self.widths is not None:
             state.update(self.widths.state_dict())
         if self.config.staleness:  # the reductions in flight, saved with the checkpoint
@@ -540,6 +540,8 @@ class DDPCompression:
         return state
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        if "recipe" in state:
+            check_saved(state["recipe"], self.config, what="qsdp.ddp hook load_state_dict")
         self._calls = {i: int(n) for i, n in enumerate(state["calls"].tolist()) if n}
         if self.widths is not None:
             self.widths.load_state_dict(state)

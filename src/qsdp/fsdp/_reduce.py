@@ -3,6 +3,8 @@ the per-parameter split and the cross-rank NaN/Inf check. See ``_hooks.py``."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
@@ -55,38 +57,47 @@ class _Reduction:
         layout: list[tuple[str, int]] | None = None,
         split: qc.Split | None = None,
         module_name: str = "",
+        params: Sequence[torch.Tensor] = (),
+        widths: WidthController | None = None,
+        width_key: int = 0,
+        param_widths: tuple[list[int], list[tuple[int, int]]] | None = None,
+        pipeline: Pipeline | None = None,
+        twins: Mapping[str, dist.ProcessGroup] | None = None,
     ) -> None:
+        """Args, beyond the plan's noise key, counter, check, layout and split: ``params``, the
+        parameters whose gradients it makes; ``widths`` and ``width_key``, its adaptive width
+        (``param_widths``: a key and a chunk run per compressed parameter, [Note: widths per
+        parameter]); ``pipeline``, staleness 1's (its delay is made here); ``twins``, the
+        reductions' own communicators by group name (``own_reduce_group``, staleness 1)."""
         if not isinstance(plan, qc.ReducePlan):
             raise TypeError(f"plan must be a qsdp.comm.ReducePlan, got {type(plan).__name__}")
         self.plan, self.check, self.layout, self.split = plan, check, layout, split
         self.module_name = module_name
+        self.where = ""  # (a report names the module: qsdp.runtime.FlaggedReduction)
         self.zeroed = 0
         """Reductions whose output was zeroed for NaN/Inf (counted when the backward ends, see
         ``qsdp.runtime.nonfinite``)."""
         self.seed, self.bucket, self.stats = seed, bucket, stats
         self._steps = _Counter()
-        self.delay: Delay | None = None
+        self.pipeline = pipeline
+        self.delay: Delay | None = None if pipeline is None else pipeline.new_delay()
         """Staleness 1: the reduction in flight (see [Note: staleness 1 in FSDP2])."""
-        self.pipeline: Pipeline | None = None
-        self.twins: dict[str, dist.ProcessGroup] = {}
+        self.twins: Mapping[str, dist.ProcessGroup] = twins or {}
         self._group: dist.ProcessGroup | tuple[dist.ProcessGroup, ...] | None = None
         """The group (or groups, in turn) the applied result's NaN/Inf flags are agreed over."""
-        self.params: list[torch.Tensor] = []
+        self.params = list(params)
         """The parameters whose gradients this reduction makes (its FSDP group's own), zeroed
         when the backward ends if its flags are set ([Note: one flag agreement per backward])."""
-        self.widths: WidthController | None = None
+        self.widths, self.width_key = widths, width_key
         """Adaptive widths: the model's controller, and this group's key in it."""
-        self.width_key = 0
         self.param_keys: list[int] | None = None
         """Widths per parameter: each compressed parameter's key, and its run in the chunk."""
         self.param_runs: list[tuple[int, int]] = []
-
-    def per_parameter(self, keys: list[int], runs: list[tuple[int, int]]) -> None:
-        """Give each compressed parameter (its ``(start, length)`` in the chunk) its own width
-        key ([Note: widths per parameter])."""
-        if len(keys) != len(runs):
-            raise ValueError(f"{len(keys)} width keys for {len(runs)} compressed parameters")
-        self.param_keys, self.param_runs = keys, runs
+        if param_widths is not None:
+            keys, runs = param_widths
+            if len(keys) != len(runs):
+                raise ValueError(f"{len(keys)} width keys for {len(runs)} compressed parameters")
+            self.param_keys, self.param_runs = keys, runs
 
     def _plan_now(self, rows: torch.Tensor, split: qc.Split | None) -> qc.ReducePlan:
         """The plan at this group's width (``CompressionConfig.adaptive``); in a measuring
@@ -135,10 +146,6 @@ class _Reduction:
                 sub = qc.Split.of((n, (s, n) not in raw) for s, n in runs)
             sections.append((self.plan.with_bits(bits), runs, sub, self.bucket + k * _SECTION_KEY))
         return sections
-
-    def stale(self, *, pipeline: Pipeline, twins: dict[str, dist.ProcessGroup]) -> None:
-        """Run at staleness 1 within ``pipeline``, reducing over ``twins`` (by group name)."""
-        self.delay, self.pipeline, self.twins = pipeline.new_delay(), pipeline, twins
 
     def _twin(self, group: dist.ProcessGroup) -> dist.ProcessGroup:
         twin = self.twins.get(group.group_name)

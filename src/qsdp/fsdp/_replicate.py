@@ -71,13 +71,20 @@ class ReplicateAllReduce(_Reduction):
     """FSDP2 all-reduce hook: the compressed replicate all-reduce of one module's shard."""
 
     def __init__(
-        self, *, replicate: dist.ProcessGroup, shard: dist.ProcessGroup, **kwargs: object
+        self,
+        *,
+        replicate: dist.ProcessGroup,
+        shard: dist.ProcessGroup,
+        second_group: dist.ProcessGroup | None = None,
+        **kwargs: object,
     ) -> None:
+        """Args: ``replicate``, the group it all-reduces over; ``shard``, FSDP's group inside
+        the node (where NaN/Inf flags are agreed first); ``second_group``, with
+        ``compress_fsdp(pipeline=True)`` the later exchange's communicator ([Note: pipelined
+        modules]); the rest as :class:`_Reduction`'s."""
         super().__init__(**kwargs)  # type: ignore[arg-type]
         self.replicate, self.shard = replicate, shard
-        self.second_group: dist.ProcessGroup | None = None
-        """``compress_fsdp(pipeline=True)``: the later exchange's communicator ([Note:
-        pipelined modules])."""
+        self.second_group = second_group
 
     def __call__(self, reduce_output: torch.Tensor) -> None:
         with _Context("replicate all-reduce", self.module_name):

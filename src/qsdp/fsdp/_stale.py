@@ -30,6 +30,7 @@ after a drain) is reported by :attr:`Pipeline.applied_nothing`: skip its ``optim
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -39,7 +40,17 @@ from torch.distributed.tensor import DTensor, Shard
 from ..runtime.placement import like_param, local_of
 from ..runtime.streams import SideStreams, twin_group
 
-__all__ = ["Delay", "Pipeline", "twin_groups"]
+__all__ = ["Delay", "DelayedHook", "Pipeline", "twin_groups"]
+
+
+class DelayedHook(Protocol):
+    """What :class:`Pipeline` asks of a gradient hook at staleness 1."""
+
+    delay: Delay
+    """Its reduction in flight."""
+
+    def check_applied(self, flat: torch.Tensor) -> None:
+        """Zero ``flat`` on every rank if any rank's holds NaN/Inf (outside a backward)."""
 
 
 def twin_groups(groups: list[dist.ProcessGroup]) -> dict[str, dist.ProcessGroup]:
@@ -151,7 +162,7 @@ class Pipeline:
         self.streams = SideStreams(2)
         """The side streams every delayed reduction runs on, two per device, alternating."""
         self._delays = 0
-        self.entries: list[tuple[object, list[tuple[nn.Parameter, int]]]] = []
+        self.entries: list[tuple[DelayedHook, list[tuple[nn.Parameter, int]]]] = []
         """(hook, [(parameter, padded elements in the hook's flat shard)]) per hook."""
         self.applied_nothing = True
         """Whether the last backward's hooks applied no reduction (the first step, or the one
@@ -162,7 +173,7 @@ class Pipeline:
         """The hooks keep each rank's own share of the gradient in flight
         (:meth:`keep_local_gradients`)."""
 
-    def check_synchronous(self, hook: object) -> None:
+    def check_synchronous(self, hook: DelayedHook) -> None:
         """A synchronous backward with this hook's reduction still in flight would drop it."""
         if hook.delay.result is not None:
             raise RuntimeError(
@@ -181,7 +192,7 @@ class Pipeline:
         self._delays += 1
         return Delay(self.streams, self._delays - 1)
 
-    def add(self, hook: object, params: list[tuple[nn.Parameter, int]]) -> None:
+    def add(self, hook: DelayedHook, params: list[tuple[nn.Parameter, int]]) -> None:
         self.entries.append((hook, params))
 
     def keep_local_gradients(self) -> None:
@@ -264,7 +275,7 @@ class Pipeline:
         self.applied_nothing = not pending
 
 
-def _local_key(i: int, hook: object) -> str:
+def _local_key(i: int, hook: DelayedHook) -> str:
     """The checkpoint key of entry ``i``'s local estimate. Under compressed HSDP it is the
     node's average, which differs between the replicas of a shard, so each replica saves its
     own (``local.{i}.replica{r}``); a reduce-scatter's estimates are one shard per rank."""

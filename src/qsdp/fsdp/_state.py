@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..comm import CommStats
-from ..config import CompressionConfig
+from ..config import CompressionConfig, check_saved, config_record
 from ..runtime import NonfiniteCheck
 from ..runtime.widths import WidthController
 from ._gathers import WeightDiffAllGather
@@ -22,7 +22,7 @@ from ._stale import Pipeline
 __all__ = ["CommState", "comm_state", "fsdp_comm_stats", "resync"]
 
 
-@dataclass
+@dataclass(kw_only=True)
 class _Installed:
     config: CompressionConfig
     stats: CommStats
@@ -30,6 +30,11 @@ class _Installed:
     gathers: list[WeightDiffAllGather]
     hooks: list[object]
     """Every installed all-gather and reduce-scatter, in installation order."""
+    slots: list[tuple[int, int]]
+    """Each hook's place: (FSDP group, 0 for its all-gather or 1 for its reduction)."""
+    groups: int
+    """The model's FSDP groups (a checkpoint's counters have a row for each, whatever the
+    recipe, so that another recipe's state loads far enough to say so)."""
     pipeline: Pipeline | None = None
     """Staleness 1: the reductions in flight."""
     widths: WidthController | None = None
@@ -95,8 +100,12 @@ class CommState:
         self.check_nonfinite()
         inst = self._installed
         clock = inst.clock
+        calls = torch.zeros(inst.groups, 2, dtype=torch.int64)
+        for hook, (group, column) in zip(inst.hooks, inst.slots, strict=True):
+            calls[group, column] = hook._steps.calls
         state = {
-            "calls": torch.tensor([h._steps.calls for h in inst.hooks], dtype=torch.int64),
+            "recipe": config_record(inst.config),
+            "calls": calls,
             "clock": torch.tensor(
                 [clock.epoch, clock.generation] if clock else [0, 0], dtype=torch.int64
             ),
@@ -210,14 +219,16 @@ class CommState:
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         inst = self._installed
-        calls = state["calls"].tolist()
-        if len(calls) != len(inst.hooks):
+        if "recipe" in state:
+            check_saved(state["recipe"], inst.config, what="qsdp.fsdp.CommState.load_state_dict")
+        calls = state["calls"]
+        if tuple(calls.shape) != (inst.groups, 2):
             raise ValueError(
-                f"this qsdp state has {len(calls)} hooks, the model {len(inst.hooks)}: it was "
-                "saved from another model or recipe"
+                f"this qsdp state counts {tuple(calls.shape)[0]} FSDP groups, the model has "
+                f"{inst.groups}: it was saved from another model"
             )
-        for hook, n in zip(inst.hooks, calls, strict=True):
-            hook._steps.calls = int(n)
+        for hook, (group, column) in zip(inst.hooks, inst.slots, strict=True):
+            hook._steps.calls = int(calls[group, column])
         if inst.clock is not None:
             inst.clock.epoch = int(state["clock"][0])
             inst.clock.request_resync()

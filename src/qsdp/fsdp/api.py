@@ -185,6 +185,7 @@ def compress_fsdp(
         )
     gathers: list[WeightDiffAllGather] = []
     hooks: list[object] = []
+    slots: list[tuple[int, int]] = []  # (group, 0: all-gather / 1: reduction) of each hook
     for i, group in enumerate(groups):
         module = group.module
         key = dict(seed=config.seed, stats=stats, bucket=2 * i, module_name=group.name)
@@ -204,18 +205,20 @@ def compress_fsdp(
                 bucket=2 * len(modules) + i,
                 stats=stats,
                 module_name=group.name,
+                params=group.params,
+                widths=widths,
+                width_key=i,
+                second_group=second,  # [Note: pipelined modules]
+                **({"pipeline": stale, "twins": twins} if stale and layout else {}),
             )
-            hook.params = list(group.params)
             stream = None  # FSDP2's all-reduce stream, unless pipelined on CUDA
-            if second is not None:  # [Note: pipelined modules]
-                hook.second_group = second
+            if second is not None:
                 stream = _hook_stream(hook.params, piped, made)
                 piped += 1
             module.set_all_reduce_hook(hook, **({} if stream is None else {"stream": stream}))
             hooks.append(hook)
-            hook.widths, hook.width_key = widths, i
-            if stale is not None and layout != []:
-                hook.stale(pipeline=stale, twins=twins)
+            slots.append((i, 1))
+            if stale is not None and layout:
                 stale.add(hook, _grad_params(model, layout))
         gather = None
         if isinstance(weights, WeightDiffs):
@@ -237,6 +240,7 @@ def compress_fsdp(
         if gather is not None:
             module.set_custom_all_gather(gather)
             hooks.append(gather)
+            slots.append((i, 0))
         if plan is not None:
             layout = group.layout(grads_only=True)
             key["bucket"] += 1
@@ -247,21 +251,34 @@ def compress_fsdp(
                 check=check,
                 layout=[(n, k) for n, k, _ in layout] if layout else None,
                 split=split_of(layout),
+                params=group.params,
+                widths=widths,
+                width_key=i,
+                # [Note: widths per parameter]
+                param_widths=(param_keys[i], param_runs[i]) if i in param_keys else None,
+                pipeline=stale if layout else None,
+                twins=twins,
                 **key,
             )
             module.set_custom_reduce_scatter(reduce)
             hooks.append(reduce)
-            reduce.twins = twins or {}
-            reduce.params = list(group.params)
-            reduce.widths, reduce.width_key = widths, i
-            if i in param_keys:  # [Note: widths per parameter]
-                reduce.per_parameter(param_keys[i], param_runs[i])
-            if stale is not None and layout != []:
-                reduce.stale(pipeline=stale, twins=twins)
+            slots.append((i, 1))
+            if stale is not None and layout:
                 stale.add(reduce, _grad_params(model, layout))
     _INSTALLED[model] = _Installed(
-        config, stats, clock, gathers, hooks, stale, widths, decision, check=check
+        config=config,
+        stats=stats,
+        clock=clock,
+        gathers=gathers,
+        hooks=hooks,
+        slots=slots,
+        groups=len(groups),
+        pipeline=stale,
+        widths=widths,
+        decision=decision,
+        check=check,
     )
+
     _HOOKED.update(modules)
     return model
 

@@ -2,6 +2,7 @@
 NaN/Inf verdict decided once per backward, staleness 1's gate and weight prediction, and the
 check that replicas hold the same bits, and the side streams their communication work runs on."""
 
+from .contracts import FlaggedReduction, LocalGradients, StalenessState, check_contract
 from .nonfinite import NonfiniteCheck, nonfinite_flags
 from .placement import local_of
 from .prediction import WeightPrediction
@@ -10,10 +11,14 @@ from .staleness import StalenessGate
 from .streams import SideStreams, side_group, side_mesh, side_stream, twin_group
 
 __all__ = [
+    "FlaggedReduction",
+    "LocalGradients",
     "NonfiniteCheck",
     "SideStreams",
     "StalenessGate",
+    "StalenessState",
     "WeightPrediction",
+    "check_contract",
     "check_replicas",
     "local_of",
     "nonfinite_flags",

@@ -46,6 +46,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
+from .contracts import FlaggedReduction
 from .placement import local_of
 
 __all__ = ["NonfiniteCheck", "nonfinite_flags"]
@@ -154,20 +155,21 @@ class NonfiniteCheck:
 
     def add(
         self,
-        hook: object,
+        hook: FlaggedReduction,
         flags: torch.Tensor,
         *,
         ready: torch.futures.Future | None = None,
         group: dist.ProcessGroup | Sequence[dist.ProcessGroup] | None = None,
         params: Sequence[torch.Tensor] = (),
     ) -> None:
-        """Record a reduction's flags; ``hook`` has ``layout``, ``module_name`` and a
-        ``zeroed`` counter. ``ready``: a future to wait for before the flags are used (DDP fills
-        them in its communication's callback). Without ``group`` the flags are the same on every
-        rank already; with it they are this rank's, agreed (MAX) over ``group`` (over each of
-        a sequence of groups in turn: over all their ranks) when the backward ends, and where
-        any is set ``params``' gradients are zeroed then, on the device ([Note: one flag
-        agreement per backward]). Outside a backward the flags are decided and read at once."""
+        """Record a reduction's flags; ``hook`` names it in a report and counts its zeroed
+        results (:class:`qsdp.runtime.FlaggedReduction`). ``ready``: a future to wait for
+        before the flags are used (DDP fills them in its communication's callback). Without
+        ``group`` the flags are the same on every rank already; with it they are this rank's,
+        agreed (MAX) over ``group`` (over each of a sequence of groups in turn: over all their
+        ranks) when the backward ends, and where any is set ``params``' gradients are zeroed
+        then, on the device ([Note: one flag agreement per backward]). Outside a backward the
+        flags are decided and read at once."""
         entry = _Entry(hook, flags, as_groups(group), tuple(params))
         task = _graph_task()
         if task != -1 and task == self._queued:
@@ -236,8 +238,7 @@ class NonfiniteCheck:
                 where += [layout[i][0] for i, bad in enumerate(mine) if bad]
             else:
                 where.append(
-                    getattr(hook, "where", "")
-                    or f"the parameters of FSDP module {hook.module_name or '<root>'}"
+                    hook.where or f"the parameters of FSDP module {hook.module_name or '<root>'}"
                 )
         if where and self.mode == "raise":
             raise ValueError(

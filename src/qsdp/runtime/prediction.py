@@ -62,6 +62,7 @@ from collections.abc import Iterator
 
 import torch
 
+from .contracts import LocalGradients, check_contract
 from .placement import like_param, local_of
 
 __all__ = ["WeightPrediction"]
@@ -85,7 +86,9 @@ class WeightPrediction:
     run predicts as an uninterrupted one. :meth:`remove` takes the optimizer hooks off.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, *, local: object = None) -> None:
+    def __init__(
+        self, optimizer: torch.optim.Optimizer, *, local: LocalGradients | None = None
+    ) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(
                 f"WeightPrediction takes a torch.optim.Optimizer, got {type(optimizer).__name__}"
@@ -97,6 +100,7 @@ class WeightPrediction:
         self.local = local
         self._ahead = False
         if local is not None:
+            check_contract(local, LocalGradients, what="WeightPrediction(local=...)")
             _check_adam(optimizer)
             local.keep_local_gradients()
         # (with local, the pre-hook only refuses a step inside ahead())

@@ -49,7 +49,6 @@ import profiling  # benchmarks/, the script's own folder
 import qsdp
 import regimes
 import variants
-from qsdp.policy.auto import decision_record
 from qsdp.testing import assert_replicas_agree
 from qsdp_train.model import GPT, PRESETS
 
@@ -179,7 +178,7 @@ def run_variant(name: str, a, cfg, device: torch.device, rank: int) -> dict:
     return {
         "variant": name,
         "bucket_cap_mb": bucket_mb,
-        **({"auto": decision_record(decision)} if decision else {}),
+        **({"auto": decision.record()} if decision else {}),
         "times": times,  # this rank's; main() takes the slowest rank's median over rounds
         "compute": compute,
         "bytes_per_step": step_bytes,

@@ -56,7 +56,6 @@ import qsdp
 import regimes
 import variants
 import wire_replay
-from qsdp.policy.auto import decision_record
 from qsdp.testing import assert_replicas_agree
 from qsdp_train.model import GPT, ModelConfig
 
@@ -353,7 +352,7 @@ def run_variant(
     if hsdp is not None:  # a shard's replicas that drifted apart measured a broken exchange
         assert_replicas_agree(model, hsdp["replicate"].get_group())
     decision = getattr(state, "decision", None)  # an "auto" variant's choice, as JSON
-    decision = decision_record(decision) if decision is not None else None
+    decision = decision.record() if decision is not None else None
     del model, opt, state
     gc.collect()  # FSDP's module <-> state references form cycles: free them before the next
     if device.type == "cuda":

@@ -38,8 +38,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from qsdp.policy import decision_record
-
 from .batches import Batches
 from .data import TokenData
 from .metrics import CONFIG_FILE, METRICS_FILE, TENSORBOARD_DIR, _load_summary_writer
@@ -50,7 +48,6 @@ if TYPE_CHECKING:
 __all__ = [
     "RESUME_MAY_CHANGE",
     "RESUME_MUST_MATCH",
-    "choice_record",
     "run_info",
     "saved_choice",
     "validate",
@@ -307,11 +304,6 @@ def write_config(
     if auto is not None:  # --recipe auto: what it measured, predicted and chose
         info["auto"] = auto
     (out / CONFIG_FILE).write_text(json.dumps(info, indent=2, default=str))
-
-
-def choice_record(decision: dict) -> dict:
-    """What ``config.json`` keeps of an ``"auto"`` decision (JSON: no measured object)."""
-    return decision_record(decision)
 
 
 def saved_choice(out: Path) -> dict:

@@ -42,7 +42,7 @@ from qsdp import (
     encode,
     recipe,
 )
-from qsdp.fsdp import auto_config, auto_uses_mesh
+from qsdp.policy import AutoDecision
 from qsdp.runtime import StalenessGate, WeightPrediction, local_of
 
 from .batches import DATA_ORDERS, Batches
@@ -51,7 +51,7 @@ from .data import TokenData
 from .metrics import MetricsWriter, Progress
 from .model import GPT, PRESETS, ModelConfig
 from .parallel import MODES, Parallel, build
-from .rundir import choice_record, saved_choice, validate, write_config
+from .rundir import saved_choice, validate, write_config
 
 PREDICTIONS = ("last", "local", "none")
 """``--predict``: where a staleness-1 step computes its gradient (see ``TrainConfig.predict``)."""
@@ -505,7 +505,8 @@ def train_rank(cfg: TrainConfig, data: TokenData, device: torch.device) -> dict:
     compression = cfg.compression()
     saved = saved_choice(out) if cfg.resume and compression == "auto" else None
     chosen = None if cfg.redecide else saved
-    resumed = auto_config(chosen) if chosen else None
+    recorded = AutoDecision.from_record(chosen) if chosen else None
+    resumed = recorded.config() if recorded is not None else None
     par = build(
         mode=cfg.parallel,
         recipe_name=cfg.recipe,
@@ -514,7 +515,7 @@ def train_rank(cfg: TrainConfig, data: TokenData, device: torch.device) -> dict:
         seed=cfg.seed,
         bf16=_bf16_compute(cfg, device),
         # a resumed "auto" uses the mesh only if it chose two levels
-        two_level=cfg.two_level and (chosen is None or auto_uses_mesh(chosen)),
+        two_level=cfg.two_level and (recorded is None or recorded.two_level),
         nodes=cfg.nodes,
         error_feedback=cfg.error_feedback,
         ddp_bucket_mb=cfg.ddp_bucket_mb,
@@ -527,7 +528,7 @@ def train_rank(cfg: TrainConfig, data: TokenData, device: torch.device) -> dict:
     config = par.config  # for "auto": the recipe it chose
     decision = getattr(par.state, "decision", None)
     if decision is not None:
-        chosen = choice_record(decision)
+        chosen = decision.record()
     # --redecide: a new choice's collectives start afresh (another recipe's state would not fit)
     changed = cfg.redecide and _choice(chosen) != _choice(saved)
     decay = [p for p in model.parameters() if p.dim() >= 2]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from qsdp.comm import CommStats, all_gather_diff
+from qsdp.comm import CommStats, all_gather_diff, all_gather_diff_wire_bytes
 from qsdp.comm._common import dist_all_gather
 from qsdp.quant import QuantSpec
 from qsdp.testing import assert_same_on_all_ranks, run_distributed
@@ -45,8 +45,16 @@ def test_reconstruction_tracks_the_weights_without_drift():
     exact_bytes = m * 4  # the first call sends one fp32 shard
     diff_bytes = SPEC.payload_bytes(m)
     assert res[0]["bytes"] == exact_bytes + (steps - 1) * diff_bytes
+    # the wire-bytes rule says what crossed (an odd shard, not a multiple of the group size)
+    rule = all_gather_diff_wire_bytes(m, SPEC, exact=True) + (steps - 1) * (
+        all_gather_diff_wire_bytes(m, SPEC)
+    )
+    assert res[0]["bytes"] == rule
 
 
 def test_bf16_reconstruction():
     res = run_distributed(_walk, 2, 777, 10, torch.bfloat16)
     assert max(res[0]["errs"][1:]) < 0.5 * max(res[0]["moves"]) + 0.05
+    # the exact gather sends bf16 (the reconstruction's dtype)
+    exact = all_gather_diff_wire_bytes(777, SPEC, exact=True, element_size=2)
+    assert res[0]["bytes"] == exact + 9 * all_gather_diff_wire_bytes(777, SPEC)

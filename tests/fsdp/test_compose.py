@@ -4,6 +4,7 @@ contradict the model's layout, pipeline stages with their own recipes (issue 31)
 from __future__ import annotations
 
 import contextlib
+import json
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 import qsdp
+from qsdp.policy import AutoDecision
 from qsdp.testing import assert_same_on_all_ranks, run_distributed
 
 from ..models import VOCAB, batch, classifier, dist_calls
@@ -223,7 +225,11 @@ def _auto_worker(rank: int, world: int, hsdp: bool) -> dict:
         before = torch.get_rng_state()
         qsdp.compress_fsdp(model, "auto")
     out["rng_kept"] = bool(torch.equal(before, torch.get_rng_state()))
-    out["recipe"] = qsdp.fsdp.comm_state(model).decision["recipe"]
+    decision = qsdp.fsdp.comm_state(model).decision
+    out["recipe"], out["report"] = decision.recipe, decision.report()
+    # no link: an infinite bandwidth, which JSON has not, survives the record
+    record = json.loads(json.dumps(decision.record()))
+    out["round_trip"] = AutoDecision.from_record(record) == decision
     out["loss"] = _train_on(model, rank, dist.group.WORLD)
     return out
 
@@ -235,6 +241,7 @@ def test_auto_with_a_group_of_one_rank(world, hsdp):
         assert r["rng_kept"], r
         # no link to save time on: uncompressed, training as plain FSDP2 does
         assert r["recipe"] == "bf16", r
+        assert "no link (one rank)" in r["report"] and r["round_trip"], r
         assert r["loss"] == pytest.approx(r["plain"], rel=1e-6), r
 
 

@@ -16,6 +16,7 @@ import torch
 
 import qsdp
 from qsdp.config import RECIPES
+from qsdp.policy import AutoDecision
 from qsdp.testing import run_distributed
 from qsdp_train.data import open_data, prepare_data
 from qsdp_train.train_cli import main as train_main
@@ -376,9 +377,14 @@ def test_adaptive_widths_and_auto_in_the_trainer(data_dir, tmp_path):
         assert len(rows) == 2 and float(rows[-1]["compression_ratio"]) > 0
         auto = json.loads((tmp_path / f"auto-{parallel}" / "config.json").read_text())["auto"]
         assert auto["recipe"] in qsdp.RECIPES and auto["bus_gb_per_s"] > 0
+        # the typed decision, rebuilt from config.json as a resumed run rebuilds it
+        decision = AutoDecision.from_record(auto)
+        assert decision.record() == auto and decision.config() == qsdp.recipe(auto["recipe"])
         if parallel == "fsdp":  # decided per collective: the options of each
             assert set(auto["predicted_s"]) == {"weights", "grads"}
             assert {auto["weights"], auto["grads"]} <= {"none", "w8", "wd4", "g8", "g4"}
+        else:  # one all-reduce (DDP's; compressed HSDP's across the nodes)
+            assert set(auto["predicted_s"]) == {"all_reduce"} and auto["all_reduce"]
     resumed = json.loads((tmp_path / "auto-resumed" / "config.json").read_text())["auto"]
     assert "recipe" in resumed and len(_rows(tmp_path / "auto-resumed")) == 2
 

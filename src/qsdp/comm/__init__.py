@@ -20,7 +20,7 @@ from ._reduce_scatter import reduce_scatter, reduce_scatter_wire_bytes
 from ._split import Split, fused_row
 from ._stats import CollectiveCounts, CommStats, comm_stats
 from ._two_phase import two_phase_all_reduce, two_phase_all_reduce_wire_bytes
-from ._weight_diff import all_gather_diff
+from ._weight_diff import all_gather_diff, all_gather_diff_wire_bytes
 
 __all__ = [
     "CollectiveCounts",
@@ -34,6 +34,7 @@ __all__ = [
     "TwoLevelReduce",
     "all_gather",
     "all_gather_diff",
+    "all_gather_diff_wire_bytes",
     "all_gather_payloads",
     "all_gather_wire_bytes",
     "comm_stats",

@@ -25,9 +25,26 @@ from . import _common as C
 from ._calls import checked
 from ._stats import CommStats
 
-__all__ = ["all_gather_diff"]
+__all__ = ["all_gather_diff", "all_gather_diff_wire_bytes"]
 
 _NAME = "all_gather_diff"
+
+
+def all_gather_diff_wire_bytes(
+    shard_numel: int, spec: QuantSpec, *, exact: bool = False, element_size: int = 4
+) -> int:
+    """Bytes one rank hands to ``torch.distributed`` in :func:`all_gather_diff` of a shard.
+
+    Args:
+        shard_numel: elements of each rank's input.
+        spec: the differences' quantizer.
+        exact: a full-precision gather (the first, a resync).
+        element_size: bytes of one element of ``recon`` (what an exact gather sends).
+
+    Returns:
+        ``spec.payload_bytes(shard_numel)``, or ``shard_numel * element_size`` with ``exact``.
+    """
+    return shard_numel * element_size if exact else spec.payload_bytes(shard_numel)
 
 
 @checked("all_gather_diff")

@@ -66,8 +66,9 @@ def register(
     )
     decision = None
     if config == "auto":  # measure, predict, pick: see qsdp.policy.auto
-        decision = _auto(model)
-        name, config = "auto", recipe(decision["recipe"])
+        decision = _auto(model, pipeline=pipeline)
+        # (with pipeline=True: off, and said, if it chose DDP's own all-reduce)
+        name, config, pipeline = "auto", decision.config(), decision.pipeline
     elif isinstance(config, str):
         name = config
         config = recipe(config)
@@ -102,9 +103,6 @@ def register(
             "error_feedback=True needs quantized gradients (QuantizedGrads: 'cgx', 'qsdp-g8'); "
             "Global-QSGD's integer codes are unbiased and carry no local residual"
         )
-    if pipeline and decision is not None and config.grads is None:
-        pipeline = False  # "auto" chose DDP's own all-reduce: nothing to pipeline
-        decision["pipeline"] = False
     if pipeline and config.grads is None:
         raise ValueError(
             f"pipeline=True runs a compressed all-reduce's later exchange on a second "
@@ -133,20 +131,25 @@ def register(
     return hook
 
 
-def _auto(model: DDP) -> dict:
-    """``register(model, "auto")``: measure DDP's group and this device's quantizers, predict
-    each recipe's all-reduce per step in DDP's buckets, pick (qsdp.policy.auto)."""
+def _auto(model: DDP, *, pipeline: bool) -> auto.AutoDecision:
+    """``register(model, "auto")``: the policy's decision of DDP's all-reduce in its buckets,
+    measured on DDP's group and this device's quantizers, printed on rank 0
+    (qsdp.policy.auto)."""
     params = [p for p in model.module.parameters() if p.requires_grad]
     numel = sum(p.numel() for p in params)
     size = params[0].element_size()  # DDP's gradients: the parameters' dtype
     cap = getattr(model, "bucket_bytes_cap", 25 * 2**20)
     buckets = max(1, -(-numel * size // cap))
     decision = auto.decide_all_reduce(
-        model.process_group, params[0].device, numel=numel, buckets=buckets, element_size=size
+        model.process_group,
+        params[0].device,
+        numel=numel,
+        buckets=buckets,
+        element_size=size,
+        pipeline=pipeline,
     )
     if dist.get_rank() == 0:
-        measured, predicted = decision["measured"], decision["predicted_s"]
-        print(auto.report(measured, predicted, decision["recipe"]), flush=True)
+        print(decision.report(), flush=True)
     return decision
 
 

@@ -5,7 +5,7 @@ from ._groups import FSDPGroup, ParamSlot, fsdp_groups
 from ._hooks import StepClock
 from ._reduce import QuantizedReduceScatter
 from ._state import CommState, comm_state, fsdp_comm_stats, resync
-from .api import auto_config, auto_uses_mesh, compress_fsdp
+from .api import compress_fsdp
 
 __all__ = [
     "CommState",
@@ -15,8 +15,6 @@ __all__ = [
     "QuantizedMasterAllGather",
     "QuantizedReduceScatter",
     "StepClock",
-    "auto_config",
-    "auto_uses_mesh",
     "WeightDiffAllGather",
     "comm_state",
     "compress_fsdp",

@@ -13,6 +13,7 @@ from torch import nn
 
 from ..comm import CommStats
 from ..config import CompressionConfig, check_saved, config_record
+from ..policy import auto
 from ..runtime import NonfiniteCheck
 from ..runtime.widths import WidthController
 from ._gathers import WeightDiffAllGather
@@ -39,7 +40,7 @@ class _Installed:
     """Staleness 1: the reductions in flight."""
     widths: WidthController | None = None
     """Adaptive widths: each reduction group's width."""
-    decision: dict | None = None
+    decision: auto.AutoDecision | None = None
     """``"auto"``: what was measured, predicted and chosen."""
     check: NonfiniteCheck | None = None
     """The NaN/Inf check of the model's reductions (None: ``nonfinite="propagate"``)."""
@@ -105,6 +106,8 @@ class CommState:
             calls[group, column] = hook._steps.calls
         state = {
             "recipe": config_record(inst.config),
+            # "auto"'s record (all zeros for a named recipe), checked on load
+            "auto": auto.state_entry(inst.decision),
             "calls": calls,
             "clock": torch.tensor(
                 [clock.epoch, clock.generation] if clock else [0, 0], dtype=torch.int64
@@ -122,9 +125,10 @@ class CommState:
         return self._installed.config
 
     @property
-    def decision(self) -> dict | None:
-        """``compress_fsdp(model, "auto")``: the chosen recipe, the predicted communication
-        seconds per step of each option and the measured link (None for a named recipe)."""
+    def decision(self) -> auto.AutoDecision | None:
+        """``compress_fsdp(model, "auto")``: what it measured, predicted and chose
+        (:class:`qsdp.policy.AutoDecision`; None for a named recipe). :meth:`state_dict` keeps
+        its record, and loading a state whose decision chose otherwise raises."""
         return self._installed.decision
 
     @property
@@ -221,6 +225,7 @@ class CommState:
         inst = self._installed
         if "recipe" in state:
             check_saved(state["recipe"], inst.config, what="qsdp.fsdp.CommState.load_state_dict")
+        auto.check_state_entry(state.get("auto"), decision=inst.decision, config=inst.config)
         calls = state["calls"]
         if tuple(calls.shape) != (inst.groups, 2):
             raise ValueError(

@@ -14,7 +14,6 @@ from torch.distributed.fsdp import FSDPModule
 from .. import comm as qc
 from ..comm import CommStats
 from ..config import (
-    RECIPES,
     CompressionConfig,
     IntegerGrads,
     NonFinite,
@@ -39,7 +38,7 @@ from ._state import (
     _Installed,
 )
 
-__all__ = ["auto_config", "auto_uses_mesh", "compress_fsdp"]
+__all__ = ["compress_fsdp"]
 
 
 # Every FSDPModule that carries qsdp's hooks, so a second compress_fsdp (on the model or on a
@@ -119,14 +118,11 @@ def compress_fsdp(
     _check_agreed(groups, arguments, replicate_pg, mesh)
     decision = None
     if config == "auto":  # measure, predict, pick: see qsdp.policy.auto
-        decision = _auto(model, groups, mesh=mesh, replicate=replicate_pg)
-        config = auto_config(decision)
-        if not auto_uses_mesh(decision):
+        decision = _auto(model, groups, mesh=mesh, replicate=replicate_pg, pipeline=pipeline)
+        config, pipeline = decision.config(), decision.pipeline  # it says when it turns it off
+        if not decision.two_level:
             mesh = None
     _check_replicate_grads(replicate_pg, config)
-    if pipeline and decision is not None and config.grads is None:
-        pipeline = False  # "auto" chose the plain all-reduce: nothing to pipeline
-        decision["pipeline"] = False
     _check_pipeline(pipeline, replicate_pg, config)
     stats = CommStats()
     weights, policy = config.weights, config.policy
@@ -283,11 +279,18 @@ def compress_fsdp(
     return model
 
 
-def _auto(model: nn.Module, groups: list[FSDPGroup], *, mesh, replicate) -> dict:
-    """``compress_fsdp(model, "auto")``: measure FSDP's shard group (compressed HSDP: the
-    replicate group, whose all-reduce is the one to compress; the gathers and reduce-scatters
-    inside the node stay FSDP2's own) and this device's quantizers, predict each recipe's
-    communication per step, pick (qsdp.policy.auto)."""
+def _auto(
+    model: nn.Module,
+    groups: list[FSDPGroup],
+    *,
+    mesh: DeviceMesh | None,
+    replicate: dist.ProcessGroup | None,
+    pipeline: bool,
+) -> auto.AutoDecision:
+    """``compress_fsdp(model, "auto")``: the policy's decision over FSDP's shard group (compressed
+    HSDP: over the replicate group, whose all-reduce is the one to compress; the gathers and
+    reduce-scatters inside the node stay FSDP2's own) for the model's groups as FSDP2 set them
+    up, printed on rank 0 (qsdp.policy.auto)."""
     if mesh is not None and replicate is not None:
         raise ValueError(
             "recipe 'auto' with replicate= decides the all-reduce across the nodes; the mesh is "
@@ -304,54 +307,18 @@ def _auto(model: nn.Module, groups: list[FSDPGroup], *, mesh, replicate) -> dict
             shards.append(sum(s.elements for s in g.slots))
             gather_bytes.append(g.param_dtype.itemsize)
             reduce_bytes.append(g.reduce_dtype.itemsize)
-    return _auto_measured(
-        shard=shard,
-        device=next(g.device for g in groups if g.params),
-        mesh=mesh,
-        replicate=replicate,
-        shards=shards,
-        gather_bytes=gather_bytes,
-        reduce_bytes=reduce_bytes,
-    )
-
-
-def _auto_measured(
-    *,
-    shard: dist.ProcessGroup,
-    device: torch.device,
-    mesh: DeviceMesh | None,
-    replicate: dist.ProcessGroup | None,
-    shards: list[int],
-    gather_bytes: list[int],
-    reduce_bytes: list[int],
-) -> dict:
-    """``"auto"``'s measurements, prediction and choice (see :func:`_auto`)."""
+    device = next(g.device for g in groups if g.params)
     if replicate is None:  # each collective apart: the weights' gathers, the gradients'
-        measured = auto.measure(shard, device)
-        levels = None
-        if mesh is not None and min(mesh.shape) > 1:  # each level apart: two all-to-alls
-            inter, intra = (auto.measure(mesh.get_group(d), device) for d in (0, 1))
-            levels = tuple(auto.agree([inter, intra], shard, device))
-        inputs = {"levels": levels, "compute_bytes": gather_bytes, "reduce_bytes": reduce_bytes}
-        predicted = auto.predict_fsdp(shards, measured, **inputs)
-        weights, grads = auto.choose_fsdp(predicted)
-        # the whole wire counted too: what the step's collectives take with no compute to hide
-        # them behind, as benchmarks/bench_fsdp_step.py --bounds measures (the model's check)
-        serial = auto.predict_fsdp(shards, measured, **inputs, wire_exposed=1.0)
-        decision = {"weights": weights, "grads": grads}
-        if levels is not None:
-            decision["levels_gb_per_s"] = [round(v.bytes_per_s / 1e9, 3) for v in levels]
-        named = [n for n in RECIPES if recipe(n) == auto_config(decision)]
-        choice = named[0] if named else f"weights={weights}, grads={grads}"
-        if grads == "tl":
-            choice += f" (two levels, {levels[0].world} x {levels[1].world})"
-        decision |= {
-            "recipe": choice,
-            "predicted_s": predicted,
-            "predicted_serial_s": serial,
-            "measured": measured,
-        }
-    else:  # one all-reduce of each module's fp32 shard across the nodes
+        decision = auto.decide_fsdp(
+            shard,
+            device,
+            shards=shards,
+            compute_bytes=gather_bytes,
+            reduce_bytes=reduce_bytes,
+            mesh=mesh,
+            pipeline=pipeline,
+        )
+    else:  # one all-reduce of each module's shard across the nodes
         if len(set(reduce_bytes)) > 1:
             raise ValueError(
                 f"recipe 'auto' with replicate=: the modules reduce in dtypes of {reduce_bytes} "
@@ -363,49 +330,11 @@ def _auto_measured(
             numel=sum(shards),
             buckets=len(shards),
             element_size=reduce_bytes[0],
+            pipeline=pipeline,
         )
     if dist.get_rank() == 0:
-        measured, predicted = decision["measured"], decision["predicted_s"]
-        options = {k: decision[k] for k in ("weights", "grads")} if "weights" in decision else None
-        print(auto.report(measured, predicted, decision["recipe"], options=options), flush=True)
+        print(decision.report(), flush=True)
     return decision
-
-
-# what "auto"'s options are, as the named recipes' sub-configs (one definition of each)
-_AUTO_WEIGHTS = {"none": None, "w8": ("qsdp-w8g8", "weights"), "wd4": ("sdp4bit", "weights")}
-# "tl" and "g4" are one config: "tl" keeps compress_fsdp's mesh (two levels), "g4" drops it
-_AUTO_GRADS = {
-    "none": None,
-    "g8": ("qsdp-w8g8", "grads"),
-    "g4": ("sdp4bit", "grads"),
-    "tl": ("sdp4bit", "grads"),
-}
-
-
-def auto_uses_mesh(decision: dict) -> bool:
-    """Whether an ``"auto"`` decision reduces over the two-level mesh (SDP4Bit's two levels,
-    ``"tl"``); its other options ignore the mesh."""
-    return decision.get("grads") == "tl"
-
-
-def auto_config(decision: dict) -> CompressionConfig:
-    """The config of an ``"auto"`` decision: per collective for FSDP2 (``"weights"`` and
-    ``"grads"`` options), else its named recipe. A resumed run rebuilds it from the record."""
-    if "weights" not in decision:
-        return recipe(decision["recipe"])
-
-    def part(table: dict, key: str, field: str):
-        if key not in table:
-            raise ValueError(f"unknown 'auto' {field} option {key!r}; known: {sorted(table)}")
-        source = table[key]
-        return None if source is None else getattr(recipe(source[0]), source[1])
-
-    return CompressionConfig(
-        weights=part(_AUTO_WEIGHTS, decision["weights"], "weights"),
-        grads=part(_AUTO_GRADS, decision["grads"], "grads"),
-        # 8-bit weights are gathered again in the backward, as qsdp-w8g8's
-        own_reduce_group=decision["weights"] == "w8",
-    )
 
 
 def _check_pipeline(

@@ -1,358 +1,332 @@
-"""``recipe="auto"``: measure the link and the quantizers, predict each option, pick the fastest.
+"""``recipe="auto"``: measure the link and the quantizers, price each named recipe's collectives
+through their plans ([Note: the cost model] in ``qsdp.policy._cost``), pick the fastest per
+collective, and say so in a typed :class:`AutoDecision`: printed, run, and kept in the
+checkpoint.
 
-[Note: the cost model]
-A collective over ``n`` ranks whose every rank hands over ``b`` bytes takes
-``latency + (n - 1) / n * b_total / bandwidth`` on a ring, with ``b_total = n * b`` for an
-all-gather and ``b`` for a reduce-scatter's or all-to-all's input (NCCL's bus-bandwidth
-convention); an all-reduce is a reduce-scatter and an all-gather. :func:`measure` fits
-``latency`` and ``bandwidth`` from all-gathers of two sizes on the group itself, and times the
-quantizer's encode + decode per element at each width on this device. A compressed collective
-costs its payload's wire time plus the encodes and decodes of every element it touches
-(each rank encodes its input and decodes what it receives).
-
-Per training step (FSDP2, every group of ``m`` elements per rank), each collective apart, since
-their times add: the weights uncompressed ``2 * gather(p m)`` (FSDP2 gathers in the forward and
-again in the backward, ``p`` bytes per element of the group's ``param_dtype``: 2 under bf16
-compute), 8-bit (QSDP, the same two gathers of 8-bit payloads plus the codec) or 4-bit weight
-differences (SDP4Bit, one gather: the backward reuses the reconstruction); the gradients
-uncompressed ``reduce_scatter(g n m)`` (``g`` bytes of the group's reduce dtype: 4 for fp32, 2 for
-bf16), 8-bit or 4-bit (SDP4Bit's Hadamard-smoothed quantizer). ``p`` and ``g`` are what the model's
-``MixedPrecisionPolicy`` makes FSDP2 send: a model that reduces in bf16 halves what compression can
-save on its gradients. On a two-level mesh of ``A`` nodes of ``B`` ranks, whose levels are measured
-apart, the gradients have a fourth option, ``"tl"`` (SDP4Bit's two levels): an 8-bit all-to-all of
-all ``n m`` elements inside the node, then a 4-bit all-to-all of the node's partial sums (``n m /
-B`` elements) between the nodes. The weights' gathers and the uncompressed reduce-scatter are NCCL
-rings over the whole shard group, predicted from its own measurement; the one-level codes'
-reduce-scatter is an all-to-all, whose bytes to the other nodes, ``(A - 1) / A`` of them, cross the
-measured inter-node level (on 4x H100 in the 2x2 regime the shard group's ring measured 6.3 GB/s,
-the inter-node level 2.0 GB/s: the ring's figure made one-level 4-bit codes look faster than two
-levels, 119 against 156 ms, where the step measured 0.469 s against 0.379 s;
-``benchmarks/results/auto_2026-11-26/run3_h100/``). DDP: one all-reduce of the gradients per step
-(their dtype's bytes; compressed HSDP: the reduce dtype), uncompressed or in CGX's two phases
-(``cgx``, ``qsdp-g8``) or Global-QSGD's int8 all-reduce.
-
-The model leaves out compute and the host's time per collective, so it cannot know how much of
-a collective's wire time FSDP2 (or DDP) hides behind compute: their collectives run on their own
-streams, prefetched a group ahead, while the codecs run on the compute stream and are never
-hidden. It counts ``WIRE_EXPOSED`` (half) of every wire time and all of every codec time, ranks
-the options by that exposed communication and keeps the uncompressed one unless a compressed
-option is predicted at most ``margin`` (0.8) of it: on a fast link compression is left off. With
-the whole wire counted, 4x H200 NVLink chose 4-bit weight differences (predicted 10.6 ms against
-15.6 ms, of which ~8 ms codec) and ran at 0.85x of plain FSDP2: the step is host-bound there
-and the compressed path's launches (~1 ms per group, not modelled) cost +29 ms per step
-(``benchmarks/results/auto_2026-11-27/``). Counting half, it would choose 4-bit weights only
-where their wire saving exceeds about 3x their codec time; over sockets it is hundreds of times.
-Every rank measures; the times are MAX-reduced, so every rank predicts and picks the same.
-Checked against the GPU benchmark in ``docs/results.md``.
+    measure (_measure.py) -> predict_* / choose* (_cost.py) -> AutoDecision -> .config()
+                                                                            -> .report(), .record()
 """
 
 from __future__ import annotations
 
+import json
 import math
-import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
-from ..comm import dist_all_gather
-from ..quant import QuantSpec, decode, encode
+from ._cost import (
+    _ALL_REDUCE,
+    _GRADS,
+    _WEIGHTS,
+    MARGIN,
+    WIRE_EXPOSED,
+    _recipe_name,
+    _sub_config,
+    choose,
+    choose_fsdp,
+    predict_ddp,
+    predict_fsdp,
+    wire_bytes_ddp,
+    wire_bytes_fsdp,
+)
+from ._measure import Measured, agree, measure
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from ..config import CompressionConfig
 
 __all__ = [
+    "MARGIN",
+    "WIRE_EXPOSED",
+    "AutoDecision",
     "Measured",
     "agree",
+    "check_state_entry",
     "choose",
-    "decide_all_reduce",
-    "decision_record",
     "choose_fsdp",
+    "decide_all_reduce",
+    "decide_fsdp",
     "measure",
     "predict_ddp",
     "predict_fsdp",
-    "report",
+    "saved_decision",
+    "state_entry",
+    "wire_bytes_ddp",
+    "wire_bytes_fsdp",
 ]
 
-_SPECS = {
-    8: QuantSpec(bits=8, group_size=128, scheme="minmax", rounding="stochastic"),
-    4: QuantSpec(bits=4, group_size=128, scheme="absmax", rounding="stochastic"),
-}
+
+# --- the decision -------------------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class AutoDecision:
+    """What ``"auto"`` measured, predicted and chose: per collective for FSDP2 (``weights`` and
+    ``grads``), one all-reduce for DDP and compressed HSDP (``all_reduce``).
+
+    ``compress_fsdp(model, "auto")`` and ``qsdp.ddp.register(model, "auto")`` print
+    :meth:`report` on rank 0, run :meth:`config` and keep the decision
+    (``qsdp.fsdp.comm_state(model).decision``, the DDP hook's ``.decision``); FSDP2's checkpoint
+    state keeps its :meth:`record` (:func:`state_entry`). A resumed run rebuilds the same config
+    with ``AutoDecision.from_record(record).config()``.
+    """
+
+    weights: str | None = None
+    """FSDP2's weight all-gathers: ``"none"``, ``"w8"`` or ``"wd4"`` (None: an all-reduce)."""
+    grads: str | None = None
+    """FSDP2's gradient reduce-scatters: ``"none"``, ``"g8"``, ``"g4"`` or ``"tl"``."""
+    all_reduce: str | None = None
+    """DDP's (compressed HSDP's) all-reduce: ``"bf16"``, ``"cgx"``, ``"qsdp-g8"`` or
+    ``"global-qsgd"`` (None: FSDP2's collectives)."""
+    pipeline: bool = False
+    """Whether the integration pipelines the chosen all-reduce (``pipeline=True`` was asked)."""
+    pipeline_off: str | None = None
+    """Why ``pipeline=True`` was turned off (None: it was not)."""
+    predicted_s: dict[str, dict[str, float]]
+    """Predicted exposed seconds per step of each option, by collective (``"weights"`` and
+    ``"grads"``, or ``"all_reduce"``): ``WIRE_EXPOSED`` of the wire, all of the codecs."""
+    predicted_serial_s: dict[str, dict[str, float]]
+    """The same with the whole wire counted (no compute to hide it behind)."""
+    wire_bytes: dict[str, dict[str, int]]
+    """Bytes per step this rank hands to ``torch.distributed`` for each option, by collective
+    (the plans' ``*_wire_bytes``)."""
+    measured: Measured
+    """The link of the group the collectives run on (FSDP's shard group, DDP's, the replicas')."""
+    levels: tuple[Measured, Measured] | None = None
+    """A two-level mesh's (inter-node, intra-node) levels, measured apart."""
+
+    def __post_init__(self) -> None:
+        fsdp = (self.weights, self.grads) != (None, None)
+        if fsdp == (self.all_reduce is not None) or (fsdp and None in (self.weights, self.grads)):
+            raise ValueError(
+                f"AutoDecision(weights={self.weights!r}, grads={self.grads!r}, "
+                f"all_reduce={self.all_reduce!r}): give weights and grads (FSDP2) or all_reduce "
+                "(DDP, compressed HSDP)"
+            )
+        known = {"weights": _WEIGHTS, "grads": _GRADS} if fsdp else {"all_reduce": _ALL_REDUCE}
+        for part, options in known.items():
+            if getattr(self, part) not in options:
+                raise ValueError(
+                    f"unknown 'auto' {part} option {getattr(self, part)!r}; known: "
+                    f"{sorted(options)}"
+                )
+        if self.grads == "tl" and self.levels is None:
+            raise ValueError("AutoDecision(grads='tl') reduces over two levels: give levels")
+        if self.pipeline and self.pipeline_off is not None:
+            raise ValueError(f"AutoDecision: pipeline=True but pipeline_off={self.pipeline_off!r}")
+
+    @property
+    def options(self) -> dict[str, str]:
+        """The chosen option per collective."""
+        if self.all_reduce is not None:
+            return {"all_reduce": self.all_reduce}
+        return {"weights": self.weights, "grads": self.grads}
+
+    @property
+    def two_level(self) -> bool:
+        """Whether the gradients reduce over compress_fsdp's two-level mesh (``"tl"``); every
+        other option ignores the mesh."""
+        return self.grads == "tl"
+
+    @property
+    def recipe(self) -> str:
+        """The named recipe of :meth:`config` (``"sdp4bit (two levels, 2 x 2)"`` over a mesh),
+        or the options when no recipe is that config (``"weights=w8, grads=none"``)."""
+        if self.all_reduce is not None:
+            return self.all_reduce
+        name = _recipe_name(self.config()) or f"weights={self.weights}, grads={self.grads}"
+        if self.two_level:
+            name += f" (two levels, {self.levels[0].world} x {self.levels[1].world})"
+        return name
+
+    def config(self) -> CompressionConfig:
+        """The chosen :class:`qsdp.CompressionConfig`, built from the named recipes'
+        sub-configs (for ``"tl"``: pass compress_fsdp the mesh; for the others, none)."""
+        from ..config import CompressionConfig, recipe
+
+        if self.all_reduce is not None:
+            return recipe(self.all_reduce)
+        weights = _WEIGHTS[self.weights]
+        return CompressionConfig(
+            weights=_sub_config(weights),
+            grads=_sub_config(_GRADS[self.grads]),
+            # 8-bit weights are gathered again in the backward: qsdp-w8g8's own communicator
+            own_reduce_group=weights is not None and recipe(weights[0]).own_reduce_group,
+        )
+
+    def record(self) -> dict:
+        """The decision as JSON-able values (``config.json``, a checkpoint, a benchmark row):
+        its fields, the recipe, and the measured links in GB/s and us for reading."""
+        levels = None if self.levels is None else [_measured_record(v) for v in self.levels]
+        return {
+            "weights": self.weights,
+            "grads": self.grads,
+            "all_reduce": self.all_reduce,
+            "recipe": self.recipe,
+            "two_level": self.two_level,
+            "pipeline": self.pipeline,
+            "pipeline_off": self.pipeline_off,
+            "predicted_s": self.predicted_s,
+            "predicted_serial_s": self.predicted_serial_s,
+            "wire_bytes": self.wire_bytes,
+            "measured": _measured_record(self.measured),
+            "levels": levels,
+            "bus_gb_per_s": _gb_per_s(self.measured),
+            "latency_us": self.measured.latency_s * 1e6,
+            "levels_gb_per_s": None if self.levels is None else [_gb_per_s(v) for v in self.levels],
+        }
+
+    @classmethod
+    def from_record(cls, record: dict) -> AutoDecision:
+        """The decision :meth:`record` wrote (keys it derives, such as ``"recipe"``, and keys a
+        caller added are not read).
+
+        Raises:
+            ValueError: a key of the decision is missing (a record of an older qsdp).
+        """
+        need = ("weights", "grads", "all_reduce", "pipeline", "pipeline_off", "predicted_s")
+        need += ("predicted_serial_s", "wire_bytes", "measured", "levels")
+        missing = [k for k in need if k not in record]
+        if missing:
+            raise ValueError(
+                f"this 'auto' record lacks {missing} (it has {sorted(record)}): it was written "
+                "by an older qsdp; resume with the recipe it ran instead"
+            )
+        levels = record["levels"]
+        return cls(
+            weights=record["weights"],
+            grads=record["grads"],
+            all_reduce=record["all_reduce"],
+            pipeline=record["pipeline"],
+            pipeline_off=record["pipeline_off"],
+            predicted_s=record["predicted_s"],
+            predicted_serial_s=record["predicted_serial_s"],
+            wire_bytes=record["wire_bytes"],
+            measured=_measured_from(record["measured"]),
+            levels=None if levels is None else tuple(_measured_from(v) for v in levels),
+        )
+
+    def report(self) -> str:
+        """What was measured, each option's predicted bytes and time per step, the choice and
+        its exposed communication per step against uncompressed, and whether pipelining was
+        turned off (the table ``"auto"`` prints on rank 0)."""
+        m = self.measured
+        link = (
+            "no link (one rank)"
+            if math.isinf(m.bytes_per_s)
+            else (f"link {m.bytes_per_s / 1e9:.2f} GB/s bus, latency {m.latency_s * 1e6:.0f} us")
+        )
+        if self.levels is not None:
+            inter, intra = (f"{v.world} ranks {_gb_per_s(v):.2f} GB/s" for v in self.levels)
+            link += f" (inter-node {inter}, intra-node {intra})"
+        lines = [
+            f"qsdp auto: {m.world} ranks, {link}; predicted per step (exposed: {WIRE_EXPOSED:g} "
+            "of each wire time and all codec time; serial: the whole wire):",
+            f"  {'collective':<11} {'option':<12} {'MB sent':>10} {'exposed ms':>11} "
+            f"{'serial ms':>10}",
+        ]
+        chosen = self.options
+        for part, options in self.predicted_s.items():
+            for name, seconds in sorted(options.items(), key=lambda kv: kv[1]):
+                mark = "*" if chosen[part] == name else " "
+                lines.append(
+                    f"  {part:<11}{mark}{name:<12} {self.wire_bytes[part][name] / 1e6:>10.3f} "
+                    f"{seconds * 1e3:>11.1f} {self.predicted_serial_s[part][name] * 1e3:>10.1f}"
+                )
+        plain = "bf16" if self.all_reduce is not None else "none"
+        ms = sum(self.predicted_s[p][o] for p, o in chosen.items()) * 1e3
+        plain_ms = sum(opts[plain] for opts in self.predicted_s.values()) * 1e3
+        parts = "" if self.all_reduce else f" [weights {self.weights}, grads {self.grads}]"
+        lines.append(
+            f"chose {self.recipe}{parts}: {ms:.1f} ms of exposed communication per step "
+            f"against {plain_ms:.1f} ms uncompressed (margin {MARGIN:g}; compute and overlap "
+            "not modelled)"
+        )
+        if self.pipeline_off is not None:
+            lines.append(f"pipeline=True turned off: {self.pipeline_off}")
+        return "\n".join(lines)
 
 
-@dataclass(frozen=True)
-class Measured:
-    """What the cost model needs, the same on every rank."""
-
-    latency_s: float
-    """Per collective."""
-    bytes_per_s: float
-    """The ring's bus bandwidth."""
-    codec_s_per_element: dict[int, float]
-    """Encode + decode time per element, by width."""
-    world: int
-    codec_s_per_call: dict[int, float] = field(default_factory=dict)
-    """Encode + decode time per call whatever its size (launches), by width; 0 if absent."""
+def _gb_per_s(m: Measured) -> float | None:
+    """A link's bus bandwidth in GB/s (None for a group of one rank: JSON has no infinity)."""
+    return None if math.isinf(m.bytes_per_s) else m.bytes_per_s / 1e9
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+def _measured_record(m: Measured) -> dict:
+    return {
+        "world": m.world,
+        "latency_s": m.latency_s,
+        "bytes_per_s": None if math.isinf(m.bytes_per_s) else m.bytes_per_s,
+        "codec_s_per_element": {str(b): t for b, t in m.codec_s_per_element.items()},
+        "codec_s_per_call": {str(b): t for b, t in m.codec_s_per_call.items()},
+    }
 
 
-def _timed(fn, device: torch.device, repeats: int = 5) -> float:
-    """The fastest of ``repeats`` timed calls after one warm-up (connections, kernel
-    compilation). The fastest, not the median: noise on a shared host (another process's
-    launches, a clock ramp) only ever adds time, and three medians of 4 MiB gathers on 4x H200
-    NVLink read 259 to 1803 GB/s in one run (``benchmarks/results/auto_2026-11-27/``)."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        _sync(device)
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-    return min(times)
+def _measured_from(record: dict) -> Measured:
+    rate = record["bytes_per_s"]
+    return Measured(
+        latency_s=record["latency_s"],
+        bytes_per_s=math.inf if rate is None else rate,
+        codec_s_per_element={int(b): t for b, t in record["codec_s_per_element"].items()},
+        world=record["world"],
+        codec_s_per_call={int(b): t for b, t in record["codec_s_per_call"].items()},
+    )
 
 
-def measure(
+def decide_fsdp(
     group: dist.ProcessGroup | None,
     device: torch.device,
     *,
-    sizes: tuple[int, int] | None = None,
-    codec_sizes: tuple[int, int] | None = None,
-) -> Measured:
-    """Fit the link of ``group`` (all-gathers of two per-rank sizes) and the quantizers on
-    ``device`` (encode + decode of two sizes: a cost per call, the launches, and per element).
-    Collective: call on every rank of ``group``; every rank gets the same result. A group of
-    one rank has no link: nothing crosses a wire (zero latency, infinite bandwidth), and only
-    the quantizers are measured."""
-    n = dist.get_world_size(group)
-    if sizes is None:  # on a GPU the large gather must outlast the latency many times over:
-        # 4 MiB per rank (16 MiB gathered at 4 ranks) took ~40 us on NVLink, too close to the
-        # 64 KiB gather's ~30 us to give a slope; 128 MiB gathered takes ~0.3 ms there and
-        # 0.1 s over a 1 GB/s socket, whatever the world size
-        large = max(1 << 20, (1 << 27) // n) if device.type == "cuda" else 1 << 22
-        sizes = (1 << 16, large)
-    times = [0.0, 0.0]
-    gather = dist_all_gather()
-    for k, size in enumerate(sizes if n > 1 else ()):
-        inp = torch.zeros(size, dtype=torch.uint8, device=device)
-        out = torch.empty(n * size, dtype=torch.uint8, device=device)
-        times[k] = _timed(lambda o=out, i=inp: gather(o, i, group=group), device)
-    if codec_sizes is None:  # large enough on a GPU that launches do not hide the slope
-        codec_sizes = (1 << 18, 1 << 24) if device.type == "cuda" else (1 << 12, 1 << 16)
-    codec = []
-    noise = torch.Generator(device).manual_seed(0)  # the user's RNG state stays as it was
-    for numel in codec_sizes:
-        x = torch.randn(numel, device=device, generator=noise)
-        codec += [_timed(lambda s=s, x=x: decode(encode(x, s)), device) for s in _SPECS.values()]
-        del x
-    agreed = torch.tensor([*times, *codec], dtype=torch.float64, device=device)
-    dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)  # the slowest rank's view
-    t_small, t_large, *codec = agreed.tolist()
-    k = len(_SPECS)
-    per_element, per_call = {}, {}
-    for i, bits in enumerate(_SPECS):
-        small, large = codec[i], codec[k + i]
-        per_element[bits] = max(large - small, 1e-15) / (codec_sizes[1] - codec_sizes[0])
-        per_call[bits] = max(small - per_element[bits] * codec_sizes[0], 0.0)
-    if n == 1:  # no link
-        slope = latency = 0.0
-    else:
-        wire = (n - 1) / n * n * (sizes[1] - sizes[0])  # bus bytes between the two sizes
-        slope = max(t_large - t_small, 1e-12) / wire
-        latency = max(t_small - slope * (n - 1) * sizes[0], 0.0)
-    return Measured(
-        latency_s=latency,
-        bytes_per_s=_rate(slope),
-        codec_s_per_element=per_element,
-        world=n,
-        codec_s_per_call=per_call,
-    )
-
-
-def _rate(seconds_per_byte: float) -> float:
-    """Bytes per second of a link taking ``seconds_per_byte`` (infinite for no link)."""
-    return math.inf if seconds_per_byte == 0 else 1 / seconds_per_byte
-
-
-def agree(
-    measured: Sequence[Measured], group: dist.ProcessGroup | None, device: torch.device
-) -> list[Measured]:
-    """``measured`` made the same on every rank of ``group`` (each number its MAX over the
-    group). Each level of a mesh is measured inside its own groups (node 0's intra-node group,
-    node 1's, ...), which agree only within themselves; the shard group's ranks must predict and
-    choose alike, or their collectives would not match. Collective over ``group``."""
-    bits = list(_SPECS)
-    rows = [
-        [m.latency_s, 1 / m.bytes_per_s]
-        + [m.codec_s_per_element[b] for b in bits]
-        + [m.codec_s_per_call.get(b, 0.0) for b in bits]
-        for m in measured
-    ]
-    t = torch.tensor(rows, dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)  # the slowest group's view
-    k = len(bits)
-    return [
-        Measured(
-            latency_s=row[0],
-            bytes_per_s=_rate(row[1]),
-            codec_s_per_element=dict(zip(bits, row[2 : 2 + k], strict=True)),
-            world=m.world,
-            codec_s_per_call=dict(zip(bits, row[2 + k :], strict=True)),
-        )
-        for m, row in zip(measured, t.tolist(), strict=True)
-    ]
-
-
-WIRE_EXPOSED = 0.5
-"""The share of a collective's wire time counted as exposed (see [Note: the cost model])."""
-
-
-def _wire(m: Measured, total_bytes: float) -> float:
-    """One ring collective moving ``total_bytes`` (bus convention, see the note)."""
-    n = m.world
-    return m.latency_s + (n - 1) / n * total_bytes / m.bytes_per_s
-
-
-def _all_to_all(levels: tuple[Measured, Measured], total_bytes: float) -> float:
-    """One all-to-all over a two-level mesh of ``A`` nodes of ``B`` ranks, each rank handing
-    over ``total_bytes``: ``(A - 1) B / (A B)`` of them leave the node over the inter-node
-    level, ``(B - 1) / (A B)`` stay inside over the intra-node level (the two in turn)."""
-    inter, intra = levels
-    n = inter.world * intra.world
-    return (
-        inter.latency_s
-        + (n - intra.world) / n * total_bytes / inter.bytes_per_s
-        + (intra.world - 1) / n * total_bytes / intra.bytes_per_s
-    )
-
-
-def _codec(m: Measured, bits: int, elements: float) -> float:
-    """One encode + decode of ``elements`` (one call each)."""
-    return m.codec_s_per_call.get(bits, 0.0) + m.codec_s_per_element[bits] * elements
-
-
-def predict_fsdp(
     shards: Sequence[int],
-    m: Measured,
-    *,
-    levels: tuple[Measured, Measured] | None = None,
     compute_bytes: int | Sequence[int] = 2,
     reduce_bytes: int | Sequence[int] = 4,
-    wire_exposed: float = WIRE_EXPOSED,
-) -> dict[str, dict[str, float]]:
-    """Predicted communication seconds per step of each option of each FSDP2 collective, for
-    groups of ``shards[i]`` elements per rank (see [Note: the cost model]): the weight
-    all-gathers (``"none"``, ``"w8"``: QSDP's 8-bit weights, gathered twice; ``"wd4"``:
-    SDP4Bit's 4-bit weight differences, gathered once) and the gradient reduce-scatters
-    (``"none"``, ``"g8"``, ``"g4"``, and with ``levels``, the (inter-node, intra-node) groups of
-    a two-level mesh measured apart, ``"tl"``). ``m`` is the whole shard group's measurement.
-    ``compute_bytes`` and ``reduce_bytes``: bytes per element FSDP2 gathers and reduces
-    uncompressed (its ``param_dtype`` and reduce dtype), one for all groups or one per group.
-    ``wire_exposed``: the share of each wire time counted (codecs count in full). The
-    collectives' times add, so each is chosen alone."""
-    n = m.world
-    _check_exposed(wire_exposed)
+    mesh: DeviceMesh | None = None,
+    pipeline: bool = False,
+) -> AutoDecision:
+    """FSDP2's ``"auto"``: measure ``group`` (FSDP's shard group) and, with a two-level
+    ``mesh`` over it, each level apart; predict each option of the weights' all-gathers and the
+    gradients' reduce-scatters for groups of ``shards[i]`` elements per rank; choose each.
+    Collective over ``group`` (and the mesh's groups); every rank decides the same.
 
-    def wire(meas: Measured, total_bytes: float) -> float:
-        return wire_exposed * _wire(meas, total_bytes)
+    Args:
+        group: the shard group.
+        device: where the quantizers are timed.
+        shards, compute_bytes, reduce_bytes: as for :func:`predict_fsdp`.
+        mesh: compress_fsdp's 2-D (inter-node, intra-node) mesh, or None.
+        pipeline: the integration's ``pipeline`` argument, kept (FSDP2's reduce-scatters are
+            not pipelined: compress_fsdp refuses it without ``replicate=``).
 
-    def across(levels: tuple[Measured, Measured], total_bytes: float) -> float:
-        return wire_exposed * _all_to_all(levels, total_bytes)
-
-    gather_b = _per_group(compute_bytes, len(shards), "compute_bytes")
-    reduce_b = _per_group(reduce_bytes, len(shards), "reduce_bytes")
-    if levels is not None and levels[0].world * levels[1].world != n:
-        raise ValueError(
-            f"levels of {levels[0].world} x {levels[1].world} ranks do not make the shard "
-            f"group's {n}: pass the (inter-node, intra-node) groups of the mesh FSDP shards on"
-        )
-    pay = {b: s.payload_bytes for b, s in _SPECS.items()}
-    weights = {"none": 0.0, "w8": 0.0, "wd4": 0.0}
-    grads = {"none": 0.0, "g8": 0.0, "g4": 0.0} | ({"tl": 0.0} if levels is not None else {})
-    # the codes' reduce-scatter is an all-to-all: on a two-level mesh its bytes to other nodes
-    # go over the slow level (a ring's bus bandwidth, measured on the shard group, counts the
-    # fast hops too and would flatter it)
-    exchange = (lambda b: wire(m, b)) if levels is None else (lambda b: across(levels, b))
-    for k, gb, rb in zip(shards, gather_b, reduce_b, strict=True):
-        weights["none"] += 2 * wire(m, n * k * gb)
-        weights["w8"] += 2 * (wire(m, n * pay[8](k)) + _codec(m, 8, n * k))
-        weights["wd4"] += wire(m, n * pay[4](k)) + _codec(m, 4, n * k)
-        grads["none"] += wire(m, n * k * rb)  # NCCL's ring reduce-scatter
-        grads["g8"] += exchange(n * pay[8](k)) + 2 * _codec(m, 8, n * k)
-        grads["g4"] += exchange(n * pay[4](k)) + 2 * _codec(m, 4, n * k)
-        if levels is not None:
-            inter, intra = levels
-            node = n * k // intra.world  # the node's partial sums each rank sends on
-            grads["tl"] += (
-                wire(intra, n * pay[8](k))
-                + 2 * _codec(m, 8, n * k)
-                + wire(inter, pay[4](node))
-                + 2 * _codec(m, 4, node)
-            )
-    return {"weights": weights, "grads": grads}
-
-
-def _check_exposed(wire_exposed: float) -> None:
-    if not 0 < wire_exposed <= 1:
-        raise ValueError(
-            f"wire_exposed={wire_exposed!r}: the share of a wire time counted is in (0, 1]"
-        )
-
-
-def _per_group(value: int | Sequence[int], groups: int, name: str) -> list[int]:
-    values = [value] * groups if isinstance(value, int) else list(value)
-    if len(values) != groups or any(not isinstance(v, int) or v <= 0 for v in values):
-        raise ValueError(
-            f"{name}={value!r}: give the bytes per element (a positive int) for all groups or "
-            f"one per group ({groups})"
-        )
-    return values
-
-
-def choose_fsdp(predicted: dict[str, dict[str, float]], *, margin: float = 0.8) -> tuple[str, str]:
-    """(weights, gradients) options, each the fastest of its collective but uncompressed
-    (``"none"``) unless predicted at most ``margin`` of uncompressed."""
-    return _pick(predicted["weights"], "none", margin), _pick(predicted["grads"], "none", margin)
-
-
-def predict_ddp(
-    numel: int,
-    m: Measured,
-    *,
-    buckets: int = 1,
-    element_size: int = 4,
-    wire_exposed: float = WIRE_EXPOSED,
-) -> dict[str, float]:
-    """Predicted exposed seconds per step of DDP's all-reduce of ``numel`` gradients of
-    ``element_size`` bytes in ``buckets`` buckets: uncompressed, CGX's two phases (4 and 8
-    bits), Global-QSGD (int8). ``wire_exposed`` as for :func:`predict_fsdp`."""
-    _check_exposed(wire_exposed)
-
-    def wire(meas: Measured, total_bytes: float) -> float:
-        return wire_exposed * _wire(meas, total_bytes)
-
-    pay = {b: s.payload_bytes for b, s in _SPECS.items()}
-    per = numel / buckets
-    plain = 2 * wire(m, per * element_size)  # a reduce-scatter and an all-gather of the bucket
-    out = {"bf16": plain}
-    for name, bits in (("cgx", 4), ("qsdp-g8", 8)):
-        # phase 1 all-to-all of the codes, phase 2 all-gather of the re-encoded sums
-        out[name] = 2 * wire(m, pay[bits](int(per))) + 3 * _codec(m, bits, per)
-    out["global-qsgd"] = 2 * wire(m, per) + wire(m, 8) + 2 * _codec(m, 8, per)
-    return {k: v * buckets for k, v in out.items()}
-
-
-def choose(predicted: dict[str, float], *, margin: float = 0.8) -> str:
-    """The fastest option, but uncompressed (``"bf16"``) unless that option is predicted at
-    most ``margin`` of it."""
-    return _pick(predicted, "bf16", margin)
-
-
-def _pick(options: dict[str, float], uncompressed: str, margin: float) -> str:
-    best = min(options, key=options.get)
-    return best if options[best] <= margin * options[uncompressed] else uncompressed
+    Returns:
+        The :class:`AutoDecision`.
+    """
+    measured = measure(group, device)
+    levels = None
+    if mesh is not None and min(mesh.shape) > 1:  # each level apart: two all-to-alls
+        inter, intra = (measure(mesh.get_group(d), device) for d in (0, 1))
+        levels = tuple(agree([inter, intra], group, device))
+    inputs = {"levels": levels, "compute_bytes": compute_bytes, "reduce_bytes": reduce_bytes}
+    predicted = predict_fsdp(shards, measured, **inputs)
+    weights, grads = choose_fsdp(predicted)
+    shape = None if levels is None else (levels[0].world, levels[1].world)
+    return AutoDecision(
+        weights=weights,
+        grads=grads,
+        pipeline=pipeline,
+        predicted_s=predicted,
+        predicted_serial_s=predict_fsdp(shards, measured, **inputs, wire_exposed=1.0),
+        wire_bytes=wire_bytes_fsdp(
+            shards,
+            measured.world,
+            levels=shape,
+            compute_bytes=compute_bytes,
+            reduce_bytes=reduce_bytes,
+        ),
+        measured=measured,
+        levels=levels,
+    )
 
 
 def decide_all_reduce(
@@ -362,48 +336,108 @@ def decide_all_reduce(
     numel: int,
     buckets: int,
     element_size: int = 4,
-) -> dict:
+    pipeline: bool = False,
+) -> AutoDecision:
     """The recipe of a gradient all-reduce of ``numel`` elements of ``element_size`` bytes in
     ``buckets`` calls per step (DDP's buckets, compressed HSDP's replicate all-reduce): measure
     ``group``, predict each option, choose. Collective over ``group``; every rank decides the
-    same."""
+    same.
+
+    Args:
+        pipeline: the integration's ``pipeline`` argument: kept when the choice compresses,
+            turned off (and said, ``pipeline_off``) when it chose the uncompressed all-reduce.
+
+    Returns:
+        The :class:`AutoDecision`.
+    """
     measured = measure(group, device)
-    predicted = predict_ddp(numel, measured, buckets=buckets, element_size=element_size)
-    return {"recipe": choose(predicted), "predicted_s": predicted, "measured": measured}
-
-
-def decision_record(decision: dict) -> dict:
-    """A decision as JSON (config.json, benchmark rows): everything but the measured object,
-    with the link it measured."""
-    m = decision["measured"]
-    return {k: v for k, v in decision.items() if k != "measured"} | {
-        # a group of one rank has no link: JSON has no infinity
-        "bus_gb_per_s": None if math.isinf(m.bytes_per_s) else m.bytes_per_s / 1e9,
-        "latency_us": m.latency_s * 1e6,
-    }
-
-
-def report(m: Measured, predicted: dict, choice: str, *, options: dict | None = None) -> str:
-    """One line of what ``"auto"`` measured, predicted and chose, ending with the chosen
-    option's predicted communication per step against the uncompressed one's. ``options``: the
-    chosen option per collective (FSDP2's ``{"weights": ..., "grads": ...}``); without it
-    ``choice`` names one of ``predicted``'s options (DDP, HSDP's all-reduce)."""
-
-    def ms(options: dict[str, float]) -> str:
-        ranked = sorted(options.items(), key=lambda kv: kv[1])
-        return ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in ranked)
-
-    if options is not None:  # per collective: the times add
-        parts = "; ".join(f"{part}: {ms(opts)}" for part, opts in predicted.items())
-        chosen = sum(predicted[part][options[part]] for part in predicted)
-        plain = sum(opts["none"] for opts in predicted.values())
-    else:
-        parts = ms(predicted)
-        chosen, plain = predicted[choice], predicted["bf16"]
-    return (
-        f"qsdp auto: {m.world} ranks, link {m.bytes_per_s / 1e9:.2f} GB/s bus, latency "
-        f"{m.latency_s * 1e6:.0f} us; predicted exposed communication per step ("
-        f"{WIRE_EXPOSED:g} of each wire time, all codec time): {parts}; chose {choice}: "
-        f"{chosen * 1e3:.1f} ms of communication per step against {plain * 1e3:.1f} ms "
-        "uncompressed (compute and overlap not modelled)"
+    size = {"buckets": buckets, "element_size": element_size}
+    predicted = predict_ddp(numel, measured, **size)
+    choice = choose(predicted)
+    off = None
+    if pipeline and choice == "bf16":
+        off = "auto chose the uncompressed all-reduce (bf16): nothing to pipeline"
+    return AutoDecision(
+        all_reduce=choice,
+        pipeline=pipeline and off is None,
+        pipeline_off=off,
+        predicted_s={"all_reduce": predicted},
+        predicted_serial_s={"all_reduce": predict_ddp(numel, measured, **size, wire_exposed=1.0)},
+        wire_bytes={"all_reduce": wire_bytes_ddp(numel, measured.world, **size)},
+        measured=measured,
     )
+
+
+# --- the decision in a checkpoint ---------------------------------------------------------------
+_ENTRY_BYTES = 8192
+"""A checkpoint entry's size: a record's JSON takes ~1.5 KB."""
+
+
+def state_entry(decision: AutoDecision | None) -> torch.Tensor:
+    """The checkpoint entry of ``decision``: its :meth:`~AutoDecision.record` as JSON text in a
+    uint8 tensor of a fixed size, zero-padded (all zeros: no decision, a named recipe). A
+    tensor of one size whatever the decision, as ``qsdp.config.config_record``'s: every value
+    of a state dict stays a tensor, and ``torch.distributed.checkpoint`` loads another run's
+    entry into this one's (it loads only the keys, and shapes, the running model's state has).
+
+    Raises:
+        ValueError: the record's JSON exceeds the entry (8 KiB).
+    """
+    out = torch.zeros(_ENTRY_BYTES, dtype=torch.uint8)
+    if decision is None:
+        return out
+    text = json.dumps(decision.record(), sort_keys=True).encode()
+    if len(text) > _ENTRY_BYTES:
+        raise ValueError(
+            f"an 'auto' record of {len(text)} bytes does not fit a checkpoint entry of "
+            f"{_ENTRY_BYTES}: raise qsdp.policy.auto._ENTRY_BYTES"
+        )
+    out[: len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
+    return out
+
+
+def _entry_decision(entry: torch.Tensor) -> AutoDecision | None:
+    text = bytes(entry.detach().cpu().to(torch.uint8).reshape(-1).tolist()).rstrip(b"\0")
+    return AutoDecision.from_record(json.loads(text)) if text else None
+
+
+def check_state_entry(
+    entry: torch.Tensor | None, *, decision: AutoDecision | None, config: CompressionConfig
+) -> None:
+    """Check a loaded checkpoint's ``"auto"`` entry (:func:`state_entry`; None: a checkpoint
+    without one) against what this model runs: ``decision`` (its own ``"auto"``'s), else
+    ``config`` (a resumed run's, rebuilt from the record).
+
+    Raises:
+        ValueError: the saved decision chose other collectives (naming both).
+    """
+    saved = None if entry is None else _entry_decision(entry)
+    if saved is None:
+        return
+    if decision is not None:
+        if (saved.options, saved.two_level) == (decision.options, decision.two_level):
+            return
+        running = f"this model's 'auto' chose {decision.recipe} ({_options(decision)})"
+    else:
+        if saved.config() == config:
+            return
+        running = f"this model runs {_recipe_name(config) or repr(config)}"
+    raise ValueError(
+        f"this qsdp state was saved by a run whose 'auto' chose {saved.recipe} "
+        f"({_options(saved)}); {running}: the collectives' state would not fit. "
+        "Rebuild the saved choice (qsdp.policy.AutoDecision.from_record(record).config(), with "
+        "the mesh if it chose two levels), or start the collectives afresh (load the model and "
+        "optimizer without this state)"
+    )
+
+
+def saved_decision(state: dict) -> AutoDecision | None:
+    """The decision a collectives' state dict (``qsdp.fsdp.comm_state(model).state_dict()``,
+    the DDP hook's) keeps under ``"auto"``: what a run chose when it saved (None: a named
+    recipe, or a state without the entry)."""
+    entry = state.get("auto")
+    return None if entry is None else _entry_decision(entry)
+
+
+def _options(decision: AutoDecision) -> str:
+    return ", ".join(f"{part}={option}" for part, option in decision.options.items())

@@ -60,8 +60,13 @@ def exact_and_bound(xs, r, m, spec, op):
     return exact, bound, mag
 
 
-def check_reduce_scatter(rank, ws, spec, m, dtype, op, *, step=STEP, bucket=0):
-    xs = [rank_tensor(j, ws * m, dtype=dtype, seed=step) for j in range(ws)]
+def check_reduce_scatter(rank, ws, spec, m, dtype, op, *, step=STEP, bucket=0, scale=1.0):
+    """One reduce-scatter of ``rank_tensor`` inputs times ``scale`` (1e-39: tiny and subnormal
+    values, whose floored step bounds the error: the reference's [Note: step floor])."""
+    xs = [
+        (rank_tensor(j, ws * m, dtype=torch.float64, seed=step) * scale).to(dtype)
+        for j in range(ws)
+    ]
     out = torch.full((m,), float("nan"), dtype=dtype)
     stats = CommStats()
     with count_dist_bytes() as sent:
@@ -114,6 +119,8 @@ def _worker(rank, ws):
             for dtype in (torch.float32, torch.bfloat16):
                 check_reduce_scatter(rank, ws, spec, m, dtype, "avg")
         check_reduce_scatter(rank, ws, spec, 37, torch.float32, "sum")
+        for dtype in (torch.float32, torch.bfloat16):
+            check_reduce_scatter(rank, ws, spec, 37, dtype, "avg", scale=1e-39)
     check_reduce_scatter(rank, ws, SPECS[1], 37, torch.float32, dist.ReduceOp.SUM)
     check_reduce_scatter(rank, ws, SPECS[1], 37, torch.float32, dist.ReduceOp.AVG)
     _check_async(rank, ws)

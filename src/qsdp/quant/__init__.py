@@ -19,11 +19,12 @@ from .global_int import (
     global_int_levels,
     group_absmax,
 )
-from .spec import BITS, NonFinite, QuantSpec, Rounding, Scheme
+from .spec import BITS, STEP_FLOOR, NonFinite, QuantSpec, Rounding, Scheme
 
 __all__ = [
     "BITS",
     "CARRIERS",
+    "STEP_FLOOR",
     "Backend",
     "Encoded",
     "NonFinite",

@@ -188,18 +188,8 @@ def _flagged_message(
             f"{head}{more}, or build the QuantSpec with nonfinite='propagate' to send the "
             "affected groups as NaN"
         )
-    padded_abs = torch.zeros(ng * g, dtype=torch.float32, device=x.device)
-    padded_abs[:numel] = x.abs()
-    group_max = padded_abs.reshape(ng, g).amax(dim=1)
-    if not bool((flagged.to(x.device) & (group_max > limit)).any()):
-        # within the limit, so not an overflow of the range: a step below float32's normal
-        # range (shift-lattice's 1/delta overflows, its grid offset becomes NaN)
-        return (
-            f"cannot quantize: {too_large} of {ng} groups hold values whose range is too small "
-            f"for {spec}: the step {spec.step_bound()} is below float32's normal range "
-            "(1.2e-38), so its reciprocal overflows; scale the tensor up, or build the "
-            "QuantSpec with nonfinite='propagate' to send these groups as NaN"
-        )
+    # only an overflow flags a group of finite values: the step floor keeps tiny groups
+    # encodable (reference's [Note: step floor])
     largest = float(x.abs().max())
     return (
         f"cannot quantize: {too_large} of {ng} groups hold finite values too large for {spec} "

@@ -11,6 +11,13 @@ long as float32 resolves the fraction that is rounded: at the int32 carrier's ca
 levels it no longer does (``x * s / M`` has no fractional bits left near the group maximum),
 and ``benchmarks/global_qsgd_scaling.py`` measures a bias of the order of the rounding noise
 there, about 1e-7 of the result; int8 and fp16 carriers are unbiased within its statistics.
+
+Tiny groups: encode and decode both use ``M' = max(M, s * 2^-126)``, so the step ``M' / s`` is
+at least float32's smallest normal number and ``s / M'`` is finite (``qsdp.quant.reference``,
+[Note: step floor]). Per rank and element the error is then at most ``max(M / s, 2^-126) / 2``
+(nearest) or below ``max(M / s, 2^-126)`` (stochastic, unbiased). Without it, ``s / M``
+overflowed for ``M < s * 2^-128`` (int8 at two ranks: ``M < 1.9e-37``; int32's 2^24 levels:
+``M < 4.9e-32``) and ``0 * inf`` became a NaN code (INT_MIN in an int32 carrier).
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ import torch
 from .codec import Backend, _resolve
 from .philox import uniform
 from .reference import _div
-from .spec import Rounding
+from .spec import STEP_FLOOR, Rounding
 
 __all__ = [
     "CARRIERS",
@@ -83,6 +90,16 @@ def _per_element(scales: torch.Tensor, n: int, group_size: int) -> torch.Tensor:
     return scales.float().repeat_interleave(group_size)[:n]
 
 
+def _floored(scales: torch.Tensor, levels: int) -> torch.Tensor:
+    """``M' = max(M, levels * 2^-126)`` per group, float32 (a NaN ``M`` stays NaN): the step
+    ``M' / levels`` is never below 2^-126 ([Note: step floor] in ``qsdp.quant.reference``)."""
+    scales = scales.reshape(-1).float()
+    # a Python float, which torch rounds to float32 here: float32(levels) * 2^-126, the
+    # kernel's value (scaling by a power of two commutes with the rounding)
+    floor = float(levels) * STEP_FLOOR
+    return torch.where(scales < floor, floor, scales)
+
+
 def nonfinite_mode(nonfinite: str) -> str:
     """``nonfinite`` checked: ``"raise"`` or ``"propagate"`` (the integer path's choice)."""
     if nonfinite not in ("raise", "propagate"):
@@ -107,8 +124,9 @@ def global_int_encode(
 ) -> torch.Tensor:
     """Integer codes of ``x`` (flattened, in the carrier's dtype) against the global ``scales``.
 
-    ``q = clamp(r(x * (levels / M)), -levels, levels)`` per element, ``r`` the rounding
-    (``floor(v + u)`` with the noise of :func:`qsdp.quant.philox.uniform`, or ``floor(v + 0.5)``).
+    ``q = clamp(r(x * (levels / M')), -levels, levels)`` per element, ``r`` the rounding
+    (``floor(v + u)`` with the noise of :func:`qsdp.quant.philox.uniform`, or ``floor(v + 0.5)``),
+    ``M' = max(M, levels * 2^-126)`` (so the step ``M' / levels`` is at least 2^-126).
 
     Args:
         x: the local tensor (float32, bfloat16 or float16).
@@ -179,7 +197,7 @@ def global_int_encode(
             stream=stream,
         )
         return out
-    m = _per_element(scales, n, group_size)
+    m = _per_element(_floored(scales, levels), n, group_size)
     inv = torch.where(m > 0, _div(float(levels), m), 0.0)
     v = flat.float() * inv
     if rounding is Rounding.STOCHASTIC:
@@ -200,8 +218,9 @@ def global_int_decode(
     op: str = "avg",
     dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """Values of summed codes: ``(sum(q) / s) * M``, with ``sum(q) / s`` divided by
-    ``world_size`` first for ``op="avg"``.
+    """Values of summed codes: ``(sum(q) / s) * M'``, with ``sum(q) / s`` divided by
+    ``world_size`` first for ``op="avg"`` and ``M' = max(M, s * 2^-126)`` as in
+    :func:`global_int_encode`.
 
     The code ratio is formed before the multiply by ``M``: for ``"avg"`` it lies in ``[-1, 1]``,
     so the mean never overflows, even with ``M`` at float32's maximum (``sum(q) * M`` would pass
@@ -223,7 +242,7 @@ def global_int_decode(
     if op not in ("avg", "sum"):
         raise ValueError(f"op={op!r} must be 'avg' or 'sum'")
     n = summed.numel()
-    m = _per_element(scales, n, group_size)
+    m = _per_element(_floored(scales, levels), n, group_size)
     ratio = _div(summed.reshape(-1).float(), float(levels))
     if op == "avg":
         ratio = _div(ratio, float(world_size))

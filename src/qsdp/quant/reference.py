@@ -5,13 +5,15 @@ Every function works on any device. The arithmetic is float32 in a fixed order (
 the two backends agree bit for bit for nearest rounding and, given the same Philox noise, for
 stochastic rounding.
 
-Per group (``r`` is the rounding: ``floor(v + 0.5)`` or ``floor(v + u)``, then a clamp)::
+Per group (``r`` is the rounding: ``floor(v + 0.5)`` or ``floor(v + u)``, then a clamp; ``F``
+is ``STEP_FLOOR = 2^-126``, see [Note: step floor])::
 
-    absmax         s = max|x| / qmax (bf16 scales: rounded up)
+    absmax         s = max|x| / qmax (bf16 scales: rounded up), then max(s, F) if max|x| > 0
                    code = r(x * (1/s)) + qmax             value = (code - qmax) * s
-    minmax         unit = (max - min) / (2^b - 1)
+    minmax         unit = (max - min) / (2^b - 1), then max(unit, F) if max > min
                    code = r((x - min) * (1/unit))         value = min + code * unit
-    shift-lattice  delta = (max - min) / (2^b - 2), xi ~ U[0,1) per group and step (rank-shared)
+    shift-lattice  delta = (max - min) / (2^b - 2), then max(delta, F) if max > min;
+                   xi ~ U[0,1) per group and step (rank-shared)
                    base = (floor(min/delta - xi) + xi) * delta
                    code = r((x - base) * (1/delta))       value = base + code * delta
 
@@ -42,6 +44,31 @@ the limit). Why 2^126: then ``max - min <= 2^127``, and shift-lattice's grid end
 Hadamard, rotated values are at most ``sqrt(h) |x|`` and the decoded bound at most twice the
 rotated maximum, so ``R`` times it stays below 2^128. A sum of ``k`` payloads
 (``decode_sum``) is a float32 sum: it overflows, like any, when the sum leaves float32's range.
+
+[Note: step floor]
+The step of a group that is not constant (absmax: ``max|x| > 0``; minmax, shift-lattice:
+``max > min``) is at least ``STEP_FLOOR = 2^-126``, float32's smallest normal number (1.18e-38); a
+constant group keeps its step 0 and decodes exactly. Without the floor, a step below 2^-126 (8-bit
+minmax: a range below 3.0e-36) was subnormal and kept only a few bits, and below 2^-128 its
+reciprocal overflowed to inf: codes came from ``+-inf`` and ``0 * inf = NaN`` (8-bit minmax decoded
+-8.01e-38 as +3.41e-37), and shift-lattice's grid offset became NaN, so the group was refused. With
+the floor, ``1/step <= 2^126`` is finite and the step is a normal float32. For every finite ``x``
+within the representable range above, in the quantizer's (rotated) domain, with ``step`` the
+unfloored ``max|x| / qmax`` (bf16 scales: rounded up), ``(max - min) / (2^b - 1)`` or
+``(max - min) / (2^b - 2)``::
+
+    nearest     |decode(x) - x| <= max(step, 2^-126) / 2      (absolute term 2^-127 = 5.9e-39)
+    stochastic  |decode(x) - x| <  max(step, 2^-126)          (and unbiased: no code clips)
+
+plus float32 rounding: a few units in the last place of the group's largest ``|x|``, which below
+2^-126 is an absolute ``2^-149``. Signs: absmax never flips one (``x * (1/s)`` rounds to an integer
+of its sign or to zero); minmax and shift-lattice may, but only within the bound (a group whose
+values all lie within ``2^-127`` of its minimum decodes to the minimum, or to the grid point next to
+it). Global-QSGD floors its step ``M / s`` the same way, with ``M' = max(M, s * 2^-126)`` on both
+sides (``qsdp.quant.global_int``). The floor costs a compare and a select per group, nothing per
+element; it is conditioned on the group's range, not on the divided step, so a GPU division that
+flushed a subnormal step to zero would floor alike. Flushing tiny groups to zero was the
+alternative; it would bias stochastic rounding, which the floor keeps unbiased.
 """
 
 from __future__ import annotations
@@ -53,7 +80,7 @@ import torch
 
 from .hadamard import hadamard_forward, hadamard_inverse
 from .philox import group_uniform, uniform
-from .spec import QuantSpec, Rounding, Scheme
+from .spec import STEP_FLOOR, QuantSpec, Rounding, Scheme
 
 __all__ = [
     "decode_flat",
@@ -205,6 +232,7 @@ def _quantize_groups(
         s = _div(amax, spec.qmax)
         if spec.scale_dtype == torch.bfloat16:
             s = _round_up_bf16(s)
+        s = torch.where(amax > 0, torch.clamp(s, min=STEP_FLOOR), s)  # [Note: step floor]
         s = torch.clamp(s, max=step_cap(spec))
         inv = torch.where(s > 0, _div(1.0, s), 0.0)
         q = _round(x * inv, spec, noise).clamp(-spec.qmax, spec.qmax)
@@ -214,11 +242,11 @@ def _quantize_groups(
     else:
         lo = torch.where(valid, x, inf).amin(dim=1, keepdim=True)
         hi = torch.where(valid, x, -inf).amax(dim=1, keepdim=True)
+        unit = _div(hi - lo, spec.max_code if spec.scheme is Scheme.MINMAX else spec.max_code - 1)
+        unit = torch.where(hi > lo, torch.clamp(unit, min=STEP_FLOOR), unit)  # [Note: step floor]
         if spec.scheme is Scheme.MINMAX:
-            unit = _div(hi - lo, spec.max_code)
             base = lo
         else:
-            unit = _div(hi - lo, spec.max_code - 1)
             xi = group_uniform(ng, seed=seed, step=step, device=x.device).reshape(ng, 1)
             inv_u = torch.where(unit > 0, _div(1.0, unit), 0.0)
             k0 = torch.floor(lo * inv_u - xi)

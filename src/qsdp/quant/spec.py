@@ -24,10 +24,15 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["BITS", "NonFinite", "QuantSpec", "Rounding", "Scheme"]
+__all__ = ["BITS", "STEP_FLOOR", "NonFinite", "QuantSpec", "Rounding", "Scheme"]
 
 BITS = (2, 3, 4, 6, 8)
 """The code widths the payload format packs."""
+
+STEP_FLOOR = 2.0**-126
+"""Smallest quantization step of a group that is not constant: float32's smallest normal number
+(1.18e-38). Every error bound is ``max(step, STEP_FLOOR)``-based (``qsdp.quant.reference``,
+[Note: step floor])."""
 
 
 class Scheme(str, enum.Enum):
@@ -178,12 +183,14 @@ class QuantSpec:
         return self.num_groups(numel) * self.scale_bytes + self.code_bytes(numel)
 
     def step_bound(self) -> str:
-        """Human-readable size of one quantization step, for error messages and docs."""
-        return {
+        """Human-readable size of one quantization step, for error messages and docs (the floor
+        is ``STEP_FLOOR``: [Note: step floor] in ``qsdp.quant.reference``)."""
+        step = {
             Scheme.ABSMAX: f"max|x| / {self.qmax}",
             Scheme.MINMAX: f"(max - min) / {self.max_code}",
             Scheme.SHIFT_LATTICE: f"(max - min) / {self.max_code - 1}",
         }[self.scheme]
+        return f"max({step}, 2^-126)"
 
     def value_limit(self) -> float:
         """Largest ``|x|`` every group is guaranteed to encode and decode finite (``inf`` for

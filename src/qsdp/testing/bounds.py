@@ -1,10 +1,13 @@
 """Error bounds of the quantizers, for checking compressed collectives against exact ones.
 
 A quantizer with step ``s`` (per group) is off by at most ``s / 2`` per element with nearest
-rounding and by less than ``s`` with stochastic rounding. With a Hadamard rotation the step and
-the bound live in the rotated domain: the error of a sum of payloads ``out - exact`` satisfies
-``|H (out - exact)| <= sum of the per-payload bounds`` element by element (``H`` is linear), so
-checks rotate the error rather than the bound.
+rounding and by less than ``s`` with stochastic rounding, where ``s`` is floored at
+``STEP_FLOOR = 2^-126`` (``qsdp.quant.reference``, [Note: step floor]): the bound is
+``max(step, 2^-126) / 2`` (nearest) or ``max(step, 2^-126)``, for every finite input, tiny and
+subnormal ones included. With a Hadamard rotation the step and the bound live in the rotated
+domain: the error of a sum of payloads ``out - exact`` satisfies ``|H (out - exact)| <= sum of
+the per-payload bounds`` element by element (``H`` is linear), so checks rotate the error rather
+than the bound.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import torch
 
 from ..quant import QuantSpec
 from ..quant.hadamard import hadamard_forward
-from ..quant.spec import Rounding, Scheme
+from ..quant.spec import STEP_FLOOR, Rounding, Scheme
 
 __all__ = ["assert_within", "dtype_slack", "quant_steps", "rounding_bound", "to_quant_domain"]
 
@@ -27,7 +30,9 @@ def to_quant_domain(v: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
 
 
 def quant_steps(x: torch.Tensor, spec: QuantSpec, *, rotated: bool = False) -> torch.Tensor:
-    """Float64 quantization step of each element's group when ``x`` is encoded with ``spec``.
+    """Float64 quantization step of each element's group when ``x`` is encoded with ``spec``,
+    floored at ``STEP_FLOOR`` (2^-126; the floor is loose for a constant group, which decodes
+    exactly).
 
     Args:
         x: the tensor as handed to ``encode`` (any shape; groups run over the flattened tensor).
@@ -52,6 +57,7 @@ def quant_steps(x: torch.Tensor, spec: QuantSpec, *, rotated: bool = False) -> t
         lo = groups.nan_to_num(math.inf).amin(dim=1)
         levels = spec.max_code if spec.scheme is Scheme.MINMAX else spec.max_code - 1
         step = (hi - lo) / levels
+    step = step.clamp(min=STEP_FLOOR)
     return step.repeat_interleave(g)[:n]
 
 
@@ -67,14 +73,20 @@ def dtype_slack(
 ) -> torch.Tensor:
     """Slack for float32 arithmetic and the final rounding to ``dtype``, float64 per element.
 
+    Relative to ``magnitude``, plus the absolute rounding below each format's normal range
+    (float32: multiples of 2^-149; ``dtype``: half its smallest subnormal), which tiny and
+    subnormal values meet.
+
     Args:
         magnitude: per-element scale of the values involved (e.g. the sum of the inputs' absolute
             values), original domain.
         dtype: the output dtype.
         spec: the quantizer (its Hadamard block spreads a rounding error over the block).
     """
-    eps = 4 * 2.0**-24 + torch.finfo(dtype).eps / 2
-    mag = magnitude.reshape(-1).double() * eps
+    info = torch.finfo(dtype)
+    eps = 4 * 2.0**-24 + info.eps / 2
+    tiny = 4 * 2.0**-149 + info.smallest_normal * info.eps / 2
+    mag = magnitude.reshape(-1).double() * eps + tiny
     if spec is not None and spec.hadamard_block:
         h = spec.hadamard_block
         n = mag.numel() // h * h

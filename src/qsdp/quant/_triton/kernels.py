@@ -25,12 +25,21 @@ program for the last partial tile (its masks and tail-block checks cost the main
 
 from __future__ import annotations
 
+import os
+
 import triton
 import triton.language as tl
+
+from ..spec import STEP_FLOOR
 
 _ABSMAX = tl.constexpr(0)
 _MINMAX = tl.constexpr(1)
 _LATTICE = tl.constexpr(2)
+#: The reference's [Note: step floor]: 2^-126, the smallest step of a group that is not constant.
+_STEP_FLOOR = tl.constexpr(STEP_FLOOR)
+#: Whether ``triton.jit`` made these kernels interpreted functions (it reads the variable when
+#: this module is imported, as this line does).
+_INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
 
 
 # --- random numbers -----------------------------------------------------------------------------
@@ -369,8 +378,14 @@ def _load_codes(
 def _load(ptr, mask, TAIL: tl.constexpr):
     """Float32 load; only the tail program masks (the main grid holds whole tiles)."""
     if TAIL:
-        return tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
-    return tl.load(ptr).to(tl.float32)
+        v = tl.load(ptr, mask=mask, other=0.0)
+    else:
+        v = tl.load(ptr)
+    if _INTERPRETED and v.dtype == tl.bfloat16:
+        # the interpreter's bf16 -> float32 cast mangles subnormals (triton 3.6: it normalizes
+        # their mantissa, then stores it as a subnormal's); the bits shifted up are exact
+        return (v.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+    return v.to(tl.float32)
 
 
 @triton.jit
@@ -439,6 +454,9 @@ def _quantize_store(
         s = tl.math.div_rn(amax, one * QMAX)
         if SCALE_BF16:
             s = _round_up_bf16(s)
+        # [Note: step floor]; on amax, not s: a GPU division that flushed a subnormal s to zero
+        # would floor alike
+        s = tl.where(amax > 0, tl.maximum(s, _STEP_FLOOR), s)
         s = tl.minimum(s, STEP_CAP)
         inv = tl.where(s > 0, tl.math.div_rn(one, s), 0.0)
         q = tl.floor(x * inv[:, None, None] + u)
@@ -458,13 +476,13 @@ def _quantize_store(
         hi = _row_max(high)
         bad = hi == INF
         hi = tl.where(bad, lo, hi)
+        LEVELS: tl.constexpr = MAXC if SCHEME == _MINMAX else MAXC - 1
+        unit = tl.math.div_rn(hi - lo, one * LEVELS)
+        unit = tl.where(hi > lo, tl.maximum(unit, _STEP_FLOOR), unit)  # [Note: step floor]
+        inv = tl.where(unit > 0, tl.math.div_rn(one, unit), 0.0)
         if SCHEME == _MINMAX:
-            unit = tl.math.div_rn(hi - lo, one * MAXC)
-            inv = tl.where(unit > 0, tl.math.div_rn(one, unit), 0.0)
             base = lo
         else:
-            unit = tl.math.div_rn(hi - lo, one * (MAXC - 1))
-            inv = tl.where(unit > 0, tl.math.div_rn(one, unit), 0.0)
             xi = _group_uniform(gidx, key0=key0, key1=key1, step=step)
             k0 = tl.floor(lo * inv - xi)
             base = tl.where(unit > 0, (k0 + xi) * unit, lo)
@@ -830,12 +848,15 @@ def global_int_encode_kernel(
     BIG: tl.constexpr,
     TAIL: tl.constexpr,
 ):
-    """Global-QSGD codes ``clamp(r(x * (levels / M)), -levels, levels)`` in the carrier dtype."""
+    """Global-QSGD codes ``clamp(r(x * (levels / M')), -levels, levels)`` in the carrier dtype,
+    ``M' = max(M, levels * 2^-126)`` (the reference's [Note: step floor])."""
     gidx, offs = _tile(tl.program_id(0) + pid_base, ROWS=ROWS, GPB=1, HB=GROUP, BIG=BIG)
     mask = offs < numel
     x = _load(x_ptr + offs, mask, TAIL=TAIL)
     m = tl.load(scale_ptr + gidx, mask=gidx < n_groups, other=0.0)
     lv = tl.full((ROWS,), 1.0, tl.float32) * levels
+    floor = lv * _STEP_FLOOR
+    m = tl.where(m < floor, floor, m)  # a NaN M stays NaN
     inv = tl.where(m > 0, tl.math.div_rn(lv, m), 0.0)
     if STOCHASTIC:
         u = _element_noise(

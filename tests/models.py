@@ -12,6 +12,7 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import fully_shard
 
 import qsdp
 
@@ -39,8 +40,21 @@ def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, (x.sum(1) * 7) % VOCAB
 
 
-def train(model: nn.Module, rank: int, steps: int) -> list[float]:
-    """AdamW on :func:`batch` for ``steps`` steps; the loss of each step, averaged over ranks."""
+def sharded_classifier(mesh=None) -> nn.Module:
+    """:func:`classifier` with its two linear layers and the root ``fully_shard``-ed over
+    ``mesh`` (default: the world)."""
+    model = classifier()
+    for i in (2, 5):
+        fully_shard(model[i], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def train(
+    model: nn.Module, rank: int, steps: int, *, group: dist.ProcessGroup | None = None
+) -> list[float]:
+    """AdamW on :func:`batch` (rank ``rank``'s) for ``steps`` steps; the loss of each step,
+    averaged over the ranks of ``group`` (default: the world)."""
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     losses = []
     for step in range(steps):
@@ -50,8 +64,8 @@ def train(model: nn.Module, rank: int, steps: int) -> list[float]:
         loss.backward()
         opt.step()
         mean = loss.detach().clone()
-        dist.all_reduce(mean)
-        losses.append(float(mean) / dist.get_world_size())
+        dist.all_reduce(mean, group=group)
+        losses.append(float(mean) / dist.get_world_size(group))
     return losses
 
 

@@ -22,7 +22,7 @@ import qsdp
 from qsdp.policy import AutoDecision
 from qsdp.testing import assert_same_on_all_ranks, run_distributed
 
-from ..models import VOCAB, batch, classifier, dist_calls
+from ..models import VOCAB, batch, dist_calls, sharded_classifier, train
 
 D = 48
 STEPS = 12
@@ -67,21 +67,6 @@ def _tp_model(mesh) -> nn.Module:
     return model
 
 
-def _train_tp(model: nn.Module, dp_rank: int, dp: dist.ProcessGroup) -> list[float]:
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    losses = []
-    for step in range(STEPS):
-        x, y = batch(dp_rank, step)  # the tp ranks of a dp rank see one batch
-        loss = nn.functional.cross_entropy(model(x), y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        mean = loss.detach().clone()
-        dist.all_reduce(mean, group=dp)
-        losses.append(float(mean) / dist.get_world_size(dp))
-    return losses
-
-
 _COLLECTIVES = (
     "all_gather_into_tensor",
     "all_gather_single",
@@ -100,7 +85,7 @@ def _tp_worker(rank: int, world: int, recipes: list[str]) -> dict:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     dp_rank, dp = mesh["dp"].get_local_rank(), mesh.get_group("dp")
     plain = _tp_model(mesh)
-    out = {"plain": _train_tp(plain, dp_rank, dp)[-1]}
+    out = {"plain": _train_on(plain, dp_rank, dp)}
     with torch.no_grad():
         assert_same_on_all_ranks(plain(batch(0, 999)[0]))
     for name in recipes:
@@ -110,7 +95,7 @@ def _tp_worker(rank: int, world: int, recipes: list[str]) -> dict:
         # FSDP2's own view: the shard group is dp, no replicate group; TP's stays PyTorch's
         assert all(g.shard_ranks == tuple(dist.get_process_group_ranks(dp)) for g in groups)
         assert all(g.replicate_ranks is None for g in groups)
-        out[name] = _train_tp(model, dp_rank, dp)[-1]
+        out[name] = _train_on(model, dp_rank, dp)
         with torch.no_grad():  # every rank computes the same function of the same batch
             try:
                 assert_same_on_all_ranks(model(batch(0, 999)[0]))
@@ -143,21 +128,13 @@ def test_fsdp_with_tensor_parallel_trains_like_plain_fsdp_for_every_recipe():
         assert results[0][name] == pytest.approx(plain, rel=0.15), (name, results[0])
 
 
-def _sharded_classifier(mesh) -> nn.Module:
-    model = classifier()
-    for i in (2, 5):
-        fully_shard(model[i], mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return model
-
-
 def _misuse_worker(rank: int, world: int) -> dict:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     out = {}
     for name in ("cgx", "bf16"):
         # the README's HSDP snippet without fully_shard(mesh=mesh["shard"]): FSDP shards over
         # the world, which the replicate group overlaps
-        model = _sharded_classifier(None)
+        model = sharded_classifier(None)
         try:
             qsdp.compress_fsdp(model, name, replicate=mesh["replicate"])
             out[name] = "installed"
@@ -180,9 +157,9 @@ def _stages_worker(rank: int, world: int) -> dict:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
     stage, dp = rank // 2, mesh.get_group("dp")
     name = ("sdp4bit", "qsdp-w8g8")[stage]
-    plain = _sharded_classifier(mesh["dp"])
+    plain = sharded_classifier(mesh["dp"])
     losses = {"plain": _train_on(plain, rank % 2, dp)}
-    model = _sharded_classifier(mesh["dp"])
+    model = sharded_classifier(mesh["dp"])
     qsdp.compress_fsdp(model, name)
     losses[name] = _train_on(model, rank % 2, dp)
     for p in model.parameters():  # the stage's shards keep in step: same bits on both ranks
@@ -191,16 +168,8 @@ def _stages_worker(rank: int, world: int) -> dict:
 
 
 def _train_on(model: nn.Module, dp_rank: int, dp: dist.ProcessGroup) -> float:
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    for step in range(STEPS):
-        x, y = batch(dp_rank, step)
-        loss = nn.functional.cross_entropy(model(x), y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    mean = loss.detach().clone()
-    dist.all_reduce(mean, group=dp)
-    return float(mean) / dist.get_world_size(dp)
+    """The last of :data:`STEPS` steps' losses, averaged over ``dp``."""
+    return train(model, dp_rank, STEPS, group=dp)[-1]
 
 
 def test_pipeline_stages_compress_with_their_own_recipes():
@@ -214,14 +183,14 @@ def test_pipeline_stages_compress_with_their_own_recipes():
 def _auto_worker(rank: int, world: int, hsdp: bool) -> dict:
     """``"auto"`` where a group has one rank: the whole world of one, or an HSDP replicate
     dimension of one; it leaves torch's RNG state as it was."""
-    out = {"plain": _train_on(_sharded_classifier(None), rank, dist.group.WORLD)}
+    out = {"plain": _train_on(sharded_classifier(None), rank, dist.group.WORLD)}
     if hsdp:
         mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("replicate", "shard"))
-        model = _sharded_classifier(mesh["shard"])
+        model = sharded_classifier(mesh["shard"])
         before = torch.get_rng_state()
         qsdp.compress_fsdp(model, "auto", replicate=mesh["replicate"])
     else:
-        model = _sharded_classifier(None)
+        model = sharded_classifier(None)
         before = torch.get_rng_state()
         qsdp.compress_fsdp(model, "auto")
     out["rng_kept"] = bool(torch.equal(before, torch.get_rng_state()))
@@ -247,7 +216,7 @@ def test_auto_with_a_group_of_one_rank(world, hsdp):
 
 def _oom_worker(rank: int, world: int) -> str:
     """An out-of-memory error inside a reduce-scatter hook reaches the caller as one."""
-    model = _sharded_classifier(None)
+    model = sharded_classifier(None)
     qsdp.compress_fsdp(model, "qsdp-g8")
     plan_type = type(qsdp.recipe("qsdp-g8").grads.plan())
 
@@ -275,13 +244,13 @@ def _other_recipe_worker(rank: int, world: int, path: str) -> dict:
     """A checkpoint's qsdp state loaded into a model compressed with another recipe."""
     from torch.distributed import checkpoint as dcp
 
-    saved = _sharded_classifier(None)
+    saved = sharded_classifier(None)
     qsdp.compress_fsdp(saved, "qsdp-w8g8")
     _train_on(saved, rank, dist.group.WORLD)
     dcp.save({"qsdp": qsdp.fsdp.comm_state(saved)}, checkpoint_id=path)
     out = {}
     for name in ("qsdp-w8g8", "global-qsgd", "cgx"):
-        model = _sharded_classifier(None)
+        model = sharded_classifier(None)
         qsdp.compress_fsdp(model, name)
         try:
             dcp.load({"qsdp": qsdp.fsdp.comm_state(model)}, checkpoint_id=path)

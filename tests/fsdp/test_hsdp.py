@@ -7,32 +7,23 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
 
 import qsdp
 from qsdp.testing import assert_same_on_all_ranks, run_distributed
 
 from ..models import batch as _batch
-from ..models import classifier, dist_calls, flag_groups, nan_gradient, train
+from ..models import dist_calls, flag_groups, nan_gradient, sharded_classifier, train
 
 STEPS = 25
 
 
-def _model(mesh) -> nn.Module:
-    model = classifier()
-    for i in (2, 5):
-        fully_shard(model[i], mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return model
-
-
 def _worker(rank: int, world: int, shape: tuple[int, int]) -> dict:
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
-    native = _model(mesh)  # FSDP2's own HSDP, uncompressed
+    native = sharded_classifier(mesh)  # FSDP2's own HSDP, uncompressed
     qsdp.compress_fsdp(native, "bf16")
     out = {"native": train(native, rank, STEPS)[-1]}
     for recipe in ("cgx", "global-qsgd", "qsdp-g8"):
-        model = _model(mesh["shard"])
+        model = sharded_classifier(mesh["shard"])
         qsdp.compress_fsdp(model, recipe, replicate=mesh["replicate"])
         out[recipe] = train(model, rank, STEPS)[-1]
         for p in model.parameters():  # the replicas of each shard stay bit-identical
@@ -72,7 +63,7 @@ def _pipelined(rank: int, world: int) -> None:
     for recipe in ("cgx", "global-qsgd"):
         out = []
         for pipeline in (False, True):
-            model = _model(mesh["shard"])
+            model = sharded_classifier(mesh["shard"])
             qsdp.compress_fsdp(model, recipe, replicate=mesh["replicate"], pipeline=pipeline)
             with dist_calls(gather) as calls:
                 losses = train(model, rank, 6)
@@ -105,20 +96,24 @@ def test_pipelined_hsdp_trains_the_same_bits():
 def _refusals(rank: int, world: int) -> None:
     mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("replicate", "shard"))
     with pytest.raises(ValueError, match="native HSDP"):
-        qsdp.compress_fsdp(_model(mesh), "cgx", replicate=mesh["replicate"])
+        qsdp.compress_fsdp(sharded_classifier(mesh), "cgx", replicate=mesh["replicate"])
     with pytest.raises(ValueError, match="TwoLevelGrads is a reduce-scatter"):
-        qsdp.compress_fsdp(_model(mesh["shard"]), "tlq-hs-only", replicate=mesh["replicate"])
+        qsdp.compress_fsdp(
+            sharded_classifier(mesh["shard"]), "tlq-hs-only", replicate=mesh["replicate"]
+        )
     with pytest.raises(ValueError, match="1-D DeviceMesh"):
-        qsdp.compress_fsdp(_model(mesh["shard"]), "cgx", replicate=mesh)
+        qsdp.compress_fsdp(sharded_classifier(mesh["shard"]), "cgx", replicate=mesh)
     with pytest.raises(ValueError, match="pipelines compressed HSDP's replicate all-reduce"):
-        qsdp.compress_fsdp(_model(mesh["shard"]), "cgx", pipeline=True)
+        qsdp.compress_fsdp(sharded_classifier(mesh["shard"]), "cgx", pipeline=True)
     with pytest.raises(ValueError, match="this config's gradients are uncompressed"):
         qsdp.compress_fsdp(
-            _model(mesh["shard"]), "bf16", replicate=mesh["replicate"], pipeline=True
+            sharded_classifier(mesh["shard"]), "bf16", replicate=mesh["replicate"], pipeline=True
         )
     stale = qsdp.recipe("cgx", staleness=1)
     with pytest.raises(ValueError, match="with staleness=1"):
-        qsdp.compress_fsdp(_model(mesh["shard"]), stale, replicate=mesh["replicate"], pipeline=True)
+        qsdp.compress_fsdp(
+            sharded_classifier(mesh["shard"]), stale, replicate=mesh["replicate"], pipeline=True
+        )
 
 
 def test_hsdp_refusals():
@@ -127,7 +122,7 @@ def test_hsdp_refusals():
 
 def _nan(rank: int, world: int, mode: str) -> dict:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
-    model = _model(mesh["shard"])
+    model = sharded_classifier(mesh["shard"])
     qsdp.compress_fsdp(model, qsdp.recipe("cgx", nonfinite=mode), replicate=mesh["replicate"])
     shard = mesh["shard"].get_group()
     if rank == 1:  # NaN in a sharded Linear's gradient: it reaches its shard's replica only
@@ -159,7 +154,7 @@ def _diverged(rank: int, world: int) -> str | None:
     """A replica whose all-reduce result turns NaN where its twin's does not (what a broken
     exchange or a memory race would leave): the verdict must still be every rank's."""
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
-    model = _model(mesh["shard"])
+    model = sharded_classifier(mesh["shard"])
     qsdp.compress_fsdp(model, "cgx", replicate=mesh["replicate"], pipeline=False)
     if rank == 2:  # rank 0's replica: after its all-reduce, one value of module 5 goes bad
         hook = model[5]._get_fsdp_state()._fsdp_param_group._all_reduce_hook

@@ -86,6 +86,7 @@ from torch import nn
 
 from .. import comm as qc
 from ..config import CompressionConfig, NonFinite, check_saved, config_record
+from ..policy import auto
 from ..runtime import NonfiniteCheck, SideStreams
 from ..runtime.widths import WidthController
 
@@ -155,9 +156,9 @@ class DDPCompression:
                 keys=_MAX_BUCKETS,
                 seed=config.seed,
             )
-        self.decision: dict | None = None
-        """``register(model, "auto")``: the chosen recipe, the predicted seconds per step of
-        each option and the measured link."""
+        self.decision: auto.AutoDecision | None = None
+        """``register(model, "auto")``: what it measured, predicted and chose
+        (:class:`qsdp.policy.AutoDecision`); :meth:`state_dict` keeps its record."""
         self._synchronous = False
         self.applied_nothing = bool(config.staleness)
         """Staleness 1: the last backward applied no reduction (the first step, or the first
@@ -515,6 +516,7 @@ class DDPCompression:
         for index, n in self._calls.items():
             calls[index] = n
         state = {"recipe": config_record(self.config), "calls": calls}
+        state["auto"] = auto.state_entry(self.decision)  # "auto"'s record (zeros: none)
         if self.widths is not None:
             state.update(self.widths.state_dict())
         if self.config.staleness:  # the reductions in flight, saved with the checkpoint
@@ -542,6 +544,7 @@ class DDPCompression:
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         if "recipe" in state:
             check_saved(state["recipe"], self.config, what="qsdp.ddp hook load_state_dict")
+        auto.check_state_entry(state.get("auto"), decision=self.decision, config=self.config)
         self._calls = {i: int(n) for i, n in enumerate(state["calls"].tolist()) if n}
         if self.widths is not None:
             self.widths.load_state_dict(state)

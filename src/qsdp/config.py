@@ -122,7 +122,7 @@ class QuantizedGrads:
 
     def plan(self, *, mesh: DeviceMesh | None = None) -> ReducePlan:
         """The :class:`~qsdp.comm.QuantizedReduce` of this config (``mesh`` is unused)."""
-        return QuantizedReduce(spec=_unchecked(self.spec))
+        return QuantizedReduce(spec=self.spec.propagating())  # the integration checks NaN/Inf
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -148,7 +148,9 @@ class TwoLevelGrads:
 
     def plan(self, *, mesh: DeviceMesh | None = None) -> ReducePlan:
         """The :class:`~qsdp.comm.TwoLevelReduce` of this config over ``mesh``."""
-        return TwoLevelReduce(intra=_unchecked(self.intra), inter=_unchecked(self.inter), mesh=mesh)
+        return TwoLevelReduce(
+            intra=self.intra.propagating(), inter=self.inter.propagating(), mesh=mesh
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -190,12 +192,6 @@ class IntegerGrads:
 
 
 Grads = QuantizedGrads | TwoLevelGrads | IntegerGrads
-
-
-def _unchecked(spec: QuantSpec) -> QuantSpec:
-    """Plans never check NaN/Inf themselves: the integration does, once per reduction, by
-    ``CompressionConfig.nonfinite`` (so the collective's own verdict would be a second one)."""
-    return dataclasses.replace(spec, nonfinite=NonFinite.PROPAGATE)
 
 
 # --- adaptive widths -------------------------------------------------------------------------

@@ -59,3 +59,15 @@ def test_bf16_scales_halve_scale_bytes():
     s = QuantSpec(4, 32, "absmax", "nearest", scale_dtype=torch.bfloat16)
     assert s.scale_bytes == 2
     assert s.payload_bytes(100) == 50 + 4 * 2
+
+
+def test_one_name_for_an_encode_that_never_raises():
+    for mode in ("raise", "propagate"):
+        spec = QuantSpec(
+            bits=4, group_size=128, scheme="minmax", rounding="stochastic", nonfinite=mode
+        )
+        quiet = spec.propagating()
+        assert quiet.nonfinite is NonFinite.PROPAGATE
+        assert quiet == QuantSpec(
+            bits=4, group_size=128, scheme="minmax", rounding="stochastic", nonfinite="propagate"
+        )

@@ -145,7 +145,7 @@ def _all_gather_stages(
         )
     nbytes = spec.payload_bytes(m)
     send = torch.empty(nbytes, dtype=torch.uint8, device=input.device)
-    enc_spec = C.encoding_spec(spec)
+    enc_spec = spec.propagating()
     encode(
         input,
         enc_spec,
@@ -181,7 +181,7 @@ def _fused_stages(
     at, row = fused_row(spec, comp.numel(), raw_bytes)
     send = torch.zeros(row, dtype=torch.uint8, device=input.device)
     nbytes = spec.payload_bytes(comp.numel())
-    enc_spec = C.encoding_spec(spec)
+    enc_spec = spec.propagating()
     if comp.numel():
         encode(
             comp,

@@ -14,12 +14,11 @@ returns while it is in flight, and ``wait()`` finishes it and runs the local dec
 from __future__ import annotations
 
 from collections.abc import Callable, Generator, Sequence
-from dataclasses import replace
 
 import torch
 import torch.distributed as dist
 
-from ..quant import NonFinite, QuantSpec
+from ..quant import QuantSpec
 from ._calls import before_exchange
 from ._dist import dist_all_gather, dist_reduce_scatter
 from ._split import Split, check_split
@@ -251,20 +250,13 @@ def check_key(seed: int, step: int, bucket: int) -> None:
 
 
 # --- NaN/Inf: one verdict for all ranks ---------------------------------------------------------
-def encoding_spec(spec: QuantSpec) -> QuantSpec:
-    """The spec a collective encodes with: never raising inside an encode.
-
-    [Note: NaN/Inf in a collective]
-    An encode that raised on one rank would leave its peers waiting in the exchange until the
-    process group's timeout. So a collective encodes with ``nonfinite="propagate"`` (flagged
-    groups travel as NaN) and, when the caller's spec says ``"raise"``, counts the flagged
-    groups of its own payloads (plus NaN/Inf in any part it sends unquantized) on the device
-    and calls :func:`agree_finite` before its first exchange: one small all-reduce, after which
-    every rank raises the same error, or none does.
-    """
-    if spec.nonfinite is NonFinite.RAISE:
-        return replace(spec, nonfinite=NonFinite.PROPAGATE)
-    return spec
+# [Note: NaN/Inf in a collective]
+# An encode that raised on one rank would leave its peers waiting in the exchange until the
+# process group's timeout. So a collective encodes with ``spec.propagating()`` (flagged groups
+# travel as NaN) and, when the caller's spec says ``"raise"``, counts the flagged groups of its
+# own payloads (plus NaN/Inf in any part it sends unquantized) on the device and calls
+# :func:`agree_finite` before its first exchange: one small all-reduce, after which every rank
+# raises the same error, or none does.
 
 
 def agree_finite(

@@ -177,7 +177,7 @@ def _reduce_scatter_stages(
     send = torch.empty((n - 1) * nbytes, dtype=torch.uint8, device=input.device)
     peers = [j for j in range(n) if j != r]
     me = C.noise_rank(pg)
-    enc_spec = C.encoding_spec(spec)
+    enc_spec = spec.propagating()
     for slot, j in enumerate(peers):
         encode(
             chunks[j],
@@ -249,7 +249,7 @@ def _fused_stages(output, input, split, call: _Call, *, lost=None) -> C.Stages:
     acc.copy_(comp[r])
     acc_raw = raw[r].to(torch.float32, copy=True)
     send = torch.zeros(n - 1, row, dtype=torch.uint8, device=input.device)
-    enc_spec = C.encoding_spec(spec)
+    enc_spec = spec.propagating()
     me = C.noise_rank(pg)
     for slot, j in enumerate(k for k in range(n) if k != r):
         if split.n_comp:

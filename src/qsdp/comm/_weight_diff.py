@@ -106,7 +106,7 @@ def all_gather_diff(
     rows = recon.view(n, m)
     nbytes = spec.payload_bytes(m)
     send = torch.empty(nbytes, dtype=torch.uint8, device=input.device)
-    enc_spec = C.encoding_spec(spec)
+    enc_spec = spec.propagating()
     encode_diff(
         input.reshape(-1),
         rows[r],

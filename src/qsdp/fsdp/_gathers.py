@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -23,13 +22,6 @@ __all__ = [
 ]
 
 
-def _no_raise(spec: QuantSpec) -> QuantSpec:
-    """Weights with NaN/Inf travel as NaN groups: every rank then sees them (a NaN loss)
-    instead of one rank raising alone inside a collective its peers wait in, and no encode
-    waits for the host."""
-    return replace(spec, nonfinite="propagate")
-
-
 class QuantizedAllGather(_Gather):
     """FSDP2 all-gather through :func:`qsdp.comm.all_gather`."""
 
@@ -43,7 +35,7 @@ class QuantizedAllGather(_Gather):
         split: qc.Split | None = None,
         module_name: str = "",
     ) -> None:
-        self.spec, self.seed, self.bucket, self.stats = _no_raise(spec), seed, bucket, stats
+        self.spec, self.seed, self.bucket, self.stats = spec.propagating(), seed, bucket, stats
         self.split, self.module_name = split, module_name
         self._steps = _Counter()
 
@@ -112,7 +104,7 @@ class WeightDiffAllGather(_Gather):
         check_replicas: bool = False,
         module_name: str = "",
     ) -> None:
-        self.spec, self.seed, self.bucket, self.stats = _no_raise(spec), seed, bucket, stats
+        self.spec, self.seed, self.bucket, self.stats = spec.propagating(), seed, bucket, stats
         self.module_name = module_name
         self.clock, self.resync_every, self.check_replicas = clock, resync_every, check_replicas
         self.versions = _Versions(params)
@@ -194,7 +186,7 @@ class QuantizedMasterAllGather(_Gather):
         params: list[tuple[torch.nn.Parameter, int]],
         module_name: str = "",
     ) -> None:
-        self.spec, self.seed, self.bucket, self.stats = _no_raise(spec), seed, bucket, stats
+        self.spec, self.seed, self.bucket, self.stats = spec.propagating(), seed, bucket, stats
         self.clock, self.params, self.module_name = clock, params, module_name
         self.versions = _Versions([p for p, _ in params])
         self._epoch = -1

@@ -18,6 +18,7 @@ tensor; the last group may be short. Nothing else travels: the wire size is exac
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
 from dataclasses import dataclass
@@ -181,6 +182,16 @@ class QuantSpec:
     def payload_bytes(self, numel: int) -> int:
         """Exact wire size of one encoded tensor of ``numel`` elements."""
         return self.num_groups(numel) * self.scale_bytes + self.code_bytes(numel)
+
+    def propagating(self) -> QuantSpec:
+        """This spec with ``nonfinite="propagate"``: an encode that never raises (NaN/Inf
+        groups travel as NaN). The one way qsdp encodes without raising: a collective decides
+        ``"raise"`` once for every rank before its first exchange ([Note: NaN/Inf in a
+        collective] in ``qsdp.comm._common``); plans and weight gathers leave NaN/Inf to the
+        integration (``CompressionConfig.nonfinite``)."""
+        if self.nonfinite is NonFinite.PROPAGATE:
+            return self
+        return dataclasses.replace(self, nonfinite=NonFinite.PROPAGATE)
 
     def step_bound(self) -> str:
         """Human-readable size of one quantization step, for error messages and docs (the floor

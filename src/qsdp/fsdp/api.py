@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -124,159 +125,247 @@ def compress_fsdp(
             mesh = None
     _check_replicate_grads(replicate_pg, config)
     _check_pipeline(pipeline, replicate_pg, config)
-    stats = CommStats()
-    weights, policy = config.weights, config.policy
+    shared = _shared(model, config, groups, mesh=mesh, replicate=replicate_pg, pipeline=pipeline)
+    hooks: list[object] = []
+    slots: list[tuple[int, int]] = []  # (group, 0: all-gather / 1: reduction) of each hook
+    for i, group in enumerate(groups):
+        if group.replicate_group is not None:  # HSDP: FSDP2's own replicate all-reduce, counted
+            group.module.set_all_reduce_hook(ReplicateCounter(shared.stats))
+        for column, hook in (
+            (1, _replicate_hook(shared, model, group, i, len(groups))),
+            (0, _gather_hook(shared, model, group, i)),
+            (1, _reduce_hook(shared, model, group, i)),
+        ):
+            if hook is not None:
+                hooks.append(hook)
+                slots.append((i, column))
+    _INSTALLED[model] = _Installed(
+        config=config,
+        stats=shared.stats,
+        clock=shared.clock,
+        gathers=[h for h in hooks if isinstance(h, WeightDiffAllGather)],
+        hooks=hooks,
+        slots=slots,
+        groups=len(groups),
+        pipeline=shared.stale,
+        widths=shared.widths,
+        decision=decision,
+        check=shared.check,
+    )
+    _HOOKED.update(modules)
+    return model
+
+
+@dataclass
+class _Shared:
+    """What the hooks of every FSDP group of one model share, decided once at installation
+    (the hooks themselves are built complete, per group, from it)."""
+
+    config: CompressionConfig
+    stats: CommStats
+    check: NonfiniteCheck | None
+    """The NaN/Inf check of the model's reductions (None: ``nonfinite="propagate"``)."""
+    clock: StepClock | None
+    """Weight differences and the quantized master: the steps as FSDP2 sees them."""
+    reduce: qc.ReducePlan | None
+    """The reduce-scatter's plan (None: FSDP2's own, uncompressed and not moved)."""
+    replicate_plan: qc.ReducePlan | None
+    """Compressed HSDP: the replicate all-reduce's plan."""
+    replicate: dist.ProcessGroup | None
+    stale: Pipeline | None
+    """Staleness 1: the reductions in flight ([Note: staleness 1 in FSDP2])."""
+    twins: dict[str, dist.ProcessGroup] | None
+    """The reductions' own communicators by group name (``own_reduce_group``, staleness 1)."""
+    second: dist.ProcessGroup | None
+    """``pipeline=True``: the later exchange's communicator ([Note: pipelined modules])."""
+    widths: WidthController | None
+    param_widths: dict[int, tuple[list[int], list[tuple[int, int]]]]
+    """Widths per parameter: each group's keys and chunk runs ([Note: widths per parameter])."""
+    streams: SideStreams
+    piped: int = 0
+    """Pipelined HSDP hooks made so far (they alternate between two streams)."""
+
+    def split(self, layout: list) -> qc.Split | None:
+        """The policy's split of a group's chunk (None: everything quantized)."""
+        policy = self.config.policy
+        return policy.split(layout) if policy is not None and layout else None
+
+
+def _shared(
+    model: nn.Module,
+    config: CompressionConfig,
+    groups: list[FSDPGroup],
+    *,
+    mesh: DeviceMesh | None,
+    replicate: dist.ProcessGroup | None,
+    pipeline: bool,
+) -> _Shared:
+    """The plans, communicators, check, clock and widths every group's hooks share."""
     check = None
     if config.nonfinite is not NonFinite.PROPAGATE:
         check = NonfiniteCheck(config.nonfinite.value)
     clock = None
-    if isinstance(weights, (WeightDiffs, QuantizedMaster)):
+    if isinstance(config.weights, (WeightDiffs, QuantizedMaster)):
         clock = StepClock()
         # before FSDP's own pre-forward (and its all-gathers): a new step begins
         model.register_forward_pre_hook(clock.tick, prepend=True)
         model.register_load_state_dict_post_hook(clock.request_resync)
     plan = config.grads.plan(mesh=mesh) if config.grads is not None else None
-    if replicate_pg is not None:  # the gradients' config is for the replicate all-reduce
+    replicate_plan = None
+    if replicate is not None:  # the gradients' config is for the replicate all-reduce
         replicate_plan = plan or qc.PlainReduce(name="all_reduce_replicate")
         plan = None
     elif plan is None and (config.staleness or config.own_reduce_group):
         plan = qc.PlainReduce(name="reduce_scatter")  # a hook to move: FSDP2's reduction, counted
-    stale = twins = None
-    own = config.staleness or (config.own_reduce_group and replicate_pg is None)
-    if config.staleness:  # [Note: staleness 1 in FSDP2]
-        stale = Pipeline()
-    if own:  # the reductions' own communicators (see CompressionConfig.own_reduce_group)
-        used = [replicate_pg] if replicate_pg is not None else []
+    stale = Pipeline() if config.staleness else None  # [Note: staleness 1 in FSDP2]
+    twins = None
+    if config.staleness or (config.own_reduce_group and replicate is None):
+        # the reductions' own communicators (see CompressionConfig.own_reduce_group)
+        used = [replicate] if replicate is not None else []
         used += [g.shard_group for g in groups if g.shard_group is not None and plan is not None]
         twins = twin_groups(used)
         if isinstance(plan, qc.TwoLevelReduce) and plan.mesh is not None:
             plan = dataclasses.replace(plan, mesh=side_mesh(plan.mesh))  # the twin mesh
-
-    second, made, piped = None, SideStreams(2), 0  # [Note: pipelined modules]
-    if pipeline:
-        second = twin_groups([replicate_pg])[replicate_pg.group_name]
-
-    def split_of(layout: list | None) -> qc.Split | None:
-        return policy.split(layout) if policy is not None and layout else None
-
-    widths, param_keys, param_runs = None, {}, {}
-    if config.adaptive is not None:  # [Note: adaptive widths at run time]
-        width_plan = replicate_plan if replicate_pg is not None else plan
-        keys = len(modules)
-        if config.adaptive.per_parameter:  # one key per compressed parameter of each group
-            if replicate_pg is not None or config.staleness:
-                raise ValueError(
-                    "AdaptiveWidths(per_parameter=True) is built for FSDP2's synchronous "
-                    "reduce-scatter; under compressed HSDP or at staleness 1 use "
-                    "per_parameter=False (a width per group)"
-                )
-            keys = 0
-            for i, group in enumerate(groups):
-                layout = group.layout(grads_only=True)
-                param_runs[i] = compressed_runs(layout, policy)
-                param_keys[i] = list(range(keys, keys + len(param_runs[i])))
-                keys += len(param_runs[i])
-        widths = WidthController(
-            config.adaptive, reference=width_plan.width_spec.bits, keys=keys, seed=config.seed
-        )
-    gathers: list[WeightDiffAllGather] = []
-    hooks: list[object] = []
-    slots: list[tuple[int, int]] = []  # (group, 0: all-gather / 1: reduction) of each hook
-    for i, group in enumerate(groups):
-        module = group.module
-        key = dict(seed=config.seed, stats=stats, bucket=2 * i, module_name=group.name)
-        if group.replicate_group is not None:  # HSDP: FSDP2's own replicate all-reduce, counted
-            module.set_all_reduce_hook(ReplicateCounter(stats))
-        elif replicate_pg is not None and group.shard_group is not None:
-            layout = group.layout(grads_only=True)
-            hook = ReplicateAllReduce(
-                plan=replicate_plan,
-                replicate=replicate_pg,
-                shard=group.shard_group,
-                # uncompressed: as native HSDP, NaN/Inf travel as they are
-                check=check if config.grads is not None else None,
-                layout=[(n, k) for n, k, _ in layout] if layout else None,
-                split=split_of(layout),
-                seed=config.seed,
-                bucket=2 * len(modules) + i,
-                stats=stats,
-                module_name=group.name,
-                params=group.params,
-                widths=widths,
-                width_key=i,
-                second_group=second,  # [Note: pipelined modules]
-                **({"pipeline": stale, "twins": twins} if stale and layout else {}),
-            )
-            stream = None  # FSDP2's all-reduce stream, unless pipelined on CUDA
-            if second is not None:
-                stream = _hook_stream(hook.params, piped, made)
-                piped += 1
-            module.set_all_reduce_hook(hook, **({} if stream is None else {"stream": stream}))
-            hooks.append(hook)
-            slots.append((i, 1))
-            if stale is not None and layout:
-                stale.add(hook, _grad_params(model, layout))
-        gather = None
-        if isinstance(weights, WeightDiffs):
-            gather = WeightDiffAllGather(
-                weights.spec,
-                clock=clock,
-                params=list(group.params),
-                resync_every=weights.resync_every,
-                check_replicas=weights.check_replicas,
-                **key,
-            )
-            gathers.append(gather)
-        elif isinstance(weights, QuantizedMaster):
-            params = _master_params(model, group)
-            gather = QuantizedMasterAllGather(weights.spec, clock=clock, params=params, **key)
-        elif isinstance(weights, QuantizedWeights):
-            layout = group.layout(grads_only=False)
-            gather = QuantizedAllGather(weights.spec, split=split_of(layout), **key)
-        if gather is not None:
-            module.set_custom_all_gather(gather)
-            hooks.append(gather)
-            slots.append((i, 0))
-        if plan is not None:
-            layout = group.layout(grads_only=True)
-            key["bucket"] += 1
-            if group.replicate_group is not None:  # [Note: noise per place in the group]
-                key["seed"] = qc.replica_seed(config.seed, group.replicate_group.rank())
-            reduce = QuantizedReduceScatter(
-                plan=plan,
-                check=check,
-                layout=[(n, k) for n, k, _ in layout] if layout else None,
-                split=split_of(layout),
-                params=group.params,
-                widths=widths,
-                width_key=i,
-                # [Note: widths per parameter]
-                param_widths=(param_keys[i], param_runs[i]) if i in param_keys else None,
-                pipeline=stale if layout else None,
-                twins=twins,
-                **key,
-            )
-            module.set_custom_reduce_scatter(reduce)
-            hooks.append(reduce)
-            slots.append((i, 1))
-            if stale is not None and layout:
-                stale.add(reduce, _grad_params(model, layout))
-    _INSTALLED[model] = _Installed(
+    second = twin_groups([replicate])[replicate.group_name] if pipeline else None
+    widths, param_widths = _widths(config, groups, plan=replicate_plan or plan, hsdp=replicate)
+    return _Shared(
         config=config,
-        stats=stats,
-        clock=clock,
-        gathers=gathers,
-        hooks=hooks,
-        slots=slots,
-        groups=len(groups),
-        pipeline=stale,
-        widths=widths,
-        decision=decision,
+        stats=CommStats(),
         check=check,
+        clock=clock,
+        reduce=plan,
+        replicate_plan=replicate_plan,
+        replicate=replicate,
+        stale=stale,
+        twins=twins,
+        second=second,
+        widths=widths,
+        param_widths=param_widths,
+        streams=SideStreams(2),
     )
 
-    _HOOKED.update(modules)
-    return model
+
+def _widths(
+    config: CompressionConfig,
+    groups: list[FSDPGroup],
+    *,
+    plan: qc.ReducePlan | None,
+    hsdp: dist.ProcessGroup | None,
+) -> tuple[WidthController | None, dict[int, tuple[list[int], list[tuple[int, int]]]]]:
+    """Adaptive widths ([Note: adaptive widths at run time]): the controller, a key per group
+    or, ``per_parameter``, per compressed parameter ([Note: widths per parameter])."""
+    if config.adaptive is None:
+        return None, {}
+    keys, per_param = len(groups), {}
+    if config.adaptive.per_parameter:  # one key per compressed parameter of each group
+        if hsdp is not None or config.staleness:
+            raise ValueError(
+                "AdaptiveWidths(per_parameter=True) is built for FSDP2's synchronous "
+                "reduce-scatter; under compressed HSDP or at staleness 1 use "
+                "per_parameter=False (a width per group)"
+            )
+        keys = 0
+        for i, group in enumerate(groups):
+            runs = compressed_runs(group.layout(grads_only=True), config.policy)
+            per_param[i] = (list(range(keys, keys + len(runs))), runs)
+            keys += len(runs)
+    widths = WidthController(
+        config.adaptive, reference=plan.width_spec.bits, keys=keys, seed=config.seed
+    )
+    return widths, per_param
+
+
+def _key(shared: _Shared, group: FSDPGroup, bucket: int) -> dict:
+    """A hook's noise key, byte counter and name."""
+    return dict(seed=shared.config.seed, stats=shared.stats, bucket=bucket, module_name=group.name)
+
+
+def _replicate_hook(
+    shared: _Shared, model: nn.Module, group: FSDPGroup, i: int, n_groups: int
+) -> ReplicateAllReduce | None:
+    """Compressed HSDP: group ``i``'s replicate all-reduce, installed with FSDP2's all-reduce
+    hook ([Note: compressed HSDP])."""
+    if shared.replicate is None or group.shard_group is None or group.replicate_group is not None:
+        return None
+    layout = group.layout(grads_only=True)
+    stale = shared.stale if layout else None
+    hook = ReplicateAllReduce(
+        plan=shared.replicate_plan,
+        replicate=shared.replicate,
+        shard=group.shard_group,
+        # uncompressed: as native HSDP, NaN/Inf travel as they are
+        check=shared.check if shared.config.grads is not None else None,
+        layout=[(n, k) for n, k, _ in layout] if layout else None,
+        split=shared.split(layout),
+        params=group.params,
+        widths=shared.widths,
+        width_key=i,
+        second_group=shared.second,  # [Note: pipelined modules]
+        **({"pipeline": stale, "twins": shared.twins} if stale else {}),
+        **_key(shared, group, 2 * n_groups + i),
+    )
+    stream = None  # FSDP2's all-reduce stream, unless pipelined on CUDA
+    if shared.second is not None:
+        stream = _hook_stream(hook.params, shared.piped, shared.streams)
+        shared.piped += 1
+    group.module.set_all_reduce_hook(hook, **({} if stream is None else {"stream": stream}))
+    if stale is not None:
+        stale.add(hook, _grad_params(model, layout))
+    return hook
+
+
+def _gather_hook(shared: _Shared, model: nn.Module, group: FSDPGroup, i: int):
+    """Group ``i``'s weight all-gather as the config's weights say (None: FSDP2's own)."""
+    weights, key = shared.config.weights, _key(shared, group, 2 * i)
+    if isinstance(weights, WeightDiffs):
+        gather = WeightDiffAllGather(
+            weights.spec,
+            clock=shared.clock,
+            params=list(group.params),
+            resync_every=weights.resync_every,
+            check_replicas=weights.check_replicas,
+            **key,
+        )
+    elif isinstance(weights, QuantizedMaster):
+        params = _master_params(model, group)
+        gather = QuantizedMasterAllGather(weights.spec, clock=shared.clock, params=params, **key)
+    elif isinstance(weights, QuantizedWeights):
+        layout = group.layout(grads_only=False)
+        gather = QuantizedAllGather(weights.spec, split=shared.split(layout), **key)
+    else:
+        return None
+    group.module.set_custom_all_gather(gather)
+    return gather
+
+
+def _reduce_hook(
+    shared: _Shared, model: nn.Module, group: FSDPGroup, i: int
+) -> QuantizedReduceScatter | None:
+    """Group ``i``'s gradient reduce-scatter through the plan (None: FSDP2's own)."""
+    if shared.reduce is None:
+        return None
+    layout = group.layout(grads_only=True)
+    key = _key(shared, group, 2 * i + 1)
+    if group.replicate_group is not None:  # [Note: noise per place in the group]
+        key["seed"] = qc.replica_seed(shared.config.seed, group.replicate_group.rank())
+    stale = shared.stale if layout else None
+    reduce = QuantizedReduceScatter(
+        plan=shared.reduce,
+        check=shared.check,
+        layout=[(n, k) for n, k, _ in layout] if layout else None,
+        split=shared.split(layout),
+        params=group.params,
+        widths=shared.widths,
+        width_key=i,
+        param_widths=shared.param_widths.get(i),  # [Note: widths per parameter]
+        pipeline=stale,
+        twins=shared.twins,
+        **key,
+    )
+    group.module.set_custom_reduce_scatter(reduce)
+    if stale is not None:
+        stale.add(reduce, _grad_params(model, layout))
+    return reduce
 
 
 def _auto(

@@ -9,7 +9,7 @@ side by side in one run on the same weights and batches: ``ddp-fp32`` (DDP's own
 through ``qsdp.ddp.register`` (``NAME+s1``: the recipe at staleness 1, whose steps apply the
 previous step's gradient while their own reduction overlaps the next step; their step ends
 when the compute stream is done; ``+ef``: with error feedback; ``+g256``: gradient groups of
-256 elements; ``+pipe``: ``register(..., pipeline=True)``; ``+prop``:
+256 elements; ``+pipe``: ``Schedule(pipeline=True)``; ``+prop``:
 ``nonfinite="propagate"``, no NaN/Inf check at all; ``+bN``, on any variant, baselines
 included: DDP buckets of N MiB instead of ``--bucket-mb``; e.g. ``cgx+ef+g256``,
 ``bf16_compress_hook+b100``). Each figure is set against two bounds measured in the same run:
@@ -112,23 +112,20 @@ def run_variant(name: str, a, cfg, device: torch.device, rank: int) -> dict:
     elif base == "auto":  # measures DDP's group and picks (qsdp.policy.auto)
         qsdp_state = qsdp.ddp.register(model, "auto")
     elif base != "ddp-fp32":
-        config = qsdp.recipe(
-            base,
-            staleness=1 if "s1" in options else 0,
-            # +prop: no NaN/Inf check at all
-            **({"nonfinite": "propagate"} if "prop" in options else {}),
-        )
+        # +prop: no NaN/Inf check at all
+        config = qsdp.recipe(base, **({"nonfinite": "propagate"} if "prop" in options else {}))
         group = variants.group_size(options)
         if group:  # +gN: gradients in groups of N
             config = variants.with_group_size(config, group)
+        schedule = qsdp.Schedule(staleness=int("s1" in options), pipeline="pipe" in options)
         qsdp_state = qsdp.ddp.register(
-            model, config, error_feedback="ef" in options, pipeline="pipe" in options
+            model, config, schedule=schedule, error_feedback="ef" in options
         )
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
     amp = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
     times, losses, compute = [], [], []
     numel = sum(p.numel() for p in model.parameters())
-    stale = qsdp_state is not None and qsdp_state.config.staleness
+    stale = qsdp_state is not None and qsdp_state.schedule.staleness
     # a stale step ends when the compute stream is done: its reduction runs on into the next
     # step (that is the point); a synchronous step's compute stream waits for every reduction
     step_sync = profiling.compute_sync if stale else profiling.sync

@@ -160,9 +160,9 @@ def build(
     if recipe is None or recipe == "compute-alone":
         return model
     # NAME+s1: the recipe at staleness 1 (+local: predicting from each rank's own gradient);
-    # NAME+own: its reduce-scatters on their own communicator (own_reduce_group); NAME+pipe
-    # (--hsdp): compress_fsdp(..., pipeline=True); NAME+prop: nonfinite="propagate"; NAME+gN:
-    # gradients in groups of N
+    # NAME+own: its reduce-scatters on their own communicator (Schedule.own_reduce_group; off
+    # without it, also for qsdp-w8g8); NAME+pipe (--hsdp): Schedule(pipeline=True); NAME+prop:
+    # nonfinite="propagate"; NAME+gN: gradients in groups of N
     name, *options = recipe.split("+")
     group = variants.group_size(options)
     if (
@@ -180,19 +180,20 @@ def build(
         if hsdp is not None:
             return qsdp.compress_fsdp(model, "auto", replicate=hsdp["replicate"])
         return qsdp.compress_fsdp(model, "auto", mesh=mesh)
-    config = qsdp.recipe(
-        name,
+    # +prop: no NaN/Inf check at all
+    config = qsdp.recipe(name, **({"nonfinite": "propagate"} if "prop" in options else {}))
+    schedule = qsdp.Schedule(
         staleness=int("s1" in options),
         own_reduce_group="own" in options,
-        # +prop: no NaN/Inf check at all
-        **({"nonfinite": "propagate"} if "prop" in options else {}),
+        pipeline="pipe" in options,
     )
     if group:
         config = variants.with_group_size(config, group)
     if hsdp is not None:
-        qsdp.compress_fsdp(model, config, replicate=hsdp["replicate"], pipeline="pipe" in options)
+        qsdp.compress_fsdp(model, config, replicate=hsdp["replicate"], schedule=schedule)
     else:
-        qsdp.compress_fsdp(model, config, mesh=mesh if config.two_level else None)
+        two_level = mesh if config.two_level else None
+        qsdp.compress_fsdp(model, config, mesh=two_level, schedule=schedule)
     return model
 
 

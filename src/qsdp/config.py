@@ -39,6 +39,7 @@ __all__ = [
     "QuantizedGrads",
     "QuantizedMaster",
     "QuantizedWeights",
+    "Schedule",
     "TwoLevelGrads",
     "WeightDiffs",
     "recipe",
@@ -268,24 +269,10 @@ class CompressionConfig:
     error feedback keeps small tensors accurate)."""
     seed: int = 0
     """Key of the stochastic-rounding noise, the same on every rank (streams differ by rank)."""
-    staleness: int = 0
-    """``1``: each step applies the previous step's reduced gradient while its own gradient's
-    reduction overlaps the next step (bounded staleness, the elastic-consistency seed); ``0``:
-    synchronous. For DDP (``qsdp.ddp.register``, its [Note: staleness 1]), FSDP2 and compressed
-    HSDP (``compress_fsdp``, [Note: staleness 1 in FSDP2]); ``qsdp.StalenessGate`` bounds it."""
     adaptive: AdaptiveWidths | None = None
     """Adaptive widths of the gradient quantizer (``QuantizedGrads``; ``TwoLevelGrads``: its
     inter-node width); the config's width is the reference whose total error a plan may not
     exceed. FSDP2 reduce-scatter and DDP all-reduce."""
-    own_reduce_group: bool = False
-    """FSDP2: run the gradient reduce-scatter on a communicator of its own (a second process
-    group over FSDP's ranks, made by ``compress_fsdp``). NCCL runs one communicator's collectives
-    in issue order, so on FSDP2's group a reduce-scatter and the next block's weight all-gather
-    (FSDP2 re-gathers in the backward) queue behind each other; on two communicators they share a
-    full-duplex link. Costs one more communicator's NCCL buffers. Staleness 1 always does this;
-    the recipes whose weights are gathered again in the backward (``qsdp-w8g8``,
-    ``qsdp-quantized-master``) do it by default (4x H200 over sockets: 0.983 s against 1.217 s
-    per step of the 1.42 B GPT; on NVLink 5% slower, where ``auto`` keeps compression off)."""
 
     def __post_init__(self) -> None:
         if self.weights is not None and not isinstance(self.weights, Weights):
@@ -329,21 +316,70 @@ class CompressionConfig:
                     f"AdaptiveWidths.widths={self.adaptive.widths} must include the gradients' "
                     f"own width {spec.bits}: it is the reference a plan may not be worse than"
                 )
-        if not isinstance(self.own_reduce_group, bool):
-            raise TypeError(
-                f"CompressionConfig.own_reduce_group={self.own_reduce_group!r} must be a bool"
-            )
-        if self.staleness not in (0, 1) or isinstance(self.staleness, bool):
-            raise ValueError(
-                f"CompressionConfig.staleness={self.staleness!r} must be 0 (synchronous) or 1 "
-                "(apply the previous step's gradient while this step's reduction overlaps the "
-                "next step)"
-            )
 
     @property
     def two_level(self) -> bool:
         """Whether the gradients want a 2-D (inter-node, intra-node) mesh."""
         return isinstance(self.grads, TwoLevelGrads)
+
+
+# --- when and where it crosses ----------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class Schedule:
+    """When, and on which communicators, a config's collectives run; never what crosses the
+    wire (that is :class:`CompressionConfig`).
+
+    [Note: what and when]
+    A :class:`CompressionConfig` says what each collective sends (quantizers, policy, NaN/Inf
+    handling, seed): two ranks must agree on it to decode each other, a checkpoint records it.
+    A ``Schedule`` says when the reductions run (synchronously or one step late) and on which
+    communicators (FSDP2's own or a second one; one or two for an all-reduce's exchanges). The
+    same config runs under any schedule, and the same schedule under any config: ``"auto"``
+    picks a config, never a schedule (it only turns ``pipeline`` off, and says so, when it
+    picks uncompressed gradients).
+    """
+
+    staleness: int = 0
+    """``1``: each step applies the previous step's reduced gradient while its own gradient's
+    reduction overlaps the next step (bounded staleness, the elastic-consistency seed); ``0``:
+    synchronous. DDP ([Note: staleness 1] in ``qsdp/ddp/hook.py``), FSDP2 and compressed HSDP
+    ([Note: staleness 1 in FSDP2]); ``qsdp.StalenessGate`` bounds it."""
+    own_reduce_group: bool | None = None
+    """FSDP2: run the gradient reduce-scatters on a communicator of their own (a second
+    process group over FSDP's ranks). NCCL runs one communicator's collectives in issue order,
+    so on FSDP2's group a reduce-scatter and the next block's weight all-gather (FSDP2
+    re-gathers in the backward) queue behind each other; on two they share a full-duplex link.
+    Costs one more communicator's NCCL buffers. ``None`` (default): on when the weights are
+    gathered again in the backward (``QuantizedWeights``, ``QuantizedMaster``: 4x H200 over
+    sockets 0.983 s against 1.217 s per step of the 1.42 B GPT with ``qsdp-w8g8``; on NVLink
+    5% slower, where ``auto`` keeps compression off). Staleness 1 always does it."""
+    pipeline: bool = False
+    """Compressed HSDP (``replicate=``) and DDP: the compressed all-reduce's later exchange
+    (CGX's phase 2, Global-QSGD's SUM) on a second communicator and the hooks on two
+    alternating streams, so one module's (bucket's) exchange overlaps the next one's; the same
+    bits. Not with staleness 1 under FSDP2 (its reductions overlap already)."""
+
+    def __post_init__(self) -> None:
+        if self.staleness not in (0, 1) or isinstance(self.staleness, bool):
+            raise ValueError(
+                f"Schedule.staleness={self.staleness!r} must be 0 (synchronous) or 1 (apply the "
+                "previous step's gradient while this step's reduction overlaps the next step)"
+            )
+        if self.own_reduce_group is not None and not isinstance(self.own_reduce_group, bool):
+            raise TypeError(
+                f"Schedule.own_reduce_group={self.own_reduce_group!r} must be a bool or None"
+            )
+        if not isinstance(self.pipeline, bool):
+            raise TypeError(f"Schedule.pipeline={self.pipeline!r} must be a bool")
+
+    def own_group(self, config: CompressionConfig) -> bool:
+        """Whether ``config``'s FSDP2 reduce-scatters run on their own communicator
+        (:attr:`own_reduce_group`, or its default for this config)."""
+        if self.staleness:
+            return True
+        if self.own_reduce_group is not None:
+            return self.own_reduce_group
+        return isinstance(config.weights, (QuantizedWeights, QuantizedMaster))
 
 
 # --- the recipes ----------------------------------------------------------------------------
@@ -371,10 +407,10 @@ def _tlq(hadamard: bool) -> TwoLevelGrads:
 #: Named recipes: what each compresses (``qsdp.recipe(name)`` builds one).
 RECIPES: dict[str, Callable[[], CompressionConfig]] = {
     "bf16": lambda: CompressionConfig(),
-    # QSDP re-gathers its weights in the backward: its reduce-scatters on a communicator of
-    # their own (own_reduce_group; 4x H200 sockets 0.983 s against 1.217 s, NVLink +5%)
+    # QSDP re-gathers its weights in the backward: its reduce-scatters run on a communicator
+    # of their own by default (Schedule.own_reduce_group)
     "qsdp-w8g8": lambda: CompressionConfig(
-        weights=QuantizedWeights(spec=_W8), grads=QuantizedGrads(spec=_G8), own_reduce_group=True
+        weights=QuantizedWeights(spec=_W8), grads=QuantizedGrads(spec=_G8)
     ),
     # QSDP's convergence theorem: the master weights live on an 8-bit randomly shifted lattice.
     "qsdp-quantized-master": lambda: CompressionConfig(
@@ -382,7 +418,6 @@ RECIPES: dict[str, Callable[[], CompressionConfig]] = {
             spec=QuantSpec(bits=8, group_size=128, scheme="shift-lattice", rounding="stochastic")
         ),
         grads=QuantizedGrads(spec=_G8),
-        own_reduce_group=True,
     ),
     "qsdp-g8": lambda: CompressionConfig(grads=QuantizedGrads(spec=_G8)),
     # CGX: 4-bit min-max gradients, stochastic rounding (QSGD's), in groups (CGX's "buckets") of
@@ -413,6 +448,14 @@ def recipe(name: str, **overrides: object) -> CompressionConfig:
     base = RECIPES[name]()
     fields = {f.name for f in dataclasses.fields(CompressionConfig)}
     unknown = sorted(set(overrides) - fields)
+    moved = sorted(set(unknown) & {f.name for f in dataclasses.fields(Schedule)})
+    if moved:
+        shown = ", ".join(f"{k}={overrides[k]!r}" for k in moved)
+        raise TypeError(
+            f"recipe({name!r}, {shown}): {', '.join(moved)} says when the collectives run, not "
+            f"what crosses the wire ([Note: what and when]): pass schedule=qsdp.Schedule({shown})"
+            " to compress_fsdp or qsdp.ddp.register"
+        )
     if unknown:
         raise TypeError(
             f"recipe({name!r}) got unknown overrides {unknown}; CompressionConfig has "
@@ -421,10 +464,16 @@ def recipe(name: str, **overrides: object) -> CompressionConfig:
     return dataclasses.replace(base, **overrides) if overrides else base
 
 
-def describe(config: CompressionConfig) -> str:
+def describe(config: CompressionConfig, schedule: Schedule | None = None) -> str:
     """``config`` as a checkpoint records it: the named recipe it equals (with the fields that
-    differ from it) or its full ``repr``. Two configs are the same exactly when their
+    differ from it) or its full ``repr``, and ``schedule``'s staleness (what a checkpoint's
+    state depends on: the reductions in flight). Two are the same exactly when their
     descriptions are (see :func:`check_saved`)."""
+    text = _describe(config)
+    return text + " at staleness 1" if schedule is not None and schedule.staleness else text
+
+
+def _describe(config: CompressionConfig) -> str:
     for name, build in RECIPES.items():
         base = build()
         changed = {
@@ -441,12 +490,12 @@ def describe(config: CompressionConfig) -> str:
 _RECORD_BYTES = 512
 
 
-def config_record(config: CompressionConfig) -> torch.Tensor:
+def config_record(config: CompressionConfig, schedule: Schedule | None = None) -> torch.Tensor:
     """:func:`describe` of ``config`` as a checkpoint keeps it: a uint8 tensor of a fixed
     size (so that another config's record loads into it and :func:`check_saved` can say what
     was saved): the description's UTF-8 bytes (cut at 504) and, in the last 8, a digest of the
     whole description."""
-    text = describe(config).encode()
+    text = describe(config, schedule).encode()
     out = torch.zeros(_RECORD_BYTES, dtype=torch.uint8)
     shown = text[: _RECORD_BYTES - 8]
     out[: len(shown)] = torch.frombuffer(bytearray(shown), dtype=torch.uint8)
@@ -454,18 +503,24 @@ def config_record(config: CompressionConfig) -> torch.Tensor:
     return out
 
 
-def check_saved(saved: torch.Tensor, config: CompressionConfig, *, what: str) -> None:
+def check_saved(
+    saved: torch.Tensor,
+    config: CompressionConfig,
+    schedule: Schedule | None = None,
+    *,
+    what: str,
+) -> None:
     """Raise ``ValueError`` unless a checkpoint's record (``saved``, from
     :func:`config_record`) is ``config``'s: its counters, widths and reductions in flight
     belong to that config's collectives."""
-    mine = config_record(config)
+    mine = config_record(config, schedule)
     saved = saved.detach().cpu().to(torch.uint8).reshape(-1)
     if saved.numel() == mine.numel() and torch.equal(saved[-8:], mine[-8:]):
         return
     shown = bytes(saved[:-8].tolist()).rstrip(b"\0").decode(errors="replace")
     raise ValueError(
         f"{what}: this checkpoint's qsdp state was saved with {shown}; the model is "
-        f"compressed with {describe(config)}. Compress the model as it was when saved, or load "
-        "the model and optimizer without the qsdp state (the run then draws new "
-        "stochastic-rounding noise)"
+        f"compressed with {describe(config, schedule)}. Compress the model as it was when "
+        "saved, or load the model and optimizer without the qsdp state (the run then draws "
+        "new stochastic-rounding noise)"
     )

@@ -30,7 +30,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from qsdp import CompressionConfig, recipe
+from qsdp import CompressionConfig, Schedule, recipe
 from qsdp import ddp as qddp
 from qsdp.comm import CommStats
 from qsdp.fsdp import comm_state, compress_fsdp, fsdp_comm_stats, fsdp_groups
@@ -56,6 +56,8 @@ class Parallel:
     """The collectives' ``torch.distributed.checkpoint`` ``Stateful``."""
     config: CompressionConfig | None = None
     """The compression config the model runs (for ``"auto"``: the recipe it chose)."""
+    schedule: Schedule = Schedule()
+    """When and on which communicators its collectives run."""
     bf16_autocast: bool = False
     shard_size: int = 1
     """Ranks a parameter is sharded over (the world for FSDP2, a node for HSDP, 1 for DDP)."""
@@ -101,7 +103,7 @@ class Parallel:
         plain_ag = 0 if config.weights is not None else ag
         if self.mode == "fsdp":
             # staleness and an own reduce group move FSDP2's reduction into a counted hook
-            hooked = config.grads is not None or config.staleness or config.own_reduce_group
+            hooked = config.grads is not None or self.schedule.own_group(config)
             return (ag, rs, 0), (plain_ag, 0 if hooked else rs, 0)
         # HSDP: FSDP2's own reduce-scatter inside the node; the replicate all-reduce of the
         # fp32 shard, counted by qsdp's hook (compressed or not)
@@ -152,7 +154,7 @@ def build(
     config: CompressionConfig | str | None = None,
     error_feedback: bool = False,
     ddp_bucket_mb: float | None = None,
-    pipeline: bool = False,
+    schedule: Schedule | None = None,
 ) -> Parallel:
     """Build the GPT on ``device`` from ``seed`` and parallelise it as ``mode`` says."""
     if mode not in MODES:
@@ -161,13 +163,14 @@ def build(
     with device:
         gpt = GPT(mc)
     config = config or recipe(recipe_name)  # the recipe with the run's overrides
+    schedule = schedule or Schedule()
     if mode == "ddp":
         model = DDP(
             gpt,
             device_ids=[device.index] if device.type == "cuda" else None,
             **({"bucket_cap_mb": ddp_bucket_mb} if ddp_bucket_mb is not None else {}),
         )
-        state = qddp.register(model, config, error_feedback=error_feedback, pipeline=pipeline)
+        state = qddp.register(model, config, schedule=schedule, error_feedback=error_feedback)
         return Parallel(
             mode,
             model,
@@ -175,6 +178,7 @@ def build(
             state.stats,
             state,
             config=state.config,
+            schedule=state.schedule,
             bf16_autocast=bf16,
         )
     mp = (
@@ -192,11 +196,12 @@ def build(
         fully_shard(block, mesh=shard_mesh, mp_policy=mp)
     fully_shard(gpt, mesh=shard_mesh, mp_policy=mp)
     if mode == "hsdp":
-        compress_fsdp(gpt, config, replicate=replicate, pipeline=pipeline)
+        compress_fsdp(gpt, config, replicate=replicate, schedule=schedule)
     elif config == "auto":  # it may choose two levels on the mesh
-        compress_fsdp(gpt, config, mesh=_mesh(device, two_level, nodes))
+        compress_fsdp(gpt, config, mesh=_mesh(device, two_level, nodes), schedule=schedule)
     else:
-        compress_fsdp(gpt, config, mesh=_mesh(device, two_level and config.two_level, nodes))
+        mesh = _mesh(device, two_level and config.two_level, nodes)
+        compress_fsdp(gpt, config, mesh=mesh, schedule=schedule)
     shard = shard_mesh.size() if shard_mesh is not None else ws
     state = comm_state(gpt)
     return Parallel(
@@ -206,6 +211,7 @@ def build(
         fsdp_comm_stats(gpt),
         state,
         config=state.config,
+        schedule=state.schedule,
         shard_size=shard,
         replica_group=replicate.get_group() if replicate is not None else None,
     )

@@ -37,6 +37,7 @@ from qsdp import (
     AdaptiveWidths,
     CompressionConfig,
     QuantizedGrads,
+    Schedule,
     TwoLevelGrads,
     decode,
     encode,
@@ -181,7 +182,7 @@ class TrainConfig:
     (docs/results.md, DDP)."""
     pipeline: bool = False
     """``ddp`` or ``hsdp`` with compressed gradients (or ``auto``, when it compresses):
-    ``qsdp.ddp.register(..., pipeline=True)`` or ``compress_fsdp(..., pipeline=True)``, one
+    ``Schedule(pipeline=True)`` for ``qsdp.ddp.register`` or ``compress_fsdp``, one
     bucket's (module's) later exchange overlapping the next one's on a second communicator (the
     same results)."""
     nodes: int | None = None
@@ -320,8 +321,12 @@ class TrainConfig:
                 "gradient-only recipe with --ddp: cgx, qsdp-g8, global-qsgd or bf16"
             )
 
+    def schedule(self) -> Schedule:
+        """When the collectives run: ``--staleness``, ``--pipeline``."""
+        return Schedule(staleness=self.staleness, pipeline=self.pipeline)
+
     def compression(self) -> CompressionConfig | str:
-        """The recipe with this run's overrides (staleness, adaptive widths); ``"auto"`` is
+        """The recipe with this run's overrides (adaptive widths, group size); ``"auto"`` is
         decided when the model is built (``Parallel.config`` then holds the choice)."""
         if self.recipe == "auto":
             return "auto"
@@ -333,7 +338,7 @@ class TrainConfig:
                 per_parameter=self.adaptive_per_parameter,
                 error=self.adaptive_error,
             )
-        config = recipe(self.recipe, staleness=self.staleness, adaptive=adaptive)
+        config = recipe(self.recipe, adaptive=adaptive)
         changes = {"rounding": self.grad_rounding, "group_size": self.grad_group_size}
         changes = {k: v for k, v in changes.items() if v is not None}
         if changes:  # QuantizedGrads (checked above); QuantSpec checks the values
@@ -520,7 +525,10 @@ def train_rank(cfg: TrainConfig, data: TokenData, device: torch.device) -> dict:
         error_feedback=cfg.error_feedback,
         ddp_bucket_mb=cfg.ddp_bucket_mb,
         # (a resumed "auto" that chose no compression has nothing to pipeline)
-        pipeline=cfg.pipeline and (resumed is None or resumed.grads is not None),
+        schedule=dataclasses.replace(
+            cfg.schedule(),
+            pipeline=cfg.pipeline and (resumed is None or resumed.grads is not None),
+        ),
         # "auto" resumes with the recipe it chose, never a new measurement's
         config=resumed if resumed is not None else compression,
     )

@@ -89,7 +89,7 @@ def _ddp_checked(rank: int, world: int) -> None:
     for check in ("0", "1"):
         os.environ["QSDP_CHECK_CALLS"] = check
         ddp = DDP(classifier(), bucket_cap_mb=0.01)  # several buckets, a policy split each
-        qsdp.ddp.register(ddp, "cgx", error_feedback=True, pipeline=True)
+        qsdp.ddp.register(ddp, "cgx", error_feedback=True, schedule=qsdp.Schedule(pipeline=True))
         runs.append(train(ddp, rank, 4))
         ddp2 = DDP(classifier(), bucket_cap_mb=0.01)
         qsdp.ddp.register(ddp2, "global-qsgd")

@@ -32,7 +32,12 @@ def _train(
     ddp = DDP(_model(), bucket_cap_mb=bucket_mb)
     hook = None
     if recipe:
-        hook = qsdp.ddp.register(ddp, recipe, error_feedback=error_feedback, pipeline=pipeline)
+        hook = qsdp.ddp.register(
+            ddp,
+            recipe,
+            error_feedback=error_feedback,
+            schedule=qsdp.Schedule(pipeline=pipeline),
+        )
     losses = train(ddp, rank, STEPS)
     for p in ddp.parameters():
         assert_same_on_all_ranks(p.detach())  # replicas bit-identical after training
@@ -241,8 +246,8 @@ def _pipelined(rank: int, world: int) -> None:
         for p, q in zip(ddp_one.parameters(), ddp_two.parameters(), strict=True):
             assert torch.equal(p, q)
         assert hook_one.stats.total_bytes == hook_two.stats.total_bytes > 0
-    with pytest.raises(ValueError, match="pipeline=True runs a compressed all-reduce's later"):
-        qsdp.ddp.register(DDP(_model()), "bf16", pipeline=True)
+    with pytest.raises(ValueError, match=r"Schedule\(pipeline=True\) runs a compressed all-reduce"):
+        qsdp.ddp.register(DDP(_model()), "bf16", schedule=qsdp.Schedule(pipeline=True))
 
 
 def test_pipelined_buckets_train_the_same_bits():

@@ -90,7 +90,7 @@ def _stale_vs_by_hand(rank: int, world: int) -> None:
             nn.Embedding(512, D), nn.Flatten(), nn.Linear(4 * D, D), nn.GELU(), nn.Linear(D, 512)
         ).to(dev)
         ddp = DDP(model, device_ids=[dev.index], bucket_cap_mb=0.25)
-        hook = qsdp.ddp.register(ddp, qsdp.recipe("cgx", staleness=staleness))
+        hook = qsdp.ddp.register(ddp, "cgx", schedule=qsdp.Schedule(staleness=staleness))
         return ddp, hook, torch.optim.AdamW(ddp.parameters(), lr=3e-3)
 
     def loss(ddp, step):
@@ -125,7 +125,7 @@ def _local_estimates_on_nccl(rank: int, world: int) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Embedding(512, D), nn.Flatten(), nn.Linear(4 * D, 512)).to(dev)
     ddp = DDP(model, device_ids=[dev.index], bucket_cap_mb=0.25)
-    hook = qsdp.ddp.register(ddp, qsdp.recipe("bf16", staleness=1))
+    hook = qsdp.ddp.register(ddp, "bf16", schedule=qsdp.Schedule(staleness=1))
     opt = torch.optim.AdamW(ddp.parameters(), lr=3e-3)
     qsdp.WeightPrediction(opt, local=hook)  # the hook keeps the estimates from now on
     x = torch.randint(0, 512, (32, 4), generator=torch.Generator().manual_seed(7)).to(dev)
@@ -205,7 +205,10 @@ def _backward_syncs(rank: int, world: int) -> dict[str, str]:
         ddp = DDP(model.to(dev), device_ids=[dev.index], bucket_cap_mb=0.25)
         config = qsdp.recipe(name, **extra)  # the default NaN/Inf check included
         qsdp.ddp.register(
-            ddp, config, error_feedback=feedback is True, pipeline=feedback == "pipeline"
+            ddp,
+            config,
+            error_feedback=feedback is True,
+            schedule=qsdp.Schedule(pipeline=feedback == "pipeline"),
         )
         x = torch.randn(64, D, device=dev)
         out[label] = "none"
@@ -245,7 +248,7 @@ def _pipelined_on_nccl(rank: int, world: int) -> dict[str, float]:
             torch.manual_seed(0)
             model = nn.Sequential(nn.Linear(D, 4 * D), nn.GELU(), nn.Linear(4 * D, D)).to(dev)
             ddp = DDP(model, device_ids=[dev.index], bucket_cap_mb=0.25)
-            qsdp.ddp.register(ddp, recipe, pipeline=pipeline)
+            qsdp.ddp.register(ddp, recipe, schedule=qsdp.Schedule(pipeline=pipeline))
             opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
             for step in range(10):
                 g = torch.Generator().manual_seed(100 * step + rank)
@@ -283,8 +286,10 @@ def _pool_streams_taken(rank: int, world: int) -> dict[str, int]:
         name, *option = label.split("+")
         state = None
         if name != "ddp":
-            config = qsdp.recipe(name, staleness=1 if option == ["s1"] else 0)
-            state = qsdp.ddp.register(ddp, config, pipeline=option == ["pipeline"])
+            schedule = qsdp.Schedule(
+                staleness=1 if option == ["s1"] else 0, pipeline=option == ["pipeline"]
+            )
+            state = qsdp.ddp.register(ddp, name, schedule=schedule)
         x = torch.randn(64, D, device=dev)
         for step in range(3):
             ddp.zero_grad()
@@ -322,7 +327,9 @@ def _nan_on_nccl(rank: int, world: int, mode: str, name: str, pipeline: bool) ->
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(D, 4 * D), nn.GELU(), nn.Linear(4 * D, D)).to(dev)
     ddp = DDP(model, device_ids=[dev.index], bucket_cap_mb=0.25)  # several buckets
-    state = qsdp.ddp.register(ddp, qsdp.recipe(name, nonfinite=mode), pipeline=pipeline)
+    state = qsdp.ddp.register(
+        ddp, qsdp.recipe(name, nonfinite=mode), schedule=qsdp.Schedule(pipeline=pipeline)
+    )
     verdict, finite, steps = "ok", [], 0
     for step in range(3):
         g = torch.Generator().manual_seed(1000 * step + rank)

@@ -29,7 +29,7 @@ def _loss(ddp: DDP, rank: int, step: int) -> torch.Tensor:
 
 def _build(recipe: str, staleness: int):
     ddp = DDP(classifier(), bucket_cap_mb=0.01)  # several buckets, rebuilt after the first step
-    hook = qsdp.ddp.register(ddp, qsdp.recipe(recipe, staleness=staleness))
+    hook = qsdp.ddp.register(ddp, recipe, schedule=qsdp.Schedule(staleness=staleness))
     return ddp, hook, torch.optim.AdamW(ddp.parameters(), lr=3e-3)
 
 
@@ -137,7 +137,10 @@ def _refusals(rank: int, world: int) -> None:
 def test_refusals():
     for bad in (2, -1, True, 0.5):
         with pytest.raises(ValueError, match="staleness"):
-            qsdp.recipe("cgx", staleness=bad)
+            qsdp.Schedule(staleness=bad)
+    # staleness says when, not what: a recipe override names where it went
+    with pytest.raises(TypeError, match=r"schedule=qsdp.Schedule\(staleness=1\)"):
+        qsdp.recipe("cgx", staleness=1)
     run_distributed(_refusals, 1)
 
 

@@ -27,7 +27,7 @@ pytestmark = [
 RECIPES = ("qsdp-w8g8", "global-qsgd", "sdp4bit", "qsdp-quantized-master")
 
 
-def _build(recipe: str | None, ws: int, reduce_dtype: torch.dtype, config=None):
+def _build(recipe: str | None, ws: int, reduce_dtype: torch.dtype, config=None, schedule=None):
     torch.manual_seed(0)
     dev = torch.device("cuda", torch.cuda.current_device())
     with dev:
@@ -44,7 +44,7 @@ def _build(recipe: str | None, ws: int, reduce_dtype: torch.dtype, config=None):
         shape = (2, ws // 2) if ws % 2 == 0 else (1, ws)
         mesh = init_device_mesh("cuda", shape, mesh_dim_names=("inter", "intra"))
     if config is not None or recipe is not None:
-        qsdp.compress_fsdp(model, config or recipe, mesh=mesh)
+        qsdp.compress_fsdp(model, config or recipe, mesh=mesh, schedule=schedule)
     return model, dev
 
 
@@ -140,7 +140,7 @@ def _stale_vs_by_hand(rank: int, ws: int, recipe: str, predict: bool) -> None:
         loss.backward()
 
     batches = list(_batches(rank, ws))[:6]
-    stale, dev = _build(recipe, ws, torch.float32, config=qsdp.recipe(recipe, staleness=1))
+    stale, dev = _build(recipe, ws, torch.float32, schedule=qsdp.Schedule(staleness=1))
     opt = torch.optim.AdamW(stale.parameters(), lr=3e-3)
     state = qsdp.fsdp.comm_state(stale)
     prediction = qsdp.WeightPrediction(opt) if predict else None
@@ -204,7 +204,7 @@ def _delay_streams(rank: int, ws: int, recipe: str) -> dict:
     mesh = None
     if qsdp.recipe(recipe).two_level:
         mesh = init_device_mesh("cuda", (2, ws // 2), mesh_dim_names=("inter", "intra"))
-    qsdp.compress_fsdp(model, qsdp.recipe(recipe, staleness=1), mesh=mesh)
+    qsdp.compress_fsdp(model, recipe, mesh=mesh, schedule=qsdp.Schedule(staleness=1))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     for batch in list(_batches(rank, ws))[:2]:
         _train_step(model, opt, dev, batch)
@@ -251,8 +251,7 @@ def _local_estimates_on_nccl(rank: int, ws: int, recipe: str) -> None:
     and the copy of FSDP2's input buffer are what only CUDA can get wrong). Two levels
     (``tlq-hs-only`` on 2 x 2): the estimate is the node's average, written on the hook's
     stream mid-reduction (an event orders its reads); equal up to the codes of both levels."""
-    config = qsdp.recipe(recipe, staleness=1)
-    model, dev = _build(recipe, ws, torch.float32, config=config)
+    model, dev = _build(recipe, ws, torch.float32, schedule=qsdp.Schedule(staleness=1))
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     state = qsdp.fsdp.comm_state(model)
     qsdp.WeightPrediction(opt, local=state)  # the hooks keep the estimates from now on
@@ -337,7 +336,7 @@ def _backward_syncs(rank: int, ws: int) -> dict[str, str]:
         for name in (*RECIPES, "cgx")
     }
     builds["sdp4bit+s1"] = lambda: _build(
-        "sdp4bit", ws, torch.bfloat16, config=qsdp.recipe("sdp4bit", staleness=1)
+        "sdp4bit", ws, torch.bfloat16, schedule=qsdp.Schedule(staleness=1)
     )[0]
     if ws % 2 == 0:
         builds["hsdp-cgx"] = lambda: _hsdp(ws, dev, pipeline=False)
@@ -371,7 +370,9 @@ def _hsdp(ws: int, dev: torch.device, *, pipeline: bool) -> nn.Module:
     for block in model.blocks:
         fully_shard(block, mesh=mesh["shard"], mp_policy=mp)
     fully_shard(model, mesh=mesh["shard"], mp_policy=mp)
-    return qsdp.compress_fsdp(model, "cgx", replicate=mesh["replicate"], pipeline=pipeline)
+    return qsdp.compress_fsdp(
+        model, "cgx", replicate=mesh["replicate"], schedule=qsdp.Schedule(pipeline=pipeline)
+    )
 
 
 def test_the_hooks_never_make_the_host_wait_on_nccl():
@@ -400,7 +401,9 @@ def _pipelined_hsdp(rank: int, ws: int, reduce_dtype: torch.dtype) -> None:
         for block in model.blocks:
             fully_shard(block, mesh=mesh["shard"], mp_policy=mp)
         fully_shard(model, mesh=mesh["shard"], mp_policy=mp)
-        qsdp.compress_fsdp(model, "cgx", replicate=mesh["replicate"], pipeline=pipeline)
+        qsdp.compress_fsdp(
+            model, "cgx", replicate=mesh["replicate"], schedule=qsdp.Schedule(pipeline=pipeline)
+        )
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
         for batch in list(_batches(rank, ws))[:8]:
             _train_step(model, opt, dev, batch)

@@ -64,7 +64,12 @@ def _pipelined(rank: int, world: int) -> None:
         out = []
         for pipeline in (False, True):
             model = sharded_classifier(mesh["shard"])
-            qsdp.compress_fsdp(model, recipe, replicate=mesh["replicate"], pipeline=pipeline)
+            qsdp.compress_fsdp(
+                model,
+                recipe,
+                replicate=mesh["replicate"],
+                schedule=qsdp.Schedule(pipeline=pipeline),
+            )
             with dist_calls(gather) as calls:
                 losses = train(model, rank, 6)
             # the all-gathers across the nodes (FSDP2's own weight gathers stay in the node)
@@ -104,15 +109,20 @@ def _refusals(rank: int, world: int) -> None:
     with pytest.raises(ValueError, match="1-D DeviceMesh"):
         qsdp.compress_fsdp(sharded_classifier(mesh["shard"]), "cgx", replicate=mesh)
     with pytest.raises(ValueError, match="pipelines compressed HSDP's replicate all-reduce"):
-        qsdp.compress_fsdp(sharded_classifier(mesh["shard"]), "cgx", pipeline=True)
+        qsdp.compress_fsdp(
+            sharded_classifier(mesh["shard"]), "cgx", schedule=qsdp.Schedule(pipeline=True)
+        )
     with pytest.raises(ValueError, match="this config's gradients are uncompressed"):
         qsdp.compress_fsdp(
-            sharded_classifier(mesh["shard"]), "bf16", replicate=mesh["replicate"], pipeline=True
+            sharded_classifier(mesh["shard"]),
+            "bf16",
+            replicate=mesh["replicate"],
+            schedule=qsdp.Schedule(pipeline=True),
         )
-    stale = qsdp.recipe("cgx", staleness=1)
+    stale = qsdp.Schedule(staleness=1, pipeline=True)
     with pytest.raises(ValueError, match="with staleness=1"):
         qsdp.compress_fsdp(
-            sharded_classifier(mesh["shard"]), stale, replicate=mesh["replicate"], pipeline=True
+            sharded_classifier(mesh["shard"]), "cgx", replicate=mesh["replicate"], schedule=stale
         )
 
 
@@ -155,7 +165,7 @@ def _diverged(rank: int, world: int) -> str | None:
     exchange or a memory race would leave): the verdict must still be every rank's."""
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     model = sharded_classifier(mesh["shard"])
-    qsdp.compress_fsdp(model, "cgx", replicate=mesh["replicate"], pipeline=False)
+    qsdp.compress_fsdp(model, "cgx", replicate=mesh["replicate"])
     if rank == 2:  # rank 0's replica: after its all-reduce, one value of module 5 goes bad
         hook = model[5]._get_fsdp_state()._fsdp_param_group._all_reduce_hook
         plan_now = hook._plan_now

@@ -34,8 +34,8 @@ def _build(recipe: str, staleness: int, *, mesh=None, replicate=None, two_level=
     for i in (2, 5):
         fully_shard(model[i], mesh=mesh)
     fully_shard(model, mesh=mesh)
-    config = qsdp.recipe(recipe, staleness=staleness)
-    qsdp.compress_fsdp(model, config, replicate=replicate, mesh=two_level)
+    schedule = qsdp.Schedule(staleness=staleness)
+    qsdp.compress_fsdp(model, recipe, replicate=replicate, mesh=two_level, schedule=schedule)
     return model, torch.optim.AdamW(model.parameters(), lr=3e-3)
 
 
@@ -192,7 +192,7 @@ def _own_group(rank: int, world: int) -> None:
             for i in (2, 5):
                 fully_shard(model[i], mesh=mesh)
             fully_shard(model, mesh=mesh)
-            qsdp.compress_fsdp(model, qsdp.recipe(recipe, own_reduce_group=own))
+            qsdp.compress_fsdp(model, recipe, schedule=qsdp.Schedule(own_reduce_group=own))
             opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
             for step in range(3):
                 _backward(model, rank, step)
@@ -208,8 +208,13 @@ def _own_group(rank: int, world: int) -> None:
     with pytest.raises(ValueError, match="own_reduce_group is for FSDP2"):
         qsdp.ddp.register(
             torch.nn.parallel.DistributedDataParallel(classifier()),
-            qsdp.recipe("cgx", own_reduce_group=True),
+            "cgx",
+            schedule=qsdp.Schedule(own_reduce_group=True),
         )
+    # the default: on for weights gathered again in the backward (qsdp-w8g8), else off
+    assert qsdp.Schedule().own_group(qsdp.recipe("qsdp-w8g8"))
+    assert not qsdp.Schedule().own_group(qsdp.recipe("sdp4bit"))
+    assert not qsdp.Schedule(own_reduce_group=False).own_group(qsdp.recipe("qsdp-w8g8"))
 
 
 def test_own_reduce_group_reduces_the_same_on_a_second_communicator():

@@ -286,7 +286,8 @@ def test_the_decision_builds_its_config_from_the_named_recipes():
     assert tl.config() == qsdp.recipe("sdp4bit") and tl.two_level  # compress_fsdp keeps the mesh
     assert tl.recipe == "sdp4bit (two levels, 2 x 2)"
     mixed = _decision("w8", "none")  # no named recipe: its options; QSDP's own communicator
-    assert mixed.recipe == "weights=w8, grads=none" and mixed.config().own_reduce_group
+    assert mixed.recipe == "weights=w8, grads=none"
+    assert qsdp.Schedule().own_group(mixed.config())  # re-gathered weights: own communicator
     with pytest.raises(ValueError, match="unknown 'auto' weights option 'w3'"):
         _decision("w3", "none")
     with pytest.raises(ValueError, match="give weights and grads .FSDP2. or all_reduce"):
@@ -560,7 +561,8 @@ def _auto_pipeline(rank: int, world: int, link: Measured) -> tuple:
 
     auto.measure = lambda group, device, **kw: replace(link, world=world)
     ddp = DDP(classifier())
-    hook = qsdp.ddp.register(ddp, "auto", pipeline=True)  # pipelined when it compresses
+    # pipelined when it compresses
+    hook = qsdp.ddp.register(ddp, "auto", schedule=qsdp.Schedule(pipeline=True))
     x, y = batch(rank, 0)
     nn.functional.cross_entropy(ddp(x), y).backward()  # it trains either way
     # compressed HSDP (2 nodes of 1): the same rule
@@ -569,7 +571,9 @@ def _auto_pipeline(rank: int, world: int, link: Measured) -> tuple:
     for i in (2, 5):
         fully_shard(model[i], mesh=mesh["shard"])
     fully_shard(model, mesh=mesh["shard"])
-    qsdp.compress_fsdp(model, "auto", replicate=mesh["replicate"], pipeline=True)
+    qsdp.compress_fsdp(
+        model, "auto", replicate=mesh["replicate"], schedule=qsdp.Schedule(pipeline=True)
+    )
     nn.functional.cross_entropy(model(x), y).backward()
     decision = qsdp.fsdp.comm_state(model).decision
     hooks = qsdp.fsdp._state._installed(model).hooks

@@ -25,9 +25,9 @@ from ..models import classifier
 def _states(rank: int, world: int) -> dict:
     fsdp_model = classifier()
     fully_shard(fsdp_model)
-    qsdp.compress_fsdp(fsdp_model, qsdp.recipe("cgx", staleness=1))
+    qsdp.compress_fsdp(fsdp_model, "cgx", schedule=qsdp.Schedule(staleness=1))
     fsdp_state = qsdp.fsdp.comm_state(fsdp_model)
-    ddp_state = qsdp.ddp.register(DDP(classifier()), qsdp.recipe("cgx", staleness=1))
+    ddp_state = qsdp.ddp.register(DDP(classifier()), "cgx", schedule=qsdp.Schedule(staleness=1))
     hooks = qsdp.fsdp._state._installed(fsdp_model).hooks
     return {
         "fsdp": isinstance(fsdp_state, StalenessState),

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ..config import CompressionConfig, IntegerGrads, QuantizedGrads, recipe
+from ..config import CompressionConfig, IntegerGrads, QuantizedGrads, Schedule, recipe
 from ..policy import auto
 from ..runtime.agreement import check_same_arguments
 from ..runtime.streams import twin_group
@@ -18,8 +20,8 @@ def register(
     model: DDP,
     config: CompressionConfig | str,
     *,
+    schedule: Schedule | None = None,
     error_feedback: bool = False,
-    pipeline: bool = False,
 ) -> DDPCompression:
     """Compress ``model``'s gradient all-reduce: installs a DDP comm hook.
 
@@ -36,11 +38,14 @@ def register(
             uncompressed (DDP gathers none).
         error_feedback: keep what the local quantizer loses and add it to the next step's
             gradient (quantized gradients only).
-        pipeline: run the all-reduce's later exchange (CGX's phase 2, Global-QSGD's SUM) on a
-            second communicator (a process group over DDP's ranks, made here) and alternate the
-            buckets between two hook streams, so one bucket's exchange overlaps the next one's
-            (compressed gradients; the same results; [Note: pipelined buckets] in
-            ``qsdp/ddp/hook.py``). With ``"auto"``: when it chooses to compress.
+        schedule: when and on which communicators the all-reduce runs (a
+            :class:`qsdp.Schedule`; default: synchronous, one communicator; see [Note: what
+            and when]): ``staleness=1`` ([Note: staleness 1] in ``qsdp/ddp/hook.py``);
+            ``pipeline=True``: the all-reduce's later exchange (CGX's phase 2, Global-QSGD's
+            SUM) on a second communicator over DDP's ranks and the buckets alternating between
+            two hook streams, so one bucket's exchange overlaps the next one's (compressed
+            gradients; the same results; [Note: pipelined buckets]); with ``"auto"``: when it
+            chooses to compress. ``own_reduce_group`` is FSDP2's.
 
     Returns:
         The hook's :class:`DDPCompression`: its ``stats`` count the bytes; save it with
@@ -51,7 +56,8 @@ def register(
         ValueError: the config compresses weights, or has two-level gradients (a
             reduce-scatter; DDP all-reduces), error feedback with integer gradients, other
             arguments on another rank of DDP's group (one all-gather first, see [Note: one
-            config on every rank]), ``pipeline`` with uncompressed gradients.
+            config on every rank]), ``schedule.pipeline`` with uncompressed gradients, an
+            explicit ``schedule.own_reduce_group``.
     """
     if not isinstance(model, DDP):
         raise TypeError(
@@ -59,16 +65,24 @@ def register(
             f"{type(model).__name__}; wrap it first: DistributedDataParallel(model)"
         )
     # the same on every rank of DDP's group, before anything can raise on one rank alone
+    if schedule is None:
+        schedule = Schedule()
+    elif not isinstance(schedule, Schedule):
+        raise TypeError(
+            f"qsdp.ddp.register(schedule=...) takes a qsdp.Schedule, got "
+            f"{type(schedule).__name__}; e.g. schedule=qsdp.Schedule(staleness=1)"
+        )
     check_same_arguments(
-        (config, error_feedback, pipeline),
+        (config, schedule, error_feedback),
         groups=[model.process_group],
         what="qsdp.ddp.register",
     )
     decision = None
     if config == "auto":  # measure, predict, pick: see qsdp.policy.auto
-        decision = _auto(model, pipeline=pipeline)
+        decision = _auto(model, pipeline=schedule.pipeline)
         # (with pipeline=True: off, and said, if it chose DDP's own all-reduce)
-        name, config, pipeline = "auto", decision.config(), decision.pipeline
+        name, config = "auto", decision.config()
+        schedule = dataclasses.replace(schedule, pipeline=decision.pipeline)
     elif isinstance(config, str):
         name = config
         config = recipe(config)
@@ -83,10 +97,10 @@ def register(
             f"{name} compresses weights, which DDP does not gather; use a gradient-only recipe "
             "('cgx', 'qsdp-g8', 'global-qsgd') or CompressionConfig(grads=...)"
         )
-    if config.own_reduce_group:
+    if schedule.own_reduce_group is not None:
         raise ValueError(
-            "own_reduce_group is for FSDP2 (its reduce-scatters and weight all-gathers share a "
-            "communicator); DDP runs only its gradient all-reduce: drop it"
+            "Schedule.own_reduce_group is for FSDP2 (its reduce-scatters and weight "
+            "all-gathers share a communicator); DDP runs only its gradient all-reduce: drop it"
         )
     if config.grads is not None and not isinstance(config.grads, (QuantizedGrads, IntegerGrads)):
         raise ValueError(
@@ -103,25 +117,26 @@ def register(
             "error_feedback=True needs quantized gradients (QuantizedGrads: 'cgx', 'qsdp-g8'); "
             "Global-QSGD's integer codes are unbiased and carry no local residual"
         )
-    if pipeline and config.grads is None:
+    if schedule.pipeline and config.grads is None:
         raise ValueError(
-            f"pipeline=True runs a compressed all-reduce's later exchange on a second "
+            f"Schedule(pipeline=True) runs a compressed all-reduce's later exchange on a second "
             f"communicator; {name} has uncompressed gradients (DDP's own all-reduce): drop it"
         )
     second_group = None
-    if pipeline:  # only DDP's ranks take part (DDP's group may be a subgroup)
+    if schedule.pipeline:  # only DDP's ranks take part (DDP's group may be a subgroup)
         ranks = dist.get_process_group_ranks(model.process_group)
         second_group = twin_group(ranks)  # [Note: qsdp's own communicators]
     names = {id(p): n for n, p in model.module.named_parameters()}
     hook = DDPCompression(
         config,
+        schedule=schedule,
         names=names,
+        params=dict(model.module.named_parameters()),
         group=model.process_group,
         error_feedback=error_feedback,
         second_group=second_group,
+        decision=decision,
     )
-    hook._params = dict(model.module.named_parameters())
-    hook.decision = decision
     if (
         hook._plain
     ):  # uncompressed: DDP's own all-reduce, counted (see [Note: the hook's own stream])

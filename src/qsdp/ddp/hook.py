@@ -50,7 +50,8 @@ per step, on the compute stream without the flag still 2 ms (a Python call per b
 On its own stream and one communicator, the hook still runs the buckets' exchanges one after
 another: bucket ``k``'s decode waits on the hook's stream for its all-gather, and bucket
 ``k + 1``'s encode queues behind it, then its all-to-all behind that all-gather on the
-communicator. ``register(..., pipeline=True)`` gives the plan's later exchange a second communicator
+communicator. ``register(..., schedule=Schedule(pipeline=True))`` gives the plan's later
+exchange a second communicator
 (``second_group=``, [Note: two communicators]: CGX's phase 2, Global-QSGD's SUM after the MAX
 of its scales) and alternates the buckets between two hook streams, so bucket ``k``'s
 all-gather and bucket ``k + 1``'s all-to-all (or ``k``'s SUM and ``k + 1``'s MAX and encode) can
@@ -59,7 +60,7 @@ the same order on each communicator; the results are the same bits. Costs one mo
 communicator's NCCL buffers and a stream.
 
 [Note: staleness 1]
-With ``CompressionConfig.staleness=1`` step ``t`` applies the reduced gradient of step ``t - 1``
+With ``Schedule(staleness=1)`` step ``t`` applies the reduced gradient of step ``t - 1``
 and the reduction of its own gradient runs while step ``t + 1`` computes (the elastic-consistency
 schedule, staleness bounded by one step). The hook copies the bucket into a send buffer of its
 own (DDP refills the bucket in the next backward), starts the plan's all-reduce on it, and hands
@@ -85,7 +86,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import comm as qc
-from ..config import CompressionConfig, NonFinite, check_saved, config_record
+from ..config import CompressionConfig, NonFinite, Schedule, check_saved, config_record
 from ..policy import auto
 from ..runtime import NonfiniteCheck, SideStreams
 from ..runtime.widths import WidthController
@@ -108,31 +109,34 @@ class DDPCompression:
         self,
         config: CompressionConfig,
         *,
+        schedule: Schedule,
         names: dict[int, str],
+        params: dict[str, nn.Parameter],
         group: dist.ProcessGroup | None,
         error_feedback: bool,
         second_group: dist.ProcessGroup | None = None,
+        decision: auto.AutoDecision | None = None,
     ) -> None:
-        self.config = config
+        self.config, self.schedule = config, schedule
         self.plan = config.grads.plan() if config.grads is not None else qc.PlainReduce()
         self.group = group
         self.second_group = second_group
-        """``register(..., pipeline=True)``: the plan's later exchange (CGX's phase 2,
+        """``Schedule(pipeline=True)``: the plan's later exchange (CGX's phase 2,
         Global-QSGD's SUM) runs on this second communicator and the buckets alternate between
         two hook streams (see [Note: pipelined buckets])."""
         self._turn = 0
         self.error_feedback = error_feedback
         self.stats = qc.CommStats()
         self._names = names
-        self._params: dict[str, nn.Parameter] = {}
-        """Set by :func:`register`: the model's parameters by name (residual shapes)."""
+        self._params = params
+        """The model's parameters by name (residual shapes, staleness 1's checkpoint)."""
         self._calls: dict[int, int] = {}
         self._splits: dict[tuple, qc.Split | None] = {}
         self._buckets: dict[int, tuple[int, int, qc.Split | None]] = {}
         self._residuals: dict[str, torch.Tensor] = {}
         self._native: int | None = None
         """Uncompressed: the bytes of DDP's own all-reduce per step (see :meth:`count_native`)."""
-        self._plain = config.grads is None and not config.staleness and not error_feedback
+        self._plain = config.grads is None and not schedule.staleness and not error_feedback
         """Uncompressed and synchronous: ``register`` installs no hook, DDP's own all-reduce runs
         (see [Note: the hook's own stream])."""
         mode = config.nonfinite
@@ -156,11 +160,11 @@ class DDPCompression:
                 keys=_MAX_BUCKETS,
                 seed=config.seed,
             )
-        self.decision: auto.AutoDecision | None = None
+        self.decision = decision
         """``register(model, "auto")``: what it measured, predicted and chose
         (:class:`qsdp.policy.AutoDecision`); :meth:`state_dict` keeps its record."""
         self._synchronous = False
-        self.applied_nothing = bool(config.staleness)
+        self.applied_nothing = bool(schedule.staleness)
         """Staleness 1: the last backward applied no reduction (the first step, or the first
         after :meth:`drain`): skip its ``optimizer.step()``. Always False at staleness 0."""
 
@@ -202,7 +206,7 @@ class DDPCompression:
                 lambda: split.take(rows)[0] if split is not None else rows,
                 self._plan_for(index).width_spec,
             )
-        if not self.config.staleness or self._synchronous:
+        if not self.schedule.staleness or self._synchronous:
             if self._synchronous and any(id(p) in self._pending for p in params):
                 raise RuntimeError(
                     "qsdp staleness 1: a synchronous backward while a reduction is in flight "
@@ -292,7 +296,7 @@ class DDPCompression:
         reduction is in flight, for ``WeightPrediction(optimizer, local=hook)``: each rank then
         predicts from its own, and the replicas compute at different points (restored after the
         backward, so they stay identical). Memory: one more gradient per rank."""
-        if not self.config.staleness:
+        if not self.schedule.staleness:
             raise ValueError("local gradient estimates are for staleness=1")
         self._keep_local = True
 
@@ -326,7 +330,7 @@ class DDPCompression:
             ValueError: the config is synchronous (``staleness=0``), or a drained gradient is
                 non-finite with ``nonfinite="raise"`` (on every rank: the result is the same).
         """
-        if not self.config.staleness:
+        if not self.schedule.staleness:
             raise ValueError("drain() is for staleness=1; a synchronous hook has nothing in flight")
         self.check_nonfinite()  # the last backward's verdict first
         pending, self._pending = self._pending, {}
@@ -360,7 +364,7 @@ class DDPCompression:
         """Staleness 1: the backwards inside reduce and apply their gradients at once, as at
         staleness 0 (the step after the staleness gate fired; :meth:`drain` first). The step
         after such a backward applies nothing."""
-        if not self.config.staleness:
+        if not self.schedule.staleness:
             raise ValueError("synchronous() is for staleness=1; this hook is synchronous already")
         self._synchronous = True
         try:
@@ -515,11 +519,11 @@ class DDPCompression:
         calls = torch.zeros(_MAX_BUCKETS, dtype=torch.int64)
         for index, n in self._calls.items():
             calls[index] = n
-        state = {"recipe": config_record(self.config), "calls": calls}
+        state = {"recipe": config_record(self.config, self.schedule), "calls": calls}
         state["auto"] = auto.state_entry(self.decision)  # "auto"'s record (zeros: none)
         if self.widths is not None:
             state.update(self.widths.state_dict())
-        if self.config.staleness:  # the reductions in flight, saved with the checkpoint
+        if self.schedule.staleness:  # the reductions in flight, saved with the checkpoint
             state["pending"] = torch.tensor([1 if self._pending else 0])
             for fut in {
                 id(s.future): s.future for s in self._pending.values() if s.future
@@ -543,13 +547,15 @@ class DDPCompression:
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         if "recipe" in state:
-            check_saved(state["recipe"], self.config, what="qsdp.ddp hook load_state_dict")
+            check_saved(
+                state["recipe"], self.config, self.schedule, what="qsdp.ddp hook load_state_dict"
+            )
         auto.check_state_entry(state.get("auto"), decision=self.decision, config=self.config)
         self._calls = {i: int(n) for i, n in enumerate(state["calls"].tolist()) if n}
         if self.widths is not None:
             self.widths.load_state_dict(state)
         self._pending, self._local = {}, {}
-        if self.config.staleness and int(state["pending"]):
+        if self.schedule.staleness and int(state["pending"]):
             rank = dist.get_rank(self.group)
             for name, p in self._params.items():
                 g = state[f"pending.{name}"].reshape(-1).to(p.device).clone()

@@ -260,7 +260,7 @@ class QuantizedReduceScatter(_Reduction, _Hook, ReduceScatter):
                 local = input_tensor.view(group.size(), -1)[group.rank()]
             self.delay.send(launch, like=output_tensor, input=input_tensor, local=local)
             return None
-        if self.twins:  # CompressionConfig.own_reduce_group: off FSDP2's communicator
+        if self.twins:  # Schedule.own_reduce_group: off FSDP2's communicator
             group = self._twin(group)
         rows = input_tensor.view(group.size(), -1)
         split = _usable(self.split, rows.shape[1], self.stats)

@@ -32,7 +32,7 @@ FSDP2 runs every module's all-reduce hook on one stream, and qsdp's all-reduce r
 exchanges on the replicate communicator: module ``k``'s later exchange (CGX's all-gather,
 Global-QSGD's SUM) and module ``k + 1``'s first (the all-to-all, the scales' MAX) queue behind
 each other although the inter-node link is full duplex (the DDP hook's case, [Note: pipelined
-buckets] in ``qsdp/ddp/hook.py``). ``compress_fsdp(..., pipeline=True)`` gives the later exchange
+buckets] in ``qsdp/ddp/hook.py``). ``Schedule(pipeline=True)`` gives the later exchange
 a second communicator over the replicate ranks (``second_group=`` of the plan's all-reduce) and
 hands FSDP2 two CUDA streams for the hooks, alternating by module
 (``set_all_reduce_hook(hook, stream=...)``, FSDP2's documented argument; it then copies each
@@ -80,7 +80,7 @@ class ReplicateAllReduce(_Reduction):
     ) -> None:
         """Args: ``replicate``, the group it all-reduces over; ``shard``, FSDP's group inside
         the node (where NaN/Inf flags are agreed first); ``second_group``, with
-        ``compress_fsdp(pipeline=True)`` the later exchange's communicator ([Note: pipelined
+        ``Schedule(pipeline=True)`` the later exchange's communicator ([Note: pipelined
         modules]); the rest as :class:`_Reduction`'s."""
         super().__init__(**kwargs)  # type: ignore[arg-type]
         self.replicate, self.shard = replicate, shard

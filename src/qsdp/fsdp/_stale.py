@@ -1,7 +1,7 @@
 """Staleness 1 for FSDP2's gradient hooks: each reduction is applied one step late.
 
 [Note: staleness 1 in FSDP2]
-With ``CompressionConfig.staleness=1`` the reduce-scatter hook (and, for compressed HSDP, the
+With ``Schedule(staleness=1)`` the reduce-scatter hook (and, for compressed HSDP, the
 replicate all-reduce hook) of every FSDP group does, when FSDP2 calls it in step ``t``'s backward:
 
 1. *apply*: write the result of step ``t - 1``'s reduction of this group into FSDP2's output

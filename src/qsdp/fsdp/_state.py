@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..comm import CommStats
-from ..config import CompressionConfig, check_saved, config_record
+from ..config import CompressionConfig, Schedule, check_saved, config_record
 from ..policy import auto
 from ..runtime import NonfiniteCheck
 from ..runtime.widths import WidthController
@@ -26,6 +26,7 @@ __all__ = ["CommState", "comm_state", "fsdp_comm_stats", "resync"]
 @dataclass(kw_only=True)
 class _Installed:
     config: CompressionConfig
+    schedule: Schedule
     stats: CommStats
     clock: StepClock | None
     gathers: list[WeightDiffAllGather]
@@ -105,7 +106,7 @@ class CommState:
         for hook, (group, column) in zip(inst.hooks, inst.slots, strict=True):
             calls[group, column] = hook._steps.calls
         state = {
-            "recipe": config_record(inst.config),
+            "recipe": config_record(inst.config, inst.schedule),
             # "auto"'s record (all zeros for a named recipe), checked on load
             "auto": auto.state_entry(inst.decision),
             "calls": calls,
@@ -123,6 +124,12 @@ class CommState:
     def config(self) -> CompressionConfig:
         """The config the model's collectives run (for ``"auto"``: the recipe it chose)."""
         return self._installed.config
+
+    @property
+    def schedule(self) -> Schedule:
+        """When and on which communicators they run (for ``"auto"``: ``pipeline`` as it
+        decided)."""
+        return self._installed.schedule
 
     @property
     def decision(self) -> auto.AutoDecision | None:
@@ -224,7 +231,12 @@ class CommState:
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         inst = self._installed
         if "recipe" in state:
-            check_saved(state["recipe"], inst.config, what="qsdp.fsdp.CommState.load_state_dict")
+            check_saved(
+                state["recipe"],
+                inst.config,
+                inst.schedule,
+                what="qsdp.fsdp.CommState.load_state_dict",
+            )
         auto.check_state_entry(state.get("auto"), decision=inst.decision, config=inst.config)
         calls = state["calls"]
         if tuple(calls.shape) != (inst.groups, 2):

@@ -21,6 +21,7 @@ from ..config import (
     QuantizedGrads,
     QuantizedMaster,
     QuantizedWeights,
+    Schedule,
     WeightDiffs,
     recipe,
 )
@@ -53,7 +54,7 @@ def compress_fsdp(
     *,
     mesh: DeviceMesh | None = None,
     replicate: DeviceMesh | dist.ProcessGroup | None = None,
-    pipeline: bool = False,
+    schedule: Schedule | None = None,
 ) -> nn.Module:
     """Route every ``FSDPModule`` of ``model`` through qsdp's compressed collectives.
 
@@ -78,12 +79,14 @@ def compress_fsdp(
             ``IntegerGrads``: Global-QSGD; None: uncompressed, counted) and the reduce-scatter
             inside the node stays FSDP2's own; weights are gathered inside the node as the
             config says.
-        pipeline: compressed HSDP with compressed gradients: the replicate all-reduce's later
-            exchange (CGX's phase 2, Global-QSGD's SUM) on a second communicator over the
-            replicate ranks, and the modules' hooks on two alternating CUDA streams, so one
-            module's later exchange overlaps the next module's first (the same results; [Note:
-            pipelined modules] in ``qsdp/fsdp/_replicate.py``). With ``"auto"``: when it
-            chooses to compress.
+        schedule: when and on which communicators the collectives run (a
+            :class:`qsdp.Schedule`; default: synchronous, on FSDP2's communicators, the
+            reduce-scatters on their own when the weights are gathered again in the backward;
+            see [Note: what and when]): ``staleness=1`` ([Note: staleness 1 in FSDP2]),
+            ``own_reduce_group``, ``pipeline=True`` for compressed HSDP with compressed
+            gradients (the replicate all-reduce's later exchange on a second communicator and
+            the modules' hooks on two alternating CUDA streams; [Note: pipelined modules] in
+            ``qsdp/fsdp/_replicate.py``; with ``"auto"``: when it chooses to compress).
 
     Returns:
         ``model``, modified in place. :func:`fsdp_comm_stats` gives its byte counter.
@@ -93,11 +96,12 @@ def compress_fsdp(
             to a one-level recipe or not covering FSDP's shard group (found with one all-reduce,
             so every rank raises), a model (or part of one) already compressed, another config
             or mesh shape on another rank (one all-gather over the world first, see [Note: one
-            config on every rank]), ``pipeline`` without ``replicate``, with uncompressed
-            gradients or at staleness 1.
+            config on every rank]), ``schedule.pipeline`` without ``replicate``, with
+            uncompressed gradients or at staleness 1.
     """
     # what each rank can check alone, the same on every rank passing the same arguments
-    arguments = (config, _shape(mesh), _shape(replicate), pipeline)
+    schedule = _as_schedule(schedule, "compress_fsdp")
+    arguments = (config, schedule, _shape(mesh), _shape(replicate))
     if isinstance(config, str) and config != "auto":
         config = recipe(config)
     elif not isinstance(config, (str, CompressionConfig)):
@@ -119,13 +123,16 @@ def compress_fsdp(
     _check_agreed(groups, arguments, replicate_pg, mesh)
     decision = None
     if config == "auto":  # measure, predict, pick: see qsdp.policy.auto
-        decision = _auto(model, groups, mesh=mesh, replicate=replicate_pg, pipeline=pipeline)
-        config, pipeline = decision.config(), decision.pipeline  # it says when it turns it off
+        decision = _auto(
+            model, groups, mesh=mesh, replicate=replicate_pg, pipeline=schedule.pipeline
+        )
+        config = decision.config()  # pipelined when it compresses (it says when it turns it off)
+        schedule = dataclasses.replace(schedule, pipeline=decision.pipeline)
         if not decision.two_level:
             mesh = None
     _check_replicate_grads(replicate_pg, config)
-    _check_pipeline(pipeline, replicate_pg, config)
-    shared = _shared(model, config, groups, mesh=mesh, replicate=replicate_pg, pipeline=pipeline)
+    _check_pipeline(schedule, replicate_pg, config)
+    shared = _shared(model, config, schedule, groups, mesh=mesh, replicate=replicate_pg)
     hooks: list[object] = []
     slots: list[tuple[int, int]] = []  # (group, 0: all-gather / 1: reduction) of each hook
     for i, group in enumerate(groups):
@@ -141,6 +148,7 @@ def compress_fsdp(
                 slots.append((i, column))
     _INSTALLED[model] = _Installed(
         config=config,
+        schedule=schedule,
         stats=shared.stats,
         clock=shared.clock,
         gathers=[h for h in hooks if isinstance(h, WeightDiffAllGather)],
@@ -194,11 +202,11 @@ class _Shared:
 def _shared(
     model: nn.Module,
     config: CompressionConfig,
+    schedule: Schedule,
     groups: list[FSDPGroup],
     *,
     mesh: DeviceMesh | None,
     replicate: dist.ProcessGroup | None,
-    pipeline: bool,
 ) -> _Shared:
     """The plans, communicators, check, clock and widths every group's hooks share."""
     check = None
@@ -215,19 +223,21 @@ def _shared(
     if replicate is not None:  # the gradients' config is for the replicate all-reduce
         replicate_plan = plan or qc.PlainReduce(name="all_reduce_replicate")
         plan = None
-    elif plan is None and (config.staleness or config.own_reduce_group):
+    elif plan is None and schedule.own_group(config):
         plan = qc.PlainReduce(name="reduce_scatter")  # a hook to move: FSDP2's reduction, counted
-    stale = Pipeline() if config.staleness else None  # [Note: staleness 1 in FSDP2]
+    stale = Pipeline() if schedule.staleness else None  # [Note: staleness 1 in FSDP2]
     twins = None
-    if config.staleness or (config.own_reduce_group and replicate is None):
-        # the reductions' own communicators (see CompressionConfig.own_reduce_group)
+    if schedule.staleness or (schedule.own_group(config) and replicate is None):
+        # the reductions' own communicators (see Schedule.own_reduce_group)
         used = [replicate] if replicate is not None else []
         used += [g.shard_group for g in groups if g.shard_group is not None and plan is not None]
         twins = twin_groups(used)
         if isinstance(plan, qc.TwoLevelReduce) and plan.mesh is not None:
             plan = dataclasses.replace(plan, mesh=side_mesh(plan.mesh))  # the twin mesh
-    second = twin_groups([replicate])[replicate.group_name] if pipeline else None
-    widths, param_widths = _widths(config, groups, plan=replicate_plan or plan, hsdp=replicate)
+    second = twin_groups([replicate])[replicate.group_name] if schedule.pipeline else None
+    widths, param_widths = _widths(
+        config, groups, plan=replicate_plan or plan, hsdp=replicate, stale=bool(stale)
+    )
     return _Shared(
         config=config,
         stats=CommStats(),
@@ -251,6 +261,7 @@ def _widths(
     *,
     plan: qc.ReducePlan | None,
     hsdp: dist.ProcessGroup | None,
+    stale: bool,
 ) -> tuple[WidthController | None, dict[int, tuple[list[int], list[tuple[int, int]]]]]:
     """Adaptive widths ([Note: adaptive widths at run time]): the controller, a key per group
     or, ``per_parameter``, per compressed parameter ([Note: widths per parameter])."""
@@ -258,7 +269,7 @@ def _widths(
         return None, {}
     keys, per_param = len(groups), {}
     if config.adaptive.per_parameter:  # one key per compressed parameter of each group
-        if hsdp is not None or config.staleness:
+        if hsdp is not None or stale:
             raise ValueError(
                 "AdaptiveWidths(per_parameter=True) is built for FSDP2's synchronous "
                 "reduce-scatter; under compressed HSDP or at staleness 1 use "
@@ -427,26 +438,26 @@ def _auto(
 
 
 def _check_pipeline(
-    pipeline: bool, replicate_pg: dist.ProcessGroup | None, config: CompressionConfig
+    schedule: Schedule, replicate_pg: dist.ProcessGroup | None, config: CompressionConfig
 ) -> None:
-    """``compress_fsdp(pipeline=True)``'s conditions (the same on every rank: checked after
-    the arguments were agreed)."""
-    if not pipeline:
+    """``Schedule(pipeline=True)``'s conditions (the same on every rank: checked after the
+    arguments were agreed)."""
+    if not schedule.pipeline:
         return
     if replicate_pg is None:
         raise ValueError(
-            "compress_fsdp(pipeline=True) pipelines compressed HSDP's replicate all-reduce: "
-            "pass replicate= (FSDP2's own reduce-scatters are not pipelined; under DDP use "
-            "qsdp.ddp.register(..., pipeline=True)), or drop it"
+            "compress_fsdp(schedule=Schedule(pipeline=True)) pipelines compressed HSDP's "
+            "replicate all-reduce: pass replicate= (FSDP2's own reduce-scatters are not "
+            "pipelined; under DDP pass the schedule to qsdp.ddp.register), or drop it"
         )
     if config.grads is None:
         raise ValueError(
-            "compress_fsdp(pipeline=True) runs a compressed all-reduce's later exchange on a "
+            "Schedule(pipeline=True) runs a compressed all-reduce's later exchange on a "
             "second communicator; this config's gradients are uncompressed: drop it"
         )
-    if config.staleness:
+    if schedule.staleness:
         raise ValueError(
-            "compress_fsdp(pipeline=True) with staleness=1: the delayed reductions already "
+            "Schedule(pipeline=True) with staleness=1: the delayed reductions already "
             "overlap the next step on communicators of their own; drop one of them"
         )
 
@@ -476,6 +487,18 @@ def _fsdp_groups_of(model: nn.Module) -> tuple[list[FSDPModule], list[FSDPGroup]
             "the recipe, build and fully_shard the model again)"
         )
     return [g.module for g in groups], groups
+
+
+def _as_schedule(schedule: object, where: str) -> Schedule:
+    """``schedule=`` as a :class:`qsdp.Schedule` (None: the default one)."""
+    if schedule is None:
+        return Schedule()
+    if not isinstance(schedule, Schedule):
+        raise TypeError(
+            f"{where}(schedule=...) takes a qsdp.Schedule, got {type(schedule).__name__}; e.g. "
+            "schedule=qsdp.Schedule(staleness=1)"
+        )
+    return schedule
 
 
 def _check_two_dimensional(mesh: object) -> None:

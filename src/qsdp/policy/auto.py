@@ -153,9 +153,8 @@ class AutoDecision:
         return CompressionConfig(
             weights=_sub_config(weights),
             grads=_sub_config(_GRADS[self.grads]),
-            # 8-bit weights are gathered again in the backward: qsdp-w8g8's own communicator
-            own_reduce_group=weights is not None and recipe(weights[0]).own_reduce_group,
-        )
+        )  # (8-bit weights are gathered again in the backward: Schedule's default then
+        # reduces on a communicator of its own, as for qsdp-w8g8)
 
     def record(self) -> dict:
         """The decision as JSON-able values (``config.json``, a checkpoint, a benchmark row):

@@ -189,7 +189,7 @@ def _backward_syncs(rank: int, world: int) -> dict[str, str]:
         "cgx+ef": ("cgx", {}, True),
         "global-qsgd": ("global-qsgd", {}, False),
         "qsdp-g8": ("qsdp-g8", {}, False),
-        "cgx+s1": ("cgx", {"staleness": 1}, False),
+        "cgx+s1": ("cgx", {"staleness": 1}, False),  # (the Schedule's fields)
         "cgx+pipeline": ("cgx", {}, "pipeline"),
         "global-qsgd+pipeline": ("global-qsgd", {}, "pipeline"),
     }
@@ -203,12 +203,11 @@ def _backward_syncs(rank: int, world: int) -> dict[str, str]:
             nn.Linear(D, 4 * D), nn.GELU(), nn.LayerNorm(4 * D), nn.Linear(4 * D, D)
         )
         ddp = DDP(model.to(dev), device_ids=[dev.index], bucket_cap_mb=0.25)
-        config = qsdp.recipe(name, **extra)  # the default NaN/Inf check included
         qsdp.ddp.register(
             ddp,
-            config,
+            name,  # the default NaN/Inf check included
             error_feedback=feedback is True,
-            schedule=qsdp.Schedule(pipeline=feedback == "pipeline"),
+            schedule=qsdp.Schedule(pipeline=feedback == "pipeline", **extra),
         )
         x = torch.randn(64, D, device=dev)
         out[label] = "none"

@@ -206,7 +206,10 @@ class AdaptiveWidths:
     every: int = 500
     """Steps (backwards that reduce) between decisions."""
     warmup: int = 50
-    """The first decision's step (after DDP's bucket rebuild and the first steps' transient)."""
+    """The first decision's step (after DDP's bucket rebuild and the first steps' transient):
+    until then every group keeps the config's width, so a run shorter than ``warmup`` reducing
+    steps never adapts (e.g. 20 steps with ``every=5`` change nothing; ``warmup=0`` decides at
+    the first step). ``qsdp train`` takes ``min(50, steps // 10)``."""
     widths: tuple[int, ...] = BITS
     """The widths a group may take: any of those the payload format packs (2, 3, 4, 6, 8)."""
     sample: int = 1 << 16

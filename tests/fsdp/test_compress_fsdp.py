@@ -332,11 +332,16 @@ def _nan_grad(rank: int, world: int, mode: str, read: str) -> dict:
     handle = nan_gradient(model.blocks[1].down) if rank == 1 else None
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     batches = _batches(rank, world)
-    zeroed = lambda: sum(  # noqa: E731
-        m._get_fsdp_state()._fsdp_param_group._reduce_scatter_comm.zeroed
-        for m in model.modules()
-        if isinstance(m, FSDPModule)
-    )
+
+    def zeroed() -> int:  # the public count, and the hooks' own, must agree
+        hooks = sum(
+            m._get_fsdp_state()._fsdp_param_group._reduce_scatter_comm.zeroed
+            for m in model.modules()
+            if isinstance(m, FSDPModule)
+        )
+        assert qsdp.fsdp.comm_state(model).zeroed == hooks
+        return qsdp.fsdp.comm_state(model).zeroed
+
     out: dict = {"error": None, "error_at": None}
     with flag_groups() as seen:
         _step(model, next(batches))  # no raise here: the host has not read the flags

@@ -139,6 +139,13 @@ class CommState:
         return self._installed.decision
 
     @property
+    def zeroed(self) -> int:
+        """Gradient reductions zeroed for NaN/Inf so far, as read (``nonfinite="zero"``, or
+        ``"raise"`` before it raised): each backward's count when the next one ends, or at
+        :meth:`check_nonfinite`. The DDP hook's ``zeroed`` counts the same per bucket."""
+        return sum(getattr(h, "zeroed", 0) for h in self._installed.hooks)
+
+    @property
     def widths(self) -> WidthController | None:
         """Adaptive widths (``CompressionConfig.adaptive``): each reduction group's width and
         the last plan (``.plan``: bytes and error against the uniform width), or None."""

@@ -2,9 +2,28 @@
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from qsdp.quant import QuantSpec, Scheme
+
+# Every scheme at 2, 4 and 8 bits, both roundings, with and without a Hadamard block of 16, in
+# groups of G: the cases the tiny-value and overflow tests sweep, on both backends.
+G = 32
+BACKENDS = ["reference", "triton"]
+CASES = list(
+    itertools.product(
+        ("absmax", "minmax", "shift-lattice"), (2, 4, 8), ("nearest", "stochastic"), (None, 16)
+    )
+)
+IDS = [f"{s}{b}-{r}-h{h}" for s, b, r, h in CASES]
+
+
+def case_spec(scheme, bits, rounding, had, group=G, **kw) -> QuantSpec:
+    """The :class:`QuantSpec` of one of :data:`CASES`."""
+    return QuantSpec(bits, group, scheme, rounding, hadamard_block=had, **kw)
+
 
 # Odd lengths: shorter than a group, a group plus a tail, many groups plus a tail.
 ODD_SIZES = (1, 37, 1000, 4096 + 13)

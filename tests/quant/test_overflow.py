@@ -6,8 +6,6 @@ raises naming the group count, the largest |x|, the limit and the fix, or with
 reference's [Note: representable range]. Both backends, bit for bit (Triton interpreted on CPU).
 """
 
-import itertools
-
 import pytest
 import torch
 
@@ -29,21 +27,9 @@ from qsdp.quant import (
 from qsdp.quant.hadamard import hadamard_forward, hadamard_inverse
 from qsdp.quant.reference import unpack_codes
 
-from .helpers import group_steps
+from .helpers import BACKENDS, CASES, IDS, G, case_spec, group_steps
 
 FMAX = torch.finfo(torch.float32).max
-G = 32
-BACKENDS = ["reference", "triton"]
-CASES = list(
-    itertools.product(
-        ("absmax", "minmax", "shift-lattice"), (2, 4, 8), ("nearest", "stochastic"), (None, 16)
-    )
-)
-IDS = [f"{s}{b}-{r}-h{h}" for s, b, r, h in CASES]
-
-
-def _spec(scheme, bits, rounding, had, group=G, **kw) -> QuantSpec:
-    return QuantSpec(bits, group, scheme, rounding, hadamard_block=had, **kw)
 
 
 def _any_finite(spec: QuantSpec) -> bool:
@@ -124,7 +110,7 @@ def _assert_within_bound(x: torch.Tensor, y: torch.Tensor, spec: QuantSpec) -> N
 @pytest.mark.parametrize(("scheme", "bits", "rounding", "had"), CASES, ids=IDS)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_huge_values_decode_within_bound_or_raise(scheme, bits, rounding, had, backend):
-    spec = _spec(scheme, bits, rounding, had)
+    spec = case_spec(scheme, bits, rounding, had)
     x = _huge()
     if _any_finite(spec):
         y = decode(encode(x, spec, seed=1, backend=backend), backend=backend)
@@ -144,7 +130,7 @@ def test_huge_values_decode_within_bound_or_raise(scheme, bits, rounding, had, b
 
 @pytest.mark.parametrize(("scheme", "bits", "rounding", "had"), CASES, ids=IDS)
 def test_propagate_flags_the_group_bit_exact(scheme, bits, rounding, had):
-    spec = _spec(scheme, bits, rounding, had, nonfinite="propagate")
+    spec = case_spec(scheme, bits, rounding, had, nonfinite="propagate")
     x = _huge()
     n = x.numel()
     a = encode(x, spec, seed=3, step=2, stream=1, backend="reference")
@@ -164,7 +150,7 @@ def test_propagate_flags_the_group_bit_exact(scheme, bits, rounding, had):
 
 @pytest.mark.parametrize(("scheme", "bits", "rounding", "had"), CASES, ids=IDS)
 def test_values_at_the_documented_limit_decode(scheme, bits, rounding, had):
-    spec = _spec(scheme, bits, rounding, had)
+    spec = case_spec(scheme, bits, rounding, had)
     limit = spec.value_limit()
     x = _near_limit(FMAX if limit == float("inf") else limit)
     a = encode(x, spec, seed=7, backend="reference")  # raises if a group were flagged
@@ -178,7 +164,7 @@ def test_values_at_the_documented_limit_decode(scheme, bits, rounding, had):
 def test_bf16_flagged_group_bit_exact(had):
     # the flag's NaN is stored as 0x7FC0 by both backends (torch's own float32 -> bf16 cast of
     # NaN gives 0xFFFF on CPU)
-    spec = _spec("absmax", 4, "nearest", had, scale_dtype=torch.bfloat16, nonfinite="propagate")
+    spec = case_spec("absmax", 4, "nearest", had, scale_dtype=torch.bfloat16, nonfinite="propagate")
     x = _huge()
     x[G + 2] = float("nan")
     a = encode(x, spec, backend="reference")
@@ -203,7 +189,7 @@ def test_bf16_absmax_scales_at_the_float32_maximum(bits, rounding):
 
 def test_beyond_the_limit_only_real_overflow_is_refused():
     # minmax's limit is 2^126, but a group whose decoded range fits float32 still encodes
-    spec = _spec("minmax", 8, "nearest", None)
+    spec = case_spec("minmax", 8, "nearest", None)
     x = torch.full((G,), 2.0**127)
     x[1] = 2.0**126
     _assert_within_bound(x, decode(encode(x, spec, backend="reference")), spec)
@@ -217,7 +203,7 @@ def test_inverse_rotation_keeps_its_headroom(backend):
     # x = [a, a/4, 0, ...] rotates (h=16) finite, to (a +- a/4) / 4; 2-bit nearest rounds both
     # to the same step M = 5a/16, and the inverse butterflies add 16 M = 2.5 * FLT_MAX: without
     # the 2h headroom the group would decode to Inf
-    spec = _spec("absmax", 2, "nearest", 16, nonfinite="propagate")
+    spec = case_spec("absmax", 2, "nearest", 16, nonfinite="propagate")
     x = torch.zeros(G + 3)
     x[0], x[1] = 0.5 * FMAX, 0.125 * FMAX
     assert bool(torch.isfinite(hadamard_forward(x, spec)).all())
@@ -232,7 +218,7 @@ def test_inverse_rotation_keeps_its_headroom(backend):
 
 
 def test_nan_and_too_large_in_one_tensor_name_both():
-    spec = _spec("shift-lattice", 4, "nearest", None)
+    spec = case_spec("shift-lattice", 4, "nearest", None)
     x = torch.randn(2 * G + 3)
     x[0], x[1] = 3e38, -3e38
     x[G + 4] = float("nan")
@@ -247,7 +233,7 @@ def test_nan_and_too_large_in_one_tensor_name_both():
 # --- fused ops ----------------------------------------------------------------------------------
 @pytest.mark.parametrize("had", [None, 16])
 def test_decode_sum_and_rows_of_payloads_at_the_limit(had):
-    spec = _spec("shift-lattice", 4, "stochastic", had, nonfinite="propagate")
+    spec = case_spec("shift-lattice", 4, "stochastic", had, nonfinite="propagate")
     k = 3
     x = _near_limit(spec.value_limit() / k)
     n = x.numel()
@@ -269,8 +255,8 @@ def test_decode_sum_encode_flags_a_sum_too_large(had):
     # Each payload decodes finite (absmax); the sum of two stays finite too, but its range is
     # past what the minmax out spec can decode: max - min passes float32 (no Hadamard), or
     # 2h times the largest value does (h=16). That group is flagged, never a NaN step.
-    in_spec = _spec("absmax", 8, "nearest", had)
-    out_spec = _spec("minmax", 4, "stochastic", had)
+    in_spec = case_spec("absmax", 8, "nearest", had)
+    out_spec = case_spec("minmax", 4, "stochastic", had)
     n = 2 * G + 3
     y = torch.randn(n, generator=torch.Generator().manual_seed(1))  # the rotated domain
     y[:G] = torch.linspace(-1.0, 1.0, G) * (0.6 * FMAX / 32 if had else 0.3 * FMAX)
@@ -292,7 +278,7 @@ def test_decode_sum_encode_flags_a_sum_too_large(had):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_weight_difference_too_large_or_overflowing(backend):
-    spec = _spec("minmax", 4, "nearest", None)
+    spec = case_spec("minmax", 4, "nearest", None)
     x = torch.tensor([2e38, -2e38, 1.0])
     base = torch.tensor([-1e38, 1e38, 1.0])  # x - base = +-3e38: finite, too large for minmax
     with pytest.raises(ValueError, match=r"largest \|x - base\| = 3e\+38"):
@@ -304,7 +290,7 @@ def test_weight_difference_too_large_or_overflowing(backend):
 
 @pytest.mark.parametrize("had", [None, 16])
 def test_weight_difference_at_the_limit_bit_exact(had):
-    spec = _spec("shift-lattice", 8, "stochastic", had)
+    spec = case_spec("shift-lattice", 8, "stochastic", had)
     limit = spec.value_limit()
     diff = _near_limit(limit)
     base = torch.randn(diff.numel()) * (limit / 4)
@@ -349,7 +335,7 @@ def test_global_int_mean_near_the_float32_maximum(carrier, n):
 @pytest.mark.gpu
 @pytest.mark.parametrize(("scheme", "bits", "rounding", "had"), CASES, ids=IDS)
 def test_gpu_kernels_match_reference_at_the_range_edges(scheme, bits, rounding, had):
-    spec = _spec(scheme, bits, rounding, had, nonfinite="propagate", group=128)
+    spec = case_spec(scheme, bits, rounding, had, nonfinite="propagate", group=128)
     limit = spec.value_limit()
     huge = torch.zeros(3 * 128 + 5)
     huge[0], huge[1], huge[200] = 3e38, -3e38, FMAX
@@ -362,7 +348,7 @@ def test_gpu_kernels_match_reference_at_the_range_edges(scheme, bits, rounding, 
         _same(y, decode(a, backend="triton"))
         assert not bool(torch.isinf(y).any())
     stacked = torch.stack([encode(near.cuda() * 0.6, spec, stream=r).payload for r in range(2)])
-    out_spec = _spec("minmax", 4, rounding, had, group=128)
+    out_spec = case_spec("minmax", 4, rounding, had, group=128)
     n = near.numel()
     r = decode_sum_encode(stacked, n, spec, out_spec, seed=1, backend="reference")
     _same(

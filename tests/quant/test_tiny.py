@@ -8,7 +8,6 @@ shift-lattice refused the group, Global-QSGD's int32 codes became INT_MIN. Both 
 for bit (Triton interpreted on CPU).
 """
 
-import itertools
 import math
 
 import pytest
@@ -31,19 +30,9 @@ from qsdp.quant import (
 from qsdp.quant.reference import decode_sum_flat
 from qsdp.testing import assert_within, dtype_slack, rounding_bound
 
-G = 32
+from .helpers import BACKENDS, CASES, IDS, G, case_spec
+
 SUB = 2.0**-149  # float32's smallest subnormal
-BACKENDS = ["reference", "triton"]
-CASES = list(
-    itertools.product(
-        ("absmax", "minmax", "shift-lattice"), (2, 4, 8), ("nearest", "stochastic"), (None, 16)
-    )
-)
-IDS = [f"{s}{b}-{r}-h{h}" for s, b, r, h in CASES]
-
-
-def _spec(scheme, bits, rounding, had, group=G, **kw) -> QuantSpec:
-    return QuantSpec(bits, group, scheme, rounding, hadamard_block=had, **kw)
 
 
 def tiny_inputs(seed: int = 0) -> torch.Tensor:
@@ -100,7 +89,7 @@ def _check(x: torch.Tensor, y: torch.Tensor, spec: QuantSpec, what: str) -> None
 # --- encode / decode --------------------------------------------------------------------------
 @pytest.mark.parametrize(("scheme", "bits", "rounding", "had"), CASES, ids=IDS)
 def test_tiny_values_decode_within_the_floored_bound(scheme, bits, rounding, had):
-    spec = _spec(scheme, bits, rounding, had)
+    spec = case_spec(scheme, bits, rounding, had)
     x = tiny_inputs()
     ref = encode(x, spec, seed=3, step=1, stream=2, backend="reference")
     tri = encode(x, spec, seed=3, step=1, stream=2, backend="triton")
@@ -118,7 +107,7 @@ def test_tiny_values_decode_within_the_floored_bound(scheme, bits, rounding, had
 def test_half_inputs(dtype, scheme):
     # bf16 has float32's exponent range (its subnormals reach 9e-41); fp16 flushes these
     # inputs to zero and signed zeros, and its own subnormals start at 6e-8
-    spec = _spec(scheme, 4, "stochastic", 16)
+    spec = case_spec(scheme, 4, "stochastic", 16)
     x = tiny_inputs(seed=1).to(dtype)
     if dtype == torch.float16:
         x = x + (torch.arange(x.numel()) % 7 - 3).to(dtype) * 6e-8
@@ -133,7 +122,7 @@ def test_half_inputs(dtype, scheme):
 @pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
 @pytest.mark.parametrize("bits", [4, 8])
 def test_bf16_scales(bits, rounding):
-    spec = _spec("absmax", bits, rounding, None, scale_dtype=torch.bfloat16)
+    spec = case_spec("absmax", bits, rounding, None, scale_dtype=torch.bfloat16)
     x = tiny_inputs(seed=2)
     ref = encode(x, spec, seed=1, backend="reference")
     _same(ref.payload, encode(x, spec, seed=1, backend="triton").payload)
@@ -142,7 +131,7 @@ def test_bf16_scales(bits, rounding):
 
 def test_the_issue_example():
     # 8-bit min-max: -8.01e-38 in a group of values around 1e-37 came back as +3.41e-37
-    spec = _spec("minmax", 8, "nearest", None)
+    spec = case_spec("minmax", 8, "nearest", None)
     x = tiny_inputs()[2 * G : 3 * G]
     assert abs(float(x[0]) + 8.01e-38) < 1e-44
     for backend in BACKENDS:
@@ -155,7 +144,7 @@ def test_stored_step_is_the_floor():
     # a tiny group stores exactly 2^-126; a constant or all-zero group keeps a step of 0
     x = torch.cat((torch.full((G,), 1e-40), torch.zeros(G), torch.tensor([0.0, 2e-45] * (G // 2))))
     for scheme in ("absmax", "minmax", "shift-lattice"):
-        spec = _spec(scheme, 8, "nearest", None)
+        spec = case_spec(scheme, 8, "nearest", None)
         for backend in BACKENDS:
             enc = encode(x, spec, backend=backend)
             fields = enc.payload[: 3 * spec.scale_bytes].clone().view(torch.float32)
@@ -170,7 +159,7 @@ def test_stored_step_is_the_floor():
 def test_shift_lattice_tiny_range_encodes(backend):
     # delta = 1e-37 / 254 was subnormal: 1 / delta overflowed, the grid offset was NaN, and
     # encode refused the group ("range is too small"); now it encodes within the bound
-    spec = _spec("shift-lattice", 8, "nearest", None)
+    spec = case_spec("shift-lattice", 8, "nearest", None)
     x = torch.zeros(G + 3)
     x[0] = 1e-37
     y = decode(encode(x, spec, backend=backend), backend=backend)
@@ -180,7 +169,7 @@ def test_shift_lattice_tiny_range_encodes(backend):
 def test_stochastic_rounding_stays_unbiased():
     # the floor clips no code, so stochastic rounding of subnormals is still unbiased (a flush to
     # zero would not be)
-    spec = _spec("absmax", 2, "stochastic", None)
+    spec = case_spec("absmax", 2, "stochastic", None)
     x = tiny_inputs(seed=4)[:G]
     seeds = 400
     total = torch.zeros(G, dtype=torch.float64)
@@ -194,8 +183,8 @@ def test_stochastic_rounding_stays_unbiased():
 @pytest.mark.parametrize("out_scheme", ["minmax", "shift-lattice"])
 @pytest.mark.parametrize("had", [None, 16])
 def test_decode_sum_encode_of_tiny_sums(out_scheme, had):
-    in_spec = _spec("absmax", 8, "nearest", had)
-    out_spec = _spec(out_scheme, 4, "stochastic", had)
+    in_spec = case_spec("absmax", 8, "nearest", had)
+    out_spec = case_spec(out_scheme, 4, "stochastic", had)
     x = tiny_inputs(seed=6)
     n = x.numel()
     stacked = torch.stack([encode(x * (r + 1), in_spec, stream=r).payload for r in range(3)])
@@ -216,7 +205,7 @@ def test_decode_sum_encode_of_tiny_sums(out_scheme, had):
 
 @pytest.mark.parametrize("scheme", ["absmax", "minmax"])
 def test_weight_differences_of_tiny_values(scheme):
-    spec = _spec(scheme, 4, "stochastic", None, group=64)
+    spec = case_spec(scheme, 4, "stochastic", None, group=64)
     base = tiny_inputs(seed=7).to(torch.bfloat16)
     new = (tiny_inputs(seed=8) * 0.5).to(torch.bfloat16)
     a = encode_diff(new, base, spec, seed=4, backend="reference")
@@ -271,7 +260,7 @@ def test_global_int_tiny_values(carrier, rounding):
 def test_gpu_kernels_match_reference_on_tiny_values(scheme, bits, rounding, had):
     # compiled kernels may flush subnormals (libdevice's ftz division): the floor, conditioned on
     # the group's range rather than on the divided step, gives the same bytes
-    spec = _spec(scheme, bits, rounding, had, group=128)
+    spec = case_spec(scheme, bits, rounding, had, group=128)
     x = tiny_inputs().repeat(5).cuda()
     for v in (x, x.to(torch.bfloat16)):
         a = encode(v, spec, seed=5, stream=2, backend="reference")

@@ -93,11 +93,13 @@ def compress_fsdp(
 
     Raises:
         ValueError: no FSDPModule in ``model``, an unknown recipe, a mesh that is not 2-D, given
-            to a one-level recipe or not covering FSDP's shard group (found with one all-reduce,
-            so every rank raises), a model (or part of one) already compressed, another config
-            or mesh shape on another rank (one all-gather over the world first, see [Note: one
-            config on every rank]), ``schedule.pipeline`` without ``replicate``, with
-            uncompressed gradients or at staleness 1.
+            to a one-level recipe or not FSDP's shard group, a ``replicate`` group under native
+            HSDP or overlapping FSDP's shard group, a model (or part of one) already compressed,
+            another config, schedule or mesh shape on another rank (each found by collectives
+            over the model's groups, so every rank of them raises: [Note: one config on every
+            rank], [Note: agreement over the model's groups]), ``schedule.pipeline`` without
+            ``replicate``, with uncompressed gradients or at staleness 1.
+        TypeError: ``config`` or ``schedule`` of the wrong type.
     """
     # what each rank can check alone, the same on every rank passing the same arguments
     schedule = _as_schedule(schedule, "compress_fsdp")

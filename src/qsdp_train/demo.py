@@ -1,6 +1,7 @@
 """``qsdp demo``: on this CPU machine, train ``cpu-tiny`` on the built-in corpus with ``"bf16"``
 (uncompressed FSDP2) and ``"sdp4bit"`` side by side; print a table, write
-``OUT/summary.json`` and ``OUT/demo.png``."""
+``OUT/summary.json`` and ``OUT/demo.png`` (``OUT``: ``runs/demo-DATE-TIME`` by default, a folder
+git ignores here, not the working tree)."""
 
 from __future__ import annotations
 
@@ -44,7 +45,9 @@ def _cores() -> int:
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(prog="qsdp demo", description=__doc__.splitlines()[0])
     p.add_argument(
-        "--out", default="qsdp-demo", help="directory for the runs (default: %(default)s)"
+        "--out",
+        help="directory for the runs (default: runs/demo-DATE-TIME under the working directory; "
+        "this repository's .gitignore ignores runs/)",
     )
     p.add_argument("--steps", type=int, default=250)
     p.add_argument("--nproc", type=int, default=2)
@@ -52,9 +55,11 @@ def main(argv: list[str] | None = None) -> dict:
     a = p.parse_args(argv)
     if a.steps < 5:
         raise SystemExit(f"qsdp demo: --steps={a.steps} must be >= 5")
-    out = Path(a.out)
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    out = Path(a.out) if a.out else Path("runs") / f"demo-{stamp}"
     if out.exists() and any(out.iterdir()):
         raise SystemExit(f"qsdp demo: {out} is not empty; pass --out to a new directory")
+    print(f"qsdp demo: writing to {out}{'' if a.out else ' (--out DIR elsewhere)'}", flush=True)
     t0 = time.perf_counter()
     rows = []
     for name in RECIPES:

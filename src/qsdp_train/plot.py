@@ -104,11 +104,26 @@ def _byte_unit(n: float) -> tuple[float, str]:
 
 def _title(runs: Sequence[RunMetrics]) -> str:
     parts = []
-    for key, name in (("preset", "preset"), ("tokenizer", "tokenizer"), ("world_size", "GPUs")):
+    for key, name in (("preset", "preset"), ("tokenizer", "tokenizer")):
         vals = list(dict.fromkeys(str(r.config[key]) for r in runs if key in r.config))
         if vals:
             parts.append(f"{name} {' / '.join(vals)}")
+    sizes = list(
+        dict.fromkeys(str(r.config["world_size"]) for r in runs if "world_size" in r.config)
+    )
+    if sizes:
+        parts.append(f"{_rank_unit(runs)} {' / '.join(sizes)}")
     return "  ·  ".join(parts) or "qsdp runs"
+
+
+def _rank_unit(runs: Sequence[RunMetrics]) -> str:
+    # config.json's "device" is "cpu" or a GPU's name (older ones lack it): what a rank ran on
+    devices = {r.config.get("device") for r in runs}
+    if devices == {"cpu"}:
+        return "CPU processes"
+    if None not in devices and "cpu" not in devices:
+        return "GPUs"
+    return "ranks"
 
 
 def _draw_loss(ax: Any, runs: Sequence[RunMetrics], labels: list[str], x: str, smoothing: float):

@@ -17,10 +17,12 @@ def _own_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("QSDP_DATA_DIR", str(tmp_path / "cache"))
 
 
-def test_demo_writes_the_table_summary_and_plot(tmp_path, capsys):
+def test_demo_writes_the_table_summary_and_plot(tmp_path, capsys, monkeypatch):
     (tmp_path / "sonnet.txt").write_text(TEXT)
-    out = tmp_path / "demo"
-    demo(["--out", str(out), "--steps", "10", "--data", str(tmp_path / "sonnet.txt")])
+    monkeypatch.chdir(tmp_path)  # the default --out: under runs/ (git-ignored), not the tree
+    demo(["--steps", "10", "--data", str(tmp_path / "sonnet.txt")])
+    [out] = (tmp_path / "runs").iterdir()
+    assert out.name.startswith("demo-") and not (tmp_path / "qsdp-demo").exists()
     summary = json.loads((out / "summary.json").read_text())
     runs = {r["recipe"]: r for r in summary["runs"]}
     assert set(runs) == {"bf16", "sdp4bit"}
@@ -30,6 +32,7 @@ def test_demo_writes_the_table_summary_and_plot(tmp_path, capsys):
     assert (out / "demo.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     table = capsys.readouterr().out
     assert "sdp4bit" in table and "ratio" in table
+    assert f"qsdp demo: writing to {out.relative_to(tmp_path)} (--out DIR elsewhere)" in table
     # a second run into the same directory is refused instead of mixing runs
     try:
         demo(["--out", str(out), "--steps", "10"])

@@ -91,7 +91,7 @@ def test_figure_has_loss_and_bytes_panels(two_runs):
     heights = [p.get_height() for p in ax_bytes.patches]  # in MiB
     assert heights[:2] == pytest.approx([4.0, 4.0 / 6.4], rel=1e-6)  # all-gather of each run
     assert ax_bytes.get_ylabel() == "MiB per step"
-    assert fig.get_suptitle() == "preset tiny  ·  tokenizer bytes  ·  GPUs 3"
+    assert fig.get_suptitle() == "preset tiny  ·  tokenizer bytes  ·  ranks 3"
 
 
 def test_x_step_and_repeated_recipes(tmp_path):
@@ -108,7 +108,7 @@ def test_x_step_and_repeated_recipes(tmp_path):
     ]
     fig = build_figure(runs, x="step")
     assert fig.axes[0].get_xlabel() == "step"
-    assert fig.get_suptitle().endswith("GPUs 2 / 4 / 3")
+    assert fig.get_suptitle().endswith("ranks 2 / 4 / 3")
 
 
 def test_runs_without_per_collective_columns_get_one_bar(tmp_path):
@@ -175,3 +175,16 @@ def test_cli_errors_exit_with_a_message(two_runs, tmp_path):
         cli_main(["plot", str(two_runs[0]), str(stray), "--out", out])
     with pytest.raises(SystemExit):  # argparse: at least one RUN_DIR
         cli_main(["plot"])
+
+
+@pytest.mark.parametrize(
+    "device, label", [("cpu", "CPU processes 2"), ("NVIDIA H100", "GPUs 2"), (None, "ranks 2")]
+)
+def test_the_title_names_the_world_size_by_device(tmp_path, device, label):
+    run = fake_run(tmp_path / "run", "bf16", ratio=1.0, steps=3, world_size=2)
+    if device is not None:  # config.json records "cpu" or the GPU's name
+        config = json.loads((run / "config.json").read_text())
+        (run / "config.json").write_text(json.dumps(config | {"device": device}))
+    title = build_figure([read_metrics(run)])._suptitle.get_text()
+    assert title.endswith(label), title
+    assert device == "NVIDIA H100" or "GPU" not in title, title

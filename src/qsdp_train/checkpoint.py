@@ -1,10 +1,12 @@
 """``qsdp train``'s checkpoints: ``torch.distributed.checkpoint`` of the model, the optimizer,
 qsdp's collective state (noise counters, reductions in flight, adaptive widths), staleness 1's
 weight prediction and the trainer's own (step, staleness gate); the ``latest`` marker is written
-last."""
+last, and only then are older checkpoints pruned (all but the newest ``keep``, never the one
+``latest`` names)."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import torch
@@ -47,7 +49,23 @@ def save_checkpoint(
     gate: tuple[int, int] = (0, 0),
     *,
     predict: WeightPrediction | None = None,
+    keep: int = 0,
 ) -> Path:
+    """Save the run's state as ``OUT/ckpt/step_NNNNNNN`` on every rank, then mark it ``latest``.
+
+    Args:
+        out: the run directory.
+        par: the model as built (its qsdp state is saved too).
+        opt: the optimizer.
+        step: the steps completed.
+        gate: the staleness gate's (forced steps, whether the next step is synchronous).
+        predict: staleness 1's weight prediction, if any.
+        keep: once the new checkpoint is complete on every rank and marked, delete all but the
+            newest ``keep`` checkpoints (0 keeps all); the one ``latest`` names is never deleted.
+
+    Returns:
+        The checkpoint's directory.
+    """
     path = out / "ckpt" / f"step_{step:07d}"
     if par.replicated:  # a save keeps one replica's copy: the others must hold the same bits
         check_replicas(
@@ -59,8 +77,18 @@ def save_checkpoint(
         tmp = out / "ckpt" / "latest.tmp"
         tmp.write_text(path.name)
         tmp.replace(out / "ckpt" / "latest")
+        if keep:
+            _prune(out / "ckpt", keep=keep, latest=path.name)
     dist.barrier()
     return path
+
+
+def _prune(ckpt: Path, *, keep: int, latest: str) -> None:
+    # rank 0, after every rank's part of `latest` is on disk (the barrier before its marker)
+    steps = sorted(p for p in ckpt.glob("step_*") if p.is_dir())
+    for old in steps[:-keep]:
+        if old.name != latest:
+            shutil.rmtree(old)
 
 
 def load_checkpoint(

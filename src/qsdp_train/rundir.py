@@ -105,6 +105,7 @@ RESUME_MAY_CHANGE = (
     "stop_at",
     "eval_every",
     "ckpt_every",
+    "keep_checkpoints",
     "tensorboard",
     "progress",
 )

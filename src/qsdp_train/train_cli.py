@@ -22,7 +22,8 @@ def parser() -> argparse.ArgumentParser:
         "processes on this CPU machine.",
         epilog="An existing --out is only written by --resume, which continues its run and "
         "refuses settings that differ from the saved ones (recipe, seed, data, steps, ...; "
-        "--stop-at, --ckpt-every, --eval-every, --progress and --tensorboard may change). "
+        "--stop-at, --ckpt-every, --keep-checkpoints, --eval-every, --progress and "
+        "--tensorboard may change). "
         "Errors end the run with one line; QSDP_TRAIN_TRACEBACK=1 also prints every rank's "
         "traceback.",
     )
@@ -48,6 +49,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-every", type=int, default=50)
     p.add_argument("--eval-batches", type=int, default=8)
     p.add_argument("--ckpt-every", type=int, default=0, help="0: a checkpoint at the end only")
+    p.add_argument(
+        "--keep-checkpoints",
+        type=int,
+        default=3,
+        metavar="N",
+        help="keep the newest N checkpoints, deleting older ones once a new one is complete "
+        "(default: %(default)s; 0 keeps all); the one ckpt/latest names is never deleted",
+    )
     p.add_argument(
         "--resume",
         action="store_true",
@@ -189,6 +198,7 @@ def config_from(args: argparse.Namespace) -> TrainConfig:
         eval_every=args.eval_every,
         eval_batches=args.eval_batches,
         ckpt_every=args.ckpt_every,
+        keep_checkpoints=args.keep_checkpoints,
         resume=args.resume,
         stop_at=args.stop_at,
         seed=args.seed,

@@ -110,6 +110,9 @@ class TrainConfig:
     eval_batches: int = 8
     ckpt_every: int = 0
     """Save a checkpoint every N steps (0: only at the end)."""
+    keep_checkpoints: int = 3
+    """Keep the newest N checkpoints, deleting older ones once a new one is complete on every
+    rank (0: keep all); the one ``ckpt/latest`` names is never deleted."""
     resume: bool = False
     """Continue the run in ``out`` from its last checkpoint. The settings that define the run
     must equal the saved ones (``rundir.RESUME_MUST_MATCH``: recipe, seed, data, ``steps``...);
@@ -202,7 +205,7 @@ class TrainConfig:
         for name in ("steps", "micro_batch", "grad_accum", "eval_batches"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive")
-        for name in ("warmup", "eval_every", "ckpt_every"):
+        for name in ("warmup", "eval_every", "ckpt_every", "keep_checkpoints"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0")
         if self.stop_at is not None and not 0 < self.stop_at <= self.steps:
@@ -712,6 +715,7 @@ def train_rank(cfg: TrainConfig, data: TokenData, device: torch.device) -> dict:
                     done,
                     (gate.fired if gate else 0, int(sync_next)),
                     predict=predict,
+                    keep=cfg.keep_checkpoints,
                 )
         if cfg.staleness and start < end == cfg.steps:
             # the last step's gradient is still in flight: one more optimizer step applies it
@@ -722,7 +726,13 @@ def train_rank(cfg: TrainConfig, data: TokenData, device: torch.device) -> dict:
             opt.zero_grad(set_to_none=True)
         if start < end:
             save_checkpoint(
-                out, par, opt, end, (gate.fired if gate else 0, int(sync_next)), predict=predict
+                out,
+                par,
+                opt,
+                end,
+                (gate.fired if gate else 0, int(sync_next)),
+                predict=predict,
+                keep=cfg.keep_checkpoints,
             )
     finally:
         progress.close()

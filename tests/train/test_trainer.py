@@ -78,6 +78,20 @@ def test_every_recipe_trains_and_counts_its_bytes(data_dir, tmp_path):
     assert 1.0 < ratio["qwd-only"] < ratio["sdp4bit"]
 
 
+def _checkpoint_every_step(rank: int, world: int, data: str, root: str) -> None:
+    cfg = _cfg(Path(root), "bf16", steps=5, ckpt_every=1, eval_every=0)  # default keep: 3
+    train_rank(cfg, open_data(Path(data)), torch.device("cpu"))
+
+
+def test_checkpoints_are_pruned_to_the_last_three_by_default(data_dir, tmp_path):
+    run_distributed(_checkpoint_every_step, 2, str(data_dir), str(tmp_path))
+    kept = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
+    assert kept == ["latest", "step_0000003", "step_0000004", "step_0000005"], kept
+    assert TrainConfig(out="x").keep_checkpoints == 3
+    with pytest.raises(ValueError, match="--keep-checkpoints must be >= 0"):
+        TrainConfig(out="x", keep_checkpoints=-1)
+
+
 def _resume(rank: int, world: int, data: str, root: str, recipe: str) -> None:
     d = open_data(Path(data))
     cpu = torch.device("cpu")

@@ -119,6 +119,7 @@ _LABELS = {
     "val_tokens": "--data (tokens in the val split)",
     "vocab_size": "--data/--tokenizer (vocabulary size)",
     "world_size": "the number of processes (--nproc, or torchrun's)",
+    "parallel": "--ddp/--hsdp (parallel)",
 }
 
 
@@ -219,7 +220,8 @@ def _check_resume(out: Path, info: dict[str, Any], columns: tuple) -> None:
         changes = "; ".join(f"{_label(k)}: saved {saved[k]!r}, now {info[k]!r}" for k in diff)
         raise ValueError(
             f"--resume would continue the run in {out} under other settings ({changes}); "
-            f"resume with the settings in {config_path}, or choose another --out for a new run"
+            f"resume with the settings in {config_path} (`qsdp train --out {out} --resume` "
+            "takes them all), or choose another --out for a new run"
         )
     if saved.get("staleness") and "predict" not in saved and info.get("predict") != "none":
         # its checkpoints hold no weight prediction to continue from

@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import traceback
+from pathlib import Path
 
 from qsdp import RECIPES
 
 from .launch import _USER_ERRORS, TrainError, _describe, launch, under_torchrun
+from .metrics import CONFIG_FILE
 from .model import PRESETS
+from .rundir import RESUME_MUST_MATCH
 from .trainer import PREDICTIONS, TrainConfig
 
 
@@ -20,9 +24,10 @@ def parser() -> argparse.ArgumentParser:
         description="Train a GPT with FSDP2 and qsdp's compressed communication. Under torchrun "
         "it joins torchrun's group (NCCL on GPUs); run plainly it starts --nproc gloo "
         "processes on this CPU machine.",
-        epilog="An existing --out is only written by --resume, which continues its run and "
-        "refuses settings that differ from the saved ones (recipe, seed, data, steps, ...; "
-        "--stop-at, --ckpt-every, --keep-checkpoints, --eval-every, --progress and "
+        epilog="An existing --out is only written by --resume, which continues its run with "
+        "the settings saved in OUT/config.json (type only what changes) and refuses a typed "
+        "flag that differs from a saved setting (recipe, seed, data, steps, ...; --stop-at, "
+        "--ckpt-every, --keep-checkpoints, --eval-every, --pipeline, --progress and "
         "--tensorboard may change). "
         "Errors end the run with one line; QSDP_TRAIN_TRACEBACK=1 also prints every rank's "
         "traceback.",
@@ -60,7 +65,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--resume",
         action="store_true",
-        help="continue the run in OUT from OUT/ckpt/latest, with the same settings",
+        help="continue the run in OUT from OUT/ckpt/latest, with the settings in "
+        "OUT/config.json as the defaults (a typed flag that contradicts them is refused)",
     )
     p.add_argument("--stop-at", type=int, help="stop (with a checkpoint) after this step")
     p.add_argument("--seed", type=int, default=0)
@@ -223,11 +229,65 @@ def config_from(args: argparse.Namespace) -> TrainConfig:
     )
 
 
+# Flags whose --resume default is the saved run's: the settings that must match, and those that
+# may change but belong to the run (how often it saves and evaluates); where it stops, whether
+# it shows progress and --redecide are asked anew. Special: data, tokenizer, parallel, nproc.
+_INHERITED = (
+    *(k for k in RESUME_MUST_MATCH if k not in ("data", "tokenizer", "parallel")),
+    "ckpt_every",
+    "keep_checkpoints",
+    "eval_every",
+    "pipeline",
+    "tensorboard",
+)
+
+
+def _typed(argv: list[str] | None) -> set[str]:
+    """The flags (argparse dests) typed on the command line, not left to their defaults."""
+    p = parser()
+    for action in p._actions:
+        action.default = argparse.SUPPRESS
+    return set(vars(p.parse_args(argv)))
+
+
+def _resume_defaults(args: argparse.Namespace, typed: set[str]) -> None:
+    """``--resume``: every flag not typed takes the saved run's value from ``OUT/config.json``.
+
+    A typed flag is left as typed; if it contradicts the saved run, ``rundir.validate`` refuses
+    it, naming the flag, the saved value and the typed one. Without a readable config.json
+    nothing is filled in (validate says what is missing).
+    """
+    try:
+        saved = json.loads((Path(args.out) / CONFIG_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return
+    if not isinstance(saved, dict):
+        return
+    for key in _INHERITED:
+        if key in saved and key not in typed and hasattr(args, key):
+            setattr(args, key, saved[key])
+    if "data" in saved and "data" not in typed:
+        # the file it was prepared from (absolute), where it still is: from any directory
+        path = saved.get("data_path")
+        args.data = (
+            path if saved["data"] is not None and path and Path(path).exists() else (saved["data"])
+        )
+    text = args.data is None or str(args.data).endswith(".txt")  # else: the files' own meta
+    if saved.get("tokenizer") in ("byte", "gpt2") and "tokenizer" not in typed and text:
+        args.tokenizer = saved["tokenizer"]
+    if "parallel" in saved and not typed & {"ddp", "hsdp"}:
+        args.ddp, args.hsdp = saved["parallel"] == "ddp", saved["parallel"] == "hsdp"
+    if "world_size" in saved and "nproc" not in typed and not under_torchrun():
+        args.nproc = saved["world_size"]
+
+
 def main(argv: list[str] | None = None) -> dict:
     """Run ``qsdp train``; a refused setting or a failed worker ends it with one line on stderr,
     ``qsdp train: ...``, and exit code 1 (``QSDP_TRAIN_TRACEBACK=1`` prints the tracebacks too).
     """
     args = parser().parse_args(argv)
+    if args.resume:
+        _resume_defaults(args, _typed(argv))
     verbose = os.environ.get("QSDP_TRAIN_TRACEBACK", "") not in ("", "0")
     try:
         cfg = config_from(args)

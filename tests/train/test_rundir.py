@@ -131,6 +131,29 @@ def test_resume_under_other_settings_is_refused_and_changes_nothing(
     assert _snapshot(run) == before
 
 
+def test_resume_takes_the_saved_settings_and_refuses_only_typed_contradictions(
+    run, files, no_spawn
+):
+    before = _snapshot(run)
+    # nothing typed but --seed: --recipe, --steps, --data, ... default to the saved run's
+    message = _refused(["--out", str(run), "--resume", "--seed", "5"])
+    assert "(--seed: saved 0, now 5)" in message, message
+    assert f"`qsdp train --out {run} --resume` takes them all" in message, message
+    message = _refused(["--out", str(run), "--resume", "--ddp", "--steps", "6"])
+    assert "(--steps: saved 4, now 6; --ddp/--hsdp (parallel): saved 'fsdp', now 'ddp')" in (
+        message
+    ), message
+    assert _snapshot(run) == before
+
+
+def test_resume_with_only_out_continues_the_run(run, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    train_main(["--out", str(run), "--resume", "--no-progress"])
+    steps = [line.split(",")[0] for line in (run / "metrics.csv").read_text().splitlines()[1:]]
+    assert steps == ["0", "1", "2", "3"], steps
+    assert (run / "ckpt" / "latest").read_text() == "step_0000004"
+
+
 def test_resume_on_other_data_is_refused(run, files, no_spawn):
     before = _snapshot(run)
     message = _refused(["--out", str(run), "--data", str(files["other"]), *FLAGS, "--resume"])
@@ -176,7 +199,10 @@ def test_resume_checks_each_setting_and_lets_the_free_ones_change(run, files, mo
     monkeypatch.chdir(files["root"])  # the same data named by a relative path
     validate(dataclasses.replace(saved, data="play.txt"), data, world_size=2, columns=COLUMNS)
     for name, value in CHANGED.items():
-        with pytest.raises(ValueError, match=f"--{name.replace('_', '-')}: saved"):
+        flag = (
+            "--ddp/--hsdp \\(parallel\\)" if name == "parallel" else "--" + name.replace("_", "-")
+        )
+        with pytest.raises(ValueError, match=f"{flag}: saved"):
             validate(
                 dataclasses.replace(saved, **{name: value}), data, world_size=2, columns=COLUMNS
             )

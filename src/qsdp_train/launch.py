@@ -28,9 +28,9 @@ import torch.multiprocessing as mp
 
 from .data import open_data, prepare_data
 from .rundir import validate
-from .trainer import COLUMNS, TrainConfig, raise_together, train_rank
+from .trainer import COLUMNS, Interrupted, TrainConfig, _StopRequest, raise_together, train_rank
 
-__all__ = ["TrainError", "launch", "under_torchrun"]
+__all__ = ["Interrupted", "TrainError", "launch", "under_torchrun"]
 
 _GRACE_S = 10.0  # after the first failure, how long the peers get to report and exit
 _USER_ERRORS = (ValueError, OSError, FloatingPointError, ImportError)
@@ -65,6 +65,8 @@ def launch(cfg: TrainConfig, *, nproc: int = 2) -> dict:
         Rank 0's metrics of the last step.
 
     Raises:
+        Interrupted: Ctrl-C (SIGINT to this process, or to the workers) stopped the run; its
+            ``checkpoint`` says what was saved ([Note: Ctrl-C between steps] in ``trainer``).
         ValueError, OSError, ImportError: a setting, the data or ``cfg.out`` is refused before
             any worker starts (see ``rundir.validate``); nothing was written.
         TrainError: a worker failed (see the module's note).
@@ -86,9 +88,10 @@ def launch(cfg: TrainConfig, *, nproc: int = 2) -> dict:
             for r in range(nproc)
         ]
         try:
-            for p in procs:
-                p.start()
-            return _collect(procs, results)
+            with _StopRequest() as stop:
+                for p in procs:
+                    p.start()
+                return _collect(procs, results, stop=stop, out=Path(cfg.out))
         finally:
             for p in procs:
                 if p.is_alive():
@@ -97,17 +100,25 @@ def launch(cfg: TrainConfig, *, nproc: int = 2) -> dict:
                     p.join()
 
 
-def _collect(procs: list, results) -> dict:
-    """Wait for the workers; rank 0's metrics, or one :class:`TrainError` for the first failure."""
+def _collect(
+    procs: list, results, *, stop: _StopRequest | None = None, out: Path | None = None
+) -> dict:
+    """Wait for the workers; rank 0's metrics, or one :class:`TrainError` for the first failure
+    (:class:`Interrupted` after a Ctrl-C: ``stop`` counts them; the first is forwarded to the
+    workers, which save and stop between steps, a second kills them)."""
     last: dict | None = None
     errors: dict[int, tuple[str, str]] = {}  # in order of arrival
     deaths: dict[int, int] = {}  # ranks that exited non-zero without a report
+    stopped: dict[int, tuple] = {}  # ranks that saved and stopped after a Ctrl-C: step, path, why
+    forwarded = 0
 
     def drain() -> None:
         nonlocal last
         while not results.empty():
             rank, ok, *value = results.get()
-            if ok:
+            if ok == "interrupted":
+                stopped[rank] = tuple(value)
+            elif ok:
                 last = value[0] if rank == 0 else last
             else:
                 errors.setdefault(rank, (value[0], value[1]))
@@ -121,6 +132,16 @@ def _collect(procs: list, results) -> dict:
 
     grace_end = None
     while not all(p.exitcode is not None for p in procs):
+        presses = stop.presses if stop is not None else 0
+        if presses > 1:
+            break  # the finally of launch() kills the workers
+        if presses and not forwarded:
+            # a Ctrl-C in a terminal reaches the workers too; a SIGINT to this process alone
+            # does not: forward it (a second request is the same request to a worker)
+            forwarded = 1
+            for p in procs:
+                if p.is_alive():
+                    os.kill(p.pid, signal.SIGINT)
         judge()
         if (errors or deaths) and grace_end is None:
             grace_end = time.monotonic() + _GRACE_S
@@ -128,6 +149,8 @@ def _collect(procs: list, results) -> dict:
             break  # a peer stuck in a collective: the finally of launch() kills it
         time.sleep(0.02)
     judge()
+    if stop is not None and stop.presses:
+        _raise_interrupted(stopped, stop.presses, out, finished=last is not None)
     tracebacks = {r: tb for r, (_, tb) in errors.items()}
     if deaths:
         rank, code = next(iter(deaths.items()))
@@ -148,6 +171,39 @@ def _collect(procs: list, results) -> dict:
     return last
 
 
+def _raise_interrupted(
+    stopped: dict[int, tuple], presses: int, out: Path | None, *, finished: bool
+) -> None:
+    """After a Ctrl-C: raise :class:`Interrupted` saying what was saved (nothing returns if the
+    run finished before the workers saw it)."""
+    if finished:
+        return
+    where = Path(out) if out is not None else Path(".")
+    steps = {step for step, *_ in stopped.values()}
+    if stopped and len(steps) == 1:  # every rank that reported stopped after the same step
+        step, path, message = next(iter(stopped.values()))
+        marker = where / "ckpt" / "latest"
+        if marker.is_file() and marker.read_text().strip() == Path(path).name:
+            raise Interrupted(
+                message,
+                step=step,
+                checkpoint=Path(path),
+                out=where,
+            )
+    marker = where / "ckpt" / "latest"
+    kept = (
+        f"the last checkpoint is {where / 'ckpt' / marker.read_text().strip()}"
+        if (marker.is_file())
+        else "no checkpoint was saved"
+    )
+    how = (
+        "a second Ctrl-C stopped the workers mid-step"
+        if presses > 1
+        else ("the workers stopped before they could agree on a step to save")
+    )
+    raise Interrupted(f"interrupted: {how}; {kept}", step=None, checkpoint=None, out=where)
+
+
 def _describe(e: BaseException) -> str:
     # A user error's message says it all; anything else is named by its type. One line.
     text = str(e) if isinstance(e, _USER_ERRORS) else f"{type(e).__name__}: {e}"
@@ -164,12 +220,16 @@ def _local_worker(rank: int, world: int, store: str, cfg: TrainConfig, path: str
         LOCAL_WORLD_SIZE=str(world),
     )
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    # a Ctrl-C before train_rank takes over only asks to stop ([Note: Ctrl-C between steps])
+    _StopRequest().__enter__()  # train_rank's own takes its count over
     code = 0
     try:
         dist.init_process_group("gloo", init_method=store, rank=rank, world_size=world)
         last = train_rank(cfg, open_data(Path(path)), torch.device("cpu"))
         dist.barrier()  # every rank is done before any leaves
         results.put((rank, True, last))
+    except Interrupted as e:  # saved and stopped with its peers ([Note: Ctrl-C between steps])
+        results.put((rank, "interrupted", e.step, str(e.checkpoint), str(e)))
     except BaseException as e:  # noqa: B036 - every failure, Ctrl-C included, goes to the parent
         # Report before leaving the group: leaving makes the peers fail too (see the note).
         results.put((rank, False, _describe(e), traceback.format_exc()))

@@ -4,12 +4,14 @@ run touches it.
 [Note: the run directory is written only by the run that owns it]
 ``OUT/`` holds ``config.json`` (the settings), ``metrics.csv`` (one row per step), ``ckpt/``
 (checkpoints; ``ckpt/latest`` names the last finished one) and optionally ``tb/``. A run owns
-``OUT/`` when ``OUT/`` is new (or holds none of these), or when it resumes the run in it. So
+``OUT/`` when ``OUT/`` is new (or holds none of these), when it holds a run that never finished
+a checkpoint (nothing to resume: a new run removes its files, saying so, and starts afresh), or
+when it resumes the run in it. So
 :func:`validate` runs before anything is written, in ``launch`` before any worker starts and
 again at the start of ``train_rank`` on every rank (torchrun, or the Python API), and refuses:
 
     OUT is a file                          -> NotADirectoryError
-    OUT holds a run, no --resume           -> FileExistsError  "pass --resume ... or another --out"
+    OUT holds a checkpoint, no --resume    -> FileExistsError  "pass --resume ... or another --out"
     --resume, but no finished checkpoint   -> FileNotFoundError
     --resume with other settings           -> ValueError naming each differing setting
     a data split shorter than block+1      -> ValueError
@@ -176,7 +178,8 @@ def _check_out(out: Path, resume: bool) -> None:
     if not out.exists() and parent is not None and not parent.is_dir():
         raise NotADirectoryError(f"--out {out}: {parent} is a file; choose another --out")
     found = [name for name in RUN_FILES if (out / name).exists()]
-    if found and not resume:
+    # a run that never finished a checkpoint has nothing to resume: a new run starts over it
+    if found and not resume and (out / CKPT_DIR / "latest").is_file():
         raise FileExistsError(
             f"{out} holds a run ({', '.join(found)}): pass --resume to continue it, or choose "
             "another --out"
@@ -188,8 +191,8 @@ def _check_resume(out: Path, info: dict[str, Any], columns: tuple) -> None:
     if not marker.is_file():
         raise FileNotFoundError(
             f"--resume: no finished checkpoint in {out / CKPT_DIR} (the file 'latest' is written "
-            f"after a save completes), so there is nothing to resume; start afresh in a new "
-            f"--out (or remove {out})"
+            f"after a save completes), so there is nothing to resume; run without --resume to "
+            f"start afresh in {out}"
         )
     ckpt = out / CKPT_DIR / marker.read_text().strip()
     if not ckpt.is_dir():

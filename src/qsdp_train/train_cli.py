@@ -5,13 +5,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 import traceback
 from pathlib import Path
 
 from qsdp import RECIPES
 
-from .launch import _USER_ERRORS, TrainError, _describe, launch, under_torchrun
+from .launch import _USER_ERRORS, Interrupted, TrainError, _describe, launch, under_torchrun
 from .metrics import CONFIG_FILE
 from .model import PRESETS
 from .rundir import RESUME_MUST_MATCH
@@ -29,6 +30,10 @@ def parser() -> argparse.ArgumentParser:
         "flag that differs from a saved setting (recipe, seed, data, steps, ...; --stop-at, "
         "--ckpt-every, --keep-checkpoints, --eval-every, --pipeline, --progress and "
         "--tensorboard may change). "
+        "An OUT that holds no finished checkpoint (a run killed before its first save) does "
+        "not block a new run: it starts afresh there, saying so. Ctrl-C stops every rank after "
+        "the same step, saves it, and ends with one line naming the checkpoint and the command "
+        "to resume (exit code 130; a second Ctrl-C stops at once, saving nothing more). "
         "Errors end the run with one line; QSDP_TRAIN_TRACEBACK=1 also prints every rank's "
         "traceback.",
     )
@@ -53,7 +58,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--dropout", type=float, default=0.0)
     p.add_argument("--eval-every", type=int, default=50)
     p.add_argument("--eval-batches", type=int, default=8)
-    p.add_argument("--ckpt-every", type=int, default=0, help="0: a checkpoint at the end only")
+    p.add_argument(
+        "--ckpt-every",
+        type=int,
+        default=0,
+        help="0: a checkpoint at the end only (and of the last completed step on Ctrl-C)",
+    )
     p.add_argument(
         "--keep-checkpoints",
         type=int,
@@ -281,9 +291,23 @@ def _resume_defaults(args: argparse.Namespace, typed: set[str]) -> None:
         args.nproc = saved["world_size"]
 
 
+def _interrupted(e: KeyboardInterrupt, out: str) -> str:
+    """The line a Ctrl-C ends ``qsdp train`` with: what was saved, and the command to resume."""
+    if not isinstance(e, Interrupted):  # before any worker started
+        return f"qsdp train: interrupted before training started; {out} was not written"
+    command = f"qsdp train --out {shlex.quote(out)} --resume"
+    if under_torchrun():
+        command = f"your torchrun command with --out {shlex.quote(out)} --resume"
+    if (Path(out) / "ckpt" / "latest").is_file():
+        return f"qsdp train: {e}; resume with: {command}"
+    return f"qsdp train: {e}; rerun the same command to start afresh in {out}"
+
+
 def main(argv: list[str] | None = None) -> dict:
     """Run ``qsdp train``; a refused setting or a failed worker ends it with one line on stderr,
     ``qsdp train: ...``, and exit code 1 (``QSDP_TRAIN_TRACEBACK=1`` prints the tracebacks too).
+    Ctrl-C saves the last completed step where every rank can agree on it, and ends with one
+    line saying what was saved and how to resume, exit code 130.
     """
     args = parser().parse_args(argv)
     if args.resume:
@@ -292,6 +316,10 @@ def main(argv: list[str] | None = None) -> dict:
     try:
         cfg = config_from(args)
         return launch(cfg, nproc=args.nproc)
+    except KeyboardInterrupt as e:
+        if not under_torchrun() or os.environ["RANK"] == "0":
+            print(_interrupted(e, args.out), file=sys.stderr, flush=True)
+        raise SystemExit(130) from None
     except TrainError as e:
         if verbose:
             for rank, tb in e.tracebacks.items():

@@ -22,6 +22,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import shutil
+import signal
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -52,12 +55,12 @@ from .data import TokenData
 from .metrics import MetricsWriter, Progress
 from .model import GPT, PRESETS, ModelConfig
 from .parallel import MODES, Parallel, build
-from .rundir import saved_choice, validate, write_config
+from .rundir import RUN_FILES, saved_choice, validate, write_config
 
 PREDICTIONS = ("last", "local", "none")
 """``--predict``: where a staleness-1 step computes its gradient (see ``TrainConfig.predict``)."""
 
-__all__ = ["COLUMNS", "PREDICTIONS", "TrainConfig", "raise_together", "train_rank"]
+__all__ = ["COLUMNS", "PREDICTIONS", "Interrupted", "TrainConfig", "raise_together", "train_rank"]
 
 T = TypeVar("T")
 
@@ -458,6 +461,72 @@ def _bytes_saved(par: Parallel) -> float | None:
     return widths.plan.bytes_saved if widths is not None and widths.plan is not None else None
 
 
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C (SIGINT) ended the run; raised on every rank after the checkpoint, if any.
+
+    [Note: Ctrl-C between steps]
+    A SIGINT does not interrupt a rank where it lands (mid-collective, its peers would hang or
+    fail): it only asks to stop. Each step's loss all-reduce carries every rank's request, so all
+    ranks see it after the same step, leave the loop together, and save that step as
+    ``--stop-at`` would (a step of staleness 1 keeps its reduction in flight in the checkpoint).
+    Then each raises this. Under ``qsdp train``'s own launcher a Ctrl-C reaches the launcher,
+    which forwards it to the workers (a second Ctrl-C kills them: nothing more is saved).
+
+    Attributes:
+        step: the steps completed (None: interrupted before one was).
+        checkpoint: the checkpoint written for them, or None when none could be.
+        out: the run directory.
+    """
+
+    def __init__(self, message: str, *, step: int | None, checkpoint: Path | None, out: Path):
+        super().__init__(message)
+        self.step, self.checkpoint, self.out = step, checkpoint, out
+
+
+class _StopRequest:
+    """A SIGINT handler for the duration of a run that records the request instead of raising
+    (only in the main thread, where Python runs signal handlers)."""
+
+    def __init__(self) -> None:
+        self.presses = 0
+        self._previous = None
+
+    @property
+    def asked(self) -> bool:
+        return self.presses > 0
+
+    def __enter__(self) -> _StopRequest:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._ask)
+            outer = getattr(self._previous, "__self__", None)
+            if isinstance(outer, _StopRequest):  # a request made before this run took over
+                self.presses = outer.presses
+        return self
+
+    def _ask(self, signum: int, frame: object) -> None:
+        self.presses += 1
+
+    def __exit__(self, *exc: object) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+
+
+def _clear_unsaved_run(out: Path) -> None:
+    """Rank 0 of a new run: remove what a run that never finished a checkpoint left in ``out``
+    (``rundir.validate`` let it start afresh there)."""
+    found = [name for name in RUN_FILES if (out / name).exists()]
+    if not found:
+        return
+    print(
+        f"qsdp train: {out} holds a run with no finished checkpoint ({', '.join(found)}): "
+        "starting afresh over it",
+        flush=True,
+    )
+    for name in found:
+        path = out / name
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+
+
 _REBUILT = {
     t.__name__: t
     for t in (
@@ -503,7 +572,19 @@ def raise_together(fn: Callable[[], T]) -> T:
 
 
 def train_rank(cfg: TrainConfig, data: TokenData, device: torch.device) -> dict:
-    """Train on this rank; returns the final metrics (rank 0 also writes ``OUT/``)."""
+    """Train on this rank; returns the final metrics (rank 0 also writes ``OUT/``).
+
+    Raises:
+        Interrupted: a SIGINT (Ctrl-C) asked to stop; every rank stopped after the same step,
+            whose checkpoint was saved ([Note: Ctrl-C between steps]).
+    """
+    with _StopRequest() as stop:
+        return _train_rank(cfg, data, device, stop)
+
+
+def _train_rank(
+    cfg: TrainConfig, data: TokenData, device: torch.device, stop: _StopRequest
+) -> dict:
     rank, ws = dist.get_rank(), dist.get_world_size()
     # Before anything is written (see rundir's notes); on every rank, so all raise together.
     raise_together(lambda: validate(cfg, data, world_size=ws, columns=COLUMNS))
@@ -570,6 +651,8 @@ def train_rank(cfg: TrainConfig, data: TokenData, device: torch.device) -> dict:
                 flush=True,
             )
     if rank == 0:
+        if not cfg.resume:
+            _clear_unsaved_run(out)
         out.mkdir(parents=True, exist_ok=True)
         write_config(cfg, out, data, device, auto=chosen)
     dist.barrier()
@@ -595,6 +678,7 @@ def train_rank(cfg: TrainConfig, data: TokenData, device: torch.device) -> dict:
         gate.fired = forced
     progress = Progress(cfg.steps, initial=start, disable=rank != 0 or not cfg.progress)
     last: dict = {}
+    interrupted = cut = False
     try:
         end = cfg.steps if cfg.stop_at is None else max(start, cfg.stop_at)
         for step in range(start, end):
@@ -662,8 +746,11 @@ def train_rank(cfg: TrainConfig, data: TokenData, device: torch.device) -> dict:
                     opt.step()
                     opt.zero_grad(set_to_none=True)
                     sync_next = True
-            dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG)
-            loss_val = float(loss_sum)  # waits for the step
+            # [Note: Ctrl-C between steps]: every rank's stop request travels with the loss
+            summed = torch.stack((loss_sum, torch.tensor(float(stop.asked), device=device)))
+            dist.all_reduce(summed)
+            loss_val = float(summed[0]) / ws  # waits for the step
+            interrupted = bool(summed[1] > 0)
             step_s = time.perf_counter() - t0
             after = {k: v.bytes for k, v in stats.snapshot().items()}
             delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
@@ -707,6 +794,9 @@ def train_rank(cfg: TrainConfig, data: TokenData, device: torch.device) -> dict:
                 val_loss=val,
             )
             done = step + 1
+            if interrupted and done < end:
+                end, cut = done, True  # saved below, as --stop-at would
+                break
             if cfg.ckpt_every and done % cfg.ckpt_every == 0 and done < end:
                 save_checkpoint(
                     out,
@@ -725,7 +815,7 @@ def train_rank(cfg: TrainConfig, data: TokenData, device: torch.device) -> dict:
             opt.step()
             opt.zero_grad(set_to_none=True)
         if start < end:
-            save_checkpoint(
+            path = save_checkpoint(
                 out,
                 par,
                 opt,
@@ -738,4 +828,11 @@ def train_rank(cfg: TrainConfig, data: TokenData, device: torch.device) -> dict:
         progress.close()
         if writer is not None:
             writer.close()
+    if cut:
+        raise Interrupted(
+            f"interrupted after step {end} of {cfg.steps}; saved {path}",
+            step=end,
+            checkpoint=path,
+            out=out,
+        )
     return last

@@ -10,6 +10,8 @@ import multiprocessing
 import os
 import shutil
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -328,3 +330,79 @@ def test_the_cause_is_named_not_the_peer_it_took_down(how, message):
             p.join()
     assert str(e.value).startswith(message), str(e.value)
     assert e.value.rank == 1 and "traceback of rank 0" in e.value.tracebacks[0]
+
+
+@pytest.mark.parametrize("to", ["launcher", "group"])
+def test_ctrl_c_saves_the_last_step_and_says_how_to_resume(files, tmp_path, to):
+    # a real SIGINT: to the launcher alone (kill -INT), or to its process group as a terminal's
+    # Ctrl-C does (the launcher and its workers)
+    out = tmp_path / "run"
+    env = os.environ | {"QSDP_DATA_DIR": str(files["root"] / "cache"), "OMP_NUM_THREADS": "1"}
+    argv = ["--out", str(out), "--data", str(files["txt"]), *FLAGS, "--steps", "5000"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "qsdp_train", "train", *argv],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and proc.poll() is None:
+            metrics = out / "metrics.csv"
+            if metrics.is_file() and len(metrics.read_text().splitlines()) >= 3:
+                break  # two steps logged
+            time.sleep(0.05)
+        assert proc.poll() is None, proc.communicate()
+        if to == "group":
+            os.killpg(proc.pid, signal.SIGINT)
+        else:
+            proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    last = err.strip().splitlines()[-1]
+    latest = (out / "ckpt" / "latest").read_text()
+    step = int(latest.removeprefix("step_"))
+    assert last == (
+        f"qsdp train: interrupted after step {step} of 5000; saved {out / 'ckpt' / latest}; "
+        f"resume with: qsdp train --out {out} --resume"
+    ), err
+    rows = (out / "metrics.csv").read_text().splitlines()[1:]
+    assert step >= 2 and [r.split(",")[0] for r in rows] == [str(i) for i in range(step)]
+
+
+def test_a_run_with_no_checkpoint_does_not_block_a_new_one(run, files):
+    # what a run killed before its first checkpoint leaves: settings and rows, no ckpt/latest
+    shutil.rmtree(run / "ckpt")
+    (run / "ckpt" / "step_0000001").mkdir(parents=True)  # a save that never finished
+    cfg = TrainConfig(out=str(run), data=str(files["txt"]), **SETTINGS)
+    validate(cfg, open_data(files["data"]), world_size=2, columns=COLUMNS)  # not refused
+    with pytest.raises(FileNotFoundError, match="run without --resume to start afresh in"):
+        validate(
+            dataclasses.replace(cfg, resume=True),
+            open_data(files["data"]),
+            world_size=2,
+            columns=COLUMNS,
+        )
+    run_distributed(_stopped_run, 2, str(files["data"]), str(files["txt"]), str(run))
+    assert sorted(p.name for p in (run / "ckpt").iterdir()) == ["latest", "step_0000002"]
+    rows = (run / "metrics.csv").read_text().splitlines()[1:]
+    assert [r.split(",")[0] for r in rows] == ["0", "1"]
+
+
+def test_ctrl_c_before_any_worker_starts_is_one_line(files, tmp_path, monkeypatch, capsys):
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt  # as while the data is prepared, before any worker starts
+
+    monkeypatch.setattr("qsdp_train.train_cli.launch", interrupted)
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as e:
+        train_main(["--out", str(out), "--data", str(files["txt"]), *FLAGS])
+    assert e.value.code == 130
+    err = capsys.readouterr().err
+    assert err == f"qsdp train: interrupted before training started; {out} was not written\n"

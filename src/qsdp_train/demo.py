@@ -10,6 +10,7 @@ import datetime
 import json
 import os
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -75,6 +76,11 @@ def main(argv: list[str] | None = None) -> dict:
         )
         try:
             launch(cfg, nproc=a.nproc)
+        except KeyboardInterrupt as e:  # Ctrl-C: one line, as `qsdp train` prints it
+            print(
+                f"qsdp demo: {str(e) or 'interrupted'} (the demo does not resume)", file=sys.stderr
+            )
+            raise SystemExit(130) from None
         except TrainError as e:  # one line, as `qsdp train` prints it
             raise SystemExit(str(e).replace("qsdp train:", "qsdp demo:", 1)) from None
         except _USER_ERRORS as e:  # refused before any worker started

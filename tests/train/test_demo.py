@@ -50,3 +50,14 @@ def test_demo_failure_is_one_line(tmp_path):
     message = str(e.value.code)
     assert message.startswith("qsdp demo: ") and "\n" not in message, message
     assert "too short" in message, message
+
+
+def test_demo_ctrl_c_is_one_line(tmp_path, monkeypatch, capsys):
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("qsdp_train.demo.launch", interrupted)
+    with pytest.raises(SystemExit) as e:
+        demo(["--out", str(tmp_path / "d"), "--steps", "5"])
+    assert e.value.code == 130
+    assert capsys.readouterr().err == "qsdp demo: interrupted (the demo does not resume)\n"

@@ -406,3 +406,23 @@ def test_ctrl_c_before_any_worker_starts_is_one_line(files, tmp_path, monkeypatc
     assert e.value.code == 130
     err = capsys.readouterr().err
     assert err == f"qsdp train: interrupted before training started; {out} was not written\n"
+
+
+def test_a_ctrl_c_that_could_not_save_says_so(tmp_path):
+    out = tmp_path / "run"
+    with pytest.raises(launch_module.Interrupted) as e:  # a second Ctrl-C, nothing saved yet
+        launch_module._raise_interrupted({}, 2, out, finished=False)
+    assert str(e.value) == (
+        "interrupted: a second Ctrl-C stopped the workers mid-step; no checkpoint was saved"
+    )
+    (out / "ckpt").mkdir(parents=True)
+    (out / "ckpt" / "latest").write_text("step_0000004")
+    stopped = {0: (6, str(out / "ckpt" / "step_0000006"), "saved"), 1: (7, "x", "saved")}
+    with pytest.raises(launch_module.Interrupted) as e:  # ranks that disagree: no new save
+        launch_module._raise_interrupted(stopped, 1, out, finished=False)
+    assert str(e.value) == (
+        "interrupted: the workers stopped before they could agree on a step to save; the last "
+        f"checkpoint is {out / 'ckpt' / 'step_0000004'}"
+    )
+    assert e.value.checkpoint is None
+    launch_module._raise_interrupted({}, 1, out, finished=True)  # the run had finished: no error

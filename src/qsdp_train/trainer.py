@@ -677,6 +677,15 @@ def _train_rank(
     if gate is not None:
         gate.fired = forced
     progress = Progress(cfg.steps, initial=start, disable=rank != 0 or not cfg.progress)
+
+    def checkpoint(done: int) -> Path:
+        """Save the run after ``done`` steps, with the gate's count and whether the next step
+        is synchronous (read when called)."""
+        gate_state = (gate.fired if gate else 0, int(sync_next))
+        return save_checkpoint(
+            out, par, opt, done, gate_state, predict=predict, keep=cfg.keep_checkpoints
+        )
+
     last: dict = {}
     interrupted = cut = False
     try:
@@ -798,15 +807,7 @@ def _train_rank(
                 end, cut = done, True  # saved below, as --stop-at would
                 break
             if cfg.ckpt_every and done % cfg.ckpt_every == 0 and done < end:
-                save_checkpoint(
-                    out,
-                    par,
-                    opt,
-                    done,
-                    (gate.fired if gate else 0, int(sync_next)),
-                    predict=predict,
-                    keep=cfg.keep_checkpoints,
-                )
+                checkpoint(done)
         if cfg.staleness and start < end == cfg.steps:
             # the last step's gradient is still in flight: one more optimizer step applies it
             par.state.drain()
@@ -815,15 +816,7 @@ def _train_rank(
             opt.step()
             opt.zero_grad(set_to_none=True)
         if start < end:
-            path = save_checkpoint(
-                out,
-                par,
-                opt,
-                end,
-                (gate.fired if gate else 0, int(sync_next)),
-                predict=predict,
-                keep=cfg.keep_checkpoints,
-            )
+            path = checkpoint(end)
     finally:
         progress.close()
         if writer is not None:

@@ -13,11 +13,12 @@ from qsdp_train.model import ModelConfig
 from qsdp_train.parallel import build
 
 
-def _save(rank: int, world: int, out: str) -> str | None:
+def _tiny(mode: str, recipe: str):
+    """A one-block GPT on the CPU, parallelised as ``mode`` with ``recipe``."""
     mc = ModelConfig(n_layer=1, n_head=2, d_model=16, block_size=8, vocab_size=32)
-    par = build(
-        mode="ddp",
-        recipe_name="cgx",
+    return build(
+        mode=mode,
+        recipe_name=recipe,
         mc=mc,
         device=torch.device("cpu"),
         seed=0,
@@ -25,6 +26,10 @@ def _save(rank: int, world: int, out: str) -> str | None:
         two_level=False,
         nodes=None,
     )
+
+
+def _save(rank: int, world: int, out: str) -> str | None:
+    par = _tiny("ddp", "cgx")
     opt = torch.optim.AdamW(par.model.parameters(), lr=1e-3)
     if rank == 1:  # a replica that drifted
         with torch.no_grad():
@@ -45,17 +50,7 @@ def test_qsdp_train_does_not_checkpoint_differing_replicas(tmp_path):
 
 
 def _save_five(rank: int, world: int, out: str) -> None:
-    mc = ModelConfig(n_layer=1, n_head=2, d_model=16, block_size=8, vocab_size=32)
-    par = build(
-        mode="fsdp",
-        recipe_name="bf16",
-        mc=mc,
-        device=torch.device("cpu"),
-        seed=0,
-        bf16=False,
-        two_level=False,
-        nodes=None,
-    )
+    par = _tiny("fsdp", "bf16")
     opt = torch.optim.AdamW(par.model.parameters(), lr=1e-3)
     for step in range(1, 6):
         save_checkpoint(Path(out), par, opt, step, keep=2)

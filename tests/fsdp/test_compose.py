@@ -22,7 +22,7 @@ import qsdp
 from qsdp.policy import AutoDecision
 from qsdp.testing import assert_same_on_all_ranks, run_distributed
 
-from ..models import VOCAB, batch, dist_calls, sharded_classifier, train
+from ..models import VOCAB, batch, classifier, dist_calls, sharded_classifier, train
 
 D = 48
 STEPS = 12
@@ -266,3 +266,34 @@ def test_loading_another_recipes_state_says_what_was_saved(tmp_path):
         for name in ("global-qsgd", "cgx"):
             assert "saved with recipe 'qsdp-w8g8'" in r[name], r[name]
             assert f"compressed with recipe '{name}'" in r[name], r[name]
+
+
+def _master_dtype_worker(rank: int, world: int) -> dict:
+    """The quantized-master recipe on bf16 parameters, and under a bf16 param_dtype."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    out = {}
+    for case in ("bf16 parameters", "param_dtype"):
+        model = classifier()
+        if case == "bf16 parameters":
+            model = model.bfloat16()
+            mp = MixedPrecisionPolicy()
+        else:
+            mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+        for i in (2, 5):
+            fully_shard(model[i], mp_policy=mp)
+        fully_shard(model, mp_policy=mp)
+        qsdp.compress_fsdp(model, "qsdp-quantized-master")
+        try:
+            model(batch(rank, 0)[0])
+            out[case] = "ran"
+        except ValueError as e:
+            out[case] = str(e)
+    return out
+
+
+def test_quantized_master_names_what_the_user_did():
+    for r in run_distributed(_master_dtype_worker, 2):
+        assert "stores its parameters in ['torch.bfloat16']" in r["bf16 parameters"], r
+        assert "param_dtype" not in r["bf16 parameters"], r  # the user passed none
+        assert "MixedPrecisionPolicy(param_dtype=...)" in r["param_dtype"], r

@@ -385,6 +385,19 @@ class Schedule:
         return isinstance(config.weights, (QuantizedWeights, QuantizedMaster))
 
 
+def as_schedule(schedule: object, *, where: str) -> Schedule:
+    """``schedule=`` of an integration (``where``: its name) as a :class:`Schedule` (None: the
+    default one)."""
+    if schedule is None:
+        return Schedule()
+    if not isinstance(schedule, Schedule):
+        raise TypeError(
+            f"{where}(schedule=...) takes a qsdp.Schedule, got {type(schedule).__name__}; e.g. "
+            "schedule=qsdp.Schedule(staleness=1)"
+        )
+    return schedule
+
+
 # --- the recipes ----------------------------------------------------------------------------
 # QSDP: 8-bit weights (deterministic, the fp32 master shards stay exact) and 8-bit min-max
 # gradients with stochastic rounding (unbiased), groups of 128.
@@ -479,18 +492,34 @@ def describe(config: CompressionConfig, schedule: Schedule | None = None) -> str
 def _describe(config: CompressionConfig) -> str:
     for name, build in RECIPES.items():
         base = build()
-        changed = {
-            f.name: getattr(config, f.name)
-            for f in dataclasses.fields(CompressionConfig)
-            if getattr(config, f.name) != getattr(base, f.name)
-        }
         if base.weights == config.weights and base.grads == config.grads:
-            extra = ", ".join(f"{k}={v!r}" for k, v in sorted(changed.items()))
+            extra = ", ".join(
+                f"{f.name}={getattr(config, f.name)!r}"
+                for f in sorted(dataclasses.fields(CompressionConfig), key=lambda f: f.name)
+                if getattr(config, f.name) != getattr(base, f.name)
+            )
             return f"recipe {name!r}" + (f" with {extra}" if extra else "")
     return repr(config)
 
 
 _RECORD_BYTES = 512
+
+
+def text_entry(text: bytes, size: int) -> torch.Tensor:
+    """``text`` as a checkpoint entry: a uint8 tensor of ``size`` bytes, zero-padded. One size
+    whatever the text, so that ``torch.distributed.checkpoint`` loads another run's entry into
+    this one's (it loads the keys and shapes the running state has)."""
+    if len(text) > size:
+        raise ValueError(f"a checkpoint entry of {len(text)} bytes does not fit {size}")
+    out = torch.zeros(size, dtype=torch.uint8)
+    if text:  # (torch.frombuffer refuses an empty buffer)
+        out[: len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
+    return out
+
+
+def entry_text(entry: torch.Tensor) -> bytes:
+    """The text of a :func:`text_entry` (its zero padding dropped)."""
+    return bytes(entry.detach().cpu().to(torch.uint8).reshape(-1).tolist()).rstrip(b"\0")
 
 
 def config_record(config: CompressionConfig, schedule: Schedule | None = None) -> torch.Tensor:
@@ -499,11 +528,9 @@ def config_record(config: CompressionConfig, schedule: Schedule | None = None) -
     was saved): the description's UTF-8 bytes (cut at 504) and, in the last 8, a digest of the
     whole description."""
     text = describe(config, schedule).encode()
-    out = torch.zeros(_RECORD_BYTES, dtype=torch.uint8)
-    shown = text[: _RECORD_BYTES - 8]
-    out[: len(shown)] = torch.frombuffer(bytearray(shown), dtype=torch.uint8)
-    out[-8:] = torch.frombuffer(bytearray(hashlib.sha256(text).digest()[:8]), dtype=torch.uint8)
-    return out
+    shown = text_entry(text[: _RECORD_BYTES - 8], _RECORD_BYTES - 8)
+    digest = torch.frombuffer(bytearray(hashlib.sha256(text).digest()[:8]), dtype=torch.uint8)
+    return torch.cat([shown, digest])
 
 
 def check_saved(
@@ -520,7 +547,7 @@ def check_saved(
     saved = saved.detach().cpu().to(torch.uint8).reshape(-1)
     if saved.numel() == mine.numel() and torch.equal(saved[-8:], mine[-8:]):
         return
-    shown = bytes(saved[:-8].tolist()).rstrip(b"\0").decode(errors="replace")
+    shown = entry_text(saved[:-8]).decode(errors="replace")
     raise ValueError(
         f"{what}: this checkpoint's qsdp state was saved with {shown}; the model is "
         f"compressed with {describe(config, schedule)}. Compress the model as it was when "

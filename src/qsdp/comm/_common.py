@@ -311,7 +311,7 @@ def noise_rank(group: dist.ProcessGroup | None) -> int:
     draw alike; where their results are later averaged (native HSDP's replicate all-reduce),
     the integration keys them apart through the seed (:func:`replica_seed`).
     """
-    return dist.get_rank(group)
+    return dist.get_rank() if group is None else group.rank()  # (no lookup: a hot path)
 
 
 def replica_seed(seed: int, replica: int) -> int:

@@ -176,7 +176,7 @@ def _reduce_scatter_stages(
     nbytes = spec.payload_bytes(m)
     send = torch.empty((n - 1) * nbytes, dtype=torch.uint8, device=input.device)
     peers = [j for j in range(n) if j != r]
-    me = C.noise_rank(pg)
+    me = r  # the noise identity: the place in the group ([Note: noise per place in the group])
     enc_spec = spec.propagating()
     for slot, j in enumerate(peers):
         encode(
@@ -250,7 +250,7 @@ def _fused_stages(output, input, split, call: _Call, *, lost=None) -> C.Stages:
     acc_raw = raw[r].to(torch.float32, copy=True)
     send = torch.zeros(n - 1, row, dtype=torch.uint8, device=input.device)
     enc_spec = spec.propagating()
-    me = C.noise_rank(pg)
+    me = r  # the noise identity: the place in the group ([Note: noise per place in the group])
     for slot, j in enumerate(k for k in range(n) if k != r):
         if split.n_comp:
             encode(

@@ -7,7 +7,14 @@ import dataclasses
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ..config import CompressionConfig, IntegerGrads, QuantizedGrads, Schedule, recipe
+from ..config import (
+    CompressionConfig,
+    IntegerGrads,
+    QuantizedGrads,
+    Schedule,
+    as_schedule,
+    recipe,
+)
 from ..policy import auto
 from ..runtime.agreement import check_same_arguments
 from ..runtime.streams import twin_group
@@ -65,13 +72,7 @@ def register(
             f"{type(model).__name__}; wrap it first: DistributedDataParallel(model)"
         )
     # the same on every rank of DDP's group, before anything can raise on one rank alone
-    if schedule is None:
-        schedule = Schedule()
-    elif not isinstance(schedule, Schedule):
-        raise TypeError(
-            f"qsdp.ddp.register(schedule=...) takes a qsdp.Schedule, got "
-            f"{type(schedule).__name__}; e.g. schedule=qsdp.Schedule(staleness=1)"
-        )
+    schedule = as_schedule(schedule, where="qsdp.ddp.register")
     check_same_arguments(
         (config, schedule, error_feedback),
         groups=[model.process_group],

@@ -24,6 +24,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
+from ..runtime.placement import local_of
+
 __all__ = ["FSDPGroup", "ParamSlot", "fsdp_groups"]
 
 
@@ -83,16 +85,12 @@ class FSDPGroup:
     def device(self) -> torch.device:
         """Where the group's shards live (CPU for a group without parameters)."""
         for p in self.params:
-            return _local(p).device
+            return local_of(p).device
         return torch.device("cpu")
 
 
 def _ranks(group: dist.ProcessGroup | None) -> tuple[int, ...] | None:
     return None if group is None else tuple(dist.get_process_group_ranks(group))
-
-
-def _local(p: torch.Tensor) -> torch.Tensor:
-    return p.to_local() if hasattr(p, "to_local") else p
 
 
 def fsdp_groups(model: nn.Module) -> list[FSDPGroup]:

@@ -23,6 +23,7 @@ from ..config import (
     QuantizedWeights,
     Schedule,
     WeightDiffs,
+    as_schedule,
     recipe,
 )
 from ..policy import auto
@@ -102,7 +103,7 @@ def compress_fsdp(
         TypeError: ``config`` or ``schedule`` of the wrong type.
     """
     # what each rank can check alone, the same on every rank passing the same arguments
-    schedule = _as_schedule(schedule, "compress_fsdp")
+    schedule = as_schedule(schedule, where="compress_fsdp")
     arguments = (config, schedule, _shape(mesh), _shape(replicate))
     if isinstance(config, str) and config != "auto":
         config = recipe(config)
@@ -221,15 +222,16 @@ def _shared(
         model.register_forward_pre_hook(clock.tick, prepend=True)
         model.register_load_state_dict_post_hook(clock.request_resync)
     plan = config.grads.plan(mesh=mesh) if config.grads is not None else None
+    own = schedule.own_group(config)  # (always at staleness 1)
     replicate_plan = None
     if replicate is not None:  # the gradients' config is for the replicate all-reduce
         replicate_plan = plan or qc.PlainReduce(name="all_reduce_replicate")
         plan = None
-    elif plan is None and schedule.own_group(config):
+    elif plan is None and own:
         plan = qc.PlainReduce(name="reduce_scatter")  # a hook to move: FSDP2's reduction, counted
     stale = Pipeline() if schedule.staleness else None  # [Note: staleness 1 in FSDP2]
     twins = None
-    if schedule.staleness or (schedule.own_group(config) and replicate is None):
+    if own and (schedule.staleness or replicate is None):
         # the reductions' own communicators (see Schedule.own_reduce_group)
         used = [replicate] if replicate is not None else []
         used += [g.shard_group for g in groups if g.shard_group is not None and plan is not None]
@@ -489,18 +491,6 @@ def _fsdp_groups_of(model: nn.Module) -> tuple[list[FSDPModule], list[FSDPGroup]
             "the recipe, build and fully_shard the model again)"
         )
     return [g.module for g in groups], groups
-
-
-def _as_schedule(schedule: object, where: str) -> Schedule:
-    """``schedule=`` as a :class:`qsdp.Schedule` (None: the default one)."""
-    if schedule is None:
-        return Schedule()
-    if not isinstance(schedule, Schedule):
-        raise TypeError(
-            f"{where}(schedule=...) takes a qsdp.Schedule, got {type(schedule).__name__}; e.g. "
-            "schedule=qsdp.Schedule(staleness=1)"
-        )
-    return schedule
 
 
 def _check_two_dimensional(mesh: object) -> None:

@@ -382,21 +382,23 @@ def state_entry(decision: AutoDecision | None) -> torch.Tensor:
     Raises:
         ValueError: the record's JSON exceeds the entry (8 KiB).
     """
-    out = torch.zeros(_ENTRY_BYTES, dtype=torch.uint8)
+    from ..config import text_entry  # (config imports this package: resolved at call time)
+
     if decision is None:
-        return out
+        return text_entry(b"", _ENTRY_BYTES)
     text = json.dumps(decision.record(), sort_keys=True).encode()
     if len(text) > _ENTRY_BYTES:
         raise ValueError(
             f"an 'auto' record of {len(text)} bytes does not fit a checkpoint entry of "
             f"{_ENTRY_BYTES}: raise qsdp.policy.auto._ENTRY_BYTES"
         )
-    out[: len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
-    return out
+    return text_entry(text, _ENTRY_BYTES)
 
 
 def _entry_decision(entry: torch.Tensor) -> AutoDecision | None:
-    text = bytes(entry.detach().cpu().to(torch.uint8).reshape(-1).tolist()).rstrip(b"\0")
+    from ..config import entry_text
+
+    text = entry_text(entry)
     return AutoDecision.from_record(json.loads(text)) if text else None
 
 

@@ -143,6 +143,32 @@ def test_allowed_private_imports_are_still_used():
     assert ALLOWED_PRIVATE <= used, ALLOWED_PRIVATE - used
 
 
+def test_adapters_use_only_public_names():
+    """``qsdp.integrations`` is a layer above ``qsdp.fsdp`` and ``qsdp.ddp``: it calls their
+    public entry points, as a user would, and reaches past none of them."""
+    files = sorted((SRC / "qsdp" / "integrations").glob("*.py"))
+    assert len(files) >= 2, files
+    found = [use for f in files for use in private_uses(f)]
+    assert not found, "qsdp.integrations reaches past qsdp's public API:\n" + "\n".join(found)
+
+
+def test_nothing_below_imports_the_adapters():
+    files = sorted(f for f in (SRC / "qsdp").rglob("*.py") if "integrations" not in f.parts)
+    found = []
+    for f in files:
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                module = _absolute(node, f)
+                names = [module] + [f"{module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                continue
+            if any(n == "qsdp.integrations" or n.startswith("qsdp.integrations.") for n in names):
+                found.append(f"{f.relative_to(SRC)}:{node.lineno}")
+    assert not found, "qsdp imports its adapters:\n" + "\n".join(found)
+
+
 def test_library_never_imports_the_trainer():
     files = sorted((SRC / "qsdp").rglob("*.py"))
     assert len(files) > 30, files
@@ -152,15 +178,18 @@ def test_library_never_imports_the_trainer():
 
 
 def test_import_qsdp_loads_no_trainer_code():
-    """In a fresh process: ``import qsdp`` and every public subpackage, then no trainer module
-    (nor matplotlib or tiktoken of the ``train`` extra; its tqdm is loaded by ``torch.hub``)."""
+    """In a fresh process: ``import qsdp`` and every public subpackage (``qsdp.integrations``
+    included), then no trainer module (nor matplotlib or tiktoken of the ``train`` extra; its
+    tqdm is loaded by ``torch.hub``), and no framework of the ``hf`` extra: its adapter loads
+    them only when imported itself."""
     code = (
         "import importlib, importlib.util, pkgutil, sys\n"
         "import qsdp\n"
         "for m in pkgutil.iter_modules(qsdp.__path__):\n"
         "    if not m.name.startswith('_'):\n"
         "        importlib.import_module('qsdp.' + m.name)\n"
-        "bad = ('qsdp_train', 'qsdp.train', 'matplotlib', 'tiktoken')\n"
+        "bad = ('qsdp_train', 'qsdp.train', 'matplotlib', 'tiktoken', 'transformers',\n"
+        "       'accelerate', 'qsdp.integrations.hf')\n"
         "hit = lambda n: any(n == b or n.startswith(b + '.') for b in bad)\n"
         "print(sorted(filter(hit, sys.modules)))\n"
         "print(importlib.util.find_spec('qsdp.train'))\n"

@@ -1,0 +1,10 @@
+"""Adapters for the frameworks that build FSDP2 or DDP themselves: each hands the model they
+prepared to :func:`qsdp.compress_fsdp` or :func:`qsdp.ddp.register` and does nothing else.
+
+- :mod:`qsdp.integrations.hf`: Hugging Face ``accelerate.Accelerator`` and
+  ``transformers.Trainer`` (``pip install 'qsdp[hf]'``).
+
+Importing this package imports no framework: import the adapter's module itself.
+"""
+
+__all__: list[str] = []

@@ -23,6 +23,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import qsdp
 from qsdp.testing import assert_same_on_all_ranks, count_dist_bytes, run_distributed
 
 VOCAB, SEQ, BATCH, STEPS = 64, 16, 4, 5
@@ -259,6 +260,10 @@ def _trainer_misuse(rank: int, world: int, out_dir: str) -> dict:
     out["fsdp1"] = str(e.value)
     args = _arguments(out_dir, fsdp=False, max_steps=2)
     trainer = Trainer(model=tiny_llama(), args=args, train_dataset=dataset(world * BATCH * 2))
+    with pytest.raises(ValueError) as e:
+        hf.compress_trainer(trainer, DDP_RECIPE, schedule=qsdp.Schedule(staleness=1))
+    out["stale"] = str(e.value)
+    trainer = Trainer(model=tiny_llama(), args=args, train_dataset=dataset(world * BATCH * 2))
     midway = _CompressMidway(trainer)
     trainer.add_callback(midway)
     trainer.train()
@@ -351,5 +356,7 @@ def test_trainer_misuse_raises_naming_the_fix_on_every_rank(runs):
     for r in runs:
         message = r["trainer", "misuse"]["fsdp1"]
         assert "fsdp_version=1" in message and "fsdp_config={'version': 2}" in message, message
+        message = r["trainer", "misuse"]["stale"]
+        assert "Schedule(staleness=1)" in message and "hf.compress" in message, message
         message = r["trainer", "misuse"]["midway"]
         assert message is not None and "before trainer.train()" in message, message

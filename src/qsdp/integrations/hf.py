@@ -139,8 +139,8 @@ def compress_trainer(
         qsdp's state of it.
 
     Raises:
-        ValueError: training has begun, or the Trainer's setup is one :func:`compress` refuses
-            (DeepSpeed, FSDP1, one process, XLA).
+        ValueError: training has begun, the Trainer's setup is one :func:`compress` refuses
+            (DeepSpeed, FSDP1, one process, XLA), or ``schedule.staleness`` is 1.
     """
     where = "qsdp.integrations.hf.compress_trainer"
     if trainer.is_in_train:
@@ -149,6 +149,13 @@ def compress_trainer(
             "training: call it before trainer.train()"
         )
     _check_setup(trainer.accelerator, where=where)
+    if schedule is not None and schedule.staleness:
+        raise ValueError(
+            f"{where}: schedule=Schedule(staleness={schedule.staleness}) needs a loop that skips "
+            "optimizer.step() while state.applied_nothing and calls state.drain() after the "
+            "last backward; the Trainer's loop does neither: use staleness=0 here, or "
+            "hf.compress in your own Accelerate loop"
+        )
     callback = QSDPCallback(trainer, config, schedule=schedule, **options)
     trainer.add_callback(callback)
     return callback

@@ -345,8 +345,8 @@ class Schedule:
     staleness: int = 0
     """``1``: each step applies the previous step's reduced gradient while its own gradient's
     reduction overlaps the next step (bounded staleness, the elastic-consistency seed); ``0``:
-    synchronous. DDP ([Note: staleness 1] in ``qsdp/ddp/hook.py``), FSDP2 and compressed HSDP
-    ([Note: staleness 1 in FSDP2]); ``qsdp.StalenessGate`` bounds it."""
+    synchronous. One implementation for DDP, FSDP2 and compressed HSDP ([Note: one staleness
+    core] in ``qsdp.runtime.delayed``); ``qsdp.StalenessGate`` bounds it."""
     own_reduce_group: bool | None = None
     """FSDP2: run the gradient reduce-scatters on a communicator of their own (a second
     process group over FSDP's ranks). NCCL runs one communicator's collectives in issue order,

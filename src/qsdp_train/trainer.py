@@ -138,7 +138,7 @@ class TrainConfig:
     """``1``: each step applies the previous step's gradient while its own reduction overlaps the
     next step (the first step applies nothing and skips its optimizer step; the last gradient is
     applied by one more optimizer step at the end, with the last step's learning rate and
-    clipping). See [Note: staleness 1] in ``qsdp.ddp`` and [Note: staleness 1 in FSDP2]."""
+    clipping). See [Note: one staleness core] in ``qsdp.runtime.delayed``."""
     stale_after: int = 0
     """Staleness 1 only from this step on: the steps before reduce and apply at once (the
     pipeline's ``synchronous()``), the first stale step applies nothing. The delay costs most at

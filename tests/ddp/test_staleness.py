@@ -117,6 +117,36 @@ def test_nan_raises_on_every_rank_one_backward_after_its_gradient_is_applied():
     assert max(t for _, _, t in results) < 5
 
 
+def _nan_drained(rank: int, world: int) -> tuple[str, int, bool]:
+    """The last step's gradient is NaN on one rank only; it is still in flight when the
+    training ends: drain() checks it as it applies it."""
+    ddp, hook, opt = _build("cgx", 1)
+    for step in range(2):
+        loss = _loss(ddp, rank, step)
+        if step == 1 and rank == 0:
+            loss = loss * float("nan")
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+    try:
+        hook.drain()
+    except ValueError as e:
+        message = str(e)
+    else:
+        message = "no error"
+    zeroed = all(bool((p.grad == 0).all()) for p in ddp.parameters())
+    return message, hook.zeroed, zeroed
+
+
+def test_a_drained_nan_raises_on_every_rank_and_is_never_applied():
+    results = run_distributed(_nan_drained, 3, pg_timeout_s=30)
+    assert len({msg for msg, _, _ in results}) == 1, results
+    assert "non-finite gradient" in results[0][0] and "drained" in results[0][0]
+    # every bucket of the drained step held NaN (the average takes rank 0's): all zeroed
+    assert all(zeroed for _, _, zeroed in results)
+    assert {n for _, n, _ in results} == {results[0][1]} and results[0][1] >= 1
+
+
 def _refusals(rank: int, world: int) -> None:
     ddp = DDP(classifier())
     hook = qsdp.ddp.register(ddp, "cgx")

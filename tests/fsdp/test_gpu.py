@@ -209,14 +209,15 @@ def _delay_streams(rank: int, ws: int, recipe: str) -> dict:
     for batch in list(_batches(rank, ws))[:2]:
         _train_step(model, opt, dev, batch)
     torch.cuda.synchronize()
-    pipeline = qsdp.fsdp.comm_state(model)._installed.pipeline
+    installed = qsdp.fsdp.comm_state(model)._installed
+    delayed = [h for h in installed.hooks if getattr(h, "stale", None) is not None]
     ctx = model._get_fsdp_state()._comm_ctx
     fsdp2 = [ctx.all_gather_copy_in_stream, ctx.all_gather_stream, ctx.reduce_scatter_stream]
     fsdp2.append(ctx.all_reduce_stream)
-    twin = getattr(pipeline.entries[0][0].plan, "mesh", None)  # two levels: the twin mesh
+    twin = getattr(delayed[0].plan, "mesh", None)  # two levels: the twin mesh
     return {
-        "hooks": len(pipeline.entries),
-        "delays": {hook.delay._stream.cuda_stream for hook, _ in pipeline.entries},
+        "hooks": len(delayed),
+        "delays": {s.cuda_stream for s in installed.stale.streams.made()},
         "fsdp2": {s.cuda_stream for s in fsdp2},
         # [Note: side streams from the high-priority pool]: its communicators' NCCL streams
         "twin_high_priority": None

@@ -357,7 +357,8 @@ def _hsdp_estimates(rank: int, world: int) -> dict:
     torch.testing.assert_close(state.estimate_square_norm(estimates), expect)
     saved = state.state_dict()  # each replica's own estimate under its own key
     keys = sorted(k for k in saved if k.startswith("local."))
-    assert keys and all(k.endswith(f".replica{node}") for k in keys), keys
+    names = sorted(n for n, p in model.named_parameters())
+    assert keys == [f"local.replica{node}.{n}" for n in names], keys
     opt.step()
     opt.zero_grad()
     with predict.ahead(enabled=state.in_flight, clip=1.0):  # each node shifts by its own

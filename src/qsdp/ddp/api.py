@@ -47,7 +47,7 @@ def register(
             gradient (quantized gradients only).
         schedule: when and on which communicators the all-reduce runs (a
             :class:`qsdp.Schedule`; default: synchronous, one communicator; see [Note: what
-            and when]): ``staleness=1`` ([Note: staleness 1] in ``qsdp/ddp/hook.py``);
+            and when]): ``staleness=1`` ([Note: staleness 1 under DDP] in ``qsdp/ddp/hook.py``);
             ``pipeline=True``: the all-reduce's later exchange (CGX's phase 2, Global-QSGD's
             SUM) on a second communicator over DDP's ranks and the buckets alternating between
             two hook streams, so one bucket's exchange overlaps the next one's (compressed

@@ -59,27 +59,22 @@ share the full-duplex link. Every rank issues the same collectives in
 the same order on each communicator; the results are the same bits. Costs one more
 communicator's NCCL buffers and a stream.
 
-[Note: staleness 1]
-With ``Schedule(staleness=1)`` step ``t`` applies the reduced gradient of step ``t - 1``
-and the reduction of its own gradient runs while step ``t + 1`` computes (the elastic-consistency
-schedule, staleness bounded by one step). The hook copies the bucket into a send buffer of its
-own (DDP refills the bucket in the next backward), starts the plan's all-reduce on it, and hands
-DDP the previous step's result for the same parameters: complete by then, so the backward's end
-waits for no communication. Pending results are kept per parameter, so DDP's bucket rebuild after
-the first step (other buckets, other offsets) is followed by copying the pieces. The first step
-has no previous gradient and gets zeros; after the last backward, :meth:`DDPCompression.drain`
-puts the reductions still in flight into ``.grad`` for one more ``optimizer.step()``. NaN/Inf is
-checked on the gradient a step applies, when it applies it. Memory: the send buffers (one
-gradient in flight per rank) and, while DDP copies it out, the previous result. The noise keys
-are those of the synchronous schedule, so staleness 1 applies exactly the gradients staleness 0
-would have reduced, one step late (tested).
+[Note: staleness 1 under DDP]
+With ``Schedule(staleness=1)`` the hook is an adapter of the one staleness core
+([Note: one staleness core] in ``qsdp.runtime.delayed``), on the compute stream DDP calls it on:
+it takes the previous step's result for the bucket's parameters (``previous``: complete for the
+stream by then, so the backward's end waits for no communication; the pieces gathered where
+DDP's bucket rebuild after the first step moved them), copies the bucket (DDP refills it in the
+next backward) and starts the plan's all-reduce on that copy on a side stream (``send``), and
+hands DDP the previous result through a completed future, flagged for NaN/Inf as a synchronous
+result is. The first step gets zeros. Memory: the copies in flight (one gradient per rank) and,
+while DDP copies it out, the previous result.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -89,6 +84,7 @@ from .. import comm as qc
 from ..config import CompressionConfig, NonFinite, Schedule, check_saved, config_record
 from ..policy import auto
 from ..runtime import NonfiniteCheck, SideStreams
+from ..runtime.delayed import DelayedReductions, packed_slots
 from ..runtime.widths import WidthController
 
 __all__ = ["DDPCompression"]
@@ -143,14 +139,13 @@ class DDPCompression:
         self.check = None if mode is NonFinite.PROPAGATE else NonfiniteCheck(mode.value)
         self._reports: dict[int, _BucketReport] = {}  # one per bucket index, reused
         self._streams = SideStreams(2)
-        self._pending: dict[int, _Pending] = {}
-        """Staleness 1: by parameter id, where its gradient of the last step is being reduced."""
-        self._consumer: torch.cuda.Stream | None = None
-        """CUDA: the stream DDP called the hook on, where it reads the results."""
-        self._keep_local = False
-        self._local: dict[int, _Pending] = {}
-        """Staleness 1 with :meth:`keep_local_gradients`: by parameter id, this rank's own
-        gradient of the step in flight (weight prediction's estimate)."""
+        self.stale: DelayedReductions | None = None
+        """Staleness 1: the reductions in flight ([Note: staleness 1 under DDP])."""
+        if schedule.staleness:  # each rank's local estimates (its own gradient) differ
+            tag = f"rank{dist.get_rank(group)}"
+            self.stale = DelayedReductions(params, local_tag=tag, owner=self)
+        self._drained = _BucketReport()
+        self._drained.where = "the drained gradients"
         self.widths: WidthController | None = None
         """Adaptive widths (``CompressionConfig.adaptive``): each bucket's width, by index."""
         if config.adaptive is not None:
@@ -163,42 +158,47 @@ class DDPCompression:
         self.decision = decision
         """``register(model, "auto")``: what it measured, predicted and chose
         (:class:`qsdp.policy.AutoDecision`); :meth:`state_dict` keeps its record."""
-        self._synchronous = False
-        self.applied_nothing = bool(schedule.staleness)
+
+    @property
+    def applied_nothing(self) -> bool:
         """Staleness 1: the last backward applied no reduction (the first step, or the first
         after :meth:`drain`): skip its ``optimizer.step()``. Always False at staleness 0."""
+        return self.stale is not None and self.stale.applied_nothing
 
     @property
     def in_flight(self) -> bool:
         """Staleness 1: a reduction is in flight, to be applied by the next backward (whose
         gradient :class:`qsdp.runtime.WeightPrediction` may then compute ahead)."""
-        return bool(self._pending)
+        return self.stale is not None and self.stale.in_flight
 
     # --- the hook ---------------------------------------------------------------------------
     def reduce(self, bucket: dist.GradBucket) -> torch.futures.Future:
         """All-reduce one bucket (average); the future yields the bucket's buffer."""
         tensor = bucket.buffer()
+        if self.stale is not None and not self.stale.synchronous:
+            return self._reduce_stale(bucket, tensor)  # [Note: staleness 1 under DDP]
         if not tensor.is_cuda:
             return self._reduce(bucket, tensor)
         if self.second_group is not None:  # [Note: pipelined buckets]
             self._turn ^= 1
         stream = self._streams.get(tensor.device, self._turn)
-        self._consumer = torch.cuda.current_stream(tensor.device)  # DDP reads results there
-        stream.wait_stream(self._consumer)
+        stream.wait_stream(torch.cuda.current_stream(tensor.device))
         with torch.cuda.stream(stream):  # see [Note: the hook's own stream]
             return self._reduce(bucket, tensor)
 
-    def _reduce(self, bucket: dist.GradBucket, tensor: torch.Tensor) -> torch.futures.Future:
+    def _prepare(
+        self, bucket: dist.GradBucket, tensor: torch.Tensor
+    ) -> tuple[list[nn.Parameter], int, int, qc.Split | None]:
+        """A bucket's parameters, index, noise step and policy split; error feedback's
+        residuals added into it, and its width observed."""
         params = bucket.parameters()
         index = bucket.index()
         step = self._calls.get(index, 0)
         self._calls[index] = step + 1
         split = self._split(index, params)
         self._buckets[index] = (tensor.numel(), tensor.element_size(), split)
-        feedback = None
         if self.error_feedback:  # [Note: exact error feedback] in qsdp/comm/_two_phase.py
             self._add_residuals(tensor, params)
-            feedback = torch.empty(tensor.numel(), dtype=torch.float32, device=tensor.device)
         if self.widths is not None:  # [Note: adaptive widths at run time]
             rows = tensor.view(1, -1)
             self.widths.observe(
@@ -206,39 +206,51 @@ class DDPCompression:
                 lambda: split.take(rows)[0] if split is not None else rows,
                 self._plan_for(index).width_spec,
             )
-        if not self.schedule.staleness or self._synchronous:
-            if self._synchronous and any(id(p) in self._pending for p in params):
-                raise RuntimeError(
-                    "qsdp staleness 1: a synchronous backward while a reduction is in flight "
-                    "would lose it; call drain() (and optimizer.step()) before synchronous()"
-                )
-            self.applied_nothing = False
-            work = self._all_reduce(tensor, split, step, index, feedback=feedback)
-            self._keep_residuals(params, feedback)
-            return self._checked(work.get_future(), tensor, params, index)
-        # [Note: staleness 1]: reduce a copy, hand DDP the previous step's result
-        self.applied_nothing = all(id(p) not in self._pending for p in params)
-        send = tensor.clone()
-        if self._keep_local:  # weight prediction's estimate: this rank's own gradient
-            local, offset = tensor.clone(), 0
-            ready = None
-            if local.is_cuda:  # copied on the hook's stream; read on the compute stream
-                ready = torch.cuda.Event()
-                ready.record()
-            for p in params:
-                self._local[id(p)] = _Pending(local, offset, p.numel(), None, ready)
-                offset += p.numel()
-        work = self._all_reduce(send, split, step, index, feedback=feedback)
+        return params, index, step, split
+
+    def _reduce(self, bucket: dist.GradBucket, tensor: torch.Tensor) -> torch.futures.Future:
+        """Synchronous: all-reduce the bucket in place."""
+        params, index, step, split = self._prepare(bucket, tensor)
+        if self.stale is not None:  # inside synchronous()
+            self.stale.check_synchronous(packed_slots(params))
+        feedback = self._feedback(tensor)
+        work = self._all_reduce(tensor, split, step, index, feedback=feedback, async_op=True)
         self._keep_residuals(params, feedback)
-        previous = self._previous(params, like=tensor)
-        if previous.is_cuda:  # made on a hook stream, read by DDP on its own: not reused early
-            previous.record_stream(self._consumer)
-        offset = 0
-        future = work.get_future()
-        for p in params:
-            self._pending[id(p)] = _Pending(send, offset, p.numel(), future)
-            offset += p.numel()
+        return self._checked(work.get_future(), tensor, params, index)
+
+    def _reduce_stale(self, bucket: dist.GradBucket, tensor: torch.Tensor) -> torch.futures.Future:
+        """Staleness 1: hand DDP the previous step's result of the bucket's parameters and start
+        the reduction of a copy of this one ([Note: staleness 1 under DDP])."""
+        slots = packed_slots(bucket.parameters())
+        # first: the previous reductions of these parameters are then complete for this
+        # stream, error feedback's residuals (written by them) included
+        previous = self.stale.previous(slots, like=tensor)
+        params, index, step, split = self._prepare(bucket, tensor)
+
+        def launch(result: torch.Tensor, _keep) -> None:
+            feedback = self._feedback(result)  # (made on the stream that fills it)
+            self._all_reduce(result, split, step, index, feedback=feedback)
+            self._keep_residuals(params, feedback)
+
+        self.stale.send(
+            launch,
+            key=index,
+            slots=slots,
+            like=tensor,
+            input=tensor.clone(),
+            owner=self,
+            in_place=True,
+            local=tensor,
+        )
+        if previous is None:
+            previous = torch.zeros_like(tensor)
         return self._checked(_completed(previous), previous, params, index)
+
+    def _feedback(self, tensor: torch.Tensor) -> torch.Tensor | None:
+        """Error feedback: the buffer a reduction of ``tensor`` writes what it lost into."""
+        if not self.error_feedback:
+            return None
+        return torch.empty(tensor.numel(), dtype=torch.float32, device=tensor.device)
 
     def _plan_for(self, index: int) -> qc.ReducePlan:
         if self.widths is None:
@@ -246,8 +258,8 @@ class DDPCompression:
         return self.plan.with_bits(self.widths.width(index))
 
     def _all_reduce(
-        self, tensor: torch.Tensor, split, step: int, index: int, *, feedback=None
-    ) -> qc.CommWork:
+        self, tensor: torch.Tensor, split, step: int, index: int, *, feedback=None, async_op=False
+    ) -> qc.CommWork | None:
         extra = {} if feedback is None else {"feedback": feedback}
         if self.second_group is not None:
             extra["second_group"] = self.second_group
@@ -260,61 +272,26 @@ class DDPCompression:
             step=step % 2**32,
             bucket=index,
             stats=self.stats,
-            async_op=True,
+            async_op=async_op,
             **extra,
         )
-
-    def _previous(self, params: list[nn.Parameter], *, like: torch.Tensor) -> torch.Tensor:
-        """The previous step's reduced gradients of ``params`` laid out as their bucket
-        ``like`` (zeros where there is none: the first step)."""
-        sources = [self._pending.get(id(p)) for p in params]
-        if all(src is None for src in sources):
-            return torch.zeros_like(like)
-        for fut in {id(src.future): src.future for src in sources if src and src.future}.values():
-            fut.wait()  # CUDA: the current stream waits, the host does not
-        first = sources[0]
-        offsets = [0]
-        for p in params:
-            offsets.append(offsets[-1] + p.numel())
-        same = first is not None and first.buffer.numel() == like.numel()
-        same = same and all(
-            src is not None and src.buffer is first.buffer and src.offset == offsets[i]
-            for i, src in enumerate(sources)
-        )
-        if same:  # the same bucket as last step: its send buffer is the result
-            return first.buffer
-        out = torch.zeros_like(like)  # DDP rebuilt its buckets: gather the pieces
-        pieces = [(i, src) for i, src in enumerate(sources) if src is not None]
-        torch._foreach_copy_(
-            [out[offsets[i] : offsets[i] + src.numel] for i, src in pieces],
-            [src.buffer[src.offset : src.offset + src.numel] for _, src in pieces],
-        )
-        return out
 
     def keep_local_gradients(self) -> None:
         """Staleness 1: keep this rank's own (unreduced) gradient of each bucket while its
         reduction is in flight, for ``WeightPrediction(optimizer, local=hook)``: each rank then
         predicts from its own, and the replicas compute at different points (restored after the
         backward, so they stay identical). Memory: one more gradient per rank."""
-        if not self.schedule.staleness:
+        if self.stale is None:
             raise ValueError("local gradient estimates are for staleness=1")
-        self._keep_local = True
+        self.stale.keep_local_gradients()
 
     def local_gradients(self) -> dict[nn.Parameter, torch.Tensor]:
         """Each parameter's share of this rank's own gradient of the step in flight, shaped as
         the parameter (an unbiased estimate of the averaged gradient the next backward
         applies); empty when nothing is in flight."""
-        by_id = {id(p): p for p in self._params.values()}
-        mine = {i: src for i, src in self._local.items() if i in self._pending}
-        for src in {id(s.buffer): s for s in mine.values()}.values():
-            if src.ready is not None:  # the copy, not the reduction: the overlap stays
-                stream = torch.cuda.current_stream(src.buffer.device)
-                stream.wait_event(src.ready)
-                src.buffer.record_stream(stream)
-        return {
-            by_id[i]: src.buffer[src.offset : src.offset + src.numel].view_as(by_id[i])
-            for i, src in mine.items()
-        }
+        if self.stale is None:
+            raise ValueError("local gradient estimates are for staleness=1")
+        return self.stale.local_gradients()
 
     def estimate_square_norm(self, estimates: dict) -> torch.Tensor:
         """The squared norm of one whole estimate: this rank's own (every rank holds a whole
@@ -330,47 +307,32 @@ class DDPCompression:
             ValueError: the config is synchronous (``staleness=0``), or a drained gradient is
                 non-finite with ``nonfinite="raise"`` (on every rank: the result is the same).
         """
-        if not self.schedule.staleness:
+        if self.stale is None:
             raise ValueError("drain() is for staleness=1; a synchronous hook has nothing in flight")
         self.check_nonfinite()  # the last backward's verdict first
-        pending, self._pending = self._pending, {}
-        self._local = {}
-        if not pending:
+        self.stale.drain()
+
+    def check_applied(self, flat: torch.Tensor) -> None:
+        """A drained result ([Note: one staleness core]): zeroed if it holds NaN/Inf, decided
+        at once (the same bits on every rank: no agreement needed)."""
+        if self.check is None:
             return
-        for fut in {id(src.future): src.future for src in pending.values() if src.future}.values():
-            fut.wait()
-        by_id = {id(p): p for p in self._params.values()}
-        params = [by_id[i] for i in pending]
-        grads = [
-            src.buffer[src.offset : src.offset + src.numel].view_as(by_id[i])
-            for i, src in pending.items()
-        ]
-        if self.check is not None:
-            bad = torch.stack([~torch.isfinite(g).all() for g in grads]).any()
-            for g in grads:
-                g.masked_fill_(bad, 0)
-            report = _BucketReport()
-            report.name([self._names.get(id(p), "?") for p in params])
-            report.where = report.where.replace("the DDP bucket", "the drained gradients")
-            self.check.add(report, bad.reshape(1).to(torch.int32))  # outside a backward: now
-        for p, g in zip(params, grads, strict=True):
-            if p.grad is None:
-                p.grad = g.to(p.dtype).clone()
-            else:
-                p.grad.copy_(g)
+        bad = ~torch.isfinite(flat).all()
+        flat.masked_fill_(bad, 0)
+        self.check.add(self._drained, bad.reshape(1).to(torch.int32))  # outside a backward
 
     @contextlib.contextmanager
     def synchronous(self) -> Iterator[None]:
         """Staleness 1: the backwards inside reduce and apply their gradients at once, as at
         staleness 0 (the step after the staleness gate fired; :meth:`drain` first). The step
         after such a backward applies nothing."""
-        if not self.schedule.staleness:
+        if self.stale is None:
             raise ValueError("synchronous() is for staleness=1; this hook is synchronous already")
-        self._synchronous = True
+        self.stale.synchronous = True
         try:
             yield
         finally:
-            self._synchronous = False
+            self.stale.synchronous = False
 
     def _checked(
         self,
@@ -492,7 +454,7 @@ class DDPCompression:
     def zeroed(self) -> int:
         """Bucket reductions zeroed for NaN/Inf so far, as read: each backward's count when the
         next one ends, or at :meth:`check_nonfinite`."""
-        return sum(r.zeroed for r in self._reports.values())
+        return self._drained.zeroed + sum(r.zeroed for r in self._reports.values())
 
     def check_nonfinite(self) -> None:
         """Read the NaN/Inf verdict of the last backward now (it is otherwise read when the
@@ -523,18 +485,8 @@ class DDPCompression:
         state["auto"] = auto.state_entry(self.decision)  # "auto"'s record (zeros: none)
         if self.widths is not None:
             state.update(self.widths.state_dict())
-        if self.schedule.staleness:  # the reductions in flight, saved with the checkpoint
-            state["pending"] = torch.tensor([1 if self._pending else 0])
-            for fut in {
-                id(s.future): s.future for s in self._pending.values() if s.future
-            }.values():
-                fut.wait()
-            for name, p in self._params.items():
-                state[f"pending.{name}"] = _piece(self._pending.get(id(p)), p)
-        if self._keep_local:  # each rank's own estimate differs: saved under its own keys
-            rank = dist.get_rank(self.group)
-            for name, p in self._params.items():
-                state[f"local.rank{rank}.{name}"] = _piece(self._local.get(id(p)), p)
+        if self.stale is not None:  # the reductions in flight (and each rank's estimates)
+            state.update(self.stale.state_dict())
         if self.error_feedback:  # each rank's own residual: under its own keys, like the
             # estimates (one key for all would save rank 0's only: DCP keeps one copy of a
             # tensor every rank saves under the same name)
@@ -554,39 +506,12 @@ class DDPCompression:
         self._calls = {i: int(n) for i, n in enumerate(state["calls"].tolist()) if n}
         if self.widths is not None:
             self.widths.load_state_dict(state)
-        self._pending, self._local = {}, {}
-        if self.schedule.staleness and int(state["pending"]):
-            rank = dist.get_rank(self.group)
-            for name, p in self._params.items():
-                g = state[f"pending.{name}"].reshape(-1).to(p.device).clone()
-                self._pending[id(p)] = _Pending(g, 0, g.numel(), None)
-                if self._keep_local:
-                    mine = state[f"local.rank{rank}.{name}"].reshape(-1).to(p.device).clone()
-                    self._local[id(p)] = _Pending(mine, 0, mine.numel(), None)
+        if self.stale is not None:
+            self.stale.load_state_dict(state)
         mine = f"residual.rank{dist.get_rank(self.group)}."
         self._residuals = {
             k[len(mine) :]: v.reshape(-1).clone() for k, v in state.items() if k.startswith(mine)
         }
-
-
-class _Pending(NamedTuple):
-    """Where one parameter's gradient of the last step is reduced (staleness 1), or kept as
-    this rank's own estimate of it."""
-
-    buffer: torch.Tensor
-    offset: int
-    numel: int
-    future: torch.futures.Future | None  # None: complete (restored from a checkpoint)
-    ready: torch.cuda.Event | None = None
-    """CUDA: recorded on the hook's stream after the estimate's copy."""
-
-
-def _piece(src: _Pending | None, p: nn.Parameter) -> torch.Tensor:
-    """A copy of ``p``'s piece of ``src``'s buffer, shaped as ``p`` (zeros without one): the
-    checkpoint form of a pending reduction or a kept estimate."""
-    if src is None:
-        return torch.zeros_like(p.detach())
-    return src.buffer[src.offset : src.offset + src.numel].view_as(p).clone()
 
 
 def _completed(value: torch.Tensor) -> torch.futures.Future:

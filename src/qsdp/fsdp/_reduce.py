@@ -11,10 +11,10 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
 from .. import comm as qc
 from ..runtime import NonfiniteCheck, nonfinite_flags
+from ..runtime.delayed import DelayedReductions, padded_slots
 from ..runtime.nonfinite import agree
 from ..runtime.widths import WidthController
 from ._hooks import _Context, _Counter, _Hook, _usable
-from ._stale import Delay, Pipeline
 
 __all__ = ["QuantizedReduceScatter", "compressed_runs"]
 
@@ -61,14 +61,18 @@ class _Reduction:
         widths: WidthController | None = None,
         width_key: int = 0,
         param_widths: tuple[list[int], list[tuple[int, int]]] | None = None,
-        pipeline: Pipeline | None = None,
+        stale: DelayedReductions | None = None,
+        chunk: Sequence[tuple[torch.Tensor, int]] = (),
         twins: Mapping[str, dist.ProcessGroup] | None = None,
     ) -> None:
         """Args, beyond the plan's noise key, counter, check, layout and split: ``params``, the
         parameters whose gradients it makes; ``widths`` and ``width_key``, its adaptive width
         (``param_widths``: a key and a chunk run per compressed parameter, [Note: widths per
-        parameter]); ``pipeline``, staleness 1's (its delay is made here); ``twins``, the
-        reductions' own communicators by group name (``own_reduce_group``, staleness 1)."""
+        parameter]); ``stale``, the model's reductions in flight at staleness 1, and
+        ``chunk``, (parameter, padded elements) of the flat shard it reduces, where it finds
+        its parameters' results ([Note: one staleness core] in ``qsdp.runtime.delayed``);
+        ``twins``, the reductions' own communicators by group name (``own_reduce_group``,
+        staleness 1)."""
         if not isinstance(plan, qc.ReducePlan):
             raise TypeError(f"plan must be a qsdp.comm.ReducePlan, got {type(plan).__name__}")
         self.plan, self.check, self.layout, self.split = plan, check, layout, split
@@ -79,9 +83,12 @@ class _Reduction:
         ``qsdp.runtime.nonfinite``)."""
         self.seed, self.bucket, self.stats = seed, bucket, stats
         self._steps = _Counter()
-        self.pipeline = pipeline
-        self.delay: Delay | None = None if pipeline is None else pipeline.new_delay()
-        """Staleness 1: the reduction in flight (see [Note: staleness 1 in FSDP2])."""
+        self.stale = stale
+        """Staleness 1: the model's reductions in flight (None: synchronous)."""
+        self.slots = padded_slots(chunk)
+        """Where each parameter's gradient lies in the flat shard this hook reduces."""
+        if stale is not None:
+            stale.register(self, self.slots, size=sum(n for _, n in chunk))
         self.twins: Mapping[str, dist.ProcessGroup] = twins or {}
         self._group: dist.ProcessGroup | tuple[dist.ProcessGroup, ...] | None = None
         """The group (or groups, in turn) the applied result's NaN/Inf flags are agreed over."""
@@ -163,12 +170,11 @@ class _Reduction:
         there is none), checked for NaN/Inf; the flags are agreed over ``group`` (or each of
         several in turn)."""
         self._group = group
-        result = self.delay.finish()
-        self.pipeline.applied_nothing = result is None
+        result = self.stale.previous(self.slots, like=output)
         if result is None:
             output.zero_()
             return
-        output.copy_(result.view_as(output))
+        output.copy_(result)
         if self.check is not None:  # agreed, and acted on, when the backward ends
             self._defer(nonfinite_flags(output.reshape(1, -1), self.layout), group)
 
@@ -225,11 +231,10 @@ class QuantizedReduceScatter(_Reduction, _Hook, ReduceScatter):
         group: dist.ProcessGroup,
         op: dist.ReduceOp,
     ) -> None:
-        if self.delay is not None and self.pipeline.synchronous:
-            self.pipeline.check_synchronous(self)
-        elif self.delay is not None:  # [Note: staleness 1 in FSDP2]
+        if self.stale is not None and self.stale.synchronous:
+            self.stale.check_synchronous(self.slots)
+        elif self.stale is not None:  # [Note: one staleness core]
             self._apply_previous(output_tensor, group)
-            self.delay.op = "avg" if op == dist.ReduceOp.AVG else str(op)
             step = self._steps.next()
             twin = self._twin(group)
             split = _usable(self.split, input_tensor.numel() // group.size(), self.stats)
@@ -238,10 +243,9 @@ class QuantizedReduceScatter(_Reduction, _Hook, ReduceScatter):
             # weight prediction's estimate: from two levels, the own chunk averaged over the
             # node (only the inter-node level need be late, as under compressed HSDP); else
             # this rank's row of the unreduced input
-            node = self.pipeline.keep_local and plan.node_level
-            estimate = {"node_average": self.delay.set_local} if node else {}
+            node = self.stale.keep_local and plan.node_level
 
-            def launch(result: torch.Tensor) -> None:
+            def launch(result: torch.Tensor, keep) -> None:
                 plan.reduce_scatter(
                     result,
                     input_tensor,
@@ -252,13 +256,23 @@ class QuantizedReduceScatter(_Reduction, _Hook, ReduceScatter):
                     step=step,
                     bucket=self.bucket,
                     stats=self.stats,
-                    **estimate,
+                    **({"node_average": keep} if node else {}),
                 )
 
             local = None
-            if self.pipeline.keep_local and not node:
+            if self.stale.keep_local and not node:
                 local = input_tensor.view(group.size(), -1)[group.rank()]
-            self.delay.send(launch, like=output_tensor, input=input_tensor, local=local)
+            self.stale.send(
+                launch,
+                key=self,
+                slots=self.slots,
+                like=output_tensor,
+                input=input_tensor,
+                owner=self,
+                op="avg" if op == dist.ReduceOp.AVG else str(op),
+                reuse=True,  # (its result was copied into FSDP2's output above)
+                local=local,
+            )
             return None
         if self.twins:  # Schedule.own_reduce_group: off FSDP2's communicator
             group = self._twin(group)

@@ -91,9 +91,9 @@ class ReplicateAllReduce(_Reduction):
             flat = reduce_output.view(-1)
             if flat.is_cuda:  # [Note: the reduce-dtype buffer outlives the hook]
                 reduce_output.record_stream(torch.cuda.current_stream(flat.device))
-            if self.delay is not None and self.pipeline.synchronous:
-                self.pipeline.check_synchronous(self)
-            elif self.delay is not None:  # [Note: staleness 1 in FSDP2]
+            if self.stale is not None and self.stale.synchronous:
+                self.stale.check_synchronous(self.slots)
+            elif self.stale is not None:  # [Note: one staleness core] in qsdp.runtime.delayed
                 send = flat.clone()
                 self._apply_previous(flat, (self.shard, self.replicate))
                 step = self._steps.next()
@@ -101,7 +101,7 @@ class ReplicateAllReduce(_Reduction):
                 split = _usable(self.split, flat.numel(), self.stats)
                 plan = self._plan_now(send.view(1, -1), split)
 
-                def launch(result: torch.Tensor) -> None:
+                def launch(result: torch.Tensor, _keep) -> None:
                     plan.all_reduce(
                         result,
                         twin,
@@ -115,13 +115,16 @@ class ReplicateAllReduce(_Reduction):
 
                 # weight prediction's estimate: the node's average (FSDP2's reduce-scatter ran
                 # AVG for float32 and bfloat16; other reduce dtypes divide after this hook)
-                keep = self.pipeline.keep_local
-                self.delay.op = "avg" if flat.dtype in (torch.float32, torch.bfloat16) else "sum"
-                self.delay.send(
-                    lambda result: (result.copy_(send), launch(result)),
+                self.stale.send(
+                    launch,
+                    key=self,
+                    slots=self.slots,
                     like=flat,
                     input=send,
-                    local=send if keep else None,
+                    owner=self,
+                    op="avg" if flat.dtype in (torch.float32, torch.bfloat16) else "sum",
+                    in_place=True,  # (send is the hook's own copy)
+                    local=send,
                 )
                 return
             split = _usable(self.split, flat.numel(), self.stats)

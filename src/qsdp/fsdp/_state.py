@@ -15,10 +15,10 @@ from ..comm import CommStats
 from ..config import CompressionConfig, Schedule, check_saved, config_record
 from ..policy import auto
 from ..runtime import NonfiniteCheck
+from ..runtime.delayed import DelayedReductions
 from ..runtime.widths import WidthController
 from ._gathers import WeightDiffAllGather
 from ._hooks import StepClock
-from ._stale import Pipeline
 
 __all__ = ["CommState", "comm_state", "fsdp_comm_stats", "resync"]
 
@@ -37,7 +37,7 @@ class _Installed:
     groups: int
     """The model's FSDP groups (a checkpoint's counters have a row for each, whatever the
     recipe, so that another recipe's state loads far enough to say so)."""
-    pipeline: Pipeline | None = None
+    stale: DelayedReductions | None = None
     """Staleness 1: the reductions in flight."""
     widths: WidthController | None = None
     """Adaptive widths: each reduction group's width."""
@@ -114,8 +114,8 @@ class CommState:
                 [clock.epoch, clock.generation] if clock else [0, 0], dtype=torch.int64
             ),
         }
-        if inst.pipeline is not None:  # the reductions in flight, saved with the checkpoint
-            state.update(inst.pipeline.state_dict())
+        if inst.stale is not None:  # the reductions in flight, saved with the checkpoint
+            state.update(inst.stale.state_dict())
         if inst.widths is not None:  # the adaptive widths, by module index
             state.update(inst.widths.state_dict())
         return state
@@ -166,74 +166,83 @@ class CommState:
 
     def drain(self) -> None:
         """Staleness 1, after the last backward: put the reductions still in flight into the
-        parameters' ``.grad``, for one more ``optimizer.step()`` (see [Note: staleness 1 in
-        FSDP2]). Call on every rank. Reads the last backward's NaN/Inf verdict first
-        (:meth:`check_nonfinite`).
+        parameters' ``.grad``, for one more ``optimizer.step()`` (see [Note: one staleness
+        core] in ``qsdp.runtime.delayed``). Call on every rank. Reads the last backward's
+        NaN/Inf verdict first (:meth:`check_nonfinite`).
 
         Raises:
             ValueError: the model's config is synchronous, or a gradient of the last backward
                 or a drained one holds NaN/Inf with ``nonfinite="raise"`` (on every rank).
         """
-        if self._installed.pipeline is None:
+        if self._installed.stale is None:
             raise ValueError(
                 "drain() is for staleness=1; a synchronous model has nothing in flight"
             )
         self.check_nonfinite()
-        self._installed.pipeline.drain()
+        self._installed.stale.drain()
 
     @contextlib.contextmanager
     def synchronous(self) -> Iterator[None]:
         """Staleness 1: the backwards inside reduce and apply their gradients at once, as at
         staleness 0 (the step after the staleness gate fired; drain first). The step after
         such a backward applies nothing."""
-        pipeline = self._installed.pipeline
-        if pipeline is None:
+        stale = self._installed.stale
+        if stale is None:
             raise ValueError("synchronous() is for staleness=1; this model is synchronous already")
-        pipeline.synchronous = True
+        stale.synchronous = True
         try:
             yield
         finally:
-            pipeline.synchronous = False
+            stale.synchronous = False
 
     @property
     def applied_nothing(self) -> bool:
         """Staleness 1: the last backward applied no reduction (the first step, or the first
         after :meth:`drain`): skip its ``optimizer.step()``. Always False at staleness 0."""
-        pipeline = self._installed.pipeline
-        return pipeline is not None and pipeline.applied_nothing
+        stale = self._installed.stale
+        return stale is not None and stale.applied_nothing
 
     def keep_local_gradients(self) -> None:
         """Staleness 1: keep each rank's own (unreduced) gradient of its shards while their
         reduction is in flight, for ``WeightPrediction(optimizer, local=state)`` (under
         compressed HSDP and over two levels the node's average). Memory: one
         shard per group."""
-        if self._installed.pipeline is None:
+        if self._installed.stale is None:
             raise ValueError("local gradient estimates are for staleness=1")
-        self._installed.pipeline.keep_local_gradients()
+        self._installed.stale.keep_local_gradients()
 
     def estimate_square_norm(self, estimates: dict) -> torch.Tensor:
         """The squared norm of one whole estimate, from this rank's :meth:`local_gradients`:
         the sum over the ranks whose shards make it (the world; the node under compressed
         HSDP, where each node has its own). A collective over that group."""
-        if self._installed.pipeline is None:
+        if self._installed.stale is None:
             raise ValueError("local gradient estimates are for staleness=1")
         square = torch.stack([g.float().square().sum() for g in estimates.values()]).sum()
-        dist.all_reduce(square, group=self._installed.pipeline.estimate_group())
+        dist.all_reduce(square, group=self._estimate_group())
         return square
+
+    def _estimate_group(self) -> dist.ProcessGroup | None:
+        """Where the local estimates together make one estimate of the whole gradient: the
+        node (the shard group) under compressed HSDP, each node having its own; else the
+        world (None), whose ranks each hold one shard of it."""
+        groups = {id(h.shard): h.shard for h in self._installed.hooks if hasattr(h, "replicate")}
+        if len(groups) > 1:
+            raise ValueError("local gradient estimates: the HSDP hooks shard over different groups")
+        return next(iter(groups.values()), None)
 
     def local_gradients(self) -> dict:
         """Each parameter's share of this rank's own gradient of the step in flight (see
         :meth:`keep_local_gradients`)."""
-        if self._installed.pipeline is None:
+        if self._installed.stale is None:
             raise ValueError("local gradient estimates are for staleness=1")
-        return self._installed.pipeline.local_gradients()
+        return self._installed.stale.local_gradients()
 
     @property
     def in_flight(self) -> bool:
         """Staleness 1: a reduction is in flight, to be applied by the next backward (whose
         gradient :class:`qsdp.runtime.WeightPrediction` may then compute ahead)."""
-        pipeline = self._installed.pipeline
-        return pipeline is not None and pipeline.in_flight
+        stale = self._installed.stale
+        return stale is not None and stale.in_flight
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         inst = self._installed
@@ -256,8 +265,8 @@ class CommState:
         if inst.clock is not None:
             inst.clock.epoch = int(state["clock"][0])
             inst.clock.request_resync()
-        if inst.pipeline is not None:
-            inst.pipeline.load_state_dict(state)
+        if inst.stale is not None:
+            inst.stale.load_state_dict(state)
         if inst.widths is not None:
             inst.widths.load_state_dict(state)
 

@@ -29,13 +29,14 @@ from ..config import (
 from ..policy import auto
 from ..runtime import NonfiniteCheck, SideStreams, side_mesh
 from ..runtime.agreement import agree_verdict, check_same_arguments
+from ..runtime.delayed import DelayedReductions
+from ..runtime.streams import twin_groups
 from ..runtime.widths import WidthController
 from ._gathers import QuantizedAllGather, QuantizedMasterAllGather, WeightDiffAllGather
 from ._groups import FSDPGroup, fsdp_groups
 from ._hooks import StepClock
 from ._reduce import QuantizedReduceScatter, compressed_runs
 from ._replicate import ReplicateAllReduce, ReplicateCounter
-from ._stale import Pipeline, twin_groups
 from ._state import (
     _INSTALLED,
     _Installed,
@@ -83,7 +84,8 @@ def compress_fsdp(
         schedule: when and on which communicators the collectives run (a
             :class:`qsdp.Schedule`; default: synchronous, on FSDP2's communicators, the
             reduce-scatters on their own when the weights are gathered again in the backward;
-            see [Note: what and when]): ``staleness=1`` ([Note: staleness 1 in FSDP2]),
+            see [Note: what and when]): ``staleness=1`` ([Note: one staleness core] in
+            ``qsdp.runtime.delayed``),
             ``own_reduce_group``, ``pipeline=True`` for compressed HSDP with compressed
             gradients (the replicate all-reduce's later exchange on a second communicator and
             the modules' hooks on two alternating CUDA streams; [Note: pipelined modules] in
@@ -158,7 +160,7 @@ def compress_fsdp(
         hooks=hooks,
         slots=slots,
         groups=len(groups),
-        pipeline=shared.stale,
+        stale=shared.stale,
         widths=shared.widths,
         decision=decision,
         check=shared.check,
@@ -183,8 +185,8 @@ class _Shared:
     replicate_plan: qc.ReducePlan | None
     """Compressed HSDP: the replicate all-reduce's plan."""
     replicate: dist.ProcessGroup | None
-    stale: Pipeline | None
-    """Staleness 1: the reductions in flight ([Note: staleness 1 in FSDP2])."""
+    stale: DelayedReductions | None
+    """Staleness 1: the reductions in flight ([Note: one staleness core])."""
     twins: dict[str, dist.ProcessGroup] | None
     """The reductions' own communicators by group name (``own_reduce_group``, staleness 1)."""
     second: dist.ProcessGroup | None
@@ -229,7 +231,11 @@ def _shared(
         plan = None
     elif plan is None and own:
         plan = qc.PlainReduce(name="reduce_scatter")  # a hook to move: FSDP2's reduction, counted
-    stale = Pipeline() if schedule.staleness else None  # [Note: staleness 1 in FSDP2]
+    stale = None
+    if schedule.staleness:  # [Note: one staleness core] in qsdp.runtime.delayed
+        # under compressed HSDP each replica's local estimates (the node's average) differ
+        tag = f"replica{replicate.rank()}" if replicate is not None else ""
+        stale = DelayedReductions(dict(model.named_parameters()), local_tag=tag)
     twins = None
     if own and (schedule.staleness or replicate is None):
         # the reductions' own communicators (see Schedule.own_reduce_group)
@@ -316,7 +322,8 @@ def _replicate_hook(
         widths=shared.widths,
         width_key=i,
         second_group=shared.second,  # [Note: pipelined modules]
-        **({"pipeline": stale, "twins": shared.twins} if stale else {}),
+        **({"stale": stale, "twins": shared.twins} if stale else {}),
+        chunk=_grad_params(model, layout) if stale else (),
         **_key(shared, group, 2 * n_groups + i),
     )
     stream = None  # FSDP2's all-reduce stream, unless pipelined on CUDA
@@ -324,8 +331,6 @@ def _replicate_hook(
         stream = _hook_stream(hook.params, shared.piped, shared.streams)
         shared.piped += 1
     group.module.set_all_reduce_hook(hook, **({} if stream is None else {"stream": stream}))
-    if stale is not None:
-        stale.add(hook, _grad_params(model, layout))
     return hook
 
 
@@ -373,13 +378,12 @@ def _reduce_hook(
         widths=shared.widths,
         width_key=i,
         param_widths=shared.param_widths.get(i),  # [Note: widths per parameter]
-        pipeline=stale,
+        stale=stale,
+        chunk=_grad_params(model, layout) if stale else (),
         twins=shared.twins,
         **key,
     )
     group.module.set_custom_reduce_scatter(reduce)
-    if stale is not None:
-        stale.add(reduce, _grad_params(model, layout))
     return reduce
 
 

@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["SideStreams", "side_group", "side_mesh", "side_stream", "twin_group"]
+__all__ = ["SideStreams", "side_group", "side_mesh", "side_stream", "twin_group", "twin_groups"]
 
 HIGH_PRIORITY = -1
 """The stream priority of qsdp's own streams (FSDP2's ``high_priority``; lower is higher)."""
@@ -116,6 +116,15 @@ def twin_group(ranks: list[int]) -> dist.ProcessGroup:
     if twin is None:
         twin = _TWINS[key] = side_group(list(key), use_local_synchronization=True)
     return twin
+
+
+def twin_groups(groups: list[dist.ProcessGroup]) -> dict[str, dist.ProcessGroup]:
+    """A second communicator over the same ranks for each of ``groups``, by group name: the
+    process's :func:`twin_group` of those ranks ([Note: qsdp's own communicators]), made in
+    sorted order, by their members only."""
+    ranks = {g.group_name: tuple(dist.get_process_group_ranks(g)) for g in groups}
+    made = {r: twin_group(list(r)) for r in sorted(set(ranks.values()))}
+    return {name: made[r] for name, r in ranks.items()}
 
 
 def _high_priority_options() -> dist.ProcessGroupNCCL.Options:

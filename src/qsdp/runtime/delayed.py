@@ -1,0 +1,414 @@
+"""Staleness 1, once for every integration: the reductions in flight, per parameter.
+
+[Note: one staleness core]
+With ``Schedule(staleness=1)`` step ``t`` applies the gradient reduced from step ``t - 1``'s
+backward, and the reduction of step ``t``'s own gradient runs while step ``t + 1`` computes (the
+elastic-consistency schedule, staleness bounded by one step). Every integration's gradient hook
+does the same two things when its framework calls it in step ``t``'s backward:
+
+1. *apply*: :meth:`DelayedReductions.previous` hands it the results of step ``t - 1``'s
+   reductions of its parameters, laid out as the framework's buffer (None in the first step and
+   after :meth:`DelayedReductions.drain`: the hook applies zeros and the step reports
+   ``applied_nothing``); the hook writes them where the framework takes its result from, and
+   checks them for NaN/Inf there, as it checks a synchronous result;
+2. *send*: :meth:`DelayedReductions.send` starts the reduction of step ``t``'s gradient
+   (``launch(result, keep_local)``, the plan's collective on the hook's second communicator)
+   after everything the current stream did, on one of two side streams
+   ([Note: side streams from the high-priority pool] in ``qsdp.runtime.streams``).
+
+The results in flight are kept *per parameter* (a buffer, the parameter's offset in it, its
+elements): FSDP2's reduce-scatter result is one flat shard whose slots (padded) are its group's
+parameters; a DDP bucket is another layout of the same thing, rebuilt by DDP after the first
+step, and a parameter's pending piece is then found wherever it was sent from. The checkpoint
+form is per parameter too (``pending.<name>``, shaped and placed like the parameter: a DTensor
+sharded as FSDP2 shards it, a plain tensor under DDP), so one form serves every integration and
+``torch.distributed.checkpoint`` reshards it like the parameter. :meth:`DelayedReductions.drain`
+puts what is in flight into ``.grad``, after the hook that sent it (its
+:class:`AppliedCheck`) zeroed it on every rank if any rank's holds NaN/Inf.
+
+Streams and memory (CUDA). ``send`` marks the input as used by the side stream
+(``record_stream``): the caching allocator hands that memory out again only once the side stream
+passed the reduction, and the hook keeps no reference. A result is written on the side stream
+and an event marks its end; ``previous`` makes the current stream wait for that event (the host
+never waits). A hook that copies the previous result out before it sends (FSDP2's
+reduce-scatter) reuses its result buffer every step (``reuse=True``: the side stream waits for
+the copy before it overwrites it); one that hands the buffer itself to its framework (DDP's
+future) gets a new one each step. On gloo the launch is synchronous and applied one step late
+all the same.
+
+The noise keys are those of the synchronous schedule, so staleness 1 applies exactly the
+gradients staleness 0 would have reduced, one step late (tested against the delay done by hand,
+for FSDP2, compressed HSDP and DDP). With gradient accumulation a hook must run once per step:
+synchronise only the last micro-batch. A backward under ``synchronous`` (after the staleness
+gate drained) reduces and applies at once; with a reduction in flight it would lose it, and
+raises.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import NamedTuple, Protocol, runtime_checkable
+
+import torch
+from torch import nn
+
+from .placement import like_param, local_of
+from .streams import SideStreams
+
+__all__ = ["AppliedCheck", "DelayedReductions", "Slot", "packed_slots", "padded_slots"]
+
+
+class Slot(NamedTuple):
+    """Where one parameter's gradient lies in a hook's flat buffer: ``numel`` elements (its
+    local tensor's) from ``offset``."""
+
+    param: nn.Parameter
+    offset: int
+    numel: int
+
+
+def padded_slots(params: Iterable[tuple[nn.Parameter, int]]) -> list[Slot]:
+    """The slots of a chunk whose parameters are padded: ``(parameter, padded elements)`` in
+    chunk order (FSDP2's flat shard)."""
+    slots, offset = [], 0
+    for p, padded in params:
+        slots.append(Slot(p, offset, local_of(p).numel()))
+        offset += padded
+    return slots
+
+
+def packed_slots(params: Iterable[nn.Parameter]) -> list[Slot]:
+    """The slots of a buffer whose parameters follow each other (a DDP bucket)."""
+    slots, offset = [], 0
+    for p in params:
+        slots.append(Slot(p, offset, p.numel()))
+        offset += p.numel()
+    return slots
+
+
+@runtime_checkable
+class AppliedCheck(Protocol):
+    """What :meth:`DelayedReductions.drain` asks of the hook that sent a reduction."""
+
+    def check_applied(self, flat: torch.Tensor) -> None:
+        """Zero ``flat`` (a result about to be applied outside a backward) on every rank if
+        any rank's holds NaN/Inf, and report it."""
+
+
+class _InFlight:
+    """One reduction in flight: its result buffer and, on CUDA, the event at its end."""
+
+    __slots__ = ("result", "owner", "op", "event")
+
+    def __init__(self, result: torch.Tensor, owner: AppliedCheck | None, op: str) -> None:
+        self.result, self.owner, self.op = result, owner, op
+        self.event: torch.cuda.Event | None = None
+
+    def wait(self) -> torch.Tensor:
+        """The result, complete for the current stream (on CUDA the stream waits, the host
+        does not)."""
+        if self.event is not None:
+            torch.cuda.current_stream(self.result.device).wait_event(self.event)
+        return self.result
+
+
+class _Local(NamedTuple):
+    """This rank's own share of a gradient in flight (weight prediction's estimate)."""
+
+    buffer: torch.Tensor
+    offset: int
+    event: torch.cuda.Event | None
+
+
+class DelayedReductions:
+    """Staleness 1 of one model: the reductions in flight, per parameter, and the state a
+    checkpoint keeps ([Note: one staleness core]).
+
+    Args:
+        params: the model's parameters by name (the checkpoint's keys); those that require a
+            gradient are saved.
+        local_tag: where this rank's local estimates differ from its peers' and must be saved
+            under keys of their own (``"rank3"`` under DDP, ``"replica1"`` under compressed
+            HSDP); ``""`` where they are one shard per rank, placed like the parameters.
+        owner: what checks a drained result for NaN/Inf where :meth:`send` names no owner
+            and no :meth:`register`-ed hook holds the parameter (DDP's hook, whose results are
+            the same bits on every rank and need no agreement).
+    """
+
+    def __init__(
+        self,
+        params: Mapping[str, nn.Parameter],
+        *,
+        local_tag: str = "",
+        owner: AppliedCheck | None = None,
+    ) -> None:
+        self.streams = SideStreams(2)
+        """The side streams every delayed reduction runs on, two per device, alternating."""
+        self._names = {n: p for n, p in params.items() if p.requires_grad}
+        self._pending: dict[int, tuple[_InFlight, Slot]] = {}
+        """By parameter id: the reduction its gradient of the last step is in, and where."""
+        self._local: dict[int, tuple[_Local, Slot]] = {}
+        self._last: dict[object, _InFlight] = {}
+        """By hook key: its last reduction (whose buffer ``reuse`` may take again)."""
+        self._turns: dict[object, int] = {}
+        self._hooks: list[tuple[AppliedCheck, list[Slot], int]] = []
+        """:meth:`register`-ed hooks: their fixed slots and buffer size."""
+        self._owner = owner
+        self.local_tag = local_tag
+        self.applied_nothing = True
+        """Whether the last backward's hooks applied no reduction (the first step, or the one
+        after a drain): skip that step's ``optimizer.step()``."""
+        self.synchronous = False
+        """Set by a state's ``synchronous()``: the hooks reduce and apply at once."""
+        self.keep_local = False
+        """The hooks keep each rank's own share of the gradient in flight
+        (:meth:`keep_local_gradients`)."""
+
+    def register(self, owner: AppliedCheck, slots: Sequence[Slot], *, size: int) -> None:
+        """A hook whose parameters always lie in one buffer of ``size`` elements at ``slots``
+        (FSDP2's flat shard): a restored checkpoint's results are laid out so, and checked by
+        it when drained."""
+        self._hooks.append((owner, list(slots), size))
+
+    # --- in a backward ----------------------------------------------------------------------
+    @property
+    def in_flight(self) -> bool:
+        """A reduction is in flight: the next backward applies it."""
+        return bool(self._pending)
+
+    def check_synchronous(self, slots: Sequence[Slot]) -> None:
+        """A synchronous backward of these parameters, one of whose reductions is still in
+        flight, would lose it: raise."""
+        if any(id(s.param) in self._pending for s in slots):
+            raise RuntimeError(
+                "qsdp staleness 1: a synchronous backward while a reduction is in flight would "
+                "lose it; call drain() (and optimizer.step()) before synchronous()"
+            )
+        self.applied_nothing = False
+
+    def previous(self, slots: Sequence[Slot], *, like: torch.Tensor) -> torch.Tensor | None:
+        """The last step's results of ``slots``' parameters laid out as ``like`` (a hook's
+        flat buffer of them), complete for the current stream; zeros where a parameter has
+        none, None where none has. Where one reduction holds them all, laid out as ``like``,
+        its buffer itself: a hook that hands it on (DDP's future) must not ask its next
+        :meth:`send` to ``reuse`` it."""
+        sources = [self._pending.get(id(s.param)) for s in slots]
+        held = [(slot, src) for slot, src in zip(slots, sources, strict=True) if src is not None]
+        self.applied_nothing = not held
+        if not held:
+            return None
+        for flight in {id(f): f for _, (f, _) in held}.values():
+            flight.wait()
+        first = held[0][1][0]
+        if len(held) == len(slots) and first.result.numel() == like.numel():
+            if all(f is first and s.offset == mine.offset for mine, (f, s) in held):
+                return first.result.view_as(like)
+        out = torch.zeros_like(like).view(-1)
+        torch._foreach_copy_(
+            [out[mine.offset : mine.offset + mine.numel] for mine, _ in held],
+            [f.result.view(-1)[s.offset : s.offset + s.numel] for _, (f, s) in held],
+        )
+        return out.view_as(like)
+
+    def send(
+        self,
+        launch: Callable[[torch.Tensor, Callable[[torch.Tensor], None]], object],
+        *,
+        key: object,
+        slots: Sequence[Slot],
+        like: torch.Tensor,
+        input: torch.Tensor,
+        owner: AppliedCheck | None,
+        op: str = "avg",
+        in_place: bool = False,
+        reuse: bool = False,
+        local: torch.Tensor | None = None,
+    ) -> None:
+        """Start ``launch(result, keep_local)`` (the plan's collective writing ``result``,
+        shaped as ``like``) after everything the current stream did, on the side stream of
+        ``key`` (a hook's own: the hooks alternate between the two). ``input``: what the
+        collective reads, marked as used by that stream; ``in_place``: ``input`` is the result
+        (an all-reduce of a copy the hook made); ``reuse``: the key's last result buffer may be
+        written again (its hook copied it out). ``slots``: where its parameters lie in
+        ``result``. ``owner``: the hook, which checks the result for NaN/Inf if it is drained.
+        ``op``: the reduction FSDP2 asked for (results are averages only under ``"avg"``).
+        ``local``: this rank's share of the gradient, copied as its local estimate when
+        :attr:`keep_local` (or the launch hands one to ``keep_local``)."""
+        last = self._last.get(key)
+        if in_place:
+            result = input
+        elif (
+            reuse
+            and last is not None
+            and last.result.shape == like.shape
+            and last.result.dtype == like.dtype
+        ):
+            result = last.result
+        else:
+            result = torch.empty_like(like)
+        flight = self._last[key] = _InFlight(result, self._owner if owner is None else owner, op)
+        for slot in slots:
+            self._pending[id(slot.param)] = (flight, slot)
+            self._local.pop(id(slot.param), None)
+        keep = self._keeper(slots, like) if self.keep_local else _ignore
+        if self.keep_local and local is not None:
+            keep(local)
+        if not like.is_cuda:
+            launch(result, keep)  # gloo: synchronous, applied one step late all the same
+            return
+        turn = self._turns.setdefault(key, len(self._turns))
+        stream = self.streams.get(like.device, turn)
+        # the caching allocator must not hand these out again before the stream used them
+        result.record_stream(stream)
+        input.record_stream(stream)
+        stream.wait_stream(torch.cuda.current_stream(like.device))
+        with torch.cuda.stream(stream):
+            launch(result, keep)
+            flight.event = stream.record_event()
+
+    def _keeper(self, slots: Sequence[Slot], like: torch.Tensor) -> Callable:
+        """``keep_local(estimate)``: ``estimate`` (this rank's share, laid out as ``like``),
+        copied in ``like``'s dtype as the slots' local estimate; on CUDA an event marks where
+        the current stream wrote it (the side stream, inside a launch)."""
+
+        def keep(estimate: torch.Tensor) -> None:
+            buffer = estimate.to(like.dtype, copy=True).view(-1)
+            event = None
+            if buffer.is_cuda:
+                event = torch.cuda.current_stream(buffer.device).record_event()
+            entry = _Local(buffer, 0, event)
+            for slot in slots:
+                self._local[id(slot.param)] = (entry, slot)
+
+        return keep
+
+    # --- weight prediction ------------------------------------------------------------------
+    def keep_local_gradients(self) -> None:
+        """From the next backward on, each delayed reduction keeps this rank's own share of its
+        input, for :meth:`local_gradients`."""
+        self.keep_local = True
+
+    def local_gradients(self) -> dict[nn.Parameter, torch.Tensor]:
+        """Each parameter's share of this rank's own gradient of the step in flight, shaped as
+        its local tensor (an unbiased estimate of the averaged gradient the next backward
+        applies), complete for the current stream (it waits for the copy, not for the
+        reduction); empty when nothing is in flight."""
+        out: dict[nn.Parameter, torch.Tensor] = {}
+        waited: set[int] = set()
+        for i, (flight, _) in self._pending.items():
+            held = self._local.get(i)
+            if held is None:
+                continue
+            entry, slot = held
+            _check_avg(flight, "local gradient estimates need it")
+            if entry.event is not None and id(entry) not in waited:
+                stream = torch.cuda.current_stream(entry.buffer.device)
+                stream.wait_event(entry.event)
+                entry.buffer.record_stream(stream)
+                waited.add(id(entry))
+            out[slot.param] = _view(entry.buffer, slot)
+        return out
+
+    # --- after the last backward ------------------------------------------------------------
+    def drain(self) -> None:
+        """Wait for every reduction in flight and put it into the parameters' ``.grad`` (then
+        call ``optimizer.step()`` once more), after its hook's NaN/Inf check (raised on every
+        rank under ``"raise"``). A no-op when nothing is in flight. Call on every rank."""
+        pending, self._pending = self._pending, {}
+        self._local = {}
+        flights = {id(f): f for f, _ in pending.values()}
+        for flight in flights.values():
+            _check_avg(flight, "qsdp staleness 1 cannot drain it")
+            result = flight.wait()
+            if flight.owner is not None:
+                flight.owner.check_applied(result)
+        for flight, slot in pending.values():
+            p = slot.param
+            grad = _view(flight.result, slot).to(p.dtype)
+            if p.grad is None:
+                p.grad = like_param(grad.clone(), p)
+            else:
+                local_of(p.grad).copy_(grad)
+        self._last = {}
+        self.applied_nothing = True
+
+    # --- checkpoints ------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The results in flight, one tensor per parameter shaped and placed like it (float32;
+        zeros where none is), and with :attr:`keep_local` this rank's estimates."""
+        out = {"pending": torch.tensor([int(self.in_flight)])}
+        tag = f"{self.local_tag}." if self.local_tag else ""
+        for name, p in self._names.items():
+            out[f"pending.{name}"] = _saved(self._pending.get(id(p)), p, wait=True)
+            if self.keep_local:
+                out[f"local.{tag}{name}"] = _saved(self._local.get(id(p)), p, wait=False)
+        return out
+
+    def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Restore :meth:`state_dict`'s results in flight: a registered hook's laid out in one
+        buffer as it sends them, any other parameter's in a buffer of its own."""
+        self._pending, self._local, self._last = {}, {}, {}
+        self.applied_nothing = not int(state["pending"])
+        if self.applied_nothing:
+            return
+        tag = f"{self.local_tag}." if self.local_tag else ""
+        names = {id(p): n for n, p in self._names.items()}
+        layouts = [(owner, slots, size) for owner, slots, size in self._hooks]
+        seen = {id(s.param) for _, slots, _ in layouts for s in slots}
+        layouts += [
+            (self._owner, [Slot(p, 0, local_of(p).numel())], local_of(p).numel())
+            for p in self._names.values()
+            if id(p) not in seen
+        ]
+        for owner, slots, size in layouts:
+            slots = [s for s in slots if id(s.param) in names]
+            if not slots:
+                continue
+            device = local_of(slots[0].param).device
+            flight = _InFlight(torch.zeros(size, device=device), owner, "avg")
+            estimate = _Local(torch.zeros(size, device=device), 0, None)
+            for slot in slots:
+                name = names[id(slot.param)]
+                _view(flight.result, slot).copy_(local_of(state[f"pending.{name}"]))
+                self._pending[id(slot.param)] = (flight, slot)
+                if self.keep_local:
+                    _view(estimate.buffer, slot).copy_(local_of(state[f"local.{tag}{name}"]))
+                    self._local[id(slot.param)] = (estimate, slot)
+
+
+def _ignore(_: torch.Tensor) -> None:
+    return None
+
+
+def _view(flat: torch.Tensor, slot: Slot) -> torch.Tensor:
+    """``slot``'s piece of ``flat``, shaped as its parameter's local tensor."""
+    return flat.view(-1)[slot.offset : slot.offset + slot.numel].view(local_of(slot.param).shape)
+
+
+def _saved(held: tuple | None, p: nn.Parameter, *, wait: bool) -> torch.Tensor:
+    """A parameter's piece of a buffer held in flight (or of an estimate), for a checkpoint:
+    float32, shaped and placed like ``p``; zeros without one."""
+    local = local_of(p)
+    if held is None:
+        piece = torch.zeros(local.shape, dtype=torch.float32, device=local.device)
+    else:
+        source, slot = held
+        buffer = source.wait() if wait else _ready(source)
+        piece = _view(buffer, slot).float().clone()
+    return like_param(piece, p)
+
+
+def _ready(entry: _Local) -> torch.Tensor:
+    if entry.event is not None:
+        torch.cuda.current_stream(entry.buffer.device).wait_event(entry.event)
+    return entry.buffer
+
+
+def _check_avg(flight: _InFlight, what: str) -> None:
+    """A result or estimate is the average only under AVG: FSDP2 divides the others itself,
+    with factors qsdp does not see."""
+    if flight.op != "avg":
+        raise ValueError(
+            f"FSDP2 ran this reduction with op {flight.op!r}, not AVG; {what}: use a float32 or "
+            "bfloat16 reduce_dtype, and no set_gradient_divide_factor"
+        )

@@ -296,7 +296,8 @@ def _pool_streams_taken(rank: int, world: int) -> dict[str, int]:
             ddp(x + step).square().mean().backward()
         out[label] = (pool.index(torch.cuda.Stream(dev).cuda_stream) - before - 1) % 32
         if state is not None:  # its own streams: none of the pool communicators take from
-            mine = [s.cuda_stream for s in state._streams.made()]
+            made = state._streams.made() + (state.stale.streams.made() if state.stale else [])
+            mine = [s.cuda_stream for s in made]
             assert mine and not set(mine) & set(pool), (label, "a hook stream is a pool stream")
         if state is not None and state.second_group is not None:  # its own communicator too
             nccl = state.second_group._get_backend(dev)

@@ -63,16 +63,22 @@ def tiny_gpt2() -> torch.nn.Module:
     return GPT2LMHeadModel(config)
 
 
-def sequences(n: int, seed: int) -> torch.Tensor:
-    """``n`` learnable sequences: each token is the previous one plus 3 (mod the vocabulary)."""
+def sequences(n: int, seed: int, noise: float = 0.0) -> torch.Tensor:
+    """``n`` learnable sequences: each token is the previous one plus 3 (mod the vocabulary);
+    with ``noise`` that share of the tokens is drawn at random instead, so the loss has a floor
+    well above zero (a long run then ends where a relative bound still means something)."""
     g = torch.Generator().manual_seed(seed)
     start = torch.randint(0, VOCAB, (n, 1), generator=g)
-    return (start + 3 * torch.arange(SEQ)) % VOCAB
+    out = (start + 3 * torch.arange(SEQ)) % VOCAB
+    if noise:
+        random = torch.randint(0, VOCAB, out.shape, generator=g)
+        out = torch.where(torch.rand(out.shape, generator=g) < noise, random, out)
+    return out
 
 
-def dataset(n: int) -> list[dict[str, torch.Tensor]]:
+def dataset(n: int, noise: float = 0.0) -> list[dict[str, torch.Tensor]]:
     """The Trainer's dataset: the same ``n`` examples on every rank (its sampler splits them)."""
-    return [{"input_ids": s, "labels": s} for s in sequences(n, seed=7)]
+    return [{"input_ids": s, "labels": s} for s in sequences(n, seed=7, noise=noise)]
 
 
 def _launch_env(rank: int, world: int) -> None:

@@ -47,7 +47,9 @@ def _train(rank: int, world: int, recipe: str | None, out_dir: str) -> dict:
         fsdp_config={"version": 2},
     )
     model = tiny_llama(hidden=256)
-    trainer = Trainer(model=model, args=args, train_dataset=dataset(world * BATCH * STEPS))
+    trainer = Trainer(
+        model=model, args=args, train_dataset=dataset(world * BATCH * STEPS, noise=0.3)
+    )
     callback = hf.compress_trainer(trainer, recipe) if recipe else None
     trainer.train()
     assert trainer.accelerator.distributed_type.value == "FSDP"

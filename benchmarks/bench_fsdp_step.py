@@ -116,6 +116,9 @@ class Row:
     """Variant ``auto``: what it chose and the communication it predicted per step (s)."""
     round_medians: list[float] | None = None
     """--rounds: the median of each round's timed steps (s), in round order."""
+    profile: dict | None = None
+    """--profile: the profiled step's kernel launches, host ops and kernel time (rank 0's;
+    ``profiling.counts``)."""
 
 
 def two_level_mesh(regime: str, device: torch.device):
@@ -221,6 +224,7 @@ class Measured:
     wire: dict
     decision: dict | None
     round_medians: list[float]
+    profile: dict | None = None
 
 
 def _choice(decision: dict | None) -> dict | None:
@@ -252,6 +256,7 @@ def merge(rounds: list[Measured]) -> Measured:
         wire=first.wire,
         decision=first.decision,
         round_medians=[m for r in rounds for m in r.round_medians],
+        profile=first.profile,
     )
 
 
@@ -289,12 +294,15 @@ def run_variant(
     # read for the wire-alone replay (--bounds)
     bounds = args.bounds and recipe != "compute-alone"  # (no communication to replay)
     extra = (["profile"] if args.profile else []) + (["bounds"] if bounds else [])
+    extra += ["cprofile"] * (3 if args.cprofile else 0)
     extra = extra if extras else []
     wire: dict = {}
+    counted: dict | None = None
     for i in range(timed + len(extra)):
         what = extra[i - timed] if i >= timed else None
         profiled = what == "profile"
-        prof = profiling.profiler(device) if what else None
+        prof = profiling.profiler(device) if what in ("profile", "bounds") else None
+        host = profiling.host_profiler() if what == "cprofile" else None
         if prof is not None:
             prof.__enter__()
         if args.mem_trace and device.type == "cuda" and dist.get_rank() == 0:
@@ -306,6 +314,8 @@ def run_variant(
         )
         step_sync(device)
         dist.barrier()
+        if host is not None:
+            host.enable()
         t0 = time.perf_counter()
         phases = _Phases(device, profiled)
         # the loss outside the model, as before the model moved to the package: FSDP's root
@@ -326,11 +336,18 @@ def run_variant(
         cpu_elapsed = time.perf_counter() - t0  # the host's launch time; < elapsed: GPU-bound
         step_sync(device)
         elapsed = time.perf_counter() - t0
+        if host is not None:
+            host.disable()
+            if i == timed + len(extra) - 1 and dist.get_rank() == 0:
+                profiling.write_host_profile(host, args.cprofile / f"{args.regime}_{name}.txt")
+            continue
         if prof is not None:
             prof.__exit__(None, None, None)
             if what == "bounds":
                 wire = _wire_alone(prof, device)
-            elif dist.get_rank() == 0 or args.profile_all_ranks:
+                continue
+            counted = profiling.counts(prof)
+            if dist.get_rank() == 0 or args.profile_all_ranks:
                 suffix = f"_rank{dist.get_rank()}" if args.profile_all_ranks else ""
                 path = args.profile / f"{args.regime}_{name}{suffix}.txt"
                 profiling.write_profile(prof, path, elapsed, phases.report())
@@ -373,6 +390,7 @@ def run_variant(
         wire=wire,
         decision=decision,
         round_medians=[statistics.median(times)],
+        profile=counted,
     )
 
 
@@ -469,6 +487,11 @@ def main() -> None:
     p.add_argument("--mem-trace", action="store_true", help="print allocated memory per step")
     p.add_argument("--profile", type=Path, help="profile one extra step per variant into DIR")
     p.add_argument(
+        "--cprofile",
+        type=Path,
+        help="the host's Python time of 3 extra steps per variant (cProfile, rank 0) into DIR",
+    )
+    p.add_argument(
         "--profile-all-ranks",
         action="store_true",
         help="with --profile: every rank writes its profile (NAME_rankR.txt), not rank 0 alone "
@@ -559,6 +582,7 @@ def main() -> None:
                 wire=wire or None,
                 auto=m.decision,
                 round_medians=[round(x, 4) for x in m.round_medians] if a.rounds > 1 else None,
+                profile=m.profile,
             )
         )
     if dist.get_rank() == 0:
@@ -571,6 +595,8 @@ def main() -> None:
                 f"loss {r.first_loss:.3f}->{r.last_loss:.3f}",
                 flush=True,
             )
+            if r.profile:
+                print(f"        profiled step: {json.dumps(r.profile)}", flush=True)
             if r.round_medians:
                 print(
                     f"        rounds: {' '.join(f'{x:.3f}' for x in r.round_medians)} s", flush=True

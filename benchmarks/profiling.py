@@ -31,6 +31,126 @@ def profiler(device: torch.device):
     return torch.profiler.profile(activities=acts)
 
 
+class _HostProfile:
+    """cProfile over several steps: ``enable`` / ``disable`` around each, stats accumulate."""
+
+    def __init__(self) -> None:
+        import cProfile
+
+        self.prof = cProfile.Profile()
+        self.steps = 0
+
+    def enable(self) -> None:
+        self.prof.enable()
+
+    def disable(self) -> None:
+        self.prof.disable()
+        self.steps += 1
+
+
+_HOST: dict[str, _HostProfile] = {}
+
+
+def host_profiler() -> _HostProfile:
+    """The current variant's host profiler (one per process and variant run; a new one after
+    :func:`write_host_profile`)."""
+    return _HOST.setdefault("current", _HostProfile())
+
+
+def write_host_profile(host: _HostProfile, path: Path) -> None:
+    """The Python functions the host spent its steps in, by own time and by total time, per
+    step (ms), and which of it is qsdp's (``/qsdp/`` in the file name)."""
+    import io
+    import pstats
+
+    _HOST.pop("current", None)
+    path = path.with_name(path.name.replace("+", "_"))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    stats = pstats.Stats(host.prof)
+    per = 1e3 / max(host.steps, 1)
+    total = sum(v[2] for v in stats.stats.values()) * per  # (own time of every function)
+    ours = sum(v[2] for k, v in stats.stats.items() if "/qsdp/" in k[0]) * per
+    out = io.StringIO()
+    out.write(
+        f"{host.steps} steps; host Python+native time per step {total:.1f} ms, "
+        f"of it in qsdp's own functions {ours:.1f} ms\n\n"
+    )
+    for key in ("tottime", "cumulative"):
+        stats.stream = out
+        stats.sort_stats(key).print_stats(45)
+    path.write_text(out.getvalue())
+
+
+LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
+"""The runtime and driver calls that start a kernel (Triton's launcher calls the driver's)."""
+
+
+def counts(prof) -> dict:
+    """What the host did in a profiled step, and the device's kernel time: qsdp's hook calls and
+    their host time (scopes ``qsdp::...``), FSDP2's scopes' host time, kernel launches,
+    allocations (``aten::empty*``), copies (``cudaMemcpyAsync``), views, every ``aten::`` op,
+    and the kernels' summed durations (ms, over all streams: overlapping streams add up).
+    The host's own time per step is measured without the profiler (``cpu_s_per_step``)."""
+    ka = prof.key_averages()
+
+    def n(*names: str) -> int:
+        return sum(e.count for e in ka if e.key in names)
+
+    kernel_us = 0.0
+    for e in ka:
+        if str(getattr(e, "device_type", "")).endswith("CUDA"):
+            kernel_us += getattr(e, "self_device_time_total", 0.0)
+    # (a record_function scope has a host record and, under CUDA, a device one of the same name)
+    ours = [e for e in ka if e.key.startswith("qsdp::") and _on_host(e)]
+    fsdp = [e for e in ka if e.key.startswith("FSDP::") and _on_host(e)]
+    return {
+        "qsdp_hook_calls": sum(e.count for e in ours),
+        # (inclusive host time of qsdp's hook scopes; FSDP2's scopes hold qsdp's all-gathers)
+        "qsdp_hook_host_ms": round(sum(e.cpu_time_total for e in ours) / 1e3, 2),
+        "fsdp_scopes_host_ms": round(sum(e.cpu_time_total for e in fsdp) / 1e3, 2),
+        "launches": n(*LAUNCHES),
+        "aten_ops": sum(e.count for e in ka if e.key.startswith("aten::")),
+        "allocations": sum(e.count for e in ka if e.key.startswith("aten::empty")),
+        "memcpy": n("cudaMemcpyAsync"),
+        "views": n("aten::view", "aten::as_strided", "aten::slice", "aten::select"),
+        "kernel_ms": round(kernel_us / 1e3, 2),
+    }
+
+
+def _on_host(event) -> bool:
+    return str(getattr(event, "device_type", "CPU")).endswith("CPU")
+
+
+def scope_ops(prof) -> str:
+    """Per kind of qsdp hook (``qsdp::reduce-scatter``, ...): calls, host time per call, and the
+    ops it issues directly per call (its top-level ``aten::`` / ``c10d::`` calls) and the
+    kernel launches under it: where a hook's host time goes."""
+    kinds: dict[str, list] = {}
+    for e in prof.events():
+        if e.name.startswith("qsdp::") and _on_host(e):
+            kinds.setdefault(e.name.split(" (")[0], []).append(e)
+    lines = []
+    for kind, calls in sorted(kinds.items()):
+        ops: dict[str, int] = {}
+        launches = 0
+        stack = [c for e in calls for c in e.cpu_children]
+        for child in (c for e in calls for c in e.cpu_children):
+            ops[child.name] = ops.get(child.name, 0) + 1
+        while stack:
+            e = stack.pop()
+            launches += e.name in LAUNCHES
+            stack.extend(e.cpu_children)
+        n = len(calls)
+        host = sum(e.cpu_time_total for e in calls) / n / 1e3
+        top = sorted(ops.items(), key=lambda kv: -kv[1])
+        lines.append(
+            f"{kind}: {n} calls, {host:.2f} ms host, {sum(ops.values()) / n:.0f} ops and "
+            f"{launches / n:.0f} launches per call: "
+            + ", ".join(f"{k} {v / n:.1f}" for k, v in top[:30])
+        )
+    return "\n".join(lines)
+
+
 def write_profile(prof, path: Path, elapsed: float, memory: str = "") -> None:
     """Rank 0's profile of one step: the top ops by host time and by device time in ``path``,
     and the whole timeline (Chrome trace, for chrome://tracing or Perfetto) in
@@ -41,6 +161,7 @@ def write_profile(prof, path: Path, elapsed: float, memory: str = "") -> None:
     ka = prof.key_averages()
     dev_key = "self_device_time_total" if hasattr(ka[0], "self_device_time_total") else None
     parts = [f"step wall {elapsed * 1e3:.1f} ms (profiled, includes profiler overhead)", memory]
+    parts.append(scope_ops(prof))
     parts.append(ka.table(sort_by="self_cpu_time_total", row_limit=40))
     if dev_key is not None:
         parts.append(ka.table(sort_by=dev_key, row_limit=40))

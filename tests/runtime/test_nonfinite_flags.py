@@ -50,3 +50,24 @@ def test_one_flag_per_parameter_in_the_right_place():
     assert nonfinite_flags(x, LAYOUT).tolist() == [0, 0, 0, 1, 0]
     x[0, 4] = float("inf")  # row 0, p0's last element
     assert nonfinite_flags(x, LAYOUT).tolist() == [1, 0, 0, 1, 0]
+
+
+def test_zero_where_fills_one_span_of_a_shared_buffer_and_nothing_beyond():
+    from qsdp.runtime.nonfinite import _one_span, zero_where
+
+    buffer = torch.arange(1.0, 13.0)  # FSDP2's reduce-scatter output: views with padding
+    a, b = buffer[2:5], buffer[6:10].view(2, 2)
+    span = _one_span([a, b])
+    assert span is not None and span.data_ptr() == a.data_ptr() and span.numel() == 8
+    zero_where(torch.tensor(False), [a, b])
+    assert torch.equal(buffer, torch.arange(1.0, 13.0))  # not flagged: untouched
+    zero_where(torch.tensor(True), [a, b])
+    assert not a.any() and not b.any()
+    assert torch.equal(buffer[:2], torch.tensor([1.0, 2.0]))  # outside the span: kept
+    assert torch.equal(buffer[10:], torch.tensor([11.0, 12.0]))
+    # separate tensors (accumulated gradients), or another dtype: one fill each
+    c, d = torch.ones(3), torch.ones(2)
+    assert _one_span([c, d]) is None
+    assert _one_span([buffer[0:2], buffer.double()[2:4]]) is None
+    zero_where(torch.tensor(True), [c, d])
+    assert not c.any() and not d.any()

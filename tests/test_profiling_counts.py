@@ -1,0 +1,43 @@
+"""benchmarks/profiling.py: a profiled step's counts and the per-hook breakdown, on a CPU
+profile whose scopes and ops are known."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _module():
+    spec = importlib.util.spec_from_file_location("profiling", ROOT / "benchmarks/profiling.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["profiling"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_counts_and_scope_ops_name_each_hooks_ops():
+    profiling = _module()
+    x = torch.ones(8)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for _ in range(3):  # three calls of one hook kind, two modules
+            for module in ("blocks.0", "blocks.1"):
+                with torch.profiler.record_function(f"qsdp::reduce-scatter ({module})"):
+                    y = torch.empty(8)
+                    y.copy_(x)
+                    y.add_(1)
+        with torch.profiler.record_function("FSDP::post_backward_reduce (blocks.0)"):
+            torch.zeros(2)
+    counts = profiling.counts(prof)
+    assert counts["qsdp_hook_calls"] == 6
+    assert counts["qsdp_hook_host_ms"] > 0 and counts["fsdp_scopes_host_ms"] > 0
+    assert counts["launches"] == 0 and counts["memcpy"] == 0  # (no CUDA here)
+    assert counts["allocations"] >= 6 + 1  # the hooks' empty, FSDP's zeros
+    text = profiling.scope_ops(prof)
+    assert text.startswith("qsdp::reduce-scatter: 6 calls")
+    assert "3 ops and 0 launches per call" in text
+    assert "aten::empty 1.0" in text and "aten::copy_ 1.0" in text and "aten::add_ 1.0" in text

@@ -176,6 +176,13 @@ def _accelerate_misuse(rank: int, world: int) -> dict:
     with pytest.raises(ValueError) as e:  # the model before prepare: not DDP's wrapper
         hf.compress(accelerator, tiny_gpt2(), DDP_RECIPE)
     out["unprepared"] = str(e.value)
+    _fresh_state(fsdp=False)
+    accelerator = Accelerator()  # no cpu=True on a CPU machine: Accelerate sees one process
+    out["type_without_cpu"] = accelerator.distributed_type.value
+    if accelerator.distributed_type.value == "NO":
+        with pytest.raises(ValueError) as e:
+            hf.compress(accelerator, accelerator.prepare(tiny_gpt2()), DDP_RECIPE)
+        out["without_cpu"] = str(e.value)
     return out
 
 
@@ -356,6 +363,11 @@ def test_accelerate_misuse_raises_naming_the_fix_on_every_rank(runs):
         message = r["accelerate", "misuse"]["unprepared"]
         assert "GPT2LMHeadModel, not a DistributedDataParallel" in message, message
         assert "accelerator.prepare(model, optimizer)" in message, message
+        # two processes launched without GPUs, Accelerator() without cpu=True: one process to
+        # Accelerate; the message says why and what to pass
+        assert r["accelerate", "misuse"]["type_without_cpu"] == "NO"
+        message = r["accelerate", "misuse"]["without_cpu"]
+        assert "WORLD_SIZE=2" in message and "Accelerator(cpu=True)" in message, message
 
 
 def test_trainer_misuse_raises_naming_the_fix_on_every_rank(runs):

@@ -391,7 +391,10 @@ def resolve_stats(stats: CommStats | None) -> CommStats:
 
 
 def finish_into(out: torch.Tensor, acc: torch.Tensor, op: str, divisor: int) -> None:
-    """Write the float32 sum ``acc`` into ``out`` (its dtype), divided for ``op='avg'``."""
+    """Write the float32 sum ``acc`` into ``out`` (its dtype), divided for ``op='avg'``: one
+    kernel (the division computes in float32 and casts as it writes ``out``, the bits of a
+    division in place then a copy); ``acc`` is left as it was."""
     if op == "avg":
-        acc.div_(divisor)
-    out.view(-1).copy_(acc)
+        torch.div(acc, divisor, out=out.view(-1))
+    else:
+        out.view(-1).copy_(acc)

@@ -281,9 +281,10 @@ def _fused_stages(output, input, split, call: _Call, *, lost=None) -> C.Stages:
             decode_sum(
                 recv[:, :nbytes], split.n_comp, spec, out=acc, accumulate=True, backend=backend
             )
-        peers = recv[:, at : at + raw_bytes].contiguous().view(raw.dtype).view(n - 1, -1)
-        for j in range(n - 1):  # in rank order, as the codes
-            acc_raw += peers[j].float()
+        # the raw values where they arrived (each row's part starts on a 16-byte boundary)
+        peers = recv[:, at : at + raw_bytes].view(raw.dtype)
+        for j in range(n - 1):  # in rank order, as the codes; widened to float32 in the add
+            acc_raw.add_(peers[j])
     if split.one_run_each:  # straight into the output's two parts
         comp_out, raw_out = split.views(output.view(1, -1))
         C.finish_into(comp_out, acc, op, n)

@@ -27,6 +27,7 @@ on every rank, so every rank raises the same error.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -214,10 +215,18 @@ def _check_setup(accelerator: Accelerator, *, where: str) -> None:
                 "fsdp_config={'version': 2})"
             )
     elif kind == DistributedType.NO:
+        launched = int(os.environ.get("WORLD_SIZE", "1"))
+        hint = (
+            f"; WORLD_SIZE={launched} says {launched} were launched: without GPUs Accelerate "
+            "runs them as one unless told to use the CPU (Accelerator(cpu=True), or "
+            "TrainingArguments(use_cpu=True))"
+            if launched > 1
+            else ""
+        )
         raise ValueError(
             f"{where}: accelerator.distributed_type=NO (one process): nothing crosses a wire; "
             "launch two or more processes (accelerate launch --num_processes N, or torchrun "
-            "--nproc-per-node N)"
+            f"--nproc-per-node N){hint}"
         )
     elif not kind.name.startswith("MULTI_"):  # MULTI_CPU, MULTI_GPU, ...: DDP
         raise ValueError(

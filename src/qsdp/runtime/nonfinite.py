@@ -69,7 +69,7 @@ def nonfinite_flags(
         sizes = [n for _, n in layout]
     pieces = [piece for row in rows for piece in row.split(sizes) if piece.numel()]
     norms = iter(torch._foreach_norm(pieces, ord=float("inf")) if pieces else ())
-    zero = chunks.new_zeros(())  # an empty run holds nothing to flag
+    zero = chunks.new_zeros(()) if 0 in sizes else None  # an empty run holds nothing to flag
     # (no indexing by a Python list: that copies the index to the device, a host sync)
     peak = torch.stack([next(norms) if n else zero for _ in range(rows.shape[0]) for n in sizes])
     peak = peak.view(rows.shape[0], len(sizes)).amax(dim=0)

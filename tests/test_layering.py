@@ -180,8 +180,8 @@ def test_library_never_imports_the_trainer():
 def test_import_qsdp_loads_no_trainer_code():
     """In a fresh process: ``import qsdp`` and every public subpackage (``qsdp.integrations``
     included), then no trainer module (nor matplotlib or tiktoken of the ``train`` extra; its
-    tqdm is loaded by ``torch.hub``), and no framework of the ``hf`` extra: its adapter loads
-    them only when imported itself."""
+    tqdm is loaded by ``torch.hub``), and no framework of the ``hf`` or ``lightning`` extras:
+    an adapter loads them only when imported itself."""
     code = (
         "import importlib, importlib.util, pkgutil, sys\n"
         "import qsdp\n"
@@ -189,7 +189,8 @@ def test_import_qsdp_loads_no_trainer_code():
         "    if not m.name.startswith('_'):\n"
         "        importlib.import_module('qsdp.' + m.name)\n"
         "bad = ('qsdp_train', 'qsdp.train', 'matplotlib', 'tiktoken', 'transformers',\n"
-        "       'accelerate', 'qsdp.integrations.hf')\n"
+        "       'accelerate', 'qsdp.integrations.hf', 'lightning', 'pytorch_lightning',\n"
+        "       'qsdp.integrations.lightning')\n"
         "hit = lambda n: any(n == b or n.startswith(b + '.') for b in bad)\n"
         "print(sorted(filter(hit, sys.modules)))\n"
         "print(importlib.util.find_spec('qsdp.train'))\n"

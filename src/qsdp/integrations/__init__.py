@@ -3,6 +3,8 @@ prepared to :func:`qsdp.compress_fsdp` or :func:`qsdp.ddp.register` and does not
 
 - :mod:`qsdp.integrations.hf`: Hugging Face ``accelerate.Accelerator`` and
   ``transformers.Trainer`` (``pip install 'qsdp[hf]'``).
+- :mod:`qsdp.integrations.lightning`: Lightning's ``Trainer`` under ``DDPStrategy`` or
+  ``ModelParallelStrategy`` (FSDP2), one callback (``pip install 'qsdp[lightning]'``).
 
 Importing this package imports no framework: import the adapter's module itself.
 """

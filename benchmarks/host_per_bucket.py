@@ -1,6 +1,8 @@
 """Host time of one DDP bucket's compressed all-reduce, without communication or kernels.
 
     PYTHONPATH=src python benchmarks/host_per_bucket.py --out r.json [--recipes cgx ...]
+    PYTHONPATH=src python benchmarks/host_per_bucket.py --collective reduce_scatter \
+        --device cuda --out r.json       # FSDP2's reduce-scatter, the real kernels on a GPU
 
 What a GPU step pays on the CPU per bucket besides the kernels' own launches: qsdp's Python,
 torch op dispatch and the collectives' calls. Runs on any machine: a ``fake`` process group of
@@ -9,6 +11,12 @@ process only (``--stub``, the default), so neither wire nor kernel time is count
 is a GPT block's (d 64, 12 parameters, the 1-D ones raw by the default policy). Rows: median
 microseconds per bucket over 200 calls, and the number of top-level torch ops of one call.
 The CPU matters: compare rows of one run (or of runs on the same machine).
+
+``--collective reduce_scatter``: FSDP2's gradient reduce-scatter of the same block (a
+``[4, chunk]`` input, the plan's ``reduce_scatter``). ``--device cuda`` runs on a GPU with the
+real Triton kernels (``--stub`` keeps them no-ops there too): the difference between the two
+rows of a recipe is what its kernel launches cost the host. Each call starts with an empty
+device queue (a synchronisation before it, untimed), so a row is the host's time alone.
 """
 
 from __future__ import annotations
@@ -63,34 +71,52 @@ def _stub_kernels() -> None:
     global_int._resolve = codec._resolve
 
 
-def measure(name: str, calls: int) -> dict:
+def measure(name: str, calls: int, collective: str = "all_reduce", device: str = "cpu") -> dict:
     config = qsdp.recipe(name)
     plan = config.grads.plan()
     shapes = [(n, k, (k,) if k in (D, 3 * D, 4 * D) else (k // D, D)) for n, k in LAYOUT]
     split = config.policy.split(shapes) if config.policy else None
-    t = torch.randn(sum(k for _, k in LAYOUT))
+    chunk = sum(k for _, k in LAYOUT)
+    t = torch.randn(chunk, device=device)
+    rows = torch.randn(4, chunk, device=device)  # FSDP2's rank-major reduce-scatter input
+    out = torch.empty(chunk, device=device)
     stats = qc.CommStats()
 
     def call(i: int) -> None:
+        if collective == "reduce_scatter":
+            plan.reduce_scatter(
+                out, rows, None, op="avg", split=split, seed=0, step=i, bucket=0, stats=stats
+            )
+            return
         work = plan.all_reduce(
             t, None, op="avg", split=split, seed=0, step=i, bucket=0, stats=stats, async_op=True
         )
         work.get_future().wait()
 
+    def sync() -> None:
+        if device == "cuda":
+            torch.cuda.synchronize()
+
     for i in range(20):
         call(i)
     times = []
     for i in range(calls):
+        sync()
         t0 = time.perf_counter()
         call(i)
         times.append(time.perf_counter() - t0)
+    sync()
     with torch.profiler.profile() as prof:
         call(0)
+        sync()
     top = collections.Counter(e.name for e in prof.events() if e.cpu_parent is None)
+    launches = sum(n for k, n in top.items() if "LaunchKernel" in k)
     return {
         "recipe": name,
+        "collective": collective,
         "us_per_bucket": statistics.median(times) * 1e6,
         "top_level_ops": sum(top.values()),
+        "launches": launches,
     }
 
 
@@ -100,19 +126,40 @@ def main() -> None:
     p.add_argument("--recipes", nargs="*", default=["cgx", "global-qsgd", "qsdp-g8"])
     p.add_argument("--calls", type=int, default=200)
     p.add_argument("--label", default="", help="a name for this code version in the JSON")
+    p.add_argument("--collective", choices=["all_reduce", "reduce_scatter"], default="all_reduce")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument(
+        "--stub",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="kernels as no-ops (default: on the CPU yes, on a GPU no)",
+    )
     a = p.parse_args()
-    _stub_kernels()
+    if a.device == "cuda" and a.collective == "all_reduce":
+        raise SystemExit(
+            "--device cuda times --collective reduce_scatter: the all-reduce's CUDA future "
+            "needs a real backend, not the fake process group"
+        )
+    stub = a.stub if a.stub is not None else a.device == "cpu"
+    if stub:
+        _stub_kernels()
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
-    rows = [measure(name, a.calls) for name in a.recipes]
+    rows = [measure(name, a.calls, a.collective, a.device) for name in a.recipes]
     for r in rows:
         us, ops = r["us_per_bucket"], r["top_level_ops"]
-        print(f"{r['recipe']:12s} {us:7.0f} us per bucket, {ops} ops")
+        print(
+            f"{r['recipe']:12s} {a.collective} {us:7.0f} us per call, {ops} ops, "
+            f"{r['launches']} launches ({a.device}, kernels {'stubbed' if stub else 'real'})"
+        )
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(
         json.dumps(
             {
                 "benchmark": "host_per_bucket",
                 "label": a.label,
+                "collective": a.collective,
+                "device": torch.cuda.get_device_name() if a.device == "cuda" else "cpu",
+                "kernels": "stubbed" if stub else "real",
                 "cpu": platform.processor() or platform.machine(),
                 "torch": torch.__version__,
                 "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

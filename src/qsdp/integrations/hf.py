@@ -28,7 +28,6 @@ on every rank, so every rank raises the same error.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
@@ -36,10 +35,8 @@ from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 
 # qsdp's public names only (tests/test_layering.py)
-from .. import CompressionConfig, Schedule, compress_fsdp
-from ..comm import CommStats
-from ..ddp import DDPCompression, register
-from ..fsdp import CommState, comm_state, fsdp_comm_stats
+from .. import CompressionConfig, Schedule
+from ._installed import Compressed, install
 
 try:
     from accelerate import Accelerator
@@ -58,26 +55,6 @@ _FIX = (
     "fsdp=True, fsdp_config={'version': 2}) or DDP (launch several processes without a "
     "plugin)"
 )
-
-
-@dataclass(frozen=True, kw_only=True)
-class Compressed:
-    """What :func:`compress` installed (a :class:`QSDPCallback` holds one once training
-    begins)."""
-
-    model: nn.Module
-    """The module carrying qsdp's hooks: FSDP2's root module or the DDP wrapper."""
-    state: CommState | DDPCompression
-    """qsdp's state of it (``qsdp.fsdp.comm_state(model)``, or what ``qsdp.ddp.register``
-    returned): ``check_nonfinite()``, ``zeroed``, ``state_dict()`` for a checkpoint, ``drain()``
-    at staleness 1."""
-
-    @property
-    def stats(self) -> CommStats:
-        """Bytes and calls qsdp handed to ``torch.distributed`` so far."""
-        if isinstance(self.state, DDPCompression):
-            return self.state.stats
-        return fsdp_comm_stats(self.model)
 
 
 def compress(
@@ -113,7 +90,7 @@ def compress(
             under DDP, other arguments on another rank, ...).
     """
     target = _prepared(accelerator, model, where="qsdp.integrations.hf.compress")
-    return _install(target, config, schedule, options)
+    return install(target, config, schedule=schedule, options=options)
 
 
 def compress_trainer(
@@ -187,7 +164,7 @@ class QSDPCallback(TrainerCallback):
         target = _prepared(self.trainer.accelerator, self.trainer.model_wrapped, where=where)
         if self.compressed is not None and self.compressed.model is target:
             return  # a second train() on the same prepared model: installed already
-        self.compressed = _install(target, self.config, self.schedule, self.options)
+        self.compressed = install(target, self.config, schedule=self.schedule, options=self.options)
 
     def on_step_begin(self, args, state, control, **kwargs) -> None:  # noqa: ANN001
         if self.compressed is None:  # on_train_begin passed by: added by a running train()
@@ -250,16 +227,3 @@ def _prepared(accelerator: Accelerator, model: nn.Module, *, where: str) -> nn.M
             "a model with trainable parameters)"
         )
     return inner
-
-
-def _install(
-    target: nn.Module,
-    config: CompressionConfig | str,
-    schedule: Schedule | None,
-    options: dict[str, Any],
-) -> Compressed:
-    if isinstance(target, DistributedDataParallel):
-        hook = register(target, config, schedule=schedule, **options)
-        return Compressed(model=target, state=hook)
-    compress_fsdp(target, config, schedule=schedule, **options)
-    return Compressed(model=target, state=comm_state(target))

@@ -36,7 +36,6 @@ configuration, the same on every rank, so every rank raises the same error.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
@@ -44,10 +43,8 @@ from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 
 # qsdp's public names only (tests/test_layering.py)
-from .. import CompressionConfig, Schedule, compress_fsdp
-from ..comm import CommStats
-from ..ddp import DDPCompression, register
-from ..fsdp import CommState, comm_state, fsdp_comm_stats
+from .. import CompressionConfig, Schedule
+from ._installed import Compressed, install
 
 try:
     import lightning.pytorch as pl
@@ -72,24 +69,6 @@ _FIX = (
     "use DDPStrategy() (DDP) or ModelParallelStrategy(data_parallel_size=N, "
     "tensor_parallel_size=1) with fully_shard in LightningModule.configure_model (FSDP2)"
 )
-
-
-@dataclass(frozen=True, kw_only=True)
-class Compressed:
-    """What :class:`QSDPCallback` installed when fitting began."""
-
-    model: nn.Module
-    """The module carrying qsdp's hooks: the DDP wrapper or FSDP2's root module."""
-    state: CommState | DDPCompression
-    """qsdp's state of it (``qsdp.fsdp.comm_state(model)``, or what ``qsdp.ddp.register``
-    returned): ``check_nonfinite()``, ``zeroed``, ``state_dict()`` for a checkpoint."""
-
-    @property
-    def stats(self) -> CommStats:
-        """Bytes and calls qsdp handed to ``torch.distributed`` so far."""
-        if isinstance(self.state, DDPCompression):
-            return self.state.stats
-        return fsdp_comm_stats(self.model)
 
 
 class QSDPCallback(pl.Callback):
@@ -147,12 +126,7 @@ class QSDPCallback(pl.Callback):
         target = _target(trainer)
         if self.compressed is not None and self.compressed.model is target:
             return  # a second fit() on the same FSDP2 modules: installed already
-        if isinstance(target, DistributedDataParallel):
-            hook = register(target, self.config, schedule=self.schedule, **self.options)
-            self.compressed = Compressed(model=target, state=hook)
-        else:
-            compress_fsdp(target, self.config, schedule=self.schedule, **self.options)
-            self.compressed = Compressed(model=target, state=comm_state(target))
+        self.compressed = install(target, self.config, schedule=self.schedule, options=self.options)
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # the last backward's NaN/Inf verdict is otherwise read only by a next backward

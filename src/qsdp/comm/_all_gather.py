@@ -181,6 +181,9 @@ def _fused_stages(
     at, row = fused_row(spec, comp.numel(), raw_bytes)
     send = torch.zeros(row, dtype=torch.uint8, device=input.device)
     nbytes = spec.payload_bytes(comp.numel())
+    # the row's parts as views, cut once per call ([Note: a split's plan] in _split.py)
+    parts = [nbytes, at - nbytes, raw_bytes, row - at - raw_bytes]
+    codes, _, raw_slot, _ = send.split(parts)
     enc_spec = spec.propagating()
     if comp.numel():
         encode(
@@ -188,23 +191,23 @@ def _fused_stages(
             enc_spec,
             seed=seed,
             step=step,
-            out=send[:nbytes],
+            out=codes,
             backend=backend,
             stream=C.noise_stream(C.noise_rank(pg), 0, bucket=bucket, hop=hop),
         )
-    send[at : at + raw_bytes].copy_(raw.view(torch.uint8))
+    raw_slot.copy_(raw.view(torch.uint8))
     if enc_spec is not spec:  # every rank agrees before anything is exchanged
-        bad = flagged_groups(send[:nbytes], comp.numel(), spec) + (~torch.isfinite(raw)).sum()
+        bad = flagged_groups(codes, comp.numel(), spec) + (~torch.isfinite(raw)).sum()
         C.agree_finite(bad, [pg], stats, name)
     if split.chunk == 0:
         return
     recv = torch.empty(n * row, dtype=torch.uint8, device=send.device)
     yield [C.all_gather(recv, send, pg, stats, name)], True
-    rows = recv.view(n, row)
+    got_codes, _, got_raw, _ = recv.view(n, row).split(parts, dim=1)
     comp_out = torch.empty(n, comp.numel(), dtype=comp.dtype, device=comp.device)
     if comp.numel():
-        decode_rows(rows[:, :nbytes], comp.numel(), spec, out=comp_out, backend=backend)
-    raw_out = rows[:, at : at + raw_bytes].view(raw.dtype)  # (16-byte aligned rows: a view)
+        decode_rows(got_codes, comp.numel(), spec, out=comp_out, backend=backend)
+    raw_out = got_raw.view(raw.dtype)  # (16-byte aligned rows: a view)
     split.put(output.view(n, -1), comp_out, raw_out)
 
 

@@ -249,40 +249,47 @@ def _fused_stages(output, input, split, call: _Call, *, lost=None) -> C.Stages:
     acc.copy_(comp[r])
     acc_raw = raw[r].to(torch.float32, copy=True)
     send = torch.zeros(n - 1, row, dtype=torch.uint8, device=input.device)
+    # each row's parts as views, cut once per call ([Note: a split's plan] in _split.py)
+    parts = [nbytes, at - nbytes, raw_bytes, row - at - raw_bytes]
+    codes, _, raw_slots, _ = send.split(parts, dim=1)
     enc_spec = spec.propagating()
     me = r  # the noise identity: the place in the group ([Note: noise per place in the group])
-    for slot, j in enumerate(k for k in range(n) if k != r):
-        if split.n_comp:
+    if split.n_comp:
+        sources, targets = comp.unbind(0), codes.unbind(0)
+        for slot, j in enumerate(k for k in range(n) if k != r):
             encode(
-                comp[j],
+                sources[j],
                 enc_spec,
                 seed=seed,
                 step=step,
-                out=send[slot, :nbytes],
+                out=targets[slot],
                 stream=C.noise_stream(me, j, bucket=bucket, hop=hop),
                 backend=backend,
             )
-        send[slot, at : at + raw_bytes].copy_(raw[j].view(torch.uint8))
+    raw_rows = raw.view(torch.uint8)  # the peers' rows: those before r, then those after
+    if r > 0:
+        raw_slots[:r].copy_(raw_rows[:r])
+    if r < n - 1:
+        raw_slots[r:].copy_(raw_rows[r + 1 :])
     if lost is not None:  # the codes' losses; the own row and the raw elements travel exact
         err = comp.to(torch.float32, copy=True)
         err[r].zero_()
         if n > 1 and split.n_comp:
-            _lose(err, r, send[:, :nbytes], split.n_comp, spec, backend)
+            _lose(err, r, codes, split.n_comp, spec, backend)
         split.put(lost.view(n, m), err, torch.zeros(n, split.n_raw, device=input.device))
     if enc_spec is not spec:  # every rank agrees before anything is exchanged
-        bad = flagged_groups(send[:, :nbytes], split.n_comp, spec) + (~torch.isfinite(raw)).sum()
+        bad = flagged_groups(codes, split.n_comp, spec) + (~torch.isfinite(raw)).sum()
         bad = bad + (~torch.isfinite(acc)).sum()
         C.agree_finite(bad, [pg], stats, name)
     if n > 1 and m > 0:
         recv = torch.empty_like(send)
         splits = [0 if j == r else row for j in range(n)]
         yield [C.all_to_all(recv.view(-1), send.view(-1), splits, splits, pg, stats, name)], True
+        got_codes, _, got_raw, _ = recv.split(parts, dim=1)
         if split.n_comp:
-            decode_sum(
-                recv[:, :nbytes], split.n_comp, spec, out=acc, accumulate=True, backend=backend
-            )
+            decode_sum(got_codes, split.n_comp, spec, out=acc, accumulate=True, backend=backend)
         # the raw values where they arrived (each row's part starts on a 16-byte boundary)
-        peers = recv[:, at : at + raw_bytes].view(raw.dtype)
+        peers = got_raw.view(raw.dtype)
         for j in range(n - 1):  # in rank order, as the codes; widened to float32 in the add
             acc_raw.add_(peers[j])
     if split.one_run_each:  # straight into the output's two parts

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -79,12 +80,37 @@ class Split:
             parts[c].append(torch.arange(start, start + n))
         return torch.cat(parts[True]), torch.cat(parts[False])
 
+    @cached_property
+    def _plan(self) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+        """Worked out once per split ([Note: a split's plan]): every run's length, and the
+        indices of the compressed runs and of the raw ones among them."""
+        lengths = tuple(n for _, n, _ in self.runs)
+        comp = tuple(i for i, (_, _, c) in enumerate(self.runs) if c)
+        raw = tuple(i for i, (_, _, c) in enumerate(self.runs) if not c)
+        return lengths, comp, raw
+
+    @cached_property
+    def _part_lengths(self) -> tuple[list[int], list[int]]:
+        """The compressed runs' lengths and the raw runs', in chunk order."""
+        lengths, comp, raw = self._plan
+        return [lengths[i] for i in comp], [lengths[i] for i in raw]
+
     def take(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``rows`` (``[k, chunk]``) as contiguous ``[k, n_comp]`` and ``[k, n_raw]`` copies."""
+        """``rows`` (``[k, chunk]``) as contiguous ``[k, n_comp]`` and ``[k, n_raw]`` copies.
+
+        [Note: a split's plan]
+        A split is applied on every call of a collective, so the host work per call counts
+        (issue 32: each torch op costs the host ~7 us on a GPU machine): the runs' lengths and
+        which are compressed are worked out once, and the runs are cut by one
+        ``split_with_sizes`` (one op for all the views), not by a slice per run."""
+        lengths, comp, raw = self._plan
+        pieces = rows.split(lengths, dim=1)
         out = []
-        for want in (True, False):
-            pieces = [rows[:, s : s + n] for s, n, c in self.runs if c == want]
-            out.append(torch.cat(pieces, dim=1) if pieces else rows.new_empty((rows.shape[0], 0)))
+        for indices in (comp, raw):
+            if not indices:
+                out.append(rows.new_empty((rows.shape[0], 0)))
+            else:
+                out.append(torch.cat([pieces[i] for i in indices], dim=1))
         return out[0], out[1]
 
     @property
@@ -104,13 +130,15 @@ class Split:
 
     def put(self, rows: torch.Tensor, comp: torch.Tensor, raw: torch.Tensor) -> None:
         """Write ``comp`` (``[k, n_comp]``) and ``raw`` (``[k, n_raw]``) back into ``rows``."""
-        dst, src, offset = [], [], {True: 0, False: 0}
-        for start, n, c in self.runs:
-            part = comp if c else raw
-            dst.append(rows[:, start : start + n])
-            src.append(part[:, offset[c] : offset[c] + n])
-            offset[c] += n
-        torch._foreach_copy_(dst, src)
+        lengths, comp_i, raw_i = self._plan
+        dst = rows.split(lengths, dim=1)
+        src: list[torch.Tensor | None] = [None] * len(lengths)
+        pairs = zip((comp_i, raw_i), (comp, raw), self._part_lengths, strict=True)
+        for indices, part, sizes in pairs:
+            if indices:
+                for i, piece in zip(indices, part.split(sizes, 1), strict=True):
+                    src[i] = piece
+        torch._foreach_copy_(list(dst), src)
 
 
 def fused_row(spec: QuantSpec, n_comp: int, raw_bytes: int) -> tuple[int, int]:

@@ -141,7 +141,7 @@ def _collect(
             forwarded = 1
             for p in procs:
                 if p.is_alive():
-                    os.kill(p.pid, signal.SIGINT)
+                    os.kill(p.pid, stop.signum or signal.SIGINT)
         judge()
         if (errors or deaths) and grace_end is None:
             grace_end = time.monotonic() + _GRACE_S
@@ -150,7 +150,9 @@ def _collect(
         time.sleep(0.02)
     judge()
     if stop is not None and stop.presses:
-        _raise_interrupted(stopped, stop.presses, out, finished=last is not None)
+        _raise_interrupted(
+            stopped, stop.presses, out, finished=last is not None, signum=stop.signum
+        )
     tracebacks = {r: tb for r, (_, tb) in errors.items()}
     if deaths:
         rank, code = next(iter(deaths.items()))
@@ -172,7 +174,12 @@ def _collect(
 
 
 def _raise_interrupted(
-    stopped: dict[int, tuple], presses: int, out: Path | None, *, finished: bool
+    stopped: dict[int, tuple],
+    presses: int,
+    out: Path | None,
+    *,
+    finished: bool,
+    signum: int | None = None,
 ) -> None:
     """After a Ctrl-C: raise :class:`Interrupted` saying what was saved (nothing returns if the
     run finished before the workers saw it)."""
@@ -189,6 +196,7 @@ def _raise_interrupted(
                 step=step,
                 checkpoint=Path(path),
                 out=where,
+                signum=signum or signal.SIGINT,
             )
     marker = where / "ckpt" / "latest"
     kept = (
@@ -201,7 +209,13 @@ def _raise_interrupted(
         if presses > 1
         else ("the workers stopped before they could agree on a step to save")
     )
-    raise Interrupted(f"interrupted: {how}; {kept}", step=None, checkpoint=None, out=where)
+    raise Interrupted(
+        f"interrupted: {how}; {kept}",
+        step=None,
+        checkpoint=None,
+        out=where,
+        signum=signum or signal.SIGINT,
+    )
 
 
 def _describe(e: BaseException) -> str:

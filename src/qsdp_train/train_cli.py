@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import shlex
+import signal
 import sys
 import traceback
 from pathlib import Path
@@ -33,7 +34,8 @@ def parser() -> argparse.ArgumentParser:
         "An OUT that holds no finished checkpoint (a run killed before its first save) does "
         "not block a new run: it starts afresh there, saying so. Ctrl-C stops every rank after "
         "the same step, saves it, and ends with one line naming the checkpoint and the command "
-        "to resume (exit code 130; a second Ctrl-C stops at once, saving nothing more). "
+        "to resume (exit code 130; a second Ctrl-C stops at once, saving nothing more); a "
+        "SIGTERM (a scheduler's preemption, kill) does the same, exit code 143. "
         "Errors end the run with one line; QSDP_TRAIN_TRACEBACK=1 also prints every rank's "
         "traceback.",
     )
@@ -307,7 +309,8 @@ def main(argv: list[str] | None = None) -> dict:
     """Run ``qsdp train``; a refused setting or a failed worker ends it with one line on stderr,
     ``qsdp train: ...``, and exit code 1 (``QSDP_TRAIN_TRACEBACK=1`` prints the tracebacks too).
     Ctrl-C saves the last completed step where every rank can agree on it, and ends with one
-    line saying what was saved and how to resume, exit code 130.
+    line saying what was saved and how to resume, exit code 130; a SIGTERM (preemption) the
+    same, exit code 143.
     """
     args = parser().parse_args(argv)
     if args.resume:
@@ -319,7 +322,7 @@ def main(argv: list[str] | None = None) -> dict:
     except KeyboardInterrupt as e:
         if not under_torchrun() or os.environ["RANK"] == "0":
             print(_interrupted(e, args.out), file=sys.stderr, flush=True)
-        raise SystemExit(130) from None
+        raise SystemExit(128 + getattr(e, "signum", signal.SIGINT)) from None
     except TrainError as e:
         if verbose:
             for rank, tb in e.tracebacks.items():

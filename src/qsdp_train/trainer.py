@@ -462,7 +462,8 @@ def _bytes_saved(par: Parallel) -> float | None:
 
 
 class Interrupted(KeyboardInterrupt):
-    """Ctrl-C (SIGINT) ended the run; raised on every rank after the checkpoint, if any.
+    """Ctrl-C (SIGINT) or a SIGTERM ended the run; raised on every rank after the checkpoint, if
+    any.
 
     [Note: Ctrl-C between steps]
     A SIGINT does not interrupt a rank where it lands (mid-collective, its peers would hang or
@@ -471,25 +472,42 @@ class Interrupted(KeyboardInterrupt):
     ``--stop-at`` would (a step of staleness 1 keeps its reduction in flight in the checkpoint).
     Then each raises this. Under ``qsdp train``'s own launcher a Ctrl-C reaches the launcher,
     which forwards it to the workers (a second Ctrl-C kills them: nothing more is saved).
+    A SIGTERM (a scheduler preempting the job, ``kill``; torchrun forwards it to its workers)
+    is the same request: the run stops after the step every rank sees it in, saves it, and
+    exits with 143 (128 + SIGTERM) where a Ctrl-C exits with 130.
 
     Attributes:
         step: the steps completed (None: interrupted before one was).
         checkpoint: the checkpoint written for them, or None when none could be.
         out: the run directory.
+        signum: the signal that asked to stop (SIGINT or SIGTERM).
     """
 
-    def __init__(self, message: str, *, step: int | None, checkpoint: Path | None, out: Path):
+    def __init__(
+        self,
+        message: str,
+        *,
+        step: int | None,
+        checkpoint: Path | None,
+        out: Path,
+        signum: int = signal.SIGINT,
+    ):
         super().__init__(message)
         self.step, self.checkpoint, self.out = step, checkpoint, out
+        self.signum = int(signum)
 
 
 class _StopRequest:
-    """A SIGINT handler for the duration of a run that records the request instead of raising
-    (only in the main thread, where Python runs signal handlers)."""
+    """A SIGINT and SIGTERM handler for the duration of a run that records the request instead
+    of raising or dying (only in the main thread, where Python runs signal handlers)."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
     def __init__(self) -> None:
         self.presses = 0
-        self._previous = None
+        self.signum: int | None = None
+        """The first signal that asked to stop."""
+        self._previous: dict[int, object] = {}
 
     @property
     def asked(self) -> bool:
@@ -497,18 +515,26 @@ class _StopRequest:
 
     def __enter__(self) -> _StopRequest:
         if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGINT, self._ask)
-            outer = getattr(self._previous, "__self__", None)
-            if isinstance(outer, _StopRequest):  # a request made before this run took over
-                self.presses = outer.presses
+            for signum in self.SIGNALS:
+                self._previous[signum] = previous = signal.signal(signum, self._ask)
+                outer = getattr(previous, "__self__", None)
+                if isinstance(outer, _StopRequest):  # a request made before this run took over
+                    self.presses = max(self.presses, outer.presses)
+                    self.signum = self.signum or outer.signum
         return self
 
     def _ask(self, signum: int, frame: object) -> None:
         self.presses += 1
+        self.signum = self.signum or signum
 
     def __exit__(self, *exc: object) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)
+        for signum, previous in self._previous.items():
+            signal.signal(signum, previous)
+
+
+def _stopped_by(signum: int | None) -> str:
+    """How a stop request reads in the run's last line."""
+    return "terminated (SIGTERM)" if signum == signal.SIGTERM else "interrupted"
 
 
 def _clear_unsaved_run(out: Path) -> None:
@@ -823,9 +849,10 @@ def _train_rank(
             writer.close()
     if cut:
         raise Interrupted(
-            f"interrupted after step {end} of {cfg.steps}; saved {path}",
+            f"{_stopped_by(stop.signum)} after step {end} of {cfg.steps}; saved {path}",
             step=end,
             checkpoint=path,
             out=out,
+            signum=stop.signum or signal.SIGINT,
         )
     return last

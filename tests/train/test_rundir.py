@@ -395,6 +395,45 @@ def test_a_run_with_no_checkpoint_does_not_block_a_new_one(run, files):
     assert [r.split(",")[0] for r in rows] == ["0", "1"]
 
 
+def test_sigterm_saves_the_last_step_like_ctrl_c(files, tmp_path):
+    # a scheduler's preemption: SIGTERM to the launcher alone; the run stops after a step every
+    # rank agrees on, saves it, and exits 143 (128 + SIGTERM) with the same one line
+    out = tmp_path / "run"
+    env = os.environ | {"QSDP_DATA_DIR": str(files["root"] / "cache"), "OMP_NUM_THREADS": "1"}
+    argv = ["--out", str(out), "--data", str(files["txt"]), *FLAGS, "--steps", "5000"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "qsdp_train", "train", *argv],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and proc.poll() is None:
+            metrics = out / "metrics.csv"
+            if metrics.is_file() and len(metrics.read_text().splitlines()) >= 3:
+                break  # two steps logged
+            time.sleep(0.05)
+        assert proc.poll() is None, proc.communicate()
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 143, err
+    assert "Traceback" not in err, err
+    latest = (out / "ckpt" / "latest").read_text()
+    step = int(latest.removeprefix("step_"))
+    assert err.strip().splitlines()[-1] == (
+        f"qsdp train: terminated (SIGTERM) after step {step} of 5000; saved "
+        f"{out / 'ckpt' / latest}; resume with: qsdp train --out {out} --resume"
+    ), err
+    rows = (out / "metrics.csv").read_text().splitlines()[1:]
+    assert step >= 2 and [r.split(",")[0] for r in rows] == [str(i) for i in range(step)]
+
+
 def test_ctrl_c_before_any_worker_starts_is_one_line(files, tmp_path, monkeypatch, capsys):
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt  # as while the data is prepared, before any worker starts

@@ -191,8 +191,10 @@ def test_two_phase_rows_layout(n):
         mc, mr = per_chunk.n_comp, per_chunk.n_raw
         assert (mc, mr) == (-(-split.n_comp // n), -(-split.n_raw // n))
         rows = torch.zeros(n * (mc + mr))
-        for s, d, k in pieces:
-            rows[d : d + k] = x[s : s + k]
+        sources, targets = pieces.views(x, rows)
+        assert sum(t.numel() for t in sources) == at  # every element of x, once
+        for target, source in zip(targets, sources, strict=True):
+            target.copy_(source)
         comp, raw = split.take(x.view(1, -1))
         want = torch.cat(
             [
@@ -203,10 +205,14 @@ def test_two_phase_rows_layout(n):
         )
         assert torch.equal(rows.view(n, mc + mr), want), (split, n)
         back = torch.full_like(x, float("nan"))
-        for s, d, k in pieces:
-            back[s : s + k] = rows[d : d + k]
+        torch._foreach_copy_(*pieces.views(back, rows))
         assert torch.equal(back, x)
-        assert all(k <= (mc if d % (mc + mr) < mc else mr) for _, d, k in pieces)
+        # no piece crosses a row's part: each lies within its row's compressed or raw columns
+        for t in targets:
+            d, k = t.storage_offset(), t.numel()
+            assert k <= (mc if d % (mc + mr) < mc else mr) and (d % (mc + mr) < mc) == (
+                (d + k - 1) % (mc + mr) < mc
+            )
 
 
 def test_views_equal_take_and_copy_nothing_when_one_run_each():

@@ -178,12 +178,30 @@ class _Owner(NamedTuple):
     feedback: torch.Tensor | None
 
 
+class _Pieces(NamedTuple):
+    """Where a split tensor's runs go in the flat ``n x (mc + mr)`` rows, as two cuts made once
+    ([Note: a split's plan] in ``_split.py``): the tensor cut into its pieces in order
+    (``flat_sizes``), the rows cut at every piece's start and end (``rows_sizes``, the gaps
+    between pieces included), and which of the rows' parts each piece is (``rows_index``)."""
+
+    flat_sizes: tuple[int, ...]
+    rows_sizes: tuple[int, ...]
+    rows_index: tuple[int, ...]
+
+    def views(
+        self, flat: torch.Tensor, rows: torch.Tensor
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """``flat``'s pieces and, in the same order, the parts of ``rows`` they go to."""
+        parts = rows.split(self.rows_sizes)
+        return list(flat.split(self.flat_sizes)), [parts[i] for i in self.rows_index]
+
+
 @functools.lru_cache(maxsize=1024)
-def _chunked(split: Split, n: int) -> tuple[Split, tuple[tuple[int, int, int], ...]]:
+def _chunked(split: Split, n: int) -> tuple[Split, _Pieces]:
     """The ``[mc compressed | mr raw]`` split of each of the ``n`` rows, and where the tensor's
     runs go in the flat ``n x (mc + mr)`` rows: ``(tensor start, rows start, length)`` pieces,
-    cut at row ends (see [Note: a split in two phases]). Cached: DDP hands the same layouts
-    every step."""
+    cut at row ends (see [Note: a split in two phases]), as :class:`_Pieces`. Cached: DDP hands
+    the same layouts every step."""
     mc, mr = -(-split.n_comp // n), -(-split.n_raw // n)
     runs = tuple(run for run in ((0, mc, True), (mc, mr, False)) if run[1] > 0)
     per_chunk = Split(chunk=mc + mr, runs=runs, raw_names=split.raw_names)
@@ -198,7 +216,19 @@ def _chunked(split: Split, n: int) -> tuple[Split, tuple[tuple[int, int, int], .
             )
             k += take
         seen[compressed] = end
-    return per_chunk, tuple(pieces)
+    # the tensor's pieces follow each other; in the rows they lie in another order, with gaps
+    rows_sizes, rows_index, at = [], [0] * len(pieces), 0
+    for i in sorted(range(len(pieces)), key=lambda i: pieces[i][1]):
+        _, d, k = pieces[i]
+        if d > at:
+            rows_sizes.append(d - at)
+        rows_index[i] = len(rows_sizes)
+        rows_sizes.append(k)
+        at = d + k
+    if n * (mc + mr) > at:
+        rows_sizes.append(n * (mc + mr) - at)
+    layout = _Pieces(tuple(k for _, _, k in pieces), tuple(rows_sizes), tuple(rows_index))
+    return per_chunk, layout
 
 
 def _stage_args(spec, seed, step, bucket, backend, stats, split=None) -> dict:
@@ -224,9 +254,8 @@ def _split_phases(
     per_chunk, pieces = _chunked(split, n)
     flat = tensor.view(-1)
     rows = torch.zeros(n * per_chunk.chunk, dtype=tensor.dtype, device=tensor.device)
-    torch._foreach_copy_(
-        [rows[d : d + k] for _, d, k in pieces], [flat[s : s + k] for s, _, k in pieces]
-    )
+    sources, targets = pieces.views(flat, rows)
+    torch._foreach_copy_(targets, sources)
     common = _stage_args(spec, seed, step, bucket, backend, stats, split=per_chunk)
     reduced = torch.empty(per_chunk.chunk, dtype=torch.float32, device=tensor.device)
     lost = None if owner.feedback is None else torch.empty_like(rows, dtype=torch.float32)
@@ -239,15 +268,10 @@ def _split_stages(flat, pieces, reduced, phase1, pg, n, common, lost, owner) -> 
         yield works, False
     gathered = torch.empty(n * reduced.numel(), dtype=torch.float32, device=flat.device)
     yield from _all_gather_stages(gathered, reduced, pg, hop=1, **common)
-    torch._foreach_copy_(
-        [flat[s : s + k] for s, _, k in pieces], [gathered[d : d + k] for _, d, k in pieces]
-    )
+    torch._foreach_copy_(*pieces.views(flat, gathered))
     if lost is not None:
         _owner_loss(lost, gathered, reduced, owner, flat.dtype)
-        torch._foreach_copy_(
-            [owner.feedback[s : s + k] for s, _, k in pieces],
-            [lost[d : d + k] for _, d, k in pieces],
-        )
+        torch._foreach_copy_(*pieces.views(owner.feedback, lost))
 
 
 def _phases(tensor, pgs, n, op, spec, seed, step, bucket, backend, stats, owner) -> C.Stages:

@@ -26,6 +26,8 @@ import torch.distributed as dist
 import qsdp
 from qsdp.testing import assert_same_on_all_ranks, count_dist_bytes, run_distributed
 
+from .checks import assert_bytes_counted_and_fewer
+
 VOCAB, SEQ, BATCH, STEPS = 64, 16, 4, 5
 FSDP_RECIPE, DDP_RECIPE = "qsdp-w8g8", "cgx"
 
@@ -327,18 +329,7 @@ def test_trains_like_the_uncompressed_run(runs, stack, kind, recipe, prepared):
 @pytest.mark.parametrize("stack, kind, recipe, prepared", CASES)
 def test_bytes_are_counted_and_fewer(runs, stack, kind, recipe, prepared):
     plain, qsdp = runs[0][stack, kind, None], runs[0][stack, kind, recipe]
-    assert plain["qsdp_bytes"] is None
-    if kind == "fsdp2":  # FSDP2's own gathers and reduce-scatters, counted as they crossed
-        uncompressed = plain["dist_bytes"]
-        assert uncompressed > 4 * plain["numel"] * STEPS // 2  # at least the reduce-scatters
-        ratio = 0.5  # 8-bit weights and gradients, their scales and the raw 1-D parameters
-    else:  # DDP's fp32 all-reduce of every gradient, every step (not a torch.distributed call)
-        uncompressed = 4 * plain["numel"] * STEPS
-        ratio = 0.3  # CGX's 4-bit codes, scales, the raw 1-D parameters
-    assert 0 < qsdp["qsdp_bytes"] < ratio * uncompressed, (qsdp["qsdp_bytes"], uncompressed)
-    # qsdp's counter is what it handed to torch.distributed: all that crossed, but the
-    # training loop's own scalars (the loss, the gradient norm)
-    assert qsdp["qsdp_bytes"] <= qsdp["dist_bytes"] < qsdp["qsdp_bytes"] + 1024, qsdp
+    assert_bytes_counted_and_fewer(plain, qsdp, kind, STEPS)
 
 
 @pytest.mark.parametrize("stack, kind, recipe, prepared", CASES)

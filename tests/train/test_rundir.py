@@ -332,11 +332,9 @@ def test_the_cause_is_named_not_the_peer_it_took_down(how, message):
     assert e.value.rank == 1 and "traceback of rank 0" in e.value.tracebacks[0]
 
 
-@pytest.mark.parametrize("to", ["launcher", "group"])
-def test_ctrl_c_saves_the_last_step_and_says_how_to_resume(files, tmp_path, to):
-    # a real SIGINT: to the launcher alone (kill -INT), or to its process group as a terminal's
-    # Ctrl-C does (the launcher and its workers)
-    out = tmp_path / "run"
+def _training_two_steps_in(files, out: Path) -> subprocess.Popen:
+    """``qsdp train`` of 5000 steps into ``out``, in a session of its own, once it has logged
+    two steps (a stop request then has a run to save)."""
     env = os.environ | {"QSDP_DATA_DIR": str(files["root"] / "cache"), "OMP_NUM_THREADS": "1"}
     argv = ["--out", str(out), "--data", str(files["txt"]), *FLAGS, "--steps", "5000"]
     proc = subprocess.Popen(
@@ -347,14 +345,24 @@ def test_ctrl_c_saves_the_last_step_and_says_how_to_resume(files, tmp_path, to):
         text=True,
         start_new_session=True,
     )
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        metrics = out / "metrics.csv"
+        if metrics.is_file() and len(metrics.read_text().splitlines()) >= 3:
+            break  # two steps logged
+        time.sleep(0.05)
+    if proc.poll() is not None:
+        raise AssertionError(proc.communicate())
+    return proc
+
+
+@pytest.mark.parametrize("to", ["launcher", "group"])
+def test_ctrl_c_saves_the_last_step_and_says_how_to_resume(files, tmp_path, to):
+    # a real SIGINT: to the launcher alone (kill -INT), or to its process group as a terminal's
+    # Ctrl-C does (the launcher and its workers)
+    out = tmp_path / "run"
+    proc = _training_two_steps_in(files, out)
     try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and proc.poll() is None:
-            metrics = out / "metrics.csv"
-            if metrics.is_file() and len(metrics.read_text().splitlines()) >= 3:
-                break  # two steps logged
-            time.sleep(0.05)
-        assert proc.poll() is None, proc.communicate()
         if to == "group":
             os.killpg(proc.pid, signal.SIGINT)
         else:
@@ -399,24 +407,8 @@ def test_sigterm_saves_the_last_step_like_ctrl_c(files, tmp_path):
     # a scheduler's preemption: SIGTERM to the launcher alone; the run stops after a step every
     # rank agrees on, saves it, and exits 143 (128 + SIGTERM) with the same one line
     out = tmp_path / "run"
-    env = os.environ | {"QSDP_DATA_DIR": str(files["root"] / "cache"), "OMP_NUM_THREADS": "1"}
-    argv = ["--out", str(out), "--data", str(files["txt"]), *FLAGS, "--steps", "5000"]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "qsdp_train", "train", *argv],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
+    proc = _training_two_steps_in(files, out)
     try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and proc.poll() is None:
-            metrics = out / "metrics.csv"
-            if metrics.is_file() and len(metrics.read_text().splitlines()) >= 3:
-                break  # two steps logged
-            time.sleep(0.05)
-        assert proc.poll() is None, proc.communicate()
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=120)
     finally:

@@ -67,7 +67,8 @@ def nonfinite_flags(
         sizes = [rows.shape[1]]
     else:
         sizes = [n for _, n in layout]
-    pieces = [piece for row in rows for piece in row.split(sizes) if piece.numel()]
+    # every row's runs in one cut of the flat rows (not a split per row: fewer ops per call)
+    pieces = [p for p in rows.reshape(-1).split(sizes * rows.shape[0]) if p.numel()]
     norms = iter(torch._foreach_norm(pieces, ord=float("inf")) if pieces else ())
     zero = chunks.new_zeros(()) if 0 in sizes else None  # an empty run holds nothing to flag
     # (no indexing by a Python list: that copies the index to the device, a host sync)

@@ -189,13 +189,12 @@ def _accelerate_misuse(rank: int, world: int) -> dict:
 
 
 # --- Trainer -----------------------------------------------------------------------------------
-def _arguments(out_dir: str, fsdp: bool, **overrides):
-    from transformers import TrainingArguments
-
-    _fresh_state(False)
-    options = dict(
+def trainer_options(out_dir: str, steps: int) -> dict:
+    """The ``TrainingArguments`` every Trainer test shares: a constant learning rate, a loss
+    logged each step, nothing saved or reported."""
+    return dict(
         output_dir=out_dir,
-        max_steps=STEPS,
+        max_steps=steps,
         per_device_train_batch_size=BATCH,
         learning_rate=3e-3,
         lr_scheduler_type="constant",
@@ -204,11 +203,16 @@ def _arguments(out_dir: str, fsdp: bool, **overrides):
         save_strategy="no",
         report_to="none",
         disable_tqdm=True,
-        use_cpu=True,
-        ddp_backend="gloo",
         seed=0,
-        dataloader_num_workers=0,
     )
+
+
+def _arguments(out_dir: str, fsdp: bool, **overrides):
+    from transformers import TrainingArguments
+
+    _fresh_state(False)
+    options = trainer_options(out_dir, STEPS)
+    options.update(use_cpu=True, ddp_backend="gloo", dataloader_num_workers=0)
     if fsdp:
         options.update(fsdp=True, fsdp_config={"version": 2})
     options.update(overrides)

@@ -13,7 +13,7 @@ import torch
 
 from qsdp.testing import run_distributed
 
-from .test_hf import BATCH, _launch_env, _same_outcome, dataset, tiny_llama
+from .test_hf import BATCH, _launch_env, _same_outcome, dataset, tiny_llama, trainer_options
 
 pytestmark = [
     pytest.mark.gpu,
@@ -29,23 +29,9 @@ def _train(rank: int, world: int, recipe: str | None, out_dir: str) -> dict:
 
     from qsdp.integrations import hf
 
-    args = TrainingArguments(
-        output_dir=out_dir,
-        max_steps=STEPS,
-        per_device_train_batch_size=BATCH,
-        learning_rate=3e-3,
-        lr_scheduler_type="constant",
-        weight_decay=0.0,
-        logging_steps=1,
-        save_strategy="no",
-        report_to="none",
-        disable_tqdm=True,
-        ddp_backend="nccl",
-        bf16=True,
-        seed=0,
-        fsdp=True,
-        fsdp_config={"version": 2},
-    )
+    options = trainer_options(out_dir, STEPS)
+    options.update(ddp_backend="nccl", bf16=True, fsdp=True, fsdp_config={"version": 2})
+    args = TrainingArguments(**options)
     model = tiny_llama(hidden=256)
     trainer = Trainer(
         model=model, args=args, train_dataset=dataset(world * BATCH * STEPS, noise=0.3)

@@ -3,26 +3,13 @@ against CGX's 4 bits in groups of 1024, on hand-made gradients."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _module():
-    path = ROOT / "benchmarks/adaptive_granularity.py"
-    spec = importlib.util.spec_from_file_location("adaptive_granularity", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["adaptive_granularity"] = module
-    spec.loader.exec_module(module)
-    return module
+from .bench_scripts import load
 
 
 def test_group_size_plans_keep_the_reference_error_budget():
-    ag = _module()
+    ag = load("adaptive_granularity")
     g = torch.Generator().manual_seed(0)
     # two heavy-tailed parameters and a small-gradient one, each a multiple of 1024 long
     grads = {

@@ -2,27 +2,9 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _bench():
-    sys.path.insert(0, str(ROOT / "benchmarks"))  # its sibling modules (regimes, profiling, ...)
-    try:
-        spec = importlib.util.spec_from_file_location(
-            "bench_fsdp_step", ROOT / "benchmarks/bench_fsdp_step.py"
-        )
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["bench_fsdp_step"] = module  # (its dataclasses look their module up)
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
-    return module
+from .bench_scripts import load
 
 
 def _round(bench, times, *, peak=1.0, recipe=None, bus=1.0):
@@ -40,7 +22,7 @@ def _round(bench, times, *, peak=1.0, recipe=None, bus=1.0):
 
 
 def test_rounds_pool_their_steps_and_keep_each_median():
-    bench = _bench()
+    bench = load("bench_fsdp_step", siblings=True)
     merged = bench.merge([_round(bench, [0.3, 0.1, 0.2]), _round(bench, [0.5, 0.4, 0.6], peak=2.0)])
     assert merged.times == [0.3, 0.1, 0.2, 0.5, 0.4, 0.6]
     assert merged.cpu_times == [0.15, 0.05, 0.1, 0.25, 0.2, 0.3]
@@ -50,7 +32,7 @@ def test_rounds_pool_their_steps_and_keep_each_median():
 
 
 def test_auto_must_choose_the_same_program_every_round():
-    bench = _bench()
+    bench = load("bench_fsdp_step", siblings=True)
     # measured numbers differ between rounds: the first round's are kept
     same = bench.merge(
         [_round(bench, [0.1], recipe="bf16", bus=1.0), _round(bench, [0.2], recipe="bf16", bus=2.0)]
@@ -61,15 +43,7 @@ def test_auto_must_choose_the_same_program_every_round():
 
 
 def _ddp_merge(rank: int, world: int) -> tuple:
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        spec = importlib.util.spec_from_file_location(
-            "bench_ddp_step", ROOT / "benchmarks/bench_ddp_step.py"
-        )
-        bench = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(bench)
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    bench = load("bench_ddp_step", siblings=True)
     import torch
 
     scale = rank + 1  # rank 1 is the slower: its medians are the step's

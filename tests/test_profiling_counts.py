@@ -3,25 +3,13 @@ profile whose scopes and ops are known."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _module():
-    spec = importlib.util.spec_from_file_location("profiling", ROOT / "benchmarks/profiling.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["profiling"] = module
-    spec.loader.exec_module(module)
-    return module
+from .bench_scripts import load
 
 
 def test_counts_and_scope_ops_name_each_hooks_ops():
-    profiling = _module()
+    profiling = load("profiling")
     x = torch.ones(8)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         for _ in range(3):  # three calls of one hook kind, two modules

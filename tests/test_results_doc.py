@@ -3,36 +3,30 @@ results file the docs cite is in the tree (or cited at the commit that last had 
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import shutil
 from pathlib import Path
 
 import pytest
 
+from .bench_scripts import load
+
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks/results"
-
-
-def _summarize():
-    spec = importlib.util.spec_from_file_location("summarize", ROOT / "benchmarks/summarize.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.mark.parametrize("doc", ["README.md", "docs/results.md"])
 def test_generated_tables_are_fresh(doc):
     text = (ROOT / doc).read_text()
     assert "<!-- summarize:" in text, f"{doc} has no generated block"
-    fresh = _summarize().update(text)
+    fresh = load("summarize").update(text)
     assert fresh == text, (
         f"{doc} is stale: run python benchmarks/summarize.py --update {doc} and commit it"
     )
 
 
 def test_a_changed_result_makes_the_doc_stale(tmp_path, monkeypatch):
-    summarize = _summarize()
+    summarize = load("summarize")
     text = (ROOT / "docs/results.md").read_text()
     results = tmp_path / "results"
     shutil.copytree(RESULTS, results)

@@ -4,22 +4,9 @@ between ranks, read from profiler traces (hand-made ones here, every figure know
 from __future__ import annotations
 
 import gzip
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _module():
-    spec = importlib.util.spec_from_file_location(
-        "trace_summary", ROOT / "benchmarks/trace_summary.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["trace_summary"] = module
-    spec.loader.exec_module(module)
-    return module
+from .bench_scripts import load
 
 
 def _k(tid: int, ts: float, dur: float, name: str, cat: str = "kernel") -> dict:
@@ -43,7 +30,7 @@ def _trace(gather_start: float) -> dict:
 
 
 def test_streams_waits_and_skew(tmp_path):
-    ts = _module()
+    ts = load("trace_summary")
     paths = []
     for rank, start in ((0, 1200.0), (1, 2800.0)):  # rank 1 reaches the gather late
         path = tmp_path / f"r{rank}.trace.json.gz"
@@ -68,7 +55,7 @@ def test_streams_waits_and_skew(tmp_path):
 def test_nccl_timeline_and_wire_idle():
     """NCCL kernels on two streams: 0-2 ms and 1-3 ms overlap, then nothing until 4 ms, then
     4-5 ms: a 5 ms span with the wire idle for 1 ms; other kernels do not count."""
-    ts = _module()
+    ts = load("trace_summary")
     events = [
         _k(7, 0, 9000, "gemm_a"),
         _k(19, 0, 2000, "ncclDevKernel_AllReduce_Sum_f32_RING_LL(x)"),

@@ -3,23 +3,11 @@ compute (the wire-alone bound of bench_fsdp_step --bounds)."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import torch
 
 from qsdp.testing import run_distributed
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _module():
-    spec = importlib.util.spec_from_file_location("wire_replay", ROOT / "benchmarks/wire_replay.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["wire_replay"] = module
-    spec.loader.exec_module(module)
-    return module
+from .bench_scripts import load
 
 
 def _event(ts: int, name: str, seq: int | None, **args) -> dict:
@@ -69,7 +57,7 @@ EVENTS = [
 
 
 def test_parse_reads_the_collectives_in_issue_order_once():
-    wr = _module()
+    wr = load("wire_replay")
     colls, skipped = wr.parse(EVENTS)
     assert [c.kind for c in colls] == ["all_gather", "all_to_all", "all_reduce"]
     assert skipped == ["barrier"]
@@ -86,7 +74,7 @@ def test_parse_reads_the_collectives_in_issue_order_once():
 
 
 def _replay(rank: int, world: int) -> list[float]:
-    wr = _module()
+    wr = load("wire_replay")
     colls, _ = wr.parse(EVENTS)
     replay = wr.Replayer(colls, torch.device("cpu"))
     times = [replay.time(concurrent=False, repeats=1), replay.time(concurrent=True, repeats=1)]

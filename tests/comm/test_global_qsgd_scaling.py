@@ -3,11 +3,8 @@ never overflows the carrier, is unbiased, and its error scales with the level co
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,18 +13,9 @@ from qsdp.comm import integer_all_reduce
 from qsdp.quant import CARRIERS, global_int_levels
 from qsdp.testing import run_distributed
 
-_SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "global_qsgd_scaling.py"
+from ..bench_scripts import load
 
-
-def _load_script():
-    spec = importlib.util.spec_from_file_location("global_qsgd_scaling", _SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(mod)
-    return mod
-
-
-bench = _load_script()
+bench = load("global_qsgd_scaling")
 G = bench.QUICK.group_size
 # Few enough levels that float32 scaling is negligible against the rounding noise; int32 (2^24
 # levels) sits at float32 precision, where x * s / M loses the fraction the noise must round

@@ -187,11 +187,10 @@ class DDPCompression:
             return self._reduce(bucket, tensor)
 
     def _prepare(
-        self, bucket: dist.GradBucket, tensor: torch.Tensor
-    ) -> tuple[list[nn.Parameter], int, int, qc.Split | None]:
-        """A bucket's parameters, index, noise step and policy split; error feedback's
-        residuals added into it, and its width observed."""
-        params = bucket.parameters()
+        self, bucket: dist.GradBucket, tensor: torch.Tensor, params: list[nn.Parameter]
+    ) -> tuple[int, int, qc.Split | None]:
+        """A bucket's index, noise step and policy split; error feedback's residuals added
+        into it, and its width observed."""
         index = bucket.index()
         step = self._calls.get(index, 0)
         self._calls[index] = step + 1
@@ -206,11 +205,12 @@ class DDPCompression:
                 lambda: split.take(rows)[0] if split is not None else rows,
                 self._plan_for(index).width_spec,
             )
-        return params, index, step, split
+        return index, step, split
 
     def _reduce(self, bucket: dist.GradBucket, tensor: torch.Tensor) -> torch.futures.Future:
         """Synchronous: all-reduce the bucket in place."""
-        params, index, step, split = self._prepare(bucket, tensor)
+        params = bucket.parameters()
+        index, step, split = self._prepare(bucket, tensor, params)
         if self.stale is not None:  # inside synchronous()
             self.stale.check_synchronous(packed_slots(params))
         feedback = self._feedback(tensor)
@@ -221,11 +221,12 @@ class DDPCompression:
     def _reduce_stale(self, bucket: dist.GradBucket, tensor: torch.Tensor) -> torch.futures.Future:
         """Staleness 1: hand DDP the previous step's result of the bucket's parameters and start
         the reduction of a copy of this one ([Note: staleness 1 under DDP])."""
-        slots = packed_slots(bucket.parameters())
+        params = bucket.parameters()
+        slots = packed_slots(params)
         # first: the previous reductions of these parameters are then complete for this
         # stream, error feedback's residuals (written by them) included
         previous = self.stale.previous(slots, like=tensor)
-        params, index, step, split = self._prepare(bucket, tensor)
+        index, step, split = self._prepare(bucket, tensor, params)
 
         def launch(result: torch.Tensor, _keep) -> None:
             feedback = self._feedback(result)  # (made on the stream that fills it)

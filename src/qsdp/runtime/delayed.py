@@ -113,11 +113,20 @@ class _InFlight:
 
 
 class _Local(NamedTuple):
-    """This rank's own share of a gradient in flight (weight prediction's estimate)."""
+    """This rank's own share of a gradient in flight (weight prediction's estimate) and, on
+    CUDA, the event where the stream that wrote it passed the write."""
 
     buffer: torch.Tensor
-    offset: int
     event: torch.cuda.Event | None
+
+    def wait(self) -> torch.Tensor:
+        """The estimate, complete for the current stream, which then holds its memory (it
+        was written on a side stream, whose work the caching allocator otherwise follows)."""
+        if self.event is not None:
+            stream = torch.cuda.current_stream(self.buffer.device)
+            stream.wait_event(self.event)
+            self.buffer.record_stream(stream)
+        return self.buffer
 
 
 class DelayedReductions:
@@ -276,7 +285,7 @@ class DelayedReductions:
             event = None
             if buffer.is_cuda:
                 event = torch.cuda.current_stream(buffer.device).record_event()
-            entry = _Local(buffer, 0, event)
+            entry = _Local(buffer, event)
             for slot in slots:
                 self._local[id(slot.param)] = (entry, slot)
 
@@ -301,10 +310,8 @@ class DelayedReductions:
                 continue
             entry, slot = held
             _check_avg(flight, "local gradient estimates need it")
-            if entry.event is not None and id(entry) not in waited:
-                stream = torch.cuda.current_stream(entry.buffer.device)
-                stream.wait_event(entry.event)
-                entry.buffer.record_stream(stream)
+            if id(entry) not in waited:  # (once per buffer, not per parameter)
+                entry.wait()
                 waited.add(id(entry))
             out[slot.param] = _view(entry.buffer, slot)
         return out
@@ -339,9 +346,9 @@ class DelayedReductions:
         out = {"pending": torch.tensor([int(self.in_flight)])}
         tag = f"{self.local_tag}." if self.local_tag else ""
         for name, p in self._names.items():
-            out[f"pending.{name}"] = _saved(self._pending.get(id(p)), p, wait=True)
+            out[f"pending.{name}"] = _saved(self._pending.get(id(p)), p)
             if self.keep_local:
-                out[f"local.{tag}{name}"] = _saved(self._local.get(id(p)), p, wait=False)
+                out[f"local.{tag}{name}"] = _saved(self._local.get(id(p)), p)
         return out
 
     def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
@@ -353,7 +360,7 @@ class DelayedReductions:
             return
         tag = f"{self.local_tag}." if self.local_tag else ""
         names = {id(p): n for n, p in self._names.items()}
-        layouts = [(owner, slots, size) for owner, slots, size in self._hooks]
+        layouts = list(self._hooks)
         seen = {id(s.param) for _, slots, _ in layouts for s in slots}
         layouts += [
             (self._owner, [Slot(p, 0, local_of(p).numel())], local_of(p).numel())
@@ -366,12 +373,12 @@ class DelayedReductions:
                 continue
             device = local_of(slots[0].param).device
             flight = _InFlight(torch.zeros(size, device=device), owner, "avg")
-            estimate = _Local(torch.zeros(size, device=device), 0, None)
+            estimate = _Local(torch.zeros(size, device=device), None) if self.keep_local else None
             for slot in slots:
                 name = names[id(slot.param)]
                 _view(flight.result, slot).copy_(local_of(state[f"pending.{name}"]))
                 self._pending[id(slot.param)] = (flight, slot)
-                if self.keep_local:
+                if estimate is not None:
                     _view(estimate.buffer, slot).copy_(local_of(state[f"local.{tag}{name}"]))
                     self._local[id(slot.param)] = (estimate, slot)
 
@@ -385,7 +392,7 @@ def _view(flat: torch.Tensor, slot: Slot) -> torch.Tensor:
     return flat.view(-1)[slot.offset : slot.offset + slot.numel].view(local_of(slot.param).shape)
 
 
-def _saved(held: tuple | None, p: nn.Parameter, *, wait: bool) -> torch.Tensor:
+def _saved(held: tuple | None, p: nn.Parameter) -> torch.Tensor:
     """A parameter's piece of a buffer held in flight (or of an estimate), for a checkpoint:
     float32, shaped and placed like ``p``; zeros without one."""
     local = local_of(p)
@@ -393,15 +400,8 @@ def _saved(held: tuple | None, p: nn.Parameter, *, wait: bool) -> torch.Tensor:
         piece = torch.zeros(local.shape, dtype=torch.float32, device=local.device)
     else:
         source, slot = held
-        buffer = source.wait() if wait else _ready(source)
-        piece = _view(buffer, slot).float().clone()
+        piece = _view(source.wait(), slot).float().clone()
     return like_param(piece, p)
-
-
-def _ready(entry: _Local) -> torch.Tensor:
-    if entry.event is not None:
-        torch.cuda.current_stream(entry.buffer.device).wait_event(entry.event)
-    return entry.buffer
 
 
 def _check_avg(flight: _InFlight, what: str) -> None:

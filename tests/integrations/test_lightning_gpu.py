@@ -36,13 +36,16 @@ def _fit(rank: int, world: int, kind: str, recipe: str | None, out_dir: str) -> 
         rank, world, strategy(kind, world, "nccl"), callbacks, out_dir, gpu=True, steps=STEPS
     )
     run.fit(module)
-    losses = torch.stack(module.losses)
+    trained_on = module.losses[0].device.type
+    if kind == "ddp":  # Lightning's DDP teardown moves the module to the CPU; NCCL compares on GPU
+        module.cuda()
+    losses = torch.stack(module.losses).cuda()
     dist.all_reduce(losses)
     compressed = callback.compressed if callback else None
     return {
         "losses": (losses / world).tolist(),
         "qsdp_bytes": compressed.stats.total_bytes if compressed else None,
-        "device": next(module.parameters()).device.type,
+        "device": trained_on,
         "checksum": checksum(module),
     }
 

@@ -1,7 +1,8 @@
-"""``nonfinite_flags`` (one fused pass of the largest magnitudes) against the plain definition
-(every element checked), on adversarial inputs: NaN, +-Inf, values at and just above the
-quantizer's limit, bf16 and fp32, one and three rows, an empty parameter, layouts that do and do
-not match."""
+"""``nonfinite_flags`` (``qsdp.quant.run_flags``: the reference's one fused pass of the largest
+magnitudes, and the Triton kernel, interpreted on the CPU) against the plain definition (every
+element checked), on adversarial inputs: NaN, +-Inf, values at and just above the quantizer's
+limit, bf16 and fp32, one and three rows, an empty parameter, layouts that do and do not match,
+many runs and rows longer than a kernel program's block."""
 
 from __future__ import annotations
 
@@ -10,7 +11,10 @@ import itertools
 import pytest
 import torch
 
+from qsdp.quant import run_flags
 from qsdp.runtime import nonfinite_flags
+
+BACKENDS = ["reference", "triton"]
 
 SIZES = [5, 0, 17, 1, 33]  # an empty run, a single element, odd lengths
 LAYOUT = [(f"p{i}", n) for i, n in enumerate(SIZES)]
@@ -26,30 +30,66 @@ def _by_definition(chunks: torch.Tensor, layout, limit: float) -> torch.Tensor:
     return torch.stack([s.any() for s in torch.split(bad, [n for _, n in layout])]).to(torch.int32)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("world", [1, 3])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("limit", [float("inf"), 7.5])
-def test_flags_match_the_definition(world, dtype, limit):
+def test_flags_match_the_definition(world, dtype, limit, backend):
     g = torch.Generator().manual_seed(world)
     flagged = 0
     bad_values = (float("nan"), float("inf"), -float("inf"), 7.5, -7.51, 100.0, None)
-    for value, where in itertools.product(bad_values, range(0, 56 * world, 5)):
+    every = 5 if backend == "reference" else 13  # (the interpreted kernel: fewer places)
+    for value, where in itertools.product(bad_values, range(0, 56 * world, every)):
         x = torch.randn(world, sum(SIZES), generator=g).to(dtype)
         if value is not None:
             x.view(-1)[where % x.numel()] = value
         for layout in (LAYOUT, None, LAYOUT[:-1]):
-            got = nonfinite_flags(x, layout, limit)
+            got = nonfinite_flags(x, layout, limit, backend=backend)
             assert torch.equal(got, _by_definition(x, layout, limit)), (value, where, layout)
             flagged += int(got.sum())
     assert flagged > 0  # the cases flag something
 
 
-def test_one_flag_per_parameter_in_the_right_place():
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_one_flag_per_parameter_in_the_right_place(backend):
     x = torch.zeros(3, sum(SIZES))
     x[2, 5 + 17] = float("nan")  # row 2, the single-element parameter p3
-    assert nonfinite_flags(x, LAYOUT).tolist() == [0, 0, 0, 1, 0]
+    assert nonfinite_flags(x, LAYOUT, backend=backend).tolist() == [0, 0, 0, 1, 0]
     x[0, 4] = float("inf")  # row 0, p0's last element
-    assert nonfinite_flags(x, LAYOUT).tolist() == [1, 0, 0, 1, 0]
+    assert nonfinite_flags(x, LAYOUT, backend=backend).tolist() == [1, 0, 0, 1, 0]
+
+
+def test_kernel_finds_the_run_among_many_across_blocks():
+    """37 runs (empty ones among them, runs shorter and longer than the kernel's 2048-column
+    block), 2 rows: every run flagged alone at its first and last element, an Inf with a
+    finite limit past float16's range, and a strided row view; the kernel's flags equal the
+    reference's."""
+    g = torch.Generator().manual_seed(5)
+    sizes = [int(n) for n in torch.randint(0, 300, (37,), generator=g)]
+    sizes[3], sizes[10], sizes[20] = 0, 5000, 2100
+    total = sum(sizes)
+    base = torch.randn(2, total + 7, generator=g).half()[:, 3 : 3 + total]  # a row stride
+    starts = [sum(sizes[:p]) for p in range(len(sizes))]
+    checked = 0
+    for p, (at, n) in enumerate(zip(starts, sizes)):
+        for col in {at, at + n - 1} if n else ():
+            x = base.clone()
+            x[p % 2, col] = float("nan") if p % 3 else float("inf")
+            want = [int(q == p) for q in range(len(sizes))]
+            for limit in (float("inf"), 1e30):
+                got = run_flags(x, sizes, limit=limit, backend="triton")
+                assert got.tolist() == want, (p, col)
+                assert torch.equal(got, run_flags(x, sizes, limit=limit, backend="reference"))
+            checked += 1
+    assert checked == 2 * sum(1 for n in sizes if n > 1) + sum(1 for n in sizes if n == 1)
+    assert not run_flags(base, sizes, backend="triton").any()
+
+
+def test_run_flags_refuses_rows_that_do_not_match_the_runs():
+    with pytest.raises(ValueError, match=r"must be \[k, 10\] with unit column stride"):
+        run_flags(torch.zeros(2, 9), [4, 6])
+    with pytest.raises(ValueError, match="unit column stride"):
+        run_flags(torch.zeros(10, 2).t(), [4, 6])
 
 
 def test_zero_where_fills_one_span_of_a_shared_buffer_and_nothing_beyond():

@@ -11,7 +11,7 @@ from .codec import (
     encode,
     encode_diff,
 )
-from .flags import flagged_groups
+from .flags import flagged_groups, run_flags
 from .global_int import (
     CARRIERS,
     global_int_decode,
@@ -43,4 +43,5 @@ __all__ = [
     "global_int_encode",
     "global_int_levels",
     "group_absmax",
+    "run_flags",
 ]

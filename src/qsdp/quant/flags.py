@@ -1,13 +1,92 @@
-"""Which groups of encoded payloads were flagged (NaN/Inf, or not representable): read on the
-device, without a host sync, so a collective can agree on them across ranks first."""
+"""Flags read on the device, without a host sync, so a collective can agree on them across
+ranks first: which groups of encoded payloads were flagged (NaN/Inf, or not representable), and
+which runs of a flat input hold such values (:func:`run_flags`, a reduction's per-parameter
+NaN/Inf check)."""
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Sequence
+
 import torch
 
+from .codec import Backend, _resolve
 from .spec import QuantSpec
 
-__all__ = ["flagged_groups"]
+__all__ = ["flagged_groups", "run_flags"]
+
+#: The largest float32: ``|x| <= limit`` with ``limit`` at most this is false for +-Inf and NaN.
+_FLOAT32_MAX = torch.finfo(torch.float32).max
+
+
+def run_flags(
+    rows: torch.Tensor,
+    sizes: Sequence[int],
+    *,
+    limit: float = float("inf"),
+    backend: Backend = "auto",
+) -> torch.Tensor:
+    """Per-run flags of a flat input: ``flags[p] = 1`` where run ``p`` (the ``sizes[p]``
+    elements after the runs before it) of any row holds NaN, +-Inf or ``|x| > limit``.
+
+    A reduction checks its input with it, one flag per parameter (the runs): the Triton path
+    is one launch and one zeroed buffer per call, where the reference (``torch._foreach_norm``
+    of every run, then the largest over the rows and a comparison) is five or more. Values are
+    compared in float32 (bf16 and fp16 values are exact there), against ``limit`` in float32,
+    at most the largest float32, so an Inf is flagged whatever the limit.
+
+    Args:
+        rows: ``[k, sum(sizes)]`` float32/bf16/fp16 with unit column stride (FSDP2's rank-major
+            reduce-scatter input, or one row).
+        sizes: the runs' lengths in order (zero allowed: such a run is never flagged).
+        limit: the largest magnitude that is not flagged (default: only NaN/Inf are).
+        backend: ``"auto"`` (Triton on CUDA, the reference on CPU), ``"triton"`` or
+            ``"reference"``.
+
+    Returns:
+        int32 ``[len(sizes)]`` on ``rows``' device.
+    """
+    if rows.dim() != 2 or rows.shape[1] != sum(sizes) or (rows.numel() and rows.stride(1) != 1):
+        raise ValueError(
+            f"run_flags: rows {tuple(rows.shape)} (strides {rows.stride()}) must be [k, "
+            f"{sum(sizes)}] with unit column stride for runs of {list(sizes)} elements"
+        )
+    lim = min(float(limit), _FLOAT32_MAX)
+    if _resolve(backend, rows.device) == "reference":
+        return _run_flags_reference(rows, sizes, lim)
+    from ._triton import launch
+
+    flags = torch.zeros(len(sizes), dtype=torch.int32, device=rows.device)
+    launch.run_flags(rows, ends=_ends(tuple(sizes), rows.device), flags=flags, limit=lim)
+    return flags
+
+
+@functools.lru_cache(maxsize=1024)
+def _ends(sizes: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """The runs' cumulative ends on ``device``, copied there once per layout (not per call)."""
+    ends, at = [], 0
+    for n in sizes:
+        at += n
+        ends.append(at)
+    return torch.tensor(ends, dtype=torch.int64, device=device)
+
+
+def _run_flags_reference(rows: torch.Tensor, sizes: Sequence[int], limit: float) -> torch.Tensor:
+    """:func:`run_flags` in torch: the largest magnitude of each run of each row in one fused
+    pass and no temporaries of the input's size (``torch._foreach_norm`` with ``ord=inf``,
+    which propagates NaN, as ``clip_grad_norm_`` uses it), the largest over the rows, compared
+    in float32."""
+    k = rows.shape[0]
+    if k == 0:
+        return torch.zeros(len(sizes), dtype=torch.int32, device=rows.device)
+    # every row's runs in one cut of the flat rows (not a split per row: fewer ops per call)
+    pieces = [p for p in rows.reshape(-1).split(list(sizes) * k) if p.numel()]
+    norms = iter(torch._foreach_norm(pieces, ord=float("inf")) if pieces else ())
+    zero = rows.new_zeros(()) if 0 in sizes else None  # an empty run holds nothing to flag
+    # (no indexing by a Python list: that copies the index to the device, a host sync)
+    peak = torch.stack([next(norms) if n else zero for _ in range(k) for n in sizes])
+    peak = peak.view(k, len(sizes)).amax(dim=0).float()
+    return (~(peak <= limit)).to(torch.int32)
 
 
 def flagged_groups(payloads: torch.Tensor, numel: int, spec: QuantSpec) -> torch.Tensor:

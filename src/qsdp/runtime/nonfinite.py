@@ -46,6 +46,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
+from ..quant import Backend, run_flags
 from .contracts import FlaggedReduction
 from .placement import local_of
 
@@ -53,29 +54,22 @@ __all__ = ["NonfiniteCheck", "nonfinite_flags", "zero_where"]
 
 
 def nonfinite_flags(
-    chunks: torch.Tensor, layout: list[tuple[str, int]] | None, limit: float = float("inf")
+    chunks: torch.Tensor,
+    layout: list[tuple[str, int]] | None,
+    limit: float = float("inf"),
+    *,
+    backend: Backend = "auto",
 ) -> torch.Tensor:
     """Per-parameter flags (int32) of NaN/Inf, or of ``|x| > limit`` (a value the quantizer
     would send as NaN, ``ReducePlan.value_limit``), in the rank-major ``[world, M]`` gradient
-    input (one flag for the whole group when the layout does not match).
-
-    One fused pass and no temporaries of the input's size: the largest magnitude of each
-    parameter's run in each row (``torch._foreach_norm`` with ``ord=inf``, which propagates NaN,
-    as ``clip_grad_norm_`` uses it), then the largest over the rows."""
+    input (one flag for the whole group when the layout does not match): the parameters' runs
+    of ``qsdp.quant.run_flags`` (on a GPU one kernel launch; ``backend`` as there)."""
     rows = chunks.reshape(chunks.shape[0] if chunks.dim() > 1 else 1, -1)
     if layout is None or sum(n for _, n in layout) != rows.shape[1]:
-        sizes = [rows.shape[1]]
+        sizes: tuple[int, ...] = (rows.shape[1],)
     else:
-        sizes = [n for _, n in layout]
-    # every row's runs in one cut of the flat rows (not a split per row: fewer ops per call)
-    pieces = [p for p in rows.reshape(-1).split(sizes * rows.shape[0]) if p.numel()]
-    norms = iter(torch._foreach_norm(pieces, ord=float("inf")) if pieces else ())
-    zero = chunks.new_zeros(()) if 0 in sizes else None  # an empty run holds nothing to flag
-    # (no indexing by a Python list: that copies the index to the device, a host sync)
-    peak = torch.stack([next(norms) if n else zero for _ in range(rows.shape[0]) for n in sizes])
-    peak = peak.view(rows.shape[0], len(sizes)).amax(dim=0)
-    bad = ~torch.isfinite(peak) if limit == float("inf") else ~(peak <= limit)
-    return bad.to(torch.int32)
+        sizes = tuple(n for _, n in layout)
+    return run_flags(rows, sizes, limit=limit, backend=backend)
 
 
 def zero_where(bad: torch.Tensor, grads: Sequence[torch.Tensor]) -> None:
@@ -238,11 +232,16 @@ class NonfiniteCheck:
         if not pending:
             return
         pending = _agree_deferred(pending)
-        for entry in pending:
-            if entry.params:  # where any rank's flag is set, on every rank
-                grads = [local_of(p.grad) for p in entry.params if p.grad is not None]
-                zero_where(entry.flags.any(), grads)
         flags = torch.cat([e.flags.reshape(-1) for e in pending])
+        if any(e.params for e in pending):
+            # whether each entry holds a set flag (any rank's: agreed), all in one pass over
+            # the concatenated flags, not an ``any()`` launch per entry
+            sizes = [e.flags.numel() for e in pending]
+            bad = run_flags(flags.view(1, -1).float(), sizes, limit=0.5).bool()
+            for i, entry in enumerate(pending):
+                if entry.params:  # zeroed where set, on every rank
+                    grads = [local_of(p.grad) for p in entry.params if p.grad is not None]
+                    zero_where(bad[i], grads)
         if flags.is_cuda:
             host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
             host.copy_(flags, non_blocking=True)

@@ -871,3 +871,43 @@ def global_int_encode_kernel(
         tl.store(out_ptr + offs, q, mask=mask)
     else:
         tl.store(out_ptr + offs, q)
+
+
+@triton.jit
+def run_flags_kernel(
+    x_ptr,
+    ends_ptr,
+    flags_ptr,
+    numel,
+    row_stride,
+    n_runs,
+    limit,
+    BLOCK: tl.constexpr,
+    SEARCH: tl.constexpr,
+    BIG: tl.constexpr,
+):
+    """``flags[p] = 1`` where run ``p`` of a row holds a value that is not ``|x| <= limit``
+    (NaN always; +-Inf with any finite ``limit``). Program ``(i, row)`` reads ``BLOCK`` columns
+    of one row; only a tile that holds such a value finds its runs (a binary search of the
+    runs' ends, ``SEARCH`` halvings) and sets their flags by an atomic max, so the flags must
+    start at zero. ``qsdp.quant.flags._run_flags_reference`` is the specification."""
+    col = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    row = tl.program_id(1)
+    if BIG:
+        col = col.to(tl.int64)
+        row = row.to(tl.int64)
+    mask = col < numel
+    x = _load(x_ptr + row * row_stride + col, mask, TAIL=True)
+    bad = (tl.abs(x) <= limit) == 0
+    bad = bad & mask
+    if tl.max(bad.to(tl.int32), axis=0) > 0:
+        lo = tl.zeros([BLOCK], dtype=tl.int32)
+        hi = lo + n_runs
+        for _ in tl.static_range(SEARCH):  # lo: the number of runs that end at or before col
+            mid = (lo + hi) // 2
+            active = lo < hi
+            end = tl.load(ends_ptr + mid, mask=active, other=0)
+            right = active & (end <= col)
+            lo = tl.where(right, mid + 1, lo)
+            hi = tl.where(active & (right == 0), mid, hi)
+        tl.atomic_max(flags_ptr + lo, bad.to(tl.int32), mask=bad)

@@ -304,3 +304,29 @@ def global_int_encode(
         STOCHASTIC=stochastic,
         BIG=_big(numel),
     )
+
+
+#: Columns per program of ``run_flags_kernel``.
+_FLAG_BLOCK = 2048
+
+
+def run_flags(rows: torch.Tensor, *, ends: torch.Tensor, flags: torch.Tensor, limit: float) -> None:
+    """Set ``flags[p]`` (int32, zeroed) where run ``p`` of any row of ``rows`` (``[k, numel]``,
+    unit column stride) holds a value not ``|x| <= limit``; ``ends`` (int64, on the device) are
+    the runs' cumulative ends. One launch."""
+    k, numel = rows.shape
+    if k == 0 or numel == 0:
+        return
+    K.run_flags_kernel[(-(-numel // _FLAG_BLOCK), k)](
+        x_ptr=rows,
+        ends_ptr=ends,
+        flags_ptr=flags,
+        numel=numel,
+        row_stride=rows.stride(0),
+        n_runs=ends.numel(),
+        limit=limit,
+        BLOCK=_FLAG_BLOCK,
+        SEARCH=max(1, ends.numel().bit_length()),
+        BIG=_big(k * rows.stride(0), numel),
+        num_warps=_NUM_WARPS,
+    )

@@ -71,7 +71,7 @@ def test_kernel_finds_the_run_among_many_across_blocks():
     base = torch.randn(2, total + 7, generator=g).half()[:, 3 : 3 + total]  # a row stride
     starts = [sum(sizes[:p]) for p in range(len(sizes))]
     checked = 0
-    for p, (at, n) in enumerate(zip(starts, sizes)):
+    for p, (at, n) in enumerate(zip(starts, sizes, strict=True)):
         for col in {at, at + n - 1} if n else ():
             x = base.clone()
             x[p % 2, col] = float("nan") if p % 3 else float("inf")

@@ -18,6 +18,7 @@ from qsdp.quant import (
     decode_sum_encode,
     encode,
     encode_diff,
+    encode_rows,
 )
 
 from .helpers import ODD_SIZES, heavy_tailed
@@ -247,3 +248,69 @@ def test_decode_rows_checks_out():
     rows = torch.stack([encode(torch.randn(100), spec).payload for _ in range(2)])
     with pytest.raises(ValueError, match=r"out must be \[2, 100\]"):
         decode_rows(rows, 100, spec, out=torch.empty(2, 99))
+
+
+def _rows_case(spec, n, k, skip, *, dtype=torch.float32, row_bytes=None):
+    """``k`` rows of ``n`` elements (strided: a wider buffer's columns), every row but ``skip``
+    encoded by ``encode_rows`` into a strided, odd-offset ``out`` on both backends."""
+    xs = torch.stack([heavy_tailed(n, seed=10 + i) for i in range(k)])
+    wide = torch.zeros(k, n + 5, dtype=dtype)
+    wide[:, 2 : 2 + n] = xs.to(dtype)
+    rows = wide[:, 2 : 2 + n]
+    slots = k - (skip is not None)
+    nbytes = spec.payload_bytes(n)
+    row_bytes = row_bytes or nbytes
+    streams = [1000 + 7 * s for s in range(slots)]
+    outs = {}
+    for backend in ("reference", "triton"):
+        buf = torch.full((1 + slots * row_bytes,), 0xAB, dtype=torch.uint8)
+        out = buf[1:].view(slots, row_bytes) if slots else buf[:0].view(0, row_bytes)
+        encode_rows(
+            rows, spec, out=out, streams=streams, skip=skip, seed=5, step=9, backend=backend
+        )
+        outs[backend] = out
+        assert bool((buf[0] == 0xAB).all()) and bool((out[:, nbytes:] == 0xAB).all())
+    _same(outs["reference"], outs["triton"])
+    peers = [j for j in range(k) if j != skip]
+    for s, j in enumerate(peers):  # each row: exactly encode() of its source row
+        one = encode(rows[j], spec, seed=5, step=9, stream=streams[s], backend="reference")
+        _same(outs["triton"][s, :nbytes], one.payload)
+
+
+@pytest.mark.parametrize("had", HADAMARD, ids=["plain", "h16", "h32-signs"])
+@pytest.mark.parametrize(("k", "skip"), [(4, 0), (4, 2), (3, 2), (1, 0), (3, None)])
+def test_encode_rows_one_launch_matches_encode_per_row(had, k, skip):
+    spec = _spec(4, "minmax", "stochastic", had).propagating()
+    _rows_case(spec, 4096 + 13, k, skip)
+    _rows_case(spec, 333, k, skip, dtype=torch.bfloat16, row_bytes=spec.payload_bytes(333) + 19)
+
+
+def test_encode_rows_checks_its_arguments():
+    spec = _spec(8, "absmax", "nearest")
+    rows = torch.randn(3, 100)
+    out = torch.empty(2, spec.payload_bytes(100), dtype=torch.uint8)
+    with pytest.raises(ValueError, match="one stream per row of out"):
+        encode_rows(rows, spec, out=out, streams=[1], skip=1)
+    with pytest.raises(ValueError, match=r"out uint8 \[2, >= "):
+        encode_rows(rows, spec, out=out[:, 1:], streams=[1, 2], skip=1)
+    with pytest.raises(ValueError, match="skip=3"):
+        encode_rows(rows, spec, out=out, streams=[1, 2], skip=3)
+    with pytest.raises(ValueError, match="unit column stride"):
+        encode_rows(torch.randn(100, 3).t(), spec, out=out, streams=[1, 2], skip=0)
+    bad = rows.clone()
+    bad[2, 7] = float("nan")  # nonfinite="raise": the row that holds it raises, as encode()
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        encode_rows(bad, spec, out=out, streams=[1, 2], skip=0, backend="triton")
+
+
+@pytest.mark.gpu
+def test_gpu_encode_rows_matches_encode_per_row():
+    spec = _spec(4, "absmax", "stochastic", (32, None), group=128).propagating()
+    n = (1 << 20) + 3
+    rows = torch.stack([heavy_tailed(n, seed=s) for s in range(4)]).to(torch.bfloat16).cuda()
+    nbytes = spec.payload_bytes(n)
+    out = torch.zeros(3, nbytes + 16, dtype=torch.uint8, device="cuda")
+    encode_rows(rows, spec, out=out, streams=[5, 6, 7], skip=1, seed=3, step=2, backend="triton")
+    for s, j in enumerate((0, 2, 3)):
+        one = encode(rows[j], spec, seed=3, step=2, stream=5 + s, backend="reference")
+        _same(out[s, :nbytes], one.payload)

@@ -13,6 +13,7 @@ returns while it is in flight, and ``wait()`` finishes it and runs the local dec
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Generator, Sequence
 
 import torch
@@ -334,6 +335,13 @@ def noise_stream(rank: int, chunk: int, *, bucket: int = 0, hop: int = 0, piece:
     for word in (bucket, hop, rank, chunk, piece):
         z = _mix64((z + word + 0x9E3779B97F4A7C15) & _MASK64)
     return z % _STREAMS
+
+
+@functools.lru_cache(maxsize=4096)
+def peer_streams(rank: int, n: int, *, bucket: int = 0, hop: int = 0) -> tuple[int, ...]:
+    """:func:`noise_stream` of ``rank``'s encodes of every chunk ``j != rank`` of ``n``, in
+    ``j`` order: a reduce-scatter's ``n - 1`` encodes (worked out once per key)."""
+    return tuple(noise_stream(rank, j, bucket=bucket, hop=hop) for j in range(n) if j != rank)
 
 
 # --- torch.distributed calls, counted -----------------------------------------------------------

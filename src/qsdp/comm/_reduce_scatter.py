@@ -14,7 +14,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from ..quant import Backend, QuantSpec, decode_rows, decode_sum, encode, flagged_groups
+from ..quant import Backend, QuantSpec, decode_rows, decode_sum, encode_rows, flagged_groups
 from . import _common as C
 from ._calls import checked
 from ._split import Split, check_split, fused_row
@@ -176,18 +176,18 @@ def _reduce_scatter_stages(
     nbytes = spec.payload_bytes(m)
     send = torch.empty((n - 1) * nbytes, dtype=torch.uint8, device=input.device)
     peers = [j for j in range(n) if j != r]
-    me = r  # the noise identity: the place in the group ([Note: noise per place in the group])
     enc_spec = spec.propagating()
-    for slot, j in enumerate(peers):
-        encode(
-            chunks[j],
-            enc_spec,
-            seed=seed,
-            step=step,
-            out=send[slot * nbytes : (slot + 1) * nbytes],
-            stream=C.noise_stream(me, j, bucket=bucket, hop=hop),
-            backend=backend,
-        )
+    # the noise identity: the place in the group ([Note: noise per place in the group])
+    encode_rows(
+        chunks,
+        enc_spec,
+        out=send.view(n - 1, nbytes),
+        streams=C.peer_streams(r, n, bucket=bucket, hop=hop),
+        skip=r,
+        seed=seed,
+        step=step,
+        backend=backend,
+    )
     if lost is not None:
         rows = lost.view(n, m)
         rows.copy_(chunks)
@@ -253,19 +253,17 @@ def _fused_stages(output, input, split, call: _Call, *, lost=None) -> C.Stages:
     parts = [nbytes, at - nbytes, raw_bytes, row - at - raw_bytes]
     codes, _, raw_slots, _ = send.split(parts, dim=1)
     enc_spec = spec.propagating()
-    me = r  # the noise identity: the place in the group ([Note: noise per place in the group])
-    if split.n_comp:
-        sources, targets = comp.unbind(0), codes.unbind(0)
-        for slot, j in enumerate(k for k in range(n) if k != r):
-            encode(
-                sources[j],
-                enc_spec,
-                seed=seed,
-                step=step,
-                out=targets[slot],
-                stream=C.noise_stream(me, j, bucket=bucket, hop=hop),
-                backend=backend,
-            )
+    if split.n_comp:  # the n - 1 peers' codes, one launch; noise per place in the group
+        encode_rows(
+            comp,
+            enc_spec,
+            out=codes,
+            streams=C.peer_streams(r, n, bucket=bucket, hop=hop),
+            skip=r,
+            seed=seed,
+            step=step,
+            backend=backend,
+        )
     raw_rows = raw.view(torch.uint8)  # the peers' rows: those before r, then those after
     if r > 0:
         raw_slots[:r].copy_(raw_rows[:r])

@@ -10,6 +10,7 @@ from .codec import (
     decode_sum_encode,
     encode,
     encode_diff,
+    encode_rows,
 )
 from .flags import flagged_groups, run_flags
 from .global_int import (
@@ -38,6 +39,7 @@ __all__ = [
     "decode_sum_encode",
     "encode",
     "encode_diff",
+    "encode_rows",
     "flagged_groups",
     "global_int_decode",
     "global_int_encode",

@@ -7,7 +7,9 @@ reference elsewhere. There is no silent fallback: a backend that cannot run rais
 
 from __future__ import annotations
 
+import functools
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -281,6 +283,93 @@ def _encode(x, base, spec, *, seed, step, stream, out, backend) -> Encoded:
         out.copy_(ref.encode_flat(diff, spec, seed=seed, step=step, stream=stream))
     _raise_nonfinite(out, spec, src, rsrc, numel)
     return Encoded(payload=out, numel=numel, dtype=x.dtype, spec=spec, shape=x.shape)
+
+
+def encode_rows(
+    rows: torch.Tensor,
+    spec: QuantSpec,
+    *,
+    out: torch.Tensor,
+    streams: Sequence[int],
+    skip: int | None = None,
+    seed: int = 0,
+    step: int = 0,
+    backend: Backend = "auto",
+) -> None:
+    """Quantize every row of ``rows`` but row ``skip`` into the rows of ``out``, in order: row
+    ``s`` of ``out`` holds exactly what ``encode(row, spec, stream=streams[s], ...)`` writes,
+    in one kernel launch on the Triton backend (a reduce-scatter's ``n - 1`` destination
+    chunks, where a launch per chunk cost the host one each).
+
+    Args:
+        rows: ``[k, m]`` float32/bf16/fp16 with unit column stride (rows may be strided).
+        spec: the quantizer.
+        out: uint8 ``[k - 1, >= payload_bytes(m)]`` (``[k, ...]`` when ``skip`` is None) with
+            unit column stride: each row's payload starts at the row's first byte.
+        streams: the noise stream of each written row, in ``out``'s row order.
+        skip: the row not encoded (a rank's own chunk), or None.
+        seed, step, backend: as for :func:`encode`.
+
+    Raises:
+        ValueError: shapes that do not match; as :func:`encode` for values it cannot quantize
+            (only with ``nonfinite="raise"``; a reduce-scatter encodes with ``"propagate"``).
+    """
+    _check_float(rows, "rows")
+    if not isinstance(spec, QuantSpec):
+        raise TypeError(f"spec must be a QuantSpec, got {type(spec).__name__}")
+    k, m = rows.shape if rows.dim() == 2 else (-1, -1)
+    slots = k - (skip is not None)
+    nbytes = spec.payload_bytes(max(m, 0))
+    if (
+        rows.dim() != 2
+        or (rows.numel() and rows.stride(1) != 1)
+        or (skip is not None and not 0 <= skip < k)
+        or out.dtype != torch.uint8
+        or out.dim() != 2
+        or out.shape[0] != slots
+        or out.shape[1] < nbytes
+        or (out.numel() and out.stride(1) != 1)
+        or len(streams) != slots
+        or out.device != rows.device
+    ):
+        raise ValueError(
+            f"encode_rows: rows {tuple(rows.shape)} (strides {rows.stride()}), skip={skip}, "
+            f"out {out.dtype} {tuple(out.shape)} on {out.device}, {len(streams)} streams: "
+            f"rows must be 2-D with unit column stride, out uint8 [{slots}, >= {nbytes}] on "
+            f"{rows.device} with unit column stride, one stream per row of out"
+        )
+    for stream in streams:
+        _check_rng(seed, step, stream)
+    if _resolve(backend, rows.device) == "triton" and spec.nonfinite is NonFinite.PROPAGATE:
+        table = _stream_table(tuple(streams), rows.device)
+        _launch().encode_rows(
+            rows,
+            spec=spec,
+            out=out,
+            skip=k if skip is None else skip,
+            streams=table,
+            seed=seed,
+            step=step,
+        )
+        return
+    peers = [j for j in range(k) if j != skip]
+    for s, (j, stream) in enumerate(zip(peers, streams, strict=True)):
+        _encode(
+            rows[j],
+            None,
+            spec,
+            seed=seed,
+            step=step,
+            stream=stream,
+            out=out[s, :nbytes],
+            backend=backend,
+        )
+
+
+@functools.lru_cache(maxsize=4096)
+def _stream_table(streams: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """``streams`` on ``device``, copied there once per (rank, bucket, ...) key, not per call."""
+    return torch.tensor(streams, dtype=torch.int64, device=device)
 
 
 def _payload_out(out: torch.Tensor | None, numel: int, spec: QuantSpec, device) -> torch.Tensor:

@@ -594,7 +594,7 @@ def _decode_sum(
 
 
 # --- kernels ------------------------------------------------------------------------------------
-@triton.jit(do_not_specialize=["key0", "key1", "rng_stream", "step"])
+@triton.jit(do_not_specialize=["key0", "key1", "rng_stream", "step", "skip_row"])
 def encode_kernel(
     x_ptr,
     ref_ptr,
@@ -610,6 +610,10 @@ def encode_kernel(
     step,
     inv_sqrt_h,
     pid_base,
+    x_row_stride,
+    out_row_stride,
+    skip_row,
+    streams_ptr,
     BITS: tl.constexpr,
     ROWS: tl.constexpr,
     GPB: tl.constexpr,
@@ -625,9 +629,22 @@ def encode_kernel(
     LOG_H: tl.constexpr,
     BIG: tl.constexpr,
     ALIGNED: tl.constexpr,
+    MULTI: tl.constexpr,
     TAIL: tl.constexpr,
 ):
+    """One payload of ``numel`` elements per grid row. ``MULTI``: grid row ``s`` encodes input
+    row ``s + (s >= skip_row)`` (rows ``x_row_stride`` apart: every row but ``skip_row``) into
+    the payload at ``out_ptr + s * out_row_stride`` with noise stream ``streams_ptr[s]``; else
+    the one row at ``x_ptr`` with ``rng_stream``."""
     gidx, offs = _tile(tl.program_id(0) + pid_base, ROWS=ROWS, GPB=GPB, HB=HB, BIG=BIG)
+    if MULTI:
+        slot = tl.program_id(1)
+        if BIG:
+            slot = slot.to(tl.int64)
+        src_row = slot + (slot >= skip_row).to(slot.dtype)
+        x_ptr = x_ptr + src_row * x_row_stride
+        out_ptr = out_ptr + slot * out_row_stride
+        rng_stream = tl.load(streams_ptr + slot)
     mask = offs < numel
     x = _load(x_ptr + offs, mask, TAIL=TAIL)
     if HAS_REF:

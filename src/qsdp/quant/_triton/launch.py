@@ -175,9 +175,67 @@ def encode(
         **c.codes,
         **c.quantize,
         **c.rotation,
+        x_row_stride=0,
+        out_row_stride=0,
+        skip_row=0,
+        streams_ptr=src,
         HAS_REF=ref is not None,
         BIG=_big(numel, out.numel()),
         ALIGNED=_aligned(out, spec),
+        MULTI=False,
+    )
+
+
+def encode_rows(
+    rows: torch.Tensor,
+    *,
+    spec: QuantSpec,
+    out: torch.Tensor,
+    skip: int,
+    streams: torch.Tensor,
+    seed: int,
+    step: int,
+) -> None:
+    """One launch: the payload of every row of ``rows`` (``[k, numel]``, unit column stride)
+    but row ``skip`` (``k`` or more: none skipped), in order, into the rows of ``out``
+    (``[k or k - 1, >= payload]`` uint8, unit column stride), row ``s`` with the noise stream
+    ``streams[s]`` (int64 on the device)."""
+    numel = rows.shape[1]
+    slots = out.shape[0]
+    if numel == 0 or slots == 0:
+        return
+    c = _consts(spec, rotate=True, block=_BLOCK)
+    key0, key1 = _key(seed)
+    n_groups = spec.num_groups(numel)
+    _launch(
+        K.encode_kernel,
+        tile_numel=c.tile_numel,
+        grid_rows=slots,
+        x_ptr=rows,
+        ref_ptr=rows,
+        out_ptr=out,
+        signs_ptr=_signs_ptr(spec, rows),
+        numel=numel,
+        scale_region=n_groups * spec.scale_bytes,
+        n_code_bytes=spec.code_bytes(numel),
+        n_groups=n_groups,
+        key0=key0,
+        key1=key1,
+        rng_stream=0,
+        step=step,
+        inv_sqrt_h=c.inv_sqrt_h,
+        **c.tile,
+        **c.codes,
+        **c.quantize,
+        **c.rotation,
+        x_row_stride=rows.stride(0),
+        out_row_stride=out.stride(0),
+        skip_row=skip,
+        streams_ptr=streams,
+        HAS_REF=False,
+        BIG=_big(rows.shape[0] * rows.stride(0), slots * out.stride(0)),
+        ALIGNED=_aligned(out, spec, out.stride(0)),
+        MULTI=True,
     )
 
 

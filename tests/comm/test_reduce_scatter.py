@@ -175,19 +175,19 @@ def _check_unbiased(rank, ws):
 
 def _broken_worker(rank, ws):
     """The checks catch a decode that is 1% off, and an AVG that forgets to divide."""
-    real = decode_sum
+    real = rs_mod.decode_sum_finish
 
     def off(*args, **kwargs):
-        return real(*args, **kwargs).mul_(1.01)
+        real(*args, **kwargs)
+        kwargs["out"].mul_(1.01)
 
-    with mock.patch.object(rs_mod, "decode_sum", off), pytest.raises(AssertionError):
+    with mock.patch.object(rs_mod, "decode_sum_finish", off), pytest.raises(AssertionError):
         check_reduce_scatter(rank, ws, SPECS[0], 50, torch.float32, "avg")
-    real_finish = rs_mod.C.finish_into
 
-    def no_avg(out, acc, op, divisor):
-        real_finish(out, acc, "sum", divisor)
+    def no_avg(*args, **kwargs):
+        real(*args, **{**kwargs, "divisor": None})
 
-    with mock.patch.object(rs_mod.C, "finish_into", no_avg), pytest.raises(AssertionError):
+    with mock.patch.object(rs_mod, "decode_sum_finish", no_avg), pytest.raises(AssertionError):
         check_reduce_scatter(rank, ws, SPECS[0], 50, torch.float32, "avg")
 
 

@@ -16,6 +16,7 @@ from qsdp.quant import (
     decode_rows,
     decode_sum,
     decode_sum_encode,
+    decode_sum_finish,
     encode,
     encode_diff,
     encode_rows,
@@ -314,3 +315,61 @@ def test_gpu_encode_rows_matches_encode_per_row():
     for s, j in enumerate((0, 2, 3)):
         one = encode(rows[j], spec, seed=3, step=2, stream=5 + s, backend="reference")
         _same(out[s, :nbytes], one.payload)
+
+
+@pytest.mark.parametrize("had", HADAMARD, ids=["plain", "h16", "h32-signs"])
+@pytest.mark.parametrize("n", [333, 4096 + 13])
+def test_decode_sum_finish_one_launch_matches_the_steps(had, n):
+    """Own chunk + the decoded peers, divided by 3, cast to bf16 and scattered to runs of a
+    longer output (gaps between them kept), equals the reference's float32 copy, decode_sum
+    onto it, IEEE division by a device scalar, cast and copy; in order too; both backends."""
+    spec = _spec(4, "minmax", "stochastic", had)
+    rows = torch.stack([encode(heavy_tailed(n, seed=i), spec, stream=i).payload for i in range(3)])
+    base = heavy_tailed(n, seed=9).to(torch.bfloat16)
+    cut = [0, 5, n // 3, n - 1, n]  # runs of 5, ~n/3 - 5, the rest but one, 1
+    runs = tuple((s + 7 * i, e - s) for i, (s, e) in enumerate(zip(cut, cut[1:], strict=False)))
+    size = runs[-1][0] + runs[-1][1] + 4
+    acc = base.to(torch.float32, copy=True)
+    decode_sum(rows, n, spec, out=acc, accumulate=True, backend="reference")
+    want = (acc / torch.tensor(3.0)).to(torch.bfloat16)
+    for backend in ("reference", "triton"):
+        out = torch.full((size,), -1.0, dtype=torch.bfloat16)
+        decode_sum_finish(rows, n, spec, base=base, out=out, divisor=3, runs=runs, backend=backend)
+        got = torch.cat([out[s : s + k] for s, k in runs])
+        _same(got, want)
+        kept = torch.ones(size, dtype=torch.bool)
+        for s, k in runs:
+            kept[s : s + k] = False
+        assert bool((out[kept] == -1.0).all()), backend  # nothing outside the runs written
+        flat = torch.empty(n, dtype=torch.float32)
+        decode_sum_finish(rows, n, spec, base=base, out=flat, backend=backend)
+        _same(flat, acc)
+
+
+def test_decode_sum_finish_checks_its_arguments():
+    spec = _spec(8, "absmax", "nearest")
+    rows = torch.stack([encode(torch.randn(10), spec).payload for _ in range(2)])
+    base = torch.randn(10)
+    with pytest.raises(ValueError, match="covering 10 elements"):
+        decode_sum_finish(rows, 10, spec, base=base, out=torch.empty(20), runs=((0, 4), (9, 5)))
+    with pytest.raises(ValueError, match="inside out"):
+        decode_sum_finish(rows, 10, spec, base=base, out=torch.empty(12), runs=((0, 4), (9, 6)))
+    with pytest.raises(ValueError, match="base must be 10 elements"):
+        decode_sum_finish(rows, 10, spec, base=torch.randn(11), out=torch.empty(10))
+
+
+@pytest.mark.gpu
+def test_gpu_decode_sum_finish_matches_reference():
+    spec = _spec(8, "absmax", "stochastic", (32, None), group=128)
+    n = (1 << 20) + 3
+    rows = torch.stack(
+        [encode(heavy_tailed(n, seed=s).cuda(), spec, stream=s).payload for s in range(3)]
+    )
+    base = heavy_tailed(n, seed=7).to(torch.bfloat16).cuda()
+    runs = ((0, 1000), (1010, n - 1001), (n + 20, 1))
+    outs = []
+    for backend in ("reference", "triton"):
+        out = torch.zeros(n + 30, dtype=torch.bfloat16, device="cuda")
+        decode_sum_finish(rows, n, spec, base=base, out=out, divisor=3, runs=runs, backend=backend)
+        outs.append(out)
+    _same(outs[0], outs[1])

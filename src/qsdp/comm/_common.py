@@ -19,7 +19,7 @@ from collections.abc import Callable, Generator, Sequence
 import torch
 import torch.distributed as dist
 
-from ..quant import QuantSpec
+from ..quant import QuantSpec, divide_into
 from ._calls import before_exchange
 from ._dist import dist_all_gather, dist_reduce_scatter
 from ._split import Split, check_split
@@ -403,6 +403,6 @@ def finish_into(out: torch.Tensor, acc: torch.Tensor, op: str, divisor: int) -> 
     kernel (the division computes in float32 and casts as it writes ``out``, the bits of a
     division in place then a copy); ``acc`` is left as it was."""
     if op == "avg":
-        torch.div(acc, divisor, out=out.view(-1))
+        divide_into(out.view(-1), acc, divisor)
     else:
         out.view(-1).copy_(acc)

@@ -14,7 +14,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from ..quant import Backend, QuantSpec, decode_rows, decode_sum, encode_rows, flagged_groups
+from ..quant import Backend, QuantSpec, decode_rows, decode_sum_finish, encode_rows, flagged_groups
 from . import _common as C
 from ._calls import checked
 from ._split import Split, check_split, fused_row
@@ -112,6 +112,7 @@ def reduce_scatter(
         backend=backend,
         stats=C.resolve_stats(stats),
         name=_NAME,
+        keep_own=async_op,
     )
     return C.run_stages(stages, async_op, result=output)
 
@@ -153,11 +154,14 @@ def _reduce_scatter_stages(
     split: Split | None = None,
     count_call: bool = True,
     lost: torch.Tensor | None = None,
+    keep_own: bool = True,
 ) -> C.Stages:
-    """Validate, copy the own chunk and encode now; return the stage generator. ``lost``
-    (float32, ``input``'s size): filled with what this rank's encodes lose of ``input``, chunk
-    ``j`` minus the decode of the payload sent to ``j`` (its own chunk and raw elements travel
-    exact: 0), for error feedback."""
+    """Validate and encode now; return the stage generator. ``keep_own``: copy the own chunk
+    now (the caller may write ``input`` before the last stage runs); else the decode reads it
+    from ``input`` (a call that runs every stage before it returns). ``lost`` (float32,
+    ``input``'s size): filled with what this rank's encodes lose of ``input``, chunk ``j`` minus
+    the decode of the payload sent to ``j`` (its own chunk and raw elements travel exact: 0),
+    for error feedback."""
     C.check_spec(spec)
     op = C.parse_op(op)
     C.check_key(seed, step, bucket)
@@ -169,10 +173,9 @@ def _reduce_scatter_stages(
         stats.count_call(name)
     if split is not None:
         call = _Call(pg, n, r, m, spec, op, seed, step, bucket, hop, backend, stats, name)
-        return _fused_stages(output, input, split, call, lost=lost)
+        return _fused_stages(output, input, split, call, lost=lost, keep_own=keep_own)
     chunks = input.reshape(n, m)
-    acc = torch.empty(m, dtype=torch.float32, device=input.device)
-    acc.copy_(chunks[r])
+    own = chunks[r].clone() if keep_own else chunks[r]
     nbytes = spec.payload_bytes(m)
     send = torch.empty((n - 1) * nbytes, dtype=torch.uint8, device=input.device)
     peers = [j for j in range(n) if j != r]
@@ -195,19 +198,30 @@ def _reduce_scatter_stages(
         if peers and m:
             _lose(rows, r, send.view(n - 1, nbytes), m, spec, backend)
     if enc_spec is not spec:  # every rank agrees before anything is exchanged
-        bad = flagged_groups(send.view(n - 1, nbytes), m, spec) + (~torch.isfinite(acc)).sum()
+        bad = flagged_groups(send.view(n - 1, nbytes), m, spec) + (~torch.isfinite(own)).sum()
         C.agree_finite(bad, [pg], stats, name)
-    return _exchange_decode(output, acc, send, pg, n, r, m, spec, op, backend, stats, name)
+    return _exchange_decode(output, own, send, pg, n, r, m, spec, op, backend, stats, name)
 
 
-def _exchange_decode(output, acc, send, pg, n, r, m, spec, op, backend, stats, name) -> C.Stages:
+def _exchange_decode(output, own, send, pg, n, r, m, spec, op, backend, stats, name) -> C.Stages:
+    nbytes = spec.payload_bytes(m)
+    recv = send.view(n - 1, nbytes)  # (no peers, or nothing to send: no rows to decode)
     if n > 1 and m > 0:
-        nbytes = spec.payload_bytes(m)
         recv = torch.empty_like(send)
         splits = [0 if j == r else nbytes for j in range(n)]
         yield [C.all_to_all(recv, send, splits, splits, pg, stats, name)], True
-        decode_sum(recv.view(n - 1, nbytes), m, spec, out=acc, accumulate=True, backend=backend)
-    C.finish_into(output, acc, op, n)
+        recv = recv.view(n - 1, nbytes)
+    # own chunk + the decoded peers, divided, into the output: one launch ([Note: the
+    # receive side in one launch])
+    decode_sum_finish(
+        recv,
+        m,
+        spec,
+        base=own,
+        out=output.view(-1),
+        divisor=n if op == "avg" else None,
+        backend=backend,
+    )
 
 
 def _lose(rows, r, payloads, numel, spec, backend) -> None:
@@ -237,17 +251,18 @@ class _Call(NamedTuple):
     name: str
 
 
-def _fused_stages(output, input, split, call: _Call, *, lost=None) -> C.Stages:
+def _fused_stages(output, input, split, call: _Call, *, lost=None, keep_own=True) -> C.Stages:
     """A policy split's reduce-scatter: ``[codes | raw bytes]`` rows in one all-to-all; the
-    receiver decodes the codes and sums the raw values in float32, onto its own chunk (exact)."""
+    receiver decodes the codes onto its own chunk's (exact) and sums the raw values in float32,
+    each part divided and written to its runs of ``output``."""
     pg, n, r, m, spec, op, seed, step, bucket, hop, backend, stats, name = call
     comp, raw = split.views(input.reshape(n, m))  # only read
+    own_comp, own_raw = comp[r], raw[r]
+    if keep_own and split.one_run_each:  # (views of input; take() made copies)
+        own_comp, own_raw = own_comp.clone(), own_raw.clone()
     raw_bytes = split.n_raw * raw.element_size()
     at, row = fused_row(spec, split.n_comp, raw_bytes)
     nbytes = spec.payload_bytes(split.n_comp)
-    acc = torch.empty(split.n_comp, dtype=torch.float32, device=input.device)
-    acc.copy_(comp[r])
-    acc_raw = raw[r].to(torch.float32, copy=True)
     send = torch.zeros(n - 1, row, dtype=torch.uint8, device=input.device)
     # each row's parts as views, cut once per call ([Note: a split's plan] in _split.py)
     parts = [nbytes, at - nbytes, raw_bytes, row - at - raw_bytes]
@@ -277,26 +292,41 @@ def _fused_stages(output, input, split, call: _Call, *, lost=None) -> C.Stages:
         split.put(lost.view(n, m), err, torch.zeros(n, split.n_raw, device=input.device))
     if enc_spec is not spec:  # every rank agrees before anything is exchanged
         bad = flagged_groups(codes, split.n_comp, spec) + (~torch.isfinite(raw)).sum()
-        bad = bad + (~torch.isfinite(acc)).sum()
+        bad = bad + (~torch.isfinite(own_comp)).sum()
         C.agree_finite(bad, [pg], stats, name)
+    got_codes, got_raw = codes, raw_slots  # (no peers: no rows)
     if n > 1 and m > 0:
         recv = torch.empty_like(send)
         splits = [0 if j == r else row for j in range(n)]
         yield [C.all_to_all(recv.view(-1), send.view(-1), splits, splits, pg, stats, name)], True
         got_codes, _, got_raw, _ = recv.split(parts, dim=1)
-        if split.n_comp:
-            decode_sum(got_codes, split.n_comp, spec, out=acc, accumulate=True, backend=backend)
-        # the raw values where they arrived (each row's part starts on a 16-byte boundary)
-        peers = got_raw.view(raw.dtype)
-        for j in range(n - 1):  # in rank order, as the codes; widened to float32 in the add
-            acc_raw.add_(peers[j])
-    if split.one_run_each:  # straight into the output's two parts
-        comp_out, raw_out = split.views(output.view(1, -1))
-        C.finish_into(comp_out, acc, op, n)
+    divisor = n if op == "avg" else None
+    # [Note: the receive side in one launch]
+    # The compressed part goes from the payloads to its runs of the output in one kernel
+    # (decode, the sum onto the own chunk, the division, the cast, the scatter to the runs),
+    # where it took a float32 copy of the own chunk, a decode, a division into a temporary and
+    # a copy into the runs: four launches and ~10 torch ops more per call (issue 32).
+    decode_sum_finish(
+        got_codes,
+        split.n_comp,
+        spec,
+        base=own_comp,
+        out=output.view(-1),
+        divisor=divisor,
+        runs=split.places(compressed=True),
+        backend=backend,
+    )
+    if not split.n_raw:
+        return
+    acc_raw = own_raw.to(torch.float32, copy=True)
+    # the raw values where they arrived (each row's part starts on a 16-byte boundary)
+    peers = got_raw.view(raw.dtype)
+    for j in range(peers.shape[0]):  # in rank order, as the codes; widened to float32 in the add
+        acc_raw.add_(peers[j])
+    if split.one_run_each:
+        _, raw_out = split.views(output.view(1, -1))
         C.finish_into(raw_out, acc_raw, op, n)
         return
-    comp_out = torch.empty(split.n_comp, dtype=output.dtype, device=output.device)
     raw_out = torch.empty(split.n_raw, dtype=output.dtype, device=output.device)
-    C.finish_into(comp_out, acc, op, n)
     C.finish_into(raw_out, acc_raw, op, n)
-    split.put(output.view(1, -1), comp_out.view(1, -1), raw_out.view(1, -1))
+    split.put_raw(output.view(-1), raw_out)

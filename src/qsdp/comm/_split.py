@@ -141,6 +141,22 @@ class Split:
         torch._foreach_copy_(list(dst), src)
 
 
+    def places(self, *, compressed: bool) -> tuple[tuple[int, int], ...]:
+        """``(start, length)`` of the compressed (or raw) runs, in chunk order (cached)."""
+        return self._places[compressed]
+
+    @cached_property
+    def _places(self) -> dict[bool, tuple[tuple[int, int], ...]]:
+        return {c: tuple((s, n) for s, n, k in self.runs if k == c) for c in (True, False)}
+
+    def put_raw(self, flat: torch.Tensor, raw: torch.Tensor) -> None:
+        """Write ``raw`` (``n_raw`` values) into the raw runs of the 1-D ``flat`` chunk (one
+        ``_foreach_copy_``)."""
+        places = self.places(compressed=False)
+        targets = [flat[s : s + n] for s, n in places]
+        torch._foreach_copy_(targets, list(raw.split([n for _, n in places])))
+
+
 def fused_row(spec: QuantSpec, n_comp: int, raw_bytes: int) -> tuple[int, int]:
     """(offset of the raw bytes, bytes per row) of one ``[codes | raw]`` payload: the codes of
     ``n_comp`` elements, then ``raw_bytes`` raw bytes, each padded to 16 bytes so every row's

@@ -454,6 +454,98 @@ def decode_sum(
     return out
 
 
+def decode_sum_finish(
+    payloads: torch.Tensor,
+    numel: int,
+    spec: QuantSpec,
+    *,
+    base: torch.Tensor,
+    out: torch.Tensor,
+    divisor: int | None = None,
+    runs: Sequence[tuple[int, int]] | None = None,
+    backend: Backend = "auto",
+) -> None:
+    """A reduce-scatter's receive side in one launch on the Triton backend: ``base`` (the rank's
+    own chunk) plus the sum of the decoded ``payloads`` in float32 (as :func:`decode_sum` with
+    ``accumulate=True``), divided by ``divisor`` (:func:`divide_into`), written in ``out``'s
+    dtype at the places ``runs`` name (``(start, length)`` of ``out``, in order, covering
+    ``numel`` elements: a policy split's compressed runs), or into ``out[:numel]``. Where the
+    reference takes a float32 copy, a decode, a division, a cast and a scatter.
+
+    Args:
+        payloads: uint8 ``[k, spec.payload_bytes(numel)]`` (rows may be strided).
+        numel: elements of each payload.
+        spec: the quantizer that made them.
+        base: ``numel`` float values with unit stride (any float dtype), only read.
+        out: a contiguous 1-D float tensor.
+        divisor: divide by it (``op="avg"`` over that many ranks), or None.
+        runs: where the ``numel`` values go, or None for ``out[:numel]`` in order.
+        backend: ``"auto"``, ``"reference"`` or ``"triton"``.
+    """
+    p = _stacked(payloads, numel, spec)
+    _check_float(base, "base")
+    _check_float(out, "out")
+    lengths = [n for _, n in runs] if runs is not None else [numel]
+    places = runs if runs is not None else ((0, numel),)
+    if (
+        base.dim() != 1
+        or base.numel() != numel
+        or (numel and base.stride(0) != 1)
+        or out.dim() != 1
+        or not out.is_contiguous()
+        or sum(lengths) != numel
+        or any(s < 0 or n < 0 or s + n > out.numel() for s, n in places)
+        or out.device != p.device
+        or base.device != p.device
+    ):
+        raise ValueError(
+            f"decode_sum_finish: base {tuple(base.shape)} (strides {base.stride()}) on "
+            f"{base.device}, out {tuple(out.shape)} on {out.device}, runs {runs}: base must "
+            f"be {numel} elements with unit stride, out 1-D contiguous on {p.device}, the runs "
+            f"(start, length) inside out and covering {numel} elements"
+        )
+    if numel == 0:
+        return
+    if _resolve(backend, p.device) == "triton":
+        table = None if runs is None else _runs_table(tuple(runs), p.device)
+        _launch().decode_sum_finish(
+            p, numel=numel, spec=spec, base=base, out=out, divisor=divisor, runs=table
+        )
+        return
+    acc = base.to(torch.float32, copy=True)
+    _decode_into(p, numel, spec, acc, accumulate=True, backend="reference")
+    if divisor is not None:
+        divide_into(acc, acc, divisor)
+    targets = [out[s : s + n] for s, n in places]
+    torch._foreach_copy_(targets, list(acc.split(lengths)))
+
+
+def divide_into(out: torch.Tensor, acc: torch.Tensor, divisor: int) -> None:
+    """``out = acc / divisor`` computed in float32 (``acc``'s dtype) by IEEE division and cast
+    as it writes ``out``: the average of every qsdp reduction. (Divided by a device scalar,
+    not a Python number: CUDA's ``torch.div`` multiplies by the reciprocal of a host scalar,
+    which is not the division the kernels compute.)"""
+    torch.div(acc, _scalar(float(divisor), acc.device), out=out)
+
+
+@functools.lru_cache(maxsize=256)
+def _scalar(value: float, device: torch.device) -> torch.Tensor:
+    """A float32 0-d tensor on ``device``, copied there once per value."""
+    return torch.tensor(value, dtype=torch.float32, device=device)
+
+
+@functools.lru_cache(maxsize=4096)
+def _runs_table(runs: tuple[tuple[int, int], ...], device: torch.device) -> torch.Tensor:
+    """``decode_kernel``'s run table of ``(start, length)`` places: the cumulative ends of the
+    runs in the sum's order, then each run's shift (start minus its first offset in the sum)."""
+    ends, shifts, at = [], [], 0
+    for start, n in runs:
+        shifts.append(start - at)
+        at += n
+        ends.append(at)
+    return torch.tensor(ends + shifts, dtype=torch.int64, device=device)
+
+
 def decode_rows(
     payloads: torch.Tensor | list[Encoded],
     numel: int,

@@ -593,6 +593,24 @@ def _decode_sum(
     return acc
 
 
+# --- runs of a flat buffer ----------------------------------------------------------------------
+@triton.jit
+def _run_of(x, ends_ptr, n_runs, SEARCH: tl.constexpr):
+    """The run each offset of ``x`` lies in: how many of the ``n_runs`` cumulative run ends at
+    ``ends_ptr`` are ``<= x`` (a binary search of ``SEARCH`` halvings, ``SEARCH`` at least the
+    bit length of ``n_runs``); ``n_runs`` for an offset past the last run."""
+    lo = x * 0
+    hi = lo + n_runs
+    for _ in tl.static_range(SEARCH):
+        mid = (lo + hi) // 2
+        active = lo < hi
+        end = tl.load(ends_ptr + mid, mask=active, other=0)
+        right = active & (end <= x)
+        lo = tl.where(right, mid + 1, lo)
+        hi = tl.where(active & (right == 0), mid, hi)
+    return lo
+
+
 # --- kernels ------------------------------------------------------------------------------------
 @triton.jit(do_not_specialize=["key0", "key1", "rng_stream", "step", "skip_row"])
 def encode_kernel(
@@ -704,6 +722,10 @@ def decode_kernel(
     row_stride,
     out_row_stride,
     pid_base,
+    base_ptr,
+    divisor,
+    runs_ptr,
+    n_runs,
     BITS: tl.constexpr,
     ROWS: tl.constexpr,
     GPB: tl.constexpr,
@@ -718,8 +740,16 @@ def decode_kernel(
     BIG: tl.constexpr,
     INTERPRET: tl.constexpr,
     ALIGNED: tl.constexpr,
+    HAS_BASE: tl.constexpr,
+    DIVIDE: tl.constexpr,
+    SEARCH: tl.constexpr,
     TAIL: tl.constexpr,
 ):
+    """The float32 sum of K payloads (``ACCUMULATE``: onto ``out``; ``HAS_BASE``: onto the
+    values at ``base_ptr``), divided by ``divisor`` (``DIVIDE``, IEEE), cast to ``out``'s dtype
+    and stored at the element's place: its offset, or with ``SEARCH`` (> 0) its offset moved
+    by its run's shift (``runs_ptr``: ``n_runs`` cumulative run ends, then ``n_runs`` shifts),
+    so a reduce-scatter writes its compressed runs straight into a policy split's chunk."""
     # grid axis 1: independent rows (decode_rows), each its own payload and output
     row = tl.program_id(1).to(tl.int64)
     in_ptr = in_ptr + row * row_stride
@@ -758,13 +788,21 @@ def decode_kernel(
             LOG_H=LOG_H,
             TAIL=TAIL,
         )
-    if ACCUMULATE:
+    if HAS_BASE:
+        acc = _load(base_ptr + offs, mask, TAIL=TAIL) + acc
+    elif ACCUMULATE:
         acc = _load(out_ptr + offs, mask, TAIL=TAIL) + acc
+    if DIVIDE:
+        acc = tl.math.div_rn(acc, divisor)
     acc = _cast_out(acc, DTYPE=out_ptr.dtype.element_ty, INTERPRET=INTERPRET)
+    at = offs
+    if SEARCH > 0:
+        run = _run_of(offs, ends_ptr=runs_ptr, n_runs=n_runs, SEARCH=SEARCH)
+        at = offs + tl.load(runs_ptr + n_runs + run, mask=run < n_runs, other=0)
     if TAIL:
-        tl.store(out_ptr + offs, acc, mask=mask)
+        tl.store(out_ptr + at, acc, mask=mask)
     else:
-        tl.store(out_ptr + offs, acc)
+        tl.store(out_ptr + at, acc)
 
 
 @triton.jit(do_not_specialize=["key0", "key1", "rng_stream", "step"])
@@ -918,13 +956,5 @@ def run_flags_kernel(
     bad = (tl.abs(x) <= limit) == 0
     bad = bad & mask
     if tl.max(bad.to(tl.int32), axis=0) > 0:
-        lo = tl.zeros([BLOCK], dtype=tl.int32)
-        hi = lo + n_runs
-        for _ in tl.static_range(SEARCH):  # lo: the number of runs that end at or before col
-            mid = (lo + hi) // 2
-            active = lo < hi
-            end = tl.load(ends_ptr + mid, mask=active, other=0)
-            right = active & (end <= col)
-            lo = tl.where(right, mid + 1, lo)
-            hi = tl.where(active & (right == 0), mid, hi)
-        tl.atomic_max(flags_ptr + lo, bad.to(tl.int32), mask=bad)
+        run = _run_of(col, ends_ptr=ends_ptr, n_runs=n_runs, SEARCH=SEARCH)
+        tl.atomic_max(flags_ptr + run, bad.to(tl.int32), mask=bad)

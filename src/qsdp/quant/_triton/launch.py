@@ -279,6 +279,63 @@ def decode(
         BIG=_big(numel, payloads.numel(), out.numel()),
         INTERPRET=_interpret(),
         ALIGNED=_aligned(payloads, spec, payloads.stride(0)),
+        base_ptr=out,
+        divisor=1.0,
+        runs_ptr=out,
+        n_runs=0,
+        HAS_BASE=False,
+        DIVIDE=False,
+        SEARCH=0,
+    )
+
+
+def decode_sum_finish(
+    payloads: torch.Tensor,
+    *,
+    numel: int,
+    spec: QuantSpec,
+    base: torch.Tensor,
+    out: torch.Tensor,
+    divisor: float | None,
+    runs: torch.Tensor | None,
+) -> None:
+    """One launch (two with a tail): ``out`` at each element's place (``runs``: the table of
+    ``decode_kernel``'s ``runs_ptr``, None for in order) gets ``(base + sum of the decoded
+    rows of payloads) / divisor`` in ``out``'s dtype."""
+    if numel == 0:
+        return
+    c = _consts(spec, rotate=True, block=_BLOCK)
+    n_groups = spec.num_groups(numel)
+    n_runs = 0 if runs is None else runs.numel() // 2
+    _launch(
+        K.decode_kernel,
+        tile_numel=c.tile_numel,
+        in_ptr=payloads,
+        chunk_stride=payloads.stride(0),
+        out_ptr=out,
+        signs_ptr=_signs_ptr(spec, out),
+        numel=numel,
+        scale_region=n_groups * spec.scale_bytes,
+        n_code_bytes=spec.code_bytes(numel),
+        n_groups=n_groups,
+        inv_sqrt_h=c.inv_sqrt_h,
+        row_stride=0,
+        out_row_stride=0,
+        **c.tile,
+        **c.codes,
+        **c.rotation,
+        K=payloads.shape[0],
+        ACCUMULATE=False,
+        BIG=_big(numel, payloads.numel(), out.numel()),
+        INTERPRET=_interpret(),
+        ALIGNED=_aligned(payloads, spec, payloads.stride(0)),
+        base_ptr=base,
+        divisor=1.0 if divisor is None else float(divisor),
+        runs_ptr=out if runs is None else runs,
+        n_runs=n_runs,
+        HAS_BASE=True,
+        DIVIDE=divisor is not None,
+        SEARCH=n_runs.bit_length() if runs is not None else 0,
     )
 
 

@@ -14,8 +14,9 @@ commands:
   plot        plot loss and bytes on the wire of training runs into one PNG (qsdp plot -h)
   quant-demo  quantize a small trained transformer's weights and gradients; print error, bytes
   prepare-data
-              fetch, tokenize and split a built-in corpus ("shakespeare", "debian-docs") once
-              into the data cache; print its directory (qsdp prepare-data -h)
+              fetch, tokenize and split a built-in corpus ("shakespeare", "debian-docs",
+              "debian-large") once into the data cache; print its directory
+              (qsdp prepare-data -h)
 """
 
 

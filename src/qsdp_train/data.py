@@ -8,6 +8,8 @@ sha256, per-split documents and token counts, ``format_version``)::
     prepare_data(None)     -> CACHE/shakespeare-<tokenizer>/  the built-in corpus (corpus.py)
     prepare_data(None, corpus="debian-docs")
                            -> CACHE/debian-docs-<tokenizer>/  Debian manuals (debcorpus.py)
+    prepare_data(None, corpus="debian-large")
+                           -> CACHE/debian-large-<tokenizer>/ + the kernel's source, more manuals
     prepare_data("a.txt")  -> CACHE/a-<key>-<tokenizer>/      one document; its last
     prepare_data("a.bin")  -> CACHE/a-<key>-<tokenizer>/      val_fraction of tokens is val
     prepare_data("dir/")   -> CACHE/dir-<key>-<tokenizer>/    links to dir/{train,val}.bin
@@ -91,8 +93,9 @@ def prepare_data(
             ``corpus.split_documents``), a ``.txt`` or ``.bin`` gives its last tokens. Ignored for
             a directory, which is already split. Default: 0.1, or a ``DebCorpus``'s own.
         corpus: with ``data=None``, the built-in corpus: a name in ``corpora.CORPORA``
-            (``"shakespeare"``, ``"debian-docs"``) or pins (tests pass fake ones).
-        progress: report per package on stderr while building a Debian-docs corpus.
+            (``"shakespeare"``, ``"debian-docs"``, ``"debian-large"``) or pins (tests pass fake
+            ones).
+        progress: report per package on stderr while building a Debian corpus.
 
     Returns:
         The directory holding ``train.bin``, ``val.bin`` and ``meta.json``.

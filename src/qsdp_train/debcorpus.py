@@ -1,22 +1,27 @@
-"""Building a token corpus from pinned Debian documentation packages, resumably.
+"""Building a token corpus from pinned Debian packages, resumably.
 
 [Note: building a Debian-docs corpus]
 Each package is a unit of work whose result is cached, so a killed build continues from the next
 package and a finished corpus is reused::
 
     per package (sorted by name):                       CACHE/downloads/<file>.deb
-      fetch_deb -> package_pages -> drop tiny pages      (sha256-checked, kept)
-      -> tokenize each page ----------------------->    CACHE/debdocs-parts/<name>-<sha16>-<tok>.bin
-                                                        + .json (per page: name, bytes, tokens)
-    all parts' page names and sizes -> split_names (by document, hash order)
-    -> train.bin / val.bin: pages in name order, each followed by eot
+      fetch_deb -> pin.documents -> drop tiny ones       (sha256-checked, kept)
+      -> tokenize each, streamed to disk ---------->    CACHE/debdocs-parts/<name>-<sha16>-<tok>.bin
+                                                        + .json (per document: name, bytes, tokens)
+    all parts' document names and sizes -> split_names (by document, hash order)
+    -> train.bin / val.bin: documents in name order, each followed by eot
     -> meta.json (commit marker)                        CACHE/<corpus>-<tok>[-val<f>]/
 
-A part's ``.json`` is written after its ``.bin`` and records the key it was made with (the
-``.deb``'s sha256, tokenizer, merge ranks, extraction rules, ``EXTRACTOR_VERSION``); a part whose
-key or ``.bin`` size disagrees is made again. A document is a page, named ``<package>/<path>``;
-the split reads only those names and the pages' UTF-8 sizes, so it is the same for every
-tokenizer, and no page is in both splits. Nothing machine-specific (paths, times) goes into
+A pin is a ``debpin.DebPin``: an HTML manual (``debdocs.DebPackage``, a document per page) or a
+tree of text files (``debsource.DebSourceTree``, a document per file, e.g. the kernel's source).
+A part's ``.bin`` is written as its documents are tokenized (in archive order, so a 400 M-token
+package never sits in memory) under a temporary name, renamed when complete (a killed process's
+partial one is removed when the package is built again: ``tokenfiles.remove_stale_tmp``); its
+``.json`` is written after it and records the key it was made with (the ``.deb``'s sha256,
+tokenizer, merge ranks, the pin's ``rules()`` with its extractor version); a part whose key or
+``.bin`` size disagrees is made again. A document is named ``<package>/<path>``; the split
+reads only those names and the documents' UTF-8 sizes, so it is the same for every tokenizer,
+and no document is in both splits. Nothing machine-specific (paths, times) goes into
 ``meta.json``, so two builds of the same pins write the same bytes.
 """
 
@@ -25,6 +30,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,29 +39,29 @@ from typing import IO, Any
 import numpy as np
 
 from .corpus import GPT2_RANKS_SHA256, Tokenizer, get_tokenizer, split_names, tokenizer_fields
-from .debdocs import DebPackage, PageText, debian_mirror, fetch_deb, package_pages
-from .tokenfiles import DTYPE, is_prepared, tmp_name, write_tokens
+from .debdocs import EXTRACTOR_VERSION, debian_mirror, fetch_deb
+from .debpin import DebPin, Skipped
+from .debsource import DebSourceTree
+from .tokenfiles import DTYPE, is_prepared, remove_stale_tmp, tmp_name, write_tokens
 from .tokenfiles import commit as commit_meta
 
 __all__ = ["EXTRACTOR_VERSION", "DebCorpus", "prepare_deb_corpus"]
 
-#: Bump when ``debdocs.html_to_text`` or the page rules change: cached parts are then remade.
-EXTRACTOR_VERSION = 1
 _PARTS = "debdocs-parts"
 
 
 @dataclass(frozen=True, kw_only=True)
 class DebCorpus:
-    """A named corpus made of the HTML manuals of pinned Debian packages."""
+    """A named corpus made of pinned Debian packages: their HTML manuals and text files."""
 
     name: str
     """The corpus' name; also the prefix of its directory in the cache."""
-    packages: tuple[DebPackage, ...]
-    """The pinned packages; each page of their manuals is one document."""
+    packages: tuple[DebPin, ...]
+    """The pinned packages; each page of a manual, each file of a source tree is a document."""
     val_fraction: float = 0.03
     """The default share of text (UTF-8 bytes) held out as val documents."""
     min_chars: int = 200
-    """Pages with fewer characters of text than this are dropped (indexes, stubs)."""
+    """Documents with fewer characters of text than this are dropped (indexes, stubs)."""
     description: str = ""
     """One line on what the corpus is, for ``meta.json``."""
 
@@ -68,27 +74,39 @@ class DebCorpus:
 
 
 class _Report:
-    """Progress: a tqdm bar per package on a terminal, one plain line per package elsewhere."""
+    """Progress: a tqdm bar per package on a terminal; elsewhere (a log) plain lines, one per
+    package and one every ``every`` seconds while a long package is read."""
 
-    def __init__(self, enabled: bool, file: IO[str] | None = None) -> None:
+    def __init__(self, enabled: bool, file: IO[str] | None = None, every: float = 30.0) -> None:
         self.file = sys.stderr if file is None else file
         self.enabled = enabled
         self.tty = enabled and bool(getattr(self.file, "isatty", lambda: False)())
+        self.every = every
         self.bar: Any = None
+        self.desc, self.docs, self.tokens, self.t0, self.last = "", 0, 0, 0.0, 0.0
 
     def line(self, text: str) -> None:
         if self.enabled:
             print(text, file=self.file, flush=True)
 
     def start(self, desc: str) -> None:
+        self.desc, self.docs, self.tokens = desc, 0, 0
+        self.t0 = self.last = time.monotonic()
         if self.tty:
             from tqdm import tqdm
 
-            self.bar = tqdm(desc=desc, unit="page", file=self.file, dynamic_ncols=True)
+            self.bar = tqdm(desc=desc, unit="doc", file=self.file, dynamic_ncols=True)
 
-    def tick(self) -> None:
+    def tick(self, tokens: int) -> None:
+        """One more document read, of ``tokens`` tokens (0 for a skipped one)."""
+        self.docs, self.tokens = self.docs + 1, self.tokens + tokens
         if self.bar is not None:
             self.bar.update(1)
+        elif self.enabled and (now := time.monotonic()) - self.last >= self.every:
+            self.last = now
+            self.line(
+                f"  {self.desc}: {self.docs} read, {self.tokens:,} tokens, {now - self.t0:.0f} s"
+            )
 
     def finish(self, text: str) -> None:
         if self.bar is not None:
@@ -97,16 +115,13 @@ class _Report:
         self.line(text)
 
 
-def _part_key(pkg: DebPackage, corpus: DebCorpus, tok_name: str) -> dict[str, Any]:
+def _part_key(pkg: DebPin, corpus: DebCorpus, tok_name: str) -> dict[str, Any]:
     key = {
         "package": pkg.name,
         "version": pkg.version,
         "sha256": pkg.sha256,
         "tokenizer": tok_name,
-        "extractor_version": EXTRACTOR_VERSION,
-        "html_root": pkg.html_root,
-        "main": list(pkg.main),
-        "exclude": pkg.exclude,
+        **pkg.rules(),
         "min_chars": corpus.min_chars,
     }
     if tok_name == "gpt2":
@@ -114,7 +129,7 @@ def _part_key(pkg: DebPackage, corpus: DebCorpus, tok_name: str) -> dict[str, An
     return key
 
 
-def _part_stem(cache_dir: Path, pkg: DebPackage, tok_name: str) -> Path:
+def _part_stem(cache_dir: Path, pkg: DebPin, tok_name: str) -> Path:
     return cache_dir / _PARTS / f"{pkg.name}-{pkg.sha256[:16]}-{tok_name}"
 
 
@@ -133,7 +148,7 @@ def _read_part(stem: Path, key: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def _build_part(
-    pkg: DebPackage,
+    pkg: DebPin,
     corpus: DebCorpus,
     tok: Tokenizer,
     cache_dir: Path,
@@ -148,40 +163,49 @@ def _build_part(
     t0 = time.monotonic()
     report.line(f"{corpus.name}: {pkg.name} {pkg.version}: fetching and reading")
     deb = fetch_deb(pkg, cache_dir, mirror=mirror)
-    docs, ids, counts = [], [], {"links_skipped": 0, "no_main": 0, "too_small": 0}
+    docs: list[dict[str, Any]] = []
+    counts = {"too_small": 0, **dict.fromkeys(pkg.skip_reasons, 0)}
+    names: set[str] = set()
+
+    def encoded() -> Iterator[np.ndarray]:
+        for doc in pkg.documents(deb):
+            if isinstance(doc, Skipped):
+                counts[doc.reason] += 1
+                report.tick(0)
+                continue
+            if len(doc.text) < corpus.min_chars:
+                counts["too_small"] += 1
+                report.tick(0)
+                continue
+            name = f"{pkg.name}/{doc.path}"
+            if name in names:
+                raise ValueError(f"{deb} holds {doc.path} twice; is this the pinned package?")
+            names.add(name)
+            t = tok.encode(doc.text)
+            if tok.name == "byte" and (t == tok.eot).any():
+                raise ValueError(f"{name} contains byte {tok.eot:#04x}, the document separator")
+            docs.append({"name": name, "bytes": len(doc.text.encode("utf-8")), "tokens": t.size})
+            report.tick(t.size)
+            yield t
+
     report.start(pkg.name)
-    for page in package_pages(deb, pkg):
-        report.tick()
-        if not isinstance(page, PageText):
-            counts["links_skipped"] += 1
-            continue
-        if page.text is None:
-            counts["no_main"] += 1
-            continue
-        if len(page.text) < corpus.min_chars:
-            counts["too_small"] += 1
-            continue
-        name = f"{pkg.name}/{page.path}"
-        t = tok.encode(page.text)
-        if tok.name == "byte" and (t == tok.eot).any():
-            raise ValueError(f"{name} contains byte {tok.eot:#04x}, the document separator")
-        docs.append({"name": name, "bytes": len(page.text.encode("utf-8")), "tokens": t.size})
-        ids.append(t)
-    if not docs:
-        raise ValueError(
-            f"{pkg.name} {pkg.version}: no page under {pkg.html_root!r} has a main element "
-            f"{pkg.main} with >= {corpus.min_chars} characters; fix the pin's html_root or main"
-        )
-    order = sorted(range(len(docs)), key=lambda i: docs[i]["name"])
-    docs, ids = [docs[i] for i in order], [ids[i] for i in order]
     stem.parent.mkdir(parents=True, exist_ok=True)
-    n = write_tokens(_with(stem, ".bin"), iter(ids))
-    part = {"key": key, "tokens": n, "pages": len(docs), **counts, "documents": docs}
+    if freed := remove_stale_tmp(_with(stem, ".bin")):
+        report.line(f"  {pkg.name}: removed {freed:,} bytes of a killed build's partial part")
+    n = write_tokens(_with(stem, ".bin"), encoded())
+    if not docs:
+        _with(stem, ".bin").unlink()
+        raise ValueError(
+            f"{pkg.name} {pkg.version}: no document of >= {corpus.min_chars} characters "
+            f"(skipped: {counts}); fix the pin's rules {pkg.rules()}"
+        )
+    part = {"key": key, "tokens": n, pkg.unit: len(docs), **counts, "documents": docs}
     _write_json(_with(stem, ".json"), part)
+    dt = time.monotonic() - t0
+    skipped = ", ".join(f"{v} {k}" for k, v in counts.items())
     report.finish(
-        f"{corpus.name}: {pkg.name} {pkg.version}: {len(docs)} pages, {n:,} tokens "
-        f"({counts['too_small']} tiny, {counts['no_main']} without main, "
-        f"{counts['links_skipped']} links skipped) in {time.monotonic() - t0:.1f} s"
+        f"{corpus.name}: {pkg.name} {pkg.version}: {len(docs)} {pkg.unit}, {n:,} tokens "
+        f"({skipped}) in {dt:.1f} s"
     )
     return part
 
@@ -207,7 +231,8 @@ def prepare_deb_corpus(
         corpus: the packages and rules.
         tok_name: ``"byte"`` or ``"gpt2"``.
         cache_dir: the cache root.
-        val_fraction: the share of text held out as val pages (default ``corpus.val_fraction``).
+        val_fraction: the share of text held out as val documents (default
+            ``corpus.val_fraction``).
         mirror: the Debian mirror root (default ``$QSDP_DEBIAN_MIRROR`` or deb.debian.org).
         progress: report per package on stderr (a tqdm bar on a terminal).
 
@@ -226,6 +251,10 @@ def prepare_deb_corpus(
     }
     if tok_name == "gpt2":
         key["ranks_sha256"] = GPT2_RANKS_SHA256
+    # A source tree's rules join the key; an HTML manual's are covered by extractor_version alone,
+    # as before source trees existed, so debian-docs' key and prepared directories stay valid.
+    if trees := {p.name: p.rules() for p in packages if isinstance(p, DebSourceTree)}:
+        key["source_rules"] = trees
     suffix = "" if vf == corpus.val_fraction else f"-val{vf:g}"
     out = cache_dir / f"{corpus.name}-{tok_name}{suffix}"
     if is_prepared(out, key):
@@ -234,7 +263,7 @@ def prepare_deb_corpus(
     tok = get_tokenizer(tok_name, cache_dir=cache_dir)
     mirror = mirror or debian_mirror()
     parts = {p.name: _build_part(p, corpus, tok, cache_dir, mirror, report) for p in packages}
-    # Where each page's tokens lie: (part file, first token, token count).
+    # Where each document's tokens lie: (part file, first token, token count).
     where: dict[str, tuple[str, int, int]] = {}
     sizes: dict[str, int] = {}
     for pkg_name, part in parts.items():
@@ -260,7 +289,8 @@ def prepare_deb_corpus(
     splits = {}
     for split, names in (("train", train), ("val", val)):
         n = write_tokens(out / f"{split}.bin", chunks(names))
-        per_pkg = {p.name: sum(1 for x in names if where[x][0] == p.name) for p in packages}
+        in_split = Counter(where[x][0] for x in names)
+        per_pkg = {p.name: in_split[p.name] for p in packages}
         splits[split] = {
             "tokens": n,
             "n_documents": len(names),
@@ -274,7 +304,7 @@ def prepare_deb_corpus(
         splits,
         **tokenizer_fields(tok),
         source={
-            "kind": "debian-docs",
+            "kind": "debian-packages",
             "corpus": corpus.name,
             "description": corpus.description,
             "packages": [
@@ -284,18 +314,17 @@ def prepare_deb_corpus(
                     "pool_path": p.pool_path,
                     "sha256": p.sha256,
                     "license": p.license,
-                    "pages": parts[p.name]["pages"],
+                    p.unit: parts[p.name][p.unit],
                     "tokens": parts[p.name]["tokens"],
-                    "too_small": parts[p.name]["too_small"],
-                    "no_main": parts[p.name]["no_main"],
-                    "links_skipped": parts[p.name]["links_skipped"],
+                    **{r: parts[p.name][r] for r in ("too_small", *p.skip_reasons)},
+                    "rules": p.rules(),
                 }
                 for p in packages
             ],
             "min_chars": corpus.min_chars,
             "extractor_version": EXTRACTOR_VERSION,
         },
-        split_rule="by page: sha256('qsdp-split/'+package/path) order, val = shortest prefix "
+        split_rule="by document: sha256('qsdp-split/'+package/path) order, val = shortest prefix "
         "reaching val_fraction of the UTF-8 text",
         val_fraction=vf,
     )

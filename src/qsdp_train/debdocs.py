@@ -3,7 +3,8 @@
 A Debian ``*-doc`` package ships its project's Sphinx-built HTML manual. This module fetches a
 ``.deb`` from a Debian mirror by its pool path, checks it against a pinned sha256, reads it in
 memory (``ar`` archive -> ``data.tar.xz`` -> members) and turns each HTML page into plain text.
-``debcorpus.py`` builds a token corpus from a list of such packages.
+``debcorpus.py`` builds a token corpus from a list of such packages; ``debsource.py`` reads
+plain text files (source trees) out of the same kind of ``.deb`` with the same fetching.
 
 [Note: pinned .deb packages]
 A package is pinned by name, version, pool path and the sha256 of its ``.deb`` as listed in the
@@ -41,21 +42,29 @@ import urllib.error
 import urllib.request
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from html.parser import HTMLParser
 from pathlib import Path
+from typing import Any
+
+from .debpin import DebPin, DocText, Skipped, check_pin
 
 __all__ = [
     "DEFAULT_MIRROR",
+    "EXTRACTOR_VERSION",
     "DebPackage",
     "PageText",
     "debian_mirror",
     "fetch_deb",
     "html_to_text",
     "iter_deb_members",
+    "open_deb_data",
     "package_pages",
 ]
 
+#: Bump when ``html_to_text`` or the page rules change: cached parts of HTML pins are then remade.
+EXTRACTOR_VERSION = 1
 DEFAULT_MIRROR = "http://deb.debian.org/debian"
 _AR_MAGIC = b"!<arch>\n"
 _AR_HEADER = 60
@@ -64,7 +73,8 @@ _SKIP_NAMES = re.compile(r"genindex.*\.html|search\.html|.*modindex\.html|404\.h
 
 @dataclass(frozen=True, kw_only=True)
 class DebPackage:
-    """A Debian binary package pinned by version and the sha256 of its ``.deb``."""
+    """A Debian package's HTML manual, pinned by version and the sha256 of its ``.deb``; one
+    document per page (a :class:`~qsdp_train.debpin.DebPin`)."""
 
     name: str
     """The package name, e.g. ``"python3.13-doc"``."""
@@ -84,10 +94,7 @@ class DebPackage:
     """A regex of page paths (relative to ``html_root``) to skip besides the shared rules."""
 
     def __post_init__(self) -> None:
-        if not re.fullmatch(r"[0-9a-f]{64}", self.sha256):
-            raise ValueError(f"{self.name}: sha256={self.sha256!r} must be 64 lowercase hex digits")
-        if self.pool_path.startswith("/") or ".." in self.pool_path.split("/"):
-            raise ValueError(f"{self.name}: pool_path={self.pool_path!r} must be relative, no '..'")
+        check_pin(name=self.name, sha256=self.sha256, pool_path=self.pool_path)
         if self.exclude:
             re.compile(self.exclude)
 
@@ -95,6 +102,33 @@ class DebPackage:
     def filename(self) -> str:
         """The ``.deb``'s file name (the pool path's last part)."""
         return self.pool_path.rsplit("/", 1)[-1]
+
+    @property
+    def unit(self) -> str:
+        return "pages"
+
+    @property
+    def skip_reasons(self) -> tuple[str, ...]:
+        return ("no_main", "links_skipped")
+
+    def rules(self) -> dict[str, Any]:
+        return {
+            "extractor_version": EXTRACTOR_VERSION,
+            "html_root": self.html_root,
+            "main": list(self.main),
+            "exclude": self.exclude,
+        }
+
+    def documents(self, deb: Path) -> Iterator[DocText | Skipped]:
+        """The pages of ``deb`` (see :func:`package_pages`); a page without a main element is
+        skipped as ``no_main``, a linked page as ``links_skipped``."""
+        for page in package_pages(deb, self):
+            if not isinstance(page, PageText):
+                yield Skipped(path=page, reason="links_skipped")
+            elif page.text is None:
+                yield Skipped(path=page.path, reason="no_main")
+            else:
+                yield DocText(path=page.path, text=page.text)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -114,7 +148,7 @@ def _file_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _check(path: Path, pkg: DebPackage) -> None:
+def _check(path: Path, pkg: DebPin) -> None:
     got = _file_sha256(path)
     if got != pkg.sha256:
         raise ValueError(
@@ -124,7 +158,7 @@ def _check(path: Path, pkg: DebPackage) -> None:
         )
 
 
-def fetch_deb(pkg: DebPackage, cache_dir: Path, *, mirror: str | None = None) -> Path:
+def fetch_deb(pkg: DebPin, cache_dir: Path, *, mirror: str | None = None) -> Path:
     """The path of ``pkg``'s verified ``.deb`` in ``cache_dir/downloads``, downloading it once.
 
     Args:
@@ -183,6 +217,27 @@ def _ar_members(data: bytes, where: Path) -> dict[str, memoryview]:
     return out
 
 
+@contextmanager
+def open_deb_data(deb: Path) -> Iterator[tarfile.TarFile]:
+    """A ``.deb``'s ``data.tar.xz``, opened with :mod:`tarfile` from memory.
+
+    Args:
+        deb: the ``.deb`` file.
+
+    Returns:
+        A context manager giving the open archive; nothing is extracted to disk.
+    """
+    members = _ar_members(Path(deb).read_bytes(), deb)
+    data_names = [n for n in members if n.startswith("data.tar")]
+    if data_names != ["data.tar.xz"]:
+        raise ValueError(
+            f"{deb} holds {data_names or 'no data.tar.*'}, not data.tar.xz; only xz-compressed "
+            "packages are read (every package of Debian's binary-all is), so pin another version"
+        )
+    with tarfile.open(fileobj=io.BytesIO(members["data.tar.xz"]), mode="r:xz") as tar:
+        yield tar
+
+
 def iter_deb_members(deb: Path) -> Iterator[tuple[tarfile.TarInfo, bytes | None]]:
     """The members of a ``.deb``'s ``data.tar.xz`` in archive order, read in memory.
 
@@ -193,14 +248,7 @@ def iter_deb_members(deb: Path) -> Iterator[tuple[tarfile.TarInfo, bytes | None]
         An iterator of ``(info, data)``; ``data`` is the bytes of a regular file and None for
         anything else (folders, links, devices), which is never followed or created.
     """
-    members = _ar_members(Path(deb).read_bytes(), deb)
-    data_names = [n for n in members if n.startswith("data.tar")]
-    if data_names != ["data.tar.xz"]:
-        raise ValueError(
-            f"{deb} holds {data_names or 'no data.tar.*'}, not data.tar.xz; only xz-compressed "
-            "packages are read (every package of Debian's binary-all is), so pin another version"
-        )
-    with tarfile.open(fileobj=io.BytesIO(members["data.tar.xz"]), mode="r:xz") as tar:
+    with open_deb_data(deb) as tar:
         for info in tar:
             if info.isfile():
                 f = tar.extractfile(info)

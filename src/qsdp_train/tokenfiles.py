@@ -24,6 +24,7 @@ __all__ = [
     "is_prepared",
     "link",
     "read_meta",
+    "remove_stale_tmp",
     "tmp_name",
     "write_meta",
     "write_tokens",
@@ -35,6 +36,41 @@ DTYPE = np.dtype("<u2")
 
 def tmp_name(path: Path) -> Path:
     return path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex}.tmp")
+
+
+def remove_stale_tmp(path: Path) -> int:
+    """Delete the temporary files of ``path`` (see :func:`tmp_name`) whose writer is gone.
+
+    A writer killed outright (SIGKILL, out of memory, a lost machine) cannot remove its partial
+    file, and one package's can be hundreds of MB. A file whose process id no longer runs on this
+    machine is removed; a live writer's (two preparers at once) is kept. A cache shared between
+    machines would see other hosts' process ids, so only one machine should build into it at once.
+
+    Returns:
+        The bytes removed.
+    """
+    freed = 0
+    for tmp in path.parent.glob(f".{path.name}.*.*.tmp"):
+        pid = tmp.name[len(path.name) + 2 :].split(".", 1)[0]
+        if not pid.isdigit() or _alive(int(pid)):
+            continue
+        try:
+            size = tmp.stat().st_size
+            tmp.unlink()
+        except FileNotFoundError:
+            continue
+        freed += size
+    return freed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def write_tokens(path: Path, chunks: Iterable[np.ndarray]) -> int:

@@ -17,6 +17,8 @@ from qsdp_train.debcorpus import DebCorpus
 from qsdp_train.debdocs import DebPackage, PageText, fetch_deb, html_to_text, package_pages
 from qsdp_train.prepare_cli import main as prepare_main
 
+from .debfiles import member, symlink, write_deb
+
 ROOT = "usr/share/doc/fake-doc/html"
 
 PAGE = """<html><head><script>var nav = 1;</script><title>T</title></head><body>
@@ -41,12 +43,6 @@ def page(body: str) -> bytes:
     return PAGE.format(body=body).encode()
 
 
-def member(tar: tarfile.TarFile, name: str, data: bytes) -> None:
-    info = tarfile.TarInfo(name)
-    info.size = len(data)
-    tar.addfile(info, io.BytesIO(data))
-
-
 def make_deb(path: Path, *, compression: str = "xz", n_pages: int = 8, tag: str = "") -> None:
     """An ar archive (debian-binary, control.tar.xz, data.tar.<compression>) like a real .deb."""
     data = io.BytesIO()
@@ -61,18 +57,8 @@ def make_deb(path: Path, *, compression: str = "xz", n_pages: int = 8, tag: str 
         member(tar, f"./{ROOT}/genindex.html", page("index " * 30))
         member(tar, f"./{ROOT}/../../../../../../evil.html", page("hostile " * 30))
         member(tar, "/tmp/qsdp-absolute-evil.html", page("hostile " * 30))
-        link = tarfile.TarInfo(f"./{ROOT}/linked.html")
-        link.type, link.linkname = tarfile.SYMTYPE, "/etc/passwd"
-        tar.addfile(link)
-    parts = [(b"debian-binary", b"2.0\n"), (b"control.tar.xz", b"\0" * 33)]
-    parts.append((f"data.tar.{compression}".encode(), data.getvalue()))
-    out = bytearray(b"!<arch>\n")
-    for name, blob in parts:
-        head = name.ljust(16) + b"0".ljust(12) + b"0".ljust(6) + b"0".ljust(6)
-        head += b"100644".ljust(8) + str(len(blob)).encode().ljust(10) + b"`\n"
-        assert len(head) == 60
-        out += head + blob + (b"\n" if len(blob) % 2 else b"")
-    path.write_bytes(bytes(out))
+        symlink(tar, f"./{ROOT}/linked.html", "/etc/passwd")
+    write_deb(path, data.getvalue(), compression=compression)
 
 
 def pin(mirror: Path, name: str = "fake-doc", **kw) -> DebPackage:
@@ -277,7 +263,8 @@ def test_cli_bad_corpus_lists_the_valid_ones(capsys):
     from qsdp_train.cli import main as qsdp_main
 
     with pytest.raises(
-        SystemExit, match=r"unknown corpus 'nope'; use one of \['debian-docs', 'shakespeare'\]"
+        SystemExit,
+        match=r"unknown corpus 'nope'; use one of \['debian-docs', 'debian-large', 'shakespeare'\]",
     ):
         qsdp_main(["prepare-data", "--corpus", "nope"])
 

@@ -140,7 +140,6 @@ class Split:
                     src[i] = piece
         torch._foreach_copy_(list(dst), src)
 
-
     def places(self, *, compressed: bool) -> tuple[tuple[int, int], ...]:
         """``(start, length)`` of the compressed (or raw) runs, in chunk order (cached)."""
         return self._places[compressed]

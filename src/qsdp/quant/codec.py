@@ -16,6 +16,7 @@ from typing import Literal
 import torch
 
 from . import reference as ref
+from ._tables import on_device
 from .spec import NonFinite, QuantSpec, Scheme
 
 __all__ = [
@@ -369,7 +370,7 @@ def encode_rows(
 @functools.lru_cache(maxsize=4096)
 def _stream_table(streams: tuple[int, ...], device: torch.device) -> torch.Tensor:
     """``streams`` on ``device``, copied there once per (rank, bucket, ...) key, not per call."""
-    return torch.tensor(streams, dtype=torch.int64, device=device)
+    return on_device(streams, dtype=torch.int64, device=device)
 
 
 def _payload_out(out: torch.Tensor | None, numel: int, spec: QuantSpec, device) -> torch.Tensor:
@@ -531,7 +532,7 @@ def divide_into(out: torch.Tensor, acc: torch.Tensor, divisor: int) -> None:
 @functools.lru_cache(maxsize=256)
 def _scalar(value: float, device: torch.device) -> torch.Tensor:
     """A float32 0-d tensor on ``device``, copied there once per value."""
-    return torch.tensor(value, dtype=torch.float32, device=device)
+    return on_device(value, dtype=torch.float32, device=device)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -543,7 +544,7 @@ def _runs_table(runs: tuple[tuple[int, int], ...], device: torch.device) -> torc
         shifts.append(start - at)
         at += n
         ends.append(at)
-    return torch.tensor(ends + shifts, dtype=torch.int64, device=device)
+    return on_device(ends + shifts, dtype=torch.int64, device=device)
 
 
 def decode_rows(

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 import torch
 
+from ._tables import on_device
 from .codec import Backend, _resolve
 from .spec import QuantSpec
 
@@ -68,7 +69,7 @@ def _ends(sizes: tuple[int, ...], device: torch.device) -> torch.Tensor:
     for n in sizes:
         at += n
         ends.append(at)
-    return torch.tensor(ends, dtype=torch.int64, device=device)
+    return on_device(ends, dtype=torch.int64, device=device)
 
 
 def _run_flags_reference(rows: torch.Tensor, sizes: Sequence[int], limit: float) -> torch.Tensor:

@@ -1,0 +1,30 @@
+"""Small constant tables the kernels read (run ends, noise streams, a divisor), put on the device
+once per key by their callers' caches, without a host synchronisation.
+
+[Note: tables on the device without a sync]
+``torch.tensor(values, device="cuda")`` copies from pageable host memory: the host waits for
+the device queue to drain, once per new key. A key can first appear mid-training (DDP rebuilds
+its buckets after the first step, a new split comes with them), and one such wait stalls the
+overlap of that step (the no-host-wait GPU tests caught it). The values go through pinned
+memory instead, copied asynchronously on the current stream; the caching host allocator keeps
+the pinned block until the copy has run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+__all__ = ["on_device"]
+
+
+def on_device(
+    values: Sequence[int | float] | float, *, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """``values`` (a sequence: 1-D; one number: 0-d) as a tensor on ``device``, with no host wait
+    ([Note: tables on the device without a sync])."""
+    host = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)

@@ -318,7 +318,7 @@ def test_gpu_encode_rows_matches_encode_per_row():
 
 
 @pytest.mark.parametrize("had", HADAMARD, ids=["plain", "h16", "h32-signs"])
-@pytest.mark.parametrize("n", [333, 4096 + 13])
+@pytest.mark.parametrize("n", [333, 3 * 4096 + 13])  # (the longer: a tile inside one run)
 def test_decode_sum_finish_one_launch_matches_the_steps(had, n):
     """Own chunk + the decoded peers, divided by 3, cast to bf16 and scattered to runs of a
     longer output (gaps between them kept), equals the reference's float32 copy, decode_sum

@@ -804,6 +804,7 @@ def decode_kernel(
         last = tl.minimum(first + ROWS * GPB * HB, numel) - 1
         run_first = _run_of(first, ends_ptr=runs_ptr, n_runs=n_runs, SEARCH=SEARCH)
         run_last = _run_of(last, ends_ptr=runs_ptr, n_runs=n_runs, SEARCH=SEARCH)
+        at = offs.to(tl.int64)  # (one type on both sides of the branch when compiled)
         if run_first == run_last:
             at = offs + tl.load(runs_ptr + n_runs + run_first)
         else:

@@ -466,12 +466,14 @@ def decode_sum_finish(
     runs: Sequence[tuple[int, int]] | None = None,
     backend: Backend = "auto",
 ) -> None:
-    """A reduce-scatter's receive side in one launch on the Triton backend: ``base`` (the rank's
-    own chunk) plus the sum of the decoded ``payloads`` in float32 (as :func:`decode_sum` with
-    ``accumulate=True``), divided by ``divisor`` (:func:`divide_into`), written in ``out``'s
-    dtype at the places ``runs`` name (``(start, length)`` of ``out``, in order, covering
-    ``numel`` elements: a policy split's compressed runs), or into ``out[:numel]``. Where the
-    reference takes a float32 copy, a decode, a division, a cast and a scatter.
+    """A reduce-scatter's receive side in one launch on the Triton backend (two for several
+    runs): ``base`` (the rank's own chunk) plus the sum of the decoded ``payloads`` in float32
+    (as :func:`decode_sum` with ``accumulate=True``), divided by ``divisor``
+    (:func:`divide_into`), written in ``out``'s dtype at the places ``runs`` name (``(start,
+    length)`` of ``out``, in order, covering ``numel`` elements: a policy split's compressed
+    runs; several are copied from a temporary in one ``_foreach_copy_``), or into
+    ``out[:numel]``. Where the reference takes a float32 copy, a decode, a division, a cast
+    and the copy.
 
     Args:
         payloads: uint8 ``[k, spec.payload_bytes(numel)]`` (rows may be strided).
@@ -508,10 +510,12 @@ def decode_sum_finish(
     if numel == 0:
         return
     if _resolve(backend, p.device) == "triton":
-        table = None if runs is None else _runs_table(tuple(runs), p.device)
-        _launch().decode_sum_finish(
-            p, numel=numel, spec=spec, base=base, out=out, divisor=divisor, runs=table
-        )
+        # contiguous into out's one run (or a temporary the runs are copied from, one launch)
+        (start, _), *more = places
+        flat = out[start : start + numel] if not more else torch.empty_like(out[:numel])
+        _launch().decode_sum_finish(p, numel=numel, spec=spec, base=base, out=flat, divisor=divisor)
+        if more:
+            torch._foreach_copy_([out[s : s + n] for s, n in places], list(flat.split(lengths)))
         return
     acc = base.to(torch.float32, copy=True)
     _decode_into(p, numel, spec, acc, accumulate=True, backend="reference")
@@ -533,18 +537,6 @@ def divide_into(out: torch.Tensor, acc: torch.Tensor, divisor: int) -> None:
 def _scalar(value: float, device: torch.device) -> torch.Tensor:
     """A float32 0-d tensor on ``device``, copied there once per value."""
     return on_device(value, dtype=torch.float32, device=device)
-
-
-@functools.lru_cache(maxsize=4096)
-def _runs_table(runs: tuple[tuple[int, int], ...], device: torch.device) -> torch.Tensor:
-    """``decode_kernel``'s run table of ``(start, length)`` places: the cumulative ends of the
-    runs in the sum's order, then each run's shift (start minus its first offset in the sum)."""
-    ends, shifts, at = [], [], 0
-    for start, n in runs:
-        shifts.append(start - at)
-        at += n
-        ends.append(at)
-    return on_device(ends + shifts, dtype=torch.int64, device=device)
 
 
 def decode_rows(

@@ -724,8 +724,6 @@ def decode_kernel(
     pid_base,
     base_ptr,
     divisor,
-    runs_ptr,
-    n_runs,
     BITS: tl.constexpr,
     ROWS: tl.constexpr,
     GPB: tl.constexpr,
@@ -742,14 +740,12 @@ def decode_kernel(
     ALIGNED: tl.constexpr,
     HAS_BASE: tl.constexpr,
     DIVIDE: tl.constexpr,
-    SEARCH: tl.constexpr,
     TAIL: tl.constexpr,
 ):
     """The float32 sum of K payloads (``ACCUMULATE``: onto ``out``; ``HAS_BASE``: onto the
-    values at ``base_ptr``), divided by ``divisor`` (``DIVIDE``, IEEE), cast to ``out``'s dtype
-    and stored at the element's place: its offset, or with ``SEARCH`` (> 0) its offset moved
-    by its run's shift (``runs_ptr``: ``n_runs`` cumulative run ends, then ``n_runs`` shifts),
-    so a reduce-scatter writes its compressed runs straight into a policy split's chunk."""
+    values at ``base_ptr``), divided by ``divisor`` (``DIVIDE``, IEEE), cast to ``out``'s
+    dtype. (Stores stay contiguous: a scatter to a policy split's runs inside the kernel, by a
+    search of the runs per tile, made the reduce-scatter's decode 4-7x slower on 2x H200.)"""
     # grid axis 1: independent rows (decode_rows), each its own payload and output
     row = tl.program_id(1).to(tl.int64)
     in_ptr = in_ptr + row * row_stride
@@ -795,25 +791,10 @@ def decode_kernel(
     if DIVIDE:
         acc = tl.math.div_rn(acc, divisor)
     acc = _cast_out(acc, DTYPE=out_ptr.dtype.element_ty, INTERPRET=INTERPRET)
-    at = offs
-    if SEARCH > 0:
-        # a tile inside one run moves by that run's shift (two scalar searches); only a tile
-        # across runs searches per element (the per-element search and its gathered loads made
-        # every decode ~5x slower, 2x H200)
-        first = (tl.program_id(0) + pid_base).to(tl.int64) * (ROWS * GPB * HB)
-        last = tl.minimum(first + ROWS * GPB * HB, numel) - 1
-        run_first = _run_of(first, ends_ptr=runs_ptr, n_runs=n_runs, SEARCH=SEARCH)
-        run_last = _run_of(last, ends_ptr=runs_ptr, n_runs=n_runs, SEARCH=SEARCH)
-        at = offs.to(tl.int64)  # (one type on both sides of the branch when compiled)
-        if run_first == run_last:
-            at = offs + tl.load(runs_ptr + n_runs + run_first)
-        else:
-            run = _run_of(offs, ends_ptr=runs_ptr, n_runs=n_runs, SEARCH=SEARCH)
-            at = offs + tl.load(runs_ptr + n_runs + run, mask=run < n_runs, other=0)
     if TAIL:
-        tl.store(out_ptr + at, acc, mask=mask)
+        tl.store(out_ptr + offs, acc, mask=mask)
     else:
-        tl.store(out_ptr + at, acc)
+        tl.store(out_ptr + offs, acc)
 
 
 @triton.jit(do_not_specialize=["key0", "key1", "rng_stream", "step"])

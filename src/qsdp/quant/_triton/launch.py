@@ -281,11 +281,8 @@ def decode(
         ALIGNED=_aligned(payloads, spec, payloads.stride(0)),
         base_ptr=out,
         divisor=1.0,
-        runs_ptr=out,
-        n_runs=0,
         HAS_BASE=False,
         DIVIDE=False,
-        SEARCH=0,
     )
 
 
@@ -297,16 +294,13 @@ def decode_sum_finish(
     base: torch.Tensor,
     out: torch.Tensor,
     divisor: float | None,
-    runs: torch.Tensor | None,
 ) -> None:
-    """One launch (two with a tail): ``out`` at each element's place (``runs``: the table of
-    ``decode_kernel``'s ``runs_ptr``, None for in order) gets ``(base + sum of the decoded
-    rows of payloads) / divisor`` in ``out``'s dtype."""
+    """One launch (two with a tail): ``out`` (``numel`` contiguous elements) gets ``(base +
+    sum of the decoded rows of payloads) / divisor`` in ``out``'s dtype."""
     if numel == 0:
         return
     c = _consts(spec, rotate=True, block=_BLOCK)
     n_groups = spec.num_groups(numel)
-    n_runs = 0 if runs is None else runs.numel() // 2
     _launch(
         K.decode_kernel,
         tile_numel=c.tile_numel,
@@ -331,11 +325,8 @@ def decode_sum_finish(
         ALIGNED=_aligned(payloads, spec, payloads.stride(0)),
         base_ptr=base,
         divisor=1.0 if divisor is None else float(divisor),
-        runs_ptr=out if runs is None else runs,
-        n_runs=n_runs,
         HAS_BASE=True,
         DIVIDE=divisor is not None,
-        SEARCH=n_runs.bit_length() if runs is not None else 0,
     )
 
 

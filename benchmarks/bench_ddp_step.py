@@ -117,7 +117,9 @@ def run_variant(name: str, a, cfg, device: torch.device, rank: int) -> dict:
         group = variants.group_size(options)
         if group:  # +gN: gradients in groups of N
             config = variants.with_group_size(config, group)
-        schedule = qsdp.Schedule(staleness=int("s1" in options), pipeline="pipe" in options)
+        schedule = qsdp.Schedule(
+            staleness=int("s1" in options), pipeline="pipe" in options, start=0
+        )
         qsdp_state = qsdp.ddp.register(
             model, config, schedule=schedule, error_feedback="ef" in options
         )

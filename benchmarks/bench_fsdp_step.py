@@ -189,6 +189,7 @@ def build(
         staleness=int("s1" in options),
         own_reduce_group="own" in options,
         pipeline="pipe" in options,
+        start=0,  # (a few timed steps: the delayed schedule from the first)
     )
     if group:
         config = variants.with_group_size(config, group)

@@ -356,6 +356,12 @@ class Schedule:
     gathered again in the backward (``QuantizedWeights``, ``QuantizedMaster``: 4x H200 over
     sockets 0.983 s against 1.217 s per step of the 1.42 B GPT with ``qsdp-w8g8``; on NVLink
     5% slower, where ``auto`` keeps compression off). Staleness 1 always does it."""
+    start: int | str = "auto"
+    """Staleness 1: when the delayed schedule starts. ``"auto"`` (default): the first
+    backwards run synchronously until the gradient norm has settled, then the delayed schedule
+    starts ([Note: when staleness 1 starts] in ``qsdp.runtime.stale_start``); an int ``k``: after
+    ``k`` synchronous backwards, ``0`` from the first. The backward that starts it applies
+    nothing (``applied_nothing``)."""
     pipeline: bool = False
     """Compressed HSDP (``replicate=``) and DDP: the compressed all-reduce's later exchange
     (CGX's phase 2, Global-QSGD's SUM) on a second communicator and the hooks on two
@@ -367,6 +373,18 @@ class Schedule:
             raise ValueError(
                 f"Schedule.staleness={self.staleness!r} must be 0 (synchronous) or 1 (apply the "
                 "previous step's gradient while this step's reduction overlaps the next step)"
+            )
+        if self.start != "auto" and (
+            isinstance(self.start, bool) or not isinstance(self.start, int) or self.start < 0
+        ):
+            raise ValueError(
+                f"Schedule.start={self.start!r} must be 'auto' (synchronous until the gradient "
+                "norm settles) or the number of synchronous steps first (0: delayed from the start)"
+            )
+        if self.start not in ("auto", 0) and not self.staleness:
+            raise ValueError(
+                f"Schedule.start={self.start!r} is when staleness 1 starts; with staleness=0 "
+                "every step is synchronous: drop start, or set staleness=1"
             )
         if self.own_reduce_group is not None and not isinstance(self.own_reduce_group, bool):
             raise TypeError(

@@ -117,10 +117,11 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--stale-after",
-        type=int,
-        default=0,
+        type=_stale_after,
+        default="auto",
         help="--staleness 1 from this step on; the steps before are synchronous (the delay "
-        "costs most early in training)",
+        "costs most early in training); auto (default): once the gradient norm has settled; "
+        "0: from the first step",
     )
     p.add_argument(
         "--predict",
@@ -336,3 +337,13 @@ def main(argv: list[str] | None = None) -> dict:
             traceback.print_exc()
         where = f" (rank {os.environ['RANK']})" if under_torchrun() else ""
         sys.exit(f"qsdp train: {_describe(e)}{where}")
+
+
+def _stale_after(text: str) -> int | str:
+    """``--stale-after``: ``auto`` or a step."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither auto nor a step number") from None

@@ -139,10 +139,11 @@ class TrainConfig:
     next step (the first step applies nothing and skips its optimizer step; the last gradient is
     applied by one more optimizer step at the end, with the last step's learning rate and
     clipping). See [Note: one staleness core] in ``qsdp.runtime.delayed``."""
-    stale_after: int = 0
+    stale_after: int | str = "auto"
     """Staleness 1 only from this step on: the steps before reduce and apply at once (the
-    pipeline's ``synchronous()``), the first stale step applies nothing. The delay costs most at
-    the end of the warm-up, but starting it later does not remove its cost (docs/results.md)."""
+    pipeline's ``synchronous()``), the first stale step applies nothing; ``"auto"`` (default):
+    qsdp starts it once the gradient norm has settled (``Schedule(start="auto")``, [Note: when
+    staleness 1 starts] in ``qsdp.runtime.stale_start``); ``0``: from the first step."""
     predict: str | None = None
     """Staleness 1: where each step's gradient is computed ([Note: weight prediction]):
     ``local``, AdamW's next step with each rank's own gradient of the step in flight (under
@@ -227,9 +228,14 @@ class TrainConfig:
             )
         if self.staleness not in (0, 1):
             raise ValueError(f"--staleness must be 0 or 1, got {self.staleness}")
-        if self.stale_after and (not self.staleness or not 0 < self.stale_after < self.steps):
+        if self.stale_after != "auto" and (
+            isinstance(self.stale_after, bool)
+            or not isinstance(self.stale_after, int)
+            or (self.stale_after and (not self.staleness or not 0 < self.stale_after < self.steps))
+        ):
             raise ValueError(
-                f"--stale-after={self.stale_after} needs --staleness 1 and a step in (0, --steps)"
+                f"--stale-after={self.stale_after} must be 'auto', 0 (from the first step) or, "
+                "with --staleness 1, a step in (0, --steps)"
             )
         if self.predict is None:  # the best that applies (frozen: set once, here)
             best = "local" if self.staleness else "last"
@@ -329,7 +335,11 @@ class TrainConfig:
 
     def schedule(self) -> Schedule:
         """When the collectives run: ``--staleness``, ``--pipeline``."""
-        return Schedule(staleness=self.staleness, pipeline=self.pipeline)
+        if not self.staleness:
+            return Schedule(pipeline=self.pipeline)
+        # an explicit --stale-after: this loop runs the steps before it synchronous()
+        start = "auto" if self.stale_after == "auto" else 0
+        return Schedule(staleness=self.staleness, pipeline=self.pipeline, start=start)
 
     def compression(self) -> CompressionConfig | str:
         """The recipe with this run's overrides (adaptive widths, group size); ``"auto"`` is
@@ -713,13 +723,15 @@ def _train_rank(
         )
 
     last: dict = {}
+    announced = False  # (rank 0 said when staleness 1 started)
     interrupted = cut = False
     try:
         end = cfg.steps if cfg.stop_at is None else max(start, cfg.stop_at)
         for step in range(start, end):
             # after the staleness gate fired, one step reduces and applies at once
             # (and through --stale-after's first steps)
-            sync_step = bool(sync_next) or bool(cfg.staleness and step < cfg.stale_after)
+            after = 0 if cfg.stale_after == "auto" else cfg.stale_after
+            sync_step = bool(sync_next) or bool(cfg.staleness and step < after)
             sync_next = False
             # [Note: the delayed gradient's learning rate]
             lr = _set_lr(
@@ -771,6 +783,15 @@ def _train_rank(
             if applies:
                 opt.step()
             opt.zero_grad(set_to_none=True)
+            if cfg.staleness and rank == 0 and not announced:
+                since = par.state.delayed_since
+                if since is not None and since > 0:  # (Schedule(start="auto") decided)
+                    print(
+                        f"qsdp train: staleness 1 started at step {step} after {since} "
+                        "synchronous steps (the gradient norm settled)",
+                        flush=True,
+                    )
+                announced = since is not None
             if gate is not None and applies and not sync_step:
                 if gate.check(grad_norm=norm, lr=lr, clip=cfg.grad_clip):
                     # the same verdict on every rank (the norm is of the reduced gradient):

@@ -90,7 +90,7 @@ def _stale_vs_by_hand(rank: int, world: int) -> None:
             nn.Embedding(512, D), nn.Flatten(), nn.Linear(4 * D, D), nn.GELU(), nn.Linear(D, 512)
         ).to(dev)
         ddp = DDP(model, device_ids=[dev.index], bucket_cap_mb=0.25)
-        hook = qsdp.ddp.register(ddp, "cgx", schedule=qsdp.Schedule(staleness=staleness))
+        hook = qsdp.ddp.register(ddp, "cgx", schedule=qsdp.Schedule(staleness=staleness, start=0))
         return ddp, hook, torch.optim.AdamW(ddp.parameters(), lr=3e-3)
 
     def loss(ddp, step):
@@ -125,7 +125,7 @@ def _local_estimates_on_nccl(rank: int, world: int) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Embedding(512, D), nn.Flatten(), nn.Linear(4 * D, 512)).to(dev)
     ddp = DDP(model, device_ids=[dev.index], bucket_cap_mb=0.25)
-    hook = qsdp.ddp.register(ddp, "bf16", schedule=qsdp.Schedule(staleness=1))
+    hook = qsdp.ddp.register(ddp, "bf16", schedule=qsdp.Schedule(staleness=1, start=0))
     opt = torch.optim.AdamW(ddp.parameters(), lr=3e-3)
     qsdp.WeightPrediction(opt, local=hook)  # the hook keeps the estimates from now on
     x = torch.randint(0, 512, (32, 4), generator=torch.Generator().manual_seed(7)).to(dev)
@@ -189,7 +189,7 @@ def _backward_syncs(rank: int, world: int) -> dict[str, str]:
         "cgx+ef": ("cgx", {}, True),
         "global-qsgd": ("global-qsgd", {}, False),
         "qsdp-g8": ("qsdp-g8", {}, False),
-        "cgx+s1": ("cgx", {"staleness": 1}, False),  # (the Schedule's fields)
+        "cgx+s1": ("cgx", {"staleness": 1, "start": 0}, False),  # (the Schedule's fields)
         "cgx+pipeline": ("cgx", {}, "pipeline"),
         "global-qsgd+pipeline": ("global-qsgd", {}, "pipeline"),
     }
@@ -286,7 +286,7 @@ def _pool_streams_taken(rank: int, world: int) -> dict[str, int]:
         state = None
         if name != "ddp":
             schedule = qsdp.Schedule(
-                staleness=1 if option == ["s1"] else 0, pipeline=option == ["pipeline"]
+                staleness=1 if option == ["s1"] else 0, pipeline=option == ["pipeline"], start=0
             )
             state = qsdp.ddp.register(ddp, name, schedule=schedule)
         x = torch.randn(64, D, device=dev)

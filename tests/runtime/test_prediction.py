@@ -113,7 +113,7 @@ def _stale_fsdp(world: int, recipe: str):
     for i in (2, 5):
         fully_shard(model[i], mesh=mesh)
     fully_shard(model, mesh=mesh)
-    qsdp.compress_fsdp(model, recipe, schedule=qsdp.Schedule(staleness=1))
+    qsdp.compress_fsdp(model, recipe, schedule=qsdp.Schedule(staleness=1, start=0))
     return model, qsdp.fsdp.comm_state(model), torch.optim.AdamW(model.parameters(), lr=1e-2)
 
 
@@ -296,7 +296,7 @@ def _two_level_estimates(rank: int, world: int) -> dict:
     for i in (2, 5):
         fully_shard(model[i])
     fully_shard(model)
-    qsdp.compress_fsdp(model, "sdp4bit", mesh=mesh, schedule=qsdp.Schedule(staleness=1))
+    qsdp.compress_fsdp(model, "sdp4bit", mesh=mesh, schedule=qsdp.Schedule(staleness=1, start=0))
     state, opt, predict, grads, estimates = _first_stale_step(model, rank, world)
     node, per_node = rank // (world // 2), world // 2
     errors = {}
@@ -340,7 +340,7 @@ def _hsdp_estimates(rank: int, world: int) -> dict:
     for i in (2, 5):
         fully_shard(model[i], mesh=mesh["shard"])
     fully_shard(model, mesh=mesh["shard"])
-    stale = qsdp.Schedule(staleness=1)
+    stale = qsdp.Schedule(staleness=1, start=0)
     qsdp.compress_fsdp(model, "cgx", replicate=mesh["replicate"], schedule=stale)
     state, opt, predict, grads, estimates = _first_stale_step(model, rank, world)
     node, shard, per_node = rank // (world // 2), rank % (world // 2), world // 2
@@ -381,7 +381,7 @@ def _ddp_estimates(rank: int, world: int) -> list[torch.Tensor]:
     """DDP at staleness 1: each rank's estimate is its own whole gradient; the replicas
     predict apart and are identical again after the backward."""
     ddp = DDP(classifier(), bucket_cap_mb=0.001)  # several buckets
-    hook = qsdp.ddp.register(ddp, "cgx", schedule=qsdp.Schedule(staleness=1))
+    hook = qsdp.ddp.register(ddp, "cgx", schedule=qsdp.Schedule(staleness=1, start=0))
     opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
     predict = WeightPrediction(opt, local=hook)
     assert hook.local_gradients() == {}

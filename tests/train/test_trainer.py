@@ -44,6 +44,8 @@ def _cfg(out: Path, recipe: str, **kw) -> TrainConfig:
         progress=False,
         tensorboard=False,
     )
+    if kw.get("staleness") and "stale_after" not in kw:
+        kw["stale_after"] = 0  # (short runs of the delayed schedule itself, from the first step)
     return TrainConfig(out=str(out), recipe=recipe, **(base | kw))
 
 
@@ -497,7 +499,8 @@ def test_schedule_warms_up_then_decays_to_the_floor():
         ({"recipe": "cgx", "adaptive_every": 0}, "--adaptive-every must be positive"),
         ({"recipe": "auto", "staleness": 1}, "--recipe auto picks a recipe"),
         ({"staleness": 1, "stale_bound": -1.0}, "a positive bound"),
-        ({"stale_after": 5}, "--stale-after=5 needs --staleness 1"),
+        ({"stale_after": 5}, "--stale-after=5 must be 'auto', 0 (from the first step) or, with"),
+        ({"staleness": 1, "stale_after": "soon"}, "--stale-after=soon must be 'auto'"),
         ({"predict": "none"}, "--predict none is for --staleness 1"),
         ({"predict": "ahead"}, "--predict must be one of"),
         ({"staleness": 1, "stale_after": 200}, "a step in (0, --steps)"),

@@ -143,7 +143,7 @@ class DDPCompression:
         """Staleness 1: the reductions in flight ([Note: staleness 1 under DDP])."""
         if schedule.staleness:  # each rank's local estimates (its own gradient) differ
             tag = f"rank{dist.get_rank(group)}"
-            self.stale = DelayedReductions(params, local_tag=tag, owner=self)
+            self.stale = DelayedReductions(params, local_tag=tag, owner=self, start=schedule.start)
         self._drained = _BucketReport()
         self._drained.where = "the drained gradients"
         self.widths: WidthController | None = None
@@ -166,6 +166,12 @@ class DDPCompression:
         return self.stale is not None and self.stale.applied_nothing
 
     @property
+    def delayed_since(self) -> int | None:
+        """Staleness 1: the synchronous backwards before the delayed schedule started, None
+        while it has not (``Schedule.start``). None at staleness 0."""
+        return None if self.stale is None else self.stale.start.started_at
+
+    @property
     def in_flight(self) -> bool:
         """Staleness 1: a reduction is in flight, to be applied by the next backward (whose
         gradient :class:`qsdp.runtime.WeightPrediction` may then compute ahead)."""
@@ -175,7 +181,7 @@ class DDPCompression:
     def reduce(self, bucket: dist.GradBucket) -> torch.futures.Future:
         """All-reduce one bucket (average); the future yields the bucket's buffer."""
         tensor = bucket.buffer()
-        if self.stale is not None and not self.stale.synchronous:
+        if self.stale is not None and not self.stale.reduce_now:
             return self._reduce_stale(bucket, tensor)  # [Note: staleness 1 under DDP]
         if not tensor.is_cuda:
             return self._reduce(bucket, tensor)
@@ -211,12 +217,15 @@ class DDPCompression:
         """Synchronous: all-reduce the bucket in place."""
         params = bucket.parameters()
         index, step, split = self._prepare(bucket, tensor, params)
-        if self.stale is not None:  # inside synchronous()
+        if self.stale is not None:  # inside synchronous(), or before staleness 1 starts
             self.stale.check_synchronous(packed_slots(params))
         feedback = self._feedback(tensor)
         work = self._all_reduce(tensor, split, step, index, feedback=feedback, async_op=True)
         self._keep_residuals(params, feedback)
-        return self._checked(work.get_future(), tensor, params, index)
+        done = self._checked(work.get_future(), tensor, params, index)
+        if self.stale is not None:  # the same on every replica (a future of it on gloo)
+            self.stale.reduced_now(tensor if tensor.is_cuda else done, self.group)
+        return done
 
     def _reduce_stale(self, bucket: dist.GradBucket, tensor: torch.Tensor) -> torch.futures.Future:
         """Staleness 1: hand DDP the previous step's result of the bucket's parameters and start

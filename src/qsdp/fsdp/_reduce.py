@@ -231,7 +231,7 @@ class QuantizedReduceScatter(_Reduction, _Hook, ReduceScatter):
         group: dist.ProcessGroup,
         op: dist.ReduceOp,
     ) -> None:
-        if self.stale is not None and self.stale.synchronous:
+        if self.stale is not None and self.stale.reduce_now:
             self.stale.check_synchronous(self.slots)
         elif self.stale is not None:  # [Note: one staleness core]
             self._apply_previous(output_tensor, group)
@@ -311,4 +311,6 @@ class QuantizedReduceScatter(_Reduction, _Hook, ReduceScatter):
                     [output_tensor.view(-1)[s : s + n] for s, n in runs],
                     list(part_out.split([n for _, n in runs])),
                 )
+        if self.stale is not None:  # before staleness 1 starts ([Note: when staleness 1 starts])
+            self.stale.reduced_now(output_tensor, group)
         return None

@@ -91,7 +91,7 @@ class ReplicateAllReduce(_Reduction):
             flat = reduce_output.view(-1)
             if flat.is_cuda:  # [Note: the reduce-dtype buffer outlives the hook]
                 reduce_output.record_stream(torch.cuda.current_stream(flat.device))
-            if self.stale is not None and self.stale.synchronous:
+            if self.stale is not None and self.stale.reduce_now:
                 self.stale.check_synchronous(self.slots)
             elif self.stale is not None:  # [Note: one staleness core] in qsdp.runtime.delayed
                 send = flat.clone()
@@ -145,6 +145,8 @@ class ReplicateAllReduce(_Reduction):
                 # and the replicate group, and acted on, when the backward ends
                 flags = (~torch.isfinite(flat)).any().reshape(1).to(torch.int32)
                 self._defer(flags, (self.shard, self.replicate))
+            if self.stale is not None:  # before staleness 1 starts: the same on the replicas
+                self.stale.reduced_now(flat, self.shard)
 
 
 class ReplicateCounter:

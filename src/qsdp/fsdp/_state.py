@@ -244,6 +244,14 @@ class CommState:
         stale = self._installed.stale
         return stale is not None and stale.in_flight
 
+    @property
+    def delayed_since(self) -> int | None:
+        """Staleness 1: the synchronous backwards before the delayed schedule started, None
+        while it has not (``Schedule.start``; [Note: when staleness 1 starts] in
+        ``qsdp.runtime.stale_start``). None at staleness 0."""
+        stale = self._installed.stale
+        return None if stale is None else stale.start.started_at
+
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         inst = self._installed
         if "recipe" in state:

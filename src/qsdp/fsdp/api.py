@@ -235,7 +235,9 @@ def _shared(
     if schedule.staleness:  # [Note: one staleness core] in qsdp.runtime.delayed
         # under compressed HSDP each replica's local estimates (the node's average) differ
         tag = f"replica{replicate.rank()}" if replicate is not None else ""
-        stale = DelayedReductions(dict(model.named_parameters()), local_tag=tag)
+        stale = DelayedReductions(
+            dict(model.named_parameters()), local_tag=tag, start=schedule.start
+        )
     twins = None
     if own and (schedule.staleness or replicate is None):
         # the reductions' own communicators (see Schedule.own_reduce_group)

@@ -50,9 +50,11 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import NamedTuple, Protocol, runtime_checkable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from .placement import like_param, local_of
+from .stale_start import StaleStart
 from .streams import SideStreams
 
 __all__ = ["AppliedCheck", "DelayedReductions", "Slot", "packed_slots", "padded_slots"]
@@ -142,6 +144,8 @@ class DelayedReductions:
         owner: what checks a drained result for NaN/Inf where :meth:`send` names no owner
             and no :meth:`register`-ed hook holds the parameter (DDP's hook, whose results are
             the same bits on every rank and need no agreement).
+        start: ``Schedule.start``: when the delayed schedule starts ([Note: when staleness 1
+            starts] in ``qsdp.runtime.stale_start``); before, the hooks reduce at once.
     """
 
     def __init__(
@@ -150,7 +154,10 @@ class DelayedReductions:
         *,
         local_tag: str = "",
         owner: AppliedCheck | None = None,
+        start: int | str = 0,
     ) -> None:
+        self.start = StaleStart(start)
+        """When the delayed schedule starts, and the synchronous backwards before it."""
         self.streams = SideStreams(2)
         """The side streams every delayed reduction runs on, two per device, alternating."""
         self._names = {n: p for n, p in params.items() if p.requires_grad}
@@ -180,6 +187,23 @@ class DelayedReductions:
         self._hooks.append((owner, list(slots), size))
 
     # --- in a backward ----------------------------------------------------------------------
+    @property
+    def reduce_now(self) -> bool:
+        """The hooks reduce and apply at once: inside ``synchronous()``, or before the delayed
+        schedule starts (then they hand their results to :meth:`reduced_now`)."""
+        return self.synchronous or not self.start.started
+
+    def reduced_now(
+        self,
+        result: torch.Tensor | torch.futures.Future,
+        group: dist.ProcessGroup | None,
+    ) -> None:
+        """A hook reduced at once (:attr:`reduce_now`): before the start, its ``result`` (the
+        same on the ranks that replicate it) is counted and measured (:class:`StaleStart`;
+        ``group``: the ranks whose results add up to the whole gradient)."""
+        if not self.start.started:
+            self.start.observe(result, group)
+
     @property
     def in_flight(self) -> bool:
         """A reduction is in flight: the next backward applies it."""
@@ -344,6 +368,7 @@ class DelayedReductions:
         """The results in flight, one tensor per parameter shaped and placed like it (float32;
         zeros where none is), and with :attr:`keep_local` this rank's estimates."""
         out = {"pending": torch.tensor([int(self.in_flight)])}
+        out.update({f"start.{k}": v for k, v in self.start.state_dict().items()})
         tag = f"{self.local_tag}." if self.local_tag else ""
         for name, p in self._names.items():
             out[f"pending.{name}"] = _saved(self._pending.get(id(p)), p)
@@ -355,6 +380,9 @@ class DelayedReductions:
         """Restore :meth:`state_dict`'s results in flight: a registered hook's laid out in one
         buffer as it sends them, any other parameter's in a buffer of its own."""
         self._pending, self._local, self._last = {}, {}, {}
+        self.start.load_state_dict(
+            {k[len("start.") :]: v for k, v in state.items() if k.startswith("start.")}
+        )
         self.applied_nothing = not int(state["pending"])
         if self.applied_nothing:
             return

@@ -152,29 +152,17 @@ def encode(
     numel = src.numel()
     if numel == 0:
         return
-    c = _consts(spec, rotate=rotate, block=_BLOCK)
-    key0, key1 = _key(seed)
-    n_groups = spec.num_groups(numel)
-    _launch(
-        K.encode_kernel,
-        tile_numel=c.tile_numel,
-        x_ptr=src,
-        ref_ptr=ref if ref is not None else src,
-        out_ptr=out,
-        signs_ptr=_signs_ptr(spec, src),
+    _encode_launch(
+        src,
+        spec=spec,
+        out=out,
         numel=numel,
-        scale_region=n_groups * spec.scale_bytes,
-        n_code_bytes=spec.code_bytes(numel),
-        n_groups=n_groups,
-        key0=key0,
-        key1=key1,
-        rng_stream=stream,
+        seed=seed,
         step=step,
-        inv_sqrt_h=c.inv_sqrt_h,
-        **c.tile,
-        **c.codes,
-        **c.quantize,
-        **c.rotation,
+        rotate=rotate,
+        grid_rows=1,
+        rng_stream=stream,
+        ref_ptr=ref if ref is not None else src,
         x_row_stride=0,
         out_row_stride=0,
         skip_row=0,
@@ -200,34 +188,20 @@ def encode_rows(
     but row ``skip`` (``k`` or more: none skipped), in order, into the rows of ``out``
     (``[k or k - 1, >= payload]`` uint8, unit column stride), row ``s`` with the noise stream
     ``streams[s]`` (int64 on the device)."""
-    numel = rows.shape[1]
-    slots = out.shape[0]
+    numel, slots = rows.shape[1], out.shape[0]
     if numel == 0 or slots == 0:
         return
-    c = _consts(spec, rotate=True, block=_BLOCK)
-    key0, key1 = _key(seed)
-    n_groups = spec.num_groups(numel)
-    _launch(
-        K.encode_kernel,
-        tile_numel=c.tile_numel,
-        grid_rows=slots,
-        x_ptr=rows,
-        ref_ptr=rows,
-        out_ptr=out,
-        signs_ptr=_signs_ptr(spec, rows),
+    _encode_launch(
+        rows,
+        spec=spec,
+        out=out,
         numel=numel,
-        scale_region=n_groups * spec.scale_bytes,
-        n_code_bytes=spec.code_bytes(numel),
-        n_groups=n_groups,
-        key0=key0,
-        key1=key1,
-        rng_stream=0,
+        seed=seed,
         step=step,
-        inv_sqrt_h=c.inv_sqrt_h,
-        **c.tile,
-        **c.codes,
-        **c.quantize,
-        **c.rotation,
+        rotate=True,
+        grid_rows=slots,
+        rng_stream=0,
+        ref_ptr=rows,
         x_row_stride=rows.stride(0),
         out_row_stride=out.stride(0),
         skip_row=skip,
@@ -236,6 +210,46 @@ def encode_rows(
         BIG=_big(rows.shape[0] * rows.stride(0), slots * out.stride(0)),
         ALIGNED=_aligned(out, spec, out.stride(0)),
         MULTI=True,
+    )
+
+
+def _encode_launch(
+    x: torch.Tensor,
+    *,
+    spec: QuantSpec,
+    out: torch.Tensor,
+    numel: int,
+    seed: int,
+    step: int,
+    rotate: bool,
+    grid_rows: int,
+    **rows: object,
+) -> None:
+    """``encode_kernel`` over ``numel`` elements per row; ``rows``: the arguments that say
+    which rows (one, or ``MULTI``) and how they lie."""
+    c = _consts(spec, rotate=rotate, block=_BLOCK)
+    key0, key1 = _key(seed)
+    n_groups = spec.num_groups(numel)
+    _launch(
+        K.encode_kernel,
+        tile_numel=c.tile_numel,
+        grid_rows=grid_rows,
+        x_ptr=x,
+        out_ptr=out,
+        signs_ptr=_signs_ptr(spec, x),
+        numel=numel,
+        scale_region=n_groups * spec.scale_bytes,
+        n_code_bytes=spec.code_bytes(numel),
+        n_groups=n_groups,
+        key0=key0,
+        key1=key1,
+        step=step,
+        inv_sqrt_h=c.inv_sqrt_h,
+        **c.tile,
+        **c.codes,
+        **c.quantize,
+        **c.rotation,
+        **rows,
     )
 
 
@@ -251,34 +265,18 @@ def decode(
 ) -> None:
     """Sum of the decoded rows of ``payloads`` ([k, bytes] uint8) into (or onto) ``out``;
     with ``separate`` each row decodes into its own row of ``out`` ([k, numel]), one launch."""
-    if numel == 0:
-        return
-    c = _consts(spec, rotate=rotate, block=_BLOCK)
     k = payloads.shape[0]
-    n_groups = spec.num_groups(numel)
-    _launch(
-        K.decode_kernel,
-        tile_numel=c.tile_numel,
-        grid_rows=k if separate else 1,
-        in_ptr=payloads,
-        chunk_stride=payloads.stride(0),
-        out_ptr=out,
-        signs_ptr=_signs_ptr(spec, out),
+    _decode_launch(
+        payloads,
         numel=numel,
-        scale_region=n_groups * spec.scale_bytes,
-        n_code_bytes=spec.code_bytes(numel),
-        n_groups=n_groups,
-        inv_sqrt_h=c.inv_sqrt_h,
+        spec=spec,
+        out=out,
+        rotate=rotate,
+        grid_rows=k if separate else 1,
         row_stride=payloads.stride(0) if separate else 0,
         out_row_stride=out.stride(0) if separate else 0,
-        **c.tile,
-        **c.codes,
-        **c.rotation,
         K=1 if separate else k,
         ACCUMULATE=accumulate,
-        BIG=_big(numel, payloads.numel(), out.numel()),
-        INTERPRET=_interpret(),
-        ALIGNED=_aligned(payloads, spec, payloads.stride(0)),
         base_ptr=out,
         divisor=1.0,
         HAS_BASE=False,
@@ -297,13 +295,44 @@ def decode_sum_finish(
 ) -> None:
     """One launch (two with a tail): ``out`` (``numel`` contiguous elements) gets ``(base +
     sum of the decoded rows of payloads) / divisor`` in ``out``'s dtype."""
+    _decode_launch(
+        payloads,
+        numel=numel,
+        spec=spec,
+        out=out,
+        rotate=True,
+        grid_rows=1,
+        row_stride=0,
+        out_row_stride=0,
+        K=payloads.shape[0],
+        ACCUMULATE=False,
+        base_ptr=base,
+        divisor=1.0 if divisor is None else float(divisor),
+        HAS_BASE=True,
+        DIVIDE=divisor is not None,
+    )
+
+
+def _decode_launch(
+    payloads: torch.Tensor,
+    *,
+    numel: int,
+    spec: QuantSpec,
+    out: torch.Tensor,
+    rotate: bool,
+    grid_rows: int,
+    **how: object,
+) -> None:
+    """``decode_kernel`` over ``numel`` elements; ``how``: the rows and what the sum goes
+    onto (``ACCUMULATE``, ``HAS_BASE``), and the division."""
     if numel == 0:
         return
-    c = _consts(spec, rotate=True, block=_BLOCK)
+    c = _consts(spec, rotate=rotate, block=_BLOCK)
     n_groups = spec.num_groups(numel)
     _launch(
         K.decode_kernel,
         tile_numel=c.tile_numel,
+        grid_rows=grid_rows,
         in_ptr=payloads,
         chunk_stride=payloads.stride(0),
         out_ptr=out,
@@ -313,20 +342,13 @@ def decode_sum_finish(
         n_code_bytes=spec.code_bytes(numel),
         n_groups=n_groups,
         inv_sqrt_h=c.inv_sqrt_h,
-        row_stride=0,
-        out_row_stride=0,
         **c.tile,
         **c.codes,
         **c.rotation,
-        K=payloads.shape[0],
-        ACCUMULATE=False,
         BIG=_big(numel, payloads.numel(), out.numel()),
         INTERPRET=_interpret(),
         ALIGNED=_aligned(payloads, spec, payloads.stride(0)),
-        base_ptr=base,
-        divisor=1.0 if divisor is None else float(divisor),
-        HAS_BASE=True,
-        DIVIDE=divisor is not None,
+        **how,
     )
 
 

@@ -175,15 +175,21 @@ def _fused_stages(
     """A policy split's all-gather: ``[codes | raw bytes]`` rows in one ``torch.distributed``
     call, decoded and put back in place (``input`` may alias ``output``: it is read into the send
     buffer before anything is written)."""
-    comp, raw = split.views(input.reshape(1, -1))  # read before the exchange, never written
-    comp, raw = comp.reshape(-1), raw.reshape(-1)
-    raw_bytes = raw.numel() * raw.element_size()
-    at, row = fused_row(spec, comp.numel(), raw_bytes)
+    rows = input.reshape(1, -1)  # read before the exchange, never written
+    raw_bytes = split.n_raw * input.element_size()
+    at, row = fused_row(spec, split.n_comp, raw_bytes)
     send = torch.zeros(row, dtype=torch.uint8, device=input.device)
-    nbytes = spec.payload_bytes(comp.numel())
+    nbytes = spec.payload_bytes(split.n_comp)
     # the row's parts as views, cut once per call ([Note: a split's plan] in _split.py)
     parts = [nbytes, at - nbytes, raw_bytes, row - at - raw_bytes]
     codes, _, raw_slot, _ = send.split(parts)
+    if split.one_run_each:  # views of the input: the raw run copied into its slot
+        comp, raw = (part.reshape(-1) for part in split.views(rows))
+        raw_slot.copy_(raw.view(torch.uint8))
+    else:  # the raw runs gathered straight into their slot (16-byte aligned: a float view)
+        comp = split.take_part(rows, compressed=True).reshape(-1)
+        raw = raw_slot.view(input.dtype)
+        split.take_part(rows, compressed=False, out=raw.view(1, -1))
     enc_spec = spec.propagating()
     if comp.numel():
         encode(
@@ -195,7 +201,6 @@ def _fused_stages(
             backend=backend,
             stream=C.noise_stream(C.noise_rank(pg), 0, bucket=bucket, hop=hop),
         )
-    raw_slot.copy_(raw.view(torch.uint8))
     if enc_spec is not spec:  # every rank agrees before anything is exchanged
         bad = flagged_groups(codes, comp.numel(), spec) + (~torch.isfinite(raw)).sum()
         C.agree_finite(bad, [pg], stats, name)

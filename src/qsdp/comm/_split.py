@@ -105,13 +105,16 @@ class Split:
         ``split_with_sizes`` (one op for all the views), not by a slice per run."""
         lengths, comp, raw = self._plan
         pieces = rows.split(lengths, dim=1)
-        out = []
-        for indices in (comp, raw):
-            if not indices:
-                out.append(rows.new_empty((rows.shape[0], 0)))
-            else:
-                out.append(torch.cat([pieces[i] for i in indices], dim=1))
-        return out[0], out[1]
+        return _cat(rows, pieces, comp), _cat(rows, pieces, raw)
+
+    def take_part(
+        self, rows: torch.Tensor, *, compressed: bool, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """One part of :meth:`take`: ``rows``' compressed (or raw) runs as a contiguous
+        ``[k, n_comp]`` (``[k, n_raw]``) copy, written into ``out`` when given (a slot of a
+        send buffer: no temporary and no second copy)."""
+        lengths, comp, raw = self._plan
+        return _cat(rows, rows.split(lengths, dim=1), comp if compressed else raw, out)
 
     @property
     def one_run_each(self) -> bool:
@@ -154,6 +157,18 @@ class Split:
         places = self.places(compressed=False)
         targets = [flat[s : s + n] for s, n in places]
         torch._foreach_copy_(targets, list(raw.split([n for _, n in places])))
+
+
+def _cat(
+    rows: torch.Tensor,
+    pieces: tuple[torch.Tensor, ...],
+    indices: tuple[int, ...],
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``pieces[indices]`` side by side (``[k, sum]``), into ``out`` when given."""
+    if not indices:
+        return rows.new_empty((rows.shape[0], 0)) if out is None else out
+    return torch.cat([pieces[i] for i in indices], dim=1, out=out)
 
 
 def fused_row(spec: QuantSpec, n_comp: int, raw_bytes: int) -> tuple[int, int]:

@@ -89,17 +89,15 @@ def counts(prof) -> dict:
     """What the host did in a profiled step, and the device's kernel time: qsdp's hook calls and
     their host time (scopes ``qsdp::...``), FSDP2's scopes' host time, kernel launches,
     allocations (``aten::empty*``), copies (``cudaMemcpyAsync``), views, every ``aten::`` op,
-    and the kernels' summed durations (ms, over all streams: overlapping streams add up).
+    and the kernels' summed durations (ms, over all streams: overlapping streams add up), NCCL's
+    apart (:func:`_kernel_ms`).
     The host's own time per step is measured without the profiler (``cpu_s_per_step``)."""
     ka = prof.key_averages()
 
     def n(*names: str) -> int:
         return sum(e.count for e in ka if e.key in names)
 
-    kernel_us = 0.0
-    for e in ka:
-        if str(getattr(e, "device_type", "")).endswith("CUDA"):
-            kernel_us += getattr(e, "self_device_time_total", 0.0)
+    kernel_ms, nccl_ms = _kernel_ms(ka)
     # (a record_function scope has a host record and, under CUDA, a device one of the same name)
     ours = [e for e in ka if e.key.startswith("qsdp::") and _on_host(e)]
     fsdp = [e for e in ka if e.key.startswith("FSDP::") and _on_host(e)]
@@ -113,8 +111,28 @@ def counts(prof) -> dict:
         "allocations": sum(e.count for e in ka if e.key.startswith("aten::empty")),
         "memcpy": n("cudaMemcpyAsync"),
         "views": n("aten::view", "aten::as_strided", "aten::slice", "aten::select"),
-        "kernel_ms": round(kernel_us / 1e3, 2),
+        "kernel_ms": kernel_ms,
+        "nccl_kernel_ms": nccl_ms,
     }
+
+
+def _kernel_ms(events) -> tuple[float, float]:
+    """The device time of the kernels that compute, and of NCCL's (ms, summed over streams).
+    Apart, because an NCCL kernel runs from its launch until its last peer arrived: its time is
+    mostly waiting, and summed with the others it moved with every change that moved the
+    waits (issue 32's traces, 2026-11-27)."""
+    compute = nccl = 0.0
+    for e in events:
+        if not str(getattr(e, "device_type", "")).endswith("CUDA"):
+            continue
+        us = getattr(e, "self_device_time_total", 0.0)
+        if e.key.startswith("nccl:"):  # the collective's annotation: its kernel's time again
+            continue
+        if e.key.startswith(("ncclDevKernel", "ncclKernel")):
+            nccl += us
+        else:
+            compute += us
+    return round(compute / 1e3, 2), round(nccl / 1e3, 2)
 
 
 def _on_host(event) -> bool:

@@ -3,6 +3,8 @@ profile whose scopes and ops are known."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 
 from .bench_scripts import load
@@ -29,3 +31,20 @@ def test_counts_and_scope_ops_name_each_hooks_ops():
     assert text.startswith("qsdp::reduce-scatter: 6 calls")
     assert "3 ops and 0 launches per call" in text
     assert "aten::empty 1.0" in text and "aten::copy_ 1.0" in text and "aten::add_ 1.0" in text
+
+
+def test_nccl_kernels_are_counted_apart_from_the_compute():
+    profiling = load("profiling")
+
+    def event(key, device, us):
+        return SimpleNamespace(key=key, device_type=device, self_device_time_total=us)
+
+    events = [
+        event("ncclDevKernel_AllGather_RING_LL(...)", "DeviceType.CUDA", 4000.0),
+        event("ncclDevKernel_SendRecv(...)", "DeviceType.CUDA", 1000.0),
+        event("nccl:all_to_all", "DeviceType.CUDA", 1000.0),  # (the same kernel's annotation)
+        event("decode_kernel", "DeviceType.CUDA", 1500.0),
+        event("aten::mm", "DeviceType.CUDA", 2500.0),
+        event("aten::mm", "DeviceType.CPU", 9000.0),  # a host record: not a kernel
+    ]
+    assert profiling._kernel_ms(events) == (4.0, 5.0)

@@ -197,6 +197,16 @@ def _returns(rank, ws, offset):
     return rank * 10 + ws + offset
 
 
+def test_run_distributed_reports_a_group_it_cannot_join():
+    """A failure to join the group (here a backend that does not exist) is reported as such,
+    after one fresh start ([Note: joining again]), and fn never runs."""
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="joining the process group failed") as info:
+        run_distributed(_returns, 2, 0, backend="no-such-backend", timeout_s=60)
+    assert "_returns failed on rank" in str(info.value)
+    assert time.monotonic() - start < 30
+
+
 def test_run_distributed_returns_per_rank_values():
     assert run_distributed(_returns, 3, 5) == [8, 18, 28]
 

@@ -331,4 +331,4 @@ def _fused_stages(output, input, split, call: _Call, *, lost=None, keep_own=True
         return
     raw_out = torch.empty(split.n_raw, dtype=output.dtype, device=output.device)
     C.finish_into(raw_out, acc_raw, op, n)
-    split.put_raw(output.view(-1), raw_out)
+    split.put(output.view(1, -1), None, raw_out.view(1, -1))

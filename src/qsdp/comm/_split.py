@@ -131,17 +131,19 @@ class Split:
             parts[c] = rows[:, start : start + n]
         return parts[True], parts[False]
 
-    def put(self, rows: torch.Tensor, comp: torch.Tensor, raw: torch.Tensor) -> None:
-        """Write ``comp`` (``[k, n_comp]``) and ``raw`` (``[k, n_raw]``) back into ``rows``."""
+    def put(self, rows: torch.Tensor, comp: torch.Tensor | None, raw: torch.Tensor | None) -> None:
+        """Write ``comp`` (``[k, n_comp]``) and ``raw`` (``[k, n_raw]``) back into ``rows``
+        (one ``_foreach_copy_``); a part given as None is left as it is."""
         lengths, comp_i, raw_i = self._plan
         dst = rows.split(lengths, dim=1)
-        src: list[torch.Tensor | None] = [None] * len(lengths)
+        targets, sources = [], []
         pairs = zip((comp_i, raw_i), (comp, raw), self._part_lengths, strict=True)
         for indices, part, sizes in pairs:
-            if indices:
+            if indices and part is not None:
                 for i, piece in zip(indices, part.split(sizes, 1), strict=True):
-                    src[i] = piece
-        torch._foreach_copy_(list(dst), src)
+                    targets.append(dst[i])
+                    sources.append(piece)
+        torch._foreach_copy_(targets, sources)
 
     def places(self, *, compressed: bool) -> tuple[tuple[int, int], ...]:
         """``(start, length)`` of the compressed (or raw) runs, in chunk order (cached)."""
@@ -150,13 +152,6 @@ class Split:
     @cached_property
     def _places(self) -> dict[bool, tuple[tuple[int, int], ...]]:
         return {c: tuple((s, n) for s, n, k in self.runs if k == c) for c in (True, False)}
-
-    def put_raw(self, flat: torch.Tensor, raw: torch.Tensor) -> None:
-        """Write ``raw`` (``n_raw`` values) into the raw runs of the 1-D ``flat`` chunk (one
-        ``_foreach_copy_``)."""
-        places = self.places(compressed=False)
-        targets = [flat[s : s + n] for s, n in places]
-        torch._foreach_copy_(targets, list(raw.split([n for _, n in places])))
 
 
 def _cat(

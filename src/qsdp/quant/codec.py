@@ -7,7 +7,6 @@ reference elsewhere. There is no silent fallback: a backend that cannot run rais
 
 from __future__ import annotations
 
-import functools
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -342,7 +341,7 @@ def encode_rows(
     for stream in streams:
         _check_rng(seed, step, stream)
     if _resolve(backend, rows.device) == "triton" and spec.nonfinite is NonFinite.PROPAGATE:
-        table = _stream_table(tuple(streams), rows.device)
+        table = on_device(tuple(streams), dtype=torch.int64, device=rows.device)
         _launch().encode_rows(
             rows,
             spec=spec,
@@ -365,12 +364,6 @@ def encode_rows(
             out=out[s, :nbytes],
             backend=backend,
         )
-
-
-@functools.lru_cache(maxsize=4096)
-def _stream_table(streams: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    """``streams`` on ``device``, copied there once per (rank, bucket, ...) key, not per call."""
-    return on_device(streams, dtype=torch.int64, device=device)
 
 
 def _payload_out(out: torch.Tensor | None, numel: int, spec: QuantSpec, device) -> torch.Tensor:
@@ -530,13 +523,7 @@ def divide_into(out: torch.Tensor, acc: torch.Tensor, divisor: int) -> None:
     as it writes ``out``: the average of every qsdp reduction. (Divided by a device scalar,
     not a Python number: CUDA's ``torch.div`` multiplies by the reciprocal of a host scalar,
     which is not the division the kernels compute.)"""
-    torch.div(acc, _scalar(float(divisor), acc.device), out=out)
-
-
-@functools.lru_cache(maxsize=256)
-def _scalar(value: float, device: torch.device) -> torch.Tensor:
-    """A float32 0-d tensor on ``device``, copied there once per value."""
-    return on_device(value, dtype=torch.float32, device=device)
+    torch.div(acc, on_device(float(divisor), dtype=torch.float32, device=acc.device), out=out)
 
 
 def decode_rows(

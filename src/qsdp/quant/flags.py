@@ -5,7 +5,7 @@ NaN/Inf check)."""
 
 from __future__ import annotations
 
-import functools
+import itertools
 from collections.abc import Sequence
 
 import torch
@@ -58,18 +58,9 @@ def run_flags(
     from ._triton import launch
 
     flags = torch.zeros(len(sizes), dtype=torch.int32, device=rows.device)
-    launch.run_flags(rows, ends=_ends(tuple(sizes), rows.device), flags=flags, limit=lim)
+    ends = on_device(tuple(itertools.accumulate(sizes)), dtype=torch.int64, device=rows.device)
+    launch.run_flags(rows, ends=ends, flags=flags, limit=lim)
     return flags
-
-
-@functools.lru_cache(maxsize=1024)
-def _ends(sizes: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    """The runs' cumulative ends on ``device``, copied there once per layout (not per call)."""
-    ends, at = [], 0
-    for n in sizes:
-        at += n
-        ends.append(at)
-    return on_device(ends, dtype=torch.int64, device=device)
 
 
 def _run_flags_reference(rows: torch.Tensor, sizes: Sequence[int], limit: float) -> torch.Tensor:

@@ -13,8 +13,14 @@ schedule starts once the norm has *settled*: the median of the last ``WINDOW`` b
 is within a factor ``SETTLED`` of the median of the ``WINDOW`` before (medians: a spike of one
 step moves neither). Early in training the norm falls (or, under a learning-rate warm-up, rises
 and falls) by orders of magnitude, and the criterion holds it synchronous through that; once the
-norm only wanders with the mini-batch noise, the delayed schedule starts. Every rank reads the
-same all-reduced norms and decides alike, so every rank starts at the same backward.
+norm only wanders with the mini-batch noise, the delayed schedule starts. Every rank of the
+group the norm is summed over (the reductions' own: FSDP2's shard group, DDP's group) reads the
+same norms and decides alike, so they start at the same backward. Never over the world
+([Note: agreement over the model's groups] in ``agreement.py``): so under tensor parallelism
+each TP rank's data-parallel group, and each pipeline stage, decides from its own parameters'
+norm and may start a backward or two apart from the others (the weights of one forward then
+differ in age by a step until both have started). Agreeing over those dimensions too is not
+done yet.
 
 The backward that starts the delayed schedule applies nothing (``applied_nothing``: skip its
 ``optimizer.step()``, as after a drain); each gradient is still applied exactly once, in order.

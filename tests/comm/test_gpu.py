@@ -118,3 +118,53 @@ def _worker(rank, ws):
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 or more GPUs")
 def test_collectives_on_nccl():
     run_distributed(_worker, min(4, torch.cuda.device_count()), backend="nccl", timeout_s=600)
+
+
+def _kernel_streams(prof, tmp: str) -> dict[str, set[int]]:
+    """Each kernel name's CUDA streams in a profile (its Chrome trace's ``args.stream``)."""
+    import json
+
+    prof.export_chrome_trace(tmp)
+    with open(tmp) as f:
+        events = json.load(f)["traceEvents"]
+    streams: dict[str, set[int]] = {}
+    for e in events:
+        if e.get("cat") == "kernel":
+            streams.setdefault(e["name"], set()).add(e["args"]["stream"])
+    return streams
+
+
+def _stream_worker(rank, ws, tmp):
+    """[Note: which stream an exchange runs on]: a synchronous collective's NCCL kernel runs
+    on the stream of its encode (the current one), an async one's on another."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    m = 4096 * 3 + 77
+    x = rank_tensor(rank, ws * m).to(dev)
+    shard = rank_tensor(rank, m).to(dev)
+    side = torch.cuda.Stream()
+    seen = {}
+    for mode in ("sync", "async"):
+        out = torch.empty(m, device=dev)
+        full = torch.empty(ws * m, device=dev)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            with torch.cuda.stream(side):
+                works = [
+                    qc.reduce_scatter(out, x, spec=M8, step=1, async_op=mode == "async"),
+                    qc.all_gather(full, shard, spec=W8, async_op=mode == "async"),
+                ]
+                for w in works:
+                    if w is not None:
+                        w.wait()
+            torch.cuda.synchronize()
+        streams = _kernel_streams(prof, f"{tmp}/trace_{rank}_{mode}.json")
+        encode = set().union(*(s for k, s in streams.items() if "encode" in k))
+        nccl = set().union(*(s for k, s in streams.items() if k.startswith("nccl")))
+        seen[mode] = (encode, nccl)
+    (enc_s, nccl_s), (enc_a, nccl_a) = seen["sync"], seen["async"]
+    assert len(enc_s) == 1 and nccl_s == enc_s, seen
+    assert len(enc_a) == 1 and not (nccl_a & enc_a), seen
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 or more GPUs")
+def test_sync_exchanges_run_on_the_current_stream(tmp_path):
+    run_distributed(_stream_worker, 2, str(tmp_path), backend="nccl", timeout_s=300)

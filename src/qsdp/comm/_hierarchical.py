@@ -448,6 +448,7 @@ class _Plan:
             self.intra,
             self.stats,
             _NAME,
+            own_stream=True,  # the pieces' hops overlap on the two groups' streams
         )
         return stack, work
 
@@ -509,7 +510,14 @@ class _Plan:
         recv = torch.empty_like(send)
         splits = [0 if j == me else nbytes for j in range(na)]
         return recv, C.all_to_all(
-            recv.view(-1), send.view(-1), splits, splits, self.inter, self.stats, _NAME
+            recv.view(-1),
+            send.view(-1),
+            splits,
+            splits,
+            self.inter,
+            self.stats,
+            _NAME,
+            own_stream=True,
         )
 
     def stages(self, output: torch.Tensor, op: str) -> C.Stages:

@@ -130,7 +130,7 @@ class PlainReduce(ReducePlan):
         def stages() -> C.Stages:
             stats.add_bytes(name, (input.numel() - output.numel()) * input.element_size())
             yield (
-                [C.dist_reduce_scatter()(output, input, op=reduce_op, group=group, async_op=True)],
+                [C.start(C.dist_reduce_scatter(), output, input, op=reduce_op, group=group)],
                 True,
             )
 

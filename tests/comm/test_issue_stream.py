@@ -76,6 +76,20 @@ def _worker(rank: int, ws: int) -> dict:
     run("all_gather async", lambda: qc.all_gather(full2, shard, spec=W8, async_op=True).wait())
     got["gather equal"] = bool(torch.equal(full, full2))
 
+    recon = torch.zeros(ws * m)
+    full3 = torch.empty(ws * m)
+    run(
+        "all_gather_diff exact",
+        lambda: qc.all_gather_diff(full3, shard, recon, spec=W8, exact=True),
+    )
+    exact_full = torch.empty(ws * m)
+    dist.all_gather_into_tensor(exact_full, shard)
+    got["diff exact equal"] = bool(torch.equal(full3, exact_full))
+    run("all_gather_diff", lambda: qc.all_gather_diff(full3, shard * 1.5, recon, spec=W8))
+    got["diff error"] = float((full3[rank * m : (rank + 1) * m] - shard * 1.5).abs().max())
+    got["diff bound"] = float((shard * 0.5).abs().max()) / 127 * 0.5001 + 1e-6
+    run("all_gather_payloads", lambda: qc.all_gather_payloads(torch.ones(5, dtype=torch.uint8)))
+
     t = x.clone()
     run("integer_all_reduce sync", lambda: qc.integer_all_reduce(t, carrier="int32"))
 
@@ -95,10 +109,18 @@ def test_sync_collectives_issue_on_the_current_stream():
     res = run_distributed(_worker, 4)
     for got in res:
         assert got["rs error"] <= got["rs bound"], got
-        assert got["async equal"] and got["gather equal"]
+        assert got["async equal"] and got["gather equal"] and got["diff exact equal"]
+        assert got["diff error"] <= got["diff bound"], got
         # synchronous: every exchange issued with async_op False or left out (the current
         # stream), the collective's own among them
-        for what in ("reduce_scatter sync", "all_gather sync", "integer_all_reduce sync"):
+        for what in (
+            "reduce_scatter sync",
+            "all_gather sync",
+            "integer_all_reduce sync",
+            "all_gather_diff exact",
+            "all_gather_diff",
+            "all_gather_payloads",
+        ):
             assert False in got[what] and True not in got[what], (what, got[what])
         # deferred: the exchange on the group's stream
         assert got["reduce_scatter async"][-1] is True, got["reduce_scatter async"]

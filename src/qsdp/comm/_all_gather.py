@@ -243,5 +243,5 @@ def all_gather_payloads(
     stats.count_call(name)
     recv = torch.empty(n, payload.numel(), dtype=torch.uint8, device=payload.device)
     if payload.numel():
-        C.all_gather(recv.view(-1), payload, pg, stats, name).wait()
+        C.all_gather(recv.view(-1), payload, pg, stats, name, stream="current")
     return recv

@@ -21,7 +21,7 @@ two could never overlap, on NVLink or over sockets (profiled, 4x H200, `sdp4bit`
 all-gather and the all-to-all on one stream, the compute stream idle 79 ms a step waiting for
 the gathers). A deferred collective (``async_op=True``: DDP's hooks, staleness 1) still issues
 on the group's stream, so its exchange overlaps what the current stream does next; so does a
-stage that asks for it (``own_stream=True``: the two-level reduce-scatter's pieces, whose intra-
+stage that asks for it (``stream="group"``: the two-level reduce-scatter's pieces, whose intra-
 and inter-node hops overlap each other on their two groups' streams).
 """
 
@@ -72,13 +72,17 @@ class _Enqueued:
 ENQUEUED = _Enqueued()
 
 
-def start(call: Callable[..., dist.Work | None], *args, own_stream: bool = False, **kwargs):
-    """Issue the ``torch.distributed`` ``call``: on the current stream when the collective is
-    driven synchronously (its ``dist.Work`` is :data:`ENQUEUED`), else, or with ``own_stream``,
-    async on the group's own stream ([Note: which stream an exchange runs on])."""
-    if _issue.on_current_stream and not own_stream:
+def start(call: Callable[..., dist.Work | None], *args, stream: str = "drive", **kwargs):
+    """Issue the ``torch.distributed`` ``call`` ([Note: which stream an exchange runs on]).
+    ``stream``: ``"drive"`` on the current stream while the collective is driven synchronously,
+    else async on the group's stream; ``"current"`` always on the current stream (the caller
+    waits at once); ``"group"`` always async on the group's stream. An exchange issued on the
+    current stream returns :data:`ENQUEUED`."""
+    if stream == "current" or (stream == "drive" and _issue.on_current_stream):
         call(*args, async_op=False, **kwargs)
         return ENQUEUED
+    if stream not in ("drive", "group"):
+        raise ValueError(f"stream={stream!r} must be 'drive', 'current' or 'group'")
     return call(*args, async_op=True, **kwargs)
 
 
@@ -404,13 +408,13 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 def all_gather(
-    out: torch.Tensor, inp: torch.Tensor, group, stats: CommStats, name: str
+    out: torch.Tensor, inp: torch.Tensor, group, stats: CommStats, name: str, *, stream="drive"
 ) -> dist.Work:
     """``all_gather_single`` (torch >= 2.13) or ``all_gather_into_tensor``, counted, issued by
-    :func:`start`."""
+    :func:`start` on ``stream``."""
     before_exchange(group)
     stats.add_bytes(name, _nbytes(inp))
-    return start(dist_all_gather(), out, inp, group=group)
+    return start(dist_all_gather(), out, inp, group=group, stream=stream)
 
 
 def reduce_scatter_sum(
@@ -432,14 +436,14 @@ def all_to_all(
     stats: CommStats,
     name: str,
     *,
-    own_stream: bool = False,
+    stream: str = "drive",
 ) -> dist.Work:
     """``all_to_all_single`` with explicit (possibly uneven) splits, counted, issued by
-    :func:`start` (``own_stream``: on the group's stream even when synchronous)."""
+    :func:`start` on ``stream``."""
     stats.add_bytes(name, _nbytes(inp))
     before_exchange(group)
     return start(
-        dist.all_to_all_single, out, inp, out_splits, in_splits, group=group, own_stream=own_stream
+        dist.all_to_all_single, out, inp, out_splits, in_splits, group=group, stream=stream
     )
 
 

@@ -448,7 +448,7 @@ class _Plan:
             self.intra,
             self.stats,
             _NAME,
-            own_stream=True,  # the pieces' hops overlap on the two groups' streams
+            stream="group",  # the pieces' hops overlap on the two groups' streams
         )
         return stack, work
 
@@ -517,7 +517,7 @@ class _Plan:
             self.inter,
             self.stats,
             _NAME,
-            own_stream=True,
+            stream="group",
         )
 
     def stages(self, output: torch.Tensor, op: str) -> C.Stages:

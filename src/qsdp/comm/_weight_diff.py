@@ -100,7 +100,7 @@ def all_gather_diff(
         return
     if exact:
         shard = input.reshape(-1).to(recon.dtype).contiguous()
-        C.all_gather(recon.view(-1), shard, pg, stats, _NAME).wait()
+        C.all_gather(recon.view(-1), shard, pg, stats, _NAME, stream="current")
         output.view(-1).copy_(recon.view(-1))
         return
     rows = recon.view(n, m)
@@ -120,7 +120,7 @@ def all_gather_diff(
     if enc_spec is not spec:  # every rank agrees before anything is exchanged
         C.agree_finite(flagged_groups(send, m, spec), [pg], stats, _NAME)
     recv = torch.empty(n * nbytes, dtype=torch.uint8, device=input.device)
-    C.all_gather(recv, send, pg, stats, _NAME).wait()
+    C.all_gather(recv, send, pg, stats, _NAME, stream="current")
     for j, payload in enumerate(recv.view(n, nbytes)):
         enc = Encoded(payload=payload, numel=m, dtype=recon.dtype, spec=spec)
         decode_add(enc, rows[j], backend=backend)

@@ -26,9 +26,14 @@ REGIMES = {
 }
 
 
+#: Link knobs a run may set beside its regime (benchmarks/run_crossover.sh); recorded with it.
+KNOBS = ("NCCL_SOCKET_NTHREADS", "NCCL_NSOCKS_PERTHREAD")
+
+
 def apply(regime: str, local_rank: int, device: str) -> dict[str, str]:
     """Enforce the regime's variables in this process, before ``init_process_group``: set them
-    when absent, refuse a conflicting value. Returns what the regime asks for."""
+    when absent, refuse a conflicting value. Returns what the regime asks for, with the
+    :data:`KNOBS` the environment sets."""
     want = dict(ALWAYS) | REGIMES[regime]
     if regime == "2x2":
         per_node = max(1, int(os.environ.get("WORLD_SIZE", "4")) // 2)
@@ -40,4 +45,4 @@ def apply(regime: str, local_rank: int, device: str) -> dict[str, str]:
         os.environ[k] = v
     if regime != "socket" and os.environ.get("NCCL_P2P_DISABLE") == "1" and device == "cuda":
         raise SystemExit(f"NCCL_P2P_DISABLE=1 is set: that is the 'socket' regime, not {regime!r}")
-    return want
+    return want | {k: os.environ[k] for k in KNOBS if k in os.environ}

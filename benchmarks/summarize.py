@@ -362,18 +362,21 @@ SESSION17 = Path("session17_2026-11-27")
 H200 = "NVIDIA_H200_2026-11-27"
 #: The README's headline rows: (setting, results file under RESULTS, regime, baseline variant and
 #: label, qsdp variant and label). The latest run of each judged setting with the code as it is
-#: (the DDP sockets pipelined rows: the sixteenth session's run after its three stream fixes;
+#: (FSDP2 sockets and NVLink: 2026-11-28, after the exchanges moved to the current stream; the DDP sockets pipelined rows: the sixteenth session's run after its three stream fixes;
 #: DDP's 25 MiB `cgx` row: the fifteenth session's, not rerun).
 HEADLINE = (
     ("FSDP2, GPT 1.42 B, sockets",
-     "fsdp_step_2026-11-26/fsdp_step_socket_NVIDIA_H200_2026-11-26.json",
+     "session21_2026-11-28/call6/step_socket.json",
      ("fsdp2-bf16-reduce", "FSDP2 bf16 reduce"), ("sdp4bit", "`sdp4bit`")),
     ("FSDP2, GPT 1.42 B, sockets",
-     "session12_2026-11-27/fsdp_bounds_socket_NVIDIA_H200_2026-11-27.json",
+     "session21_2026-11-28/call6/step_socket.json",
      ("fsdp2-bf16-reduce", "FSDP2 bf16 reduce"), ("sdp4bit+s1", "`sdp4bit` staleness 1")),
     ("FSDP2, GPT 1.42 B, NVLink",
-     "fsdp_step_2026-11-26/fsdp_step_nvlink_NVIDIA_H200_2026-11-26.json",
+     "session21_2026-11-28/crossover/step_nvlink.json",
      ("fsdp2-bf16-reduce", "FSDP2 bf16 reduce"), ("sdp4bit", "`sdp4bit`")),
+    ("FSDP2, GPT 1.42 B, NVLink",
+     "session21_2026-11-28/crossover/step_nvlink.json",
+     ("fsdp2-bf16-reduce", "FSDP2 bf16 reduce"), ("cgx", "`cgx`")),
     ("FSDP2, GPT 1.42 B, NVLink",
      "auto_2026-11-27/run6/fsdp_auto_nvlink_ws4_NVIDIA_H200_2026-11-27.json",
      ("fsdp2-bf16-reduce", "FSDP2 bf16 reduce"), ("auto", "`auto` (chose no compression)")),

@@ -362,8 +362,9 @@ SESSION17 = Path("session17_2026-11-27")
 H200 = "NVIDIA_H200_2026-11-27"
 #: The README's headline rows: (setting, results file under RESULTS, regime, baseline variant and
 #: label, qsdp variant and label). The latest run of each judged setting with the code as it is
-#: (FSDP2 sockets and NVLink: 2026-11-28, after the exchanges moved to the current stream; the DDP sockets pipelined rows: the sixteenth session's run after its three stream fixes;
-#: DDP's 25 MiB `cgx` row: the fifteenth session's, not rerun).
+#: (FSDP2 sockets and NVLink: 2026-11-28, after the exchanges moved to the current stream; the
+#: DDP sockets pipelined rows: the sixteenth session's run after its three stream fixes; DDP's
+#: 25 MiB `cgx` row: the fifteenth session's, not rerun).
 HEADLINE = (
     ("FSDP2, GPT 1.42 B, sockets",
      "session21_2026-11-28/call6/step_socket.json",

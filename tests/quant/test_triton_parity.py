@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from qsdp.quant import (
+    Encoded,
     QuantSpec,
     decode,
     decode_add,
@@ -371,5 +372,45 @@ def test_gpu_decode_sum_finish_matches_reference():
     for backend in ("reference", "triton"):
         out = torch.zeros(n + 30, dtype=torch.bfloat16, device="cuda")
         decode_sum_finish(rows, n, spec, base=base, out=out, divisor=3, runs=runs, backend=backend)
+        outs.append(out)
+    _same(outs[0], outs[1])
+
+
+def _add_rows_case(n: int, device: str):
+    """Three 4-bit difference payloads (Hadamard, stochastic) and bf16 targets at odd values."""
+    spec = _spec(4, "absmax", "stochastic", (32, 7), group=128)
+    rows = torch.stack(
+        [encode(heavy_tailed(n, seed=s).to(device), spec, stream=s).payload for s in range(3)]
+    )
+    target = torch.stack([heavy_tailed(n, seed=20 + s) for s in range(3)]).to(torch.bfloat16)
+    return spec, rows, target.to(device)
+
+
+@pytest.mark.parametrize("n", [1, 333, 4096 + 13])
+def test_decode_rows_accumulate_is_decode_add_per_row(n):
+    """The weight-difference all-gather's receive side in one launch: each row of ``out`` gets
+    its payload added, the bits of ``decode_add`` on that row, on both backends."""
+    spec, rows, target = _add_rows_case(n, "cpu")
+    expect = target.clone()
+    for j in range(3):
+        enc = Encoded(payload=rows[j], numel=n, dtype=torch.bfloat16, spec=spec)
+        decode_add(enc, expect[j], backend="reference")
+    for backend in ("reference", "triton"):
+        got = target.clone()
+        decode_rows(rows, n, spec, out=got, accumulate=True, backend=backend)
+        _same(expect, got)
+    assert not torch.equal(expect, target)  # something was added
+    with pytest.raises(ValueError, match="needs out="):
+        decode_rows(rows, n, spec, accumulate=True)
+
+
+@pytest.mark.gpu
+def test_gpu_decode_rows_accumulate_matches_reference():
+    n = (1 << 20) + 3
+    spec, rows, target = _add_rows_case(n, "cuda")
+    outs = []
+    for backend in ("reference", "triton"):
+        out = target.clone()
+        decode_rows(rows, n, spec, out=out, accumulate=True, backend=backend)
         outs.append(out)
     _same(outs[0], outs[1])

@@ -19,8 +19,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..quant import Backend, QuantSpec, decode_add, encode_diff, flagged_groups
-from ..quant.codec import Encoded
+from ..quant import Backend, QuantSpec, decode_rows, encode_diff, flagged_groups
 from . import _common as C
 from ._calls import checked
 from ._stats import CommStats
@@ -121,7 +120,6 @@ def all_gather_diff(
         C.agree_finite(flagged_groups(send, m, spec), [pg], stats, _NAME)
     recv = torch.empty(n * nbytes, dtype=torch.uint8, device=input.device)
     C.all_gather(recv, send, pg, stats, _NAME, stream="current")
-    for j, payload in enumerate(recv.view(n, nbytes)):
-        enc = Encoded(payload=payload, numel=m, dtype=recon.dtype, spec=spec)
-        decode_add(enc, rows[j], backend=backend)
+    # every rank's difference onto its row of recon, one launch
+    decode_rows(recv.view(n, nbytes), m, spec, out=rows, accumulate=True, backend=backend)
     output.view(-1).copy_(recon.view(-1))

@@ -532,17 +532,22 @@ def decode_rows(
     spec: QuantSpec,
     *,
     out: torch.Tensor | None = None,
+    accumulate: bool = False,
     backend: Backend = "auto",
 ) -> torch.Tensor:
     """Decode ``k`` payloads (stacked ``[k, payload_bytes]``) into the ``k`` rows of ``out``.
 
     One launch for all rows (the all-gather's receive side): row ``j`` of ``out`` equals
     ``decode`` of payload ``j``. ``out`` defaults to float32 ``[k, numel]``; any float dtype and
-    any row stride work (e.g. ``output.view(k, numel)``).
+    any row stride work (e.g. ``output.view(k, numel)``). ``accumulate=True``: row ``j`` of
+    ``out`` gets ``decode`` of payload ``j`` added, in float32 and rounded once, the bits of
+    :func:`decode_add` on each row (the weight-difference all-gather's ``k`` launches in one).
     """
     p = _stacked(payloads, numel, spec)
     k = p.shape[0]
     if out is None:
+        if accumulate:
+            raise ValueError("decode_rows(accumulate=True) needs out= to add onto")
         out = torch.empty(k, numel, dtype=torch.float32, device=p.device)
     _check_float(out, "out")
     if out.dim() != 2 or tuple(out.shape) != (k, numel) or (numel and out.stride(1) != 1):
@@ -556,11 +561,12 @@ def decode_rows(
         return out
     if _resolve(backend, p.device) == "triton":
         _launch().decode(
-            p, numel=numel, spec=spec, out=out, accumulate=False, rotate=True, separate=True
+            p, numel=numel, spec=spec, out=out, accumulate=accumulate, rotate=True, separate=True
         )
         return out
     for j in range(k):
-        out[j].copy_(ref.decode_sum_flat(p[j : j + 1], numel, spec))
+        vals = ref.decode_sum_flat(p[j : j + 1], numel, spec)
+        out[j].copy_(out[j].float() + vals if accumulate else vals)
     return out
 
 

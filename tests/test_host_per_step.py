@@ -1,0 +1,35 @@
+"""benchmarks/host_per_step.py: the host's work of a compressed FSDP2 step with the kernels
+stubbed, on a fake process group. Its timings are not asserted (benchmarks measure, tests
+check); what it counts is: hook calls per step, the ops the Python issued, the JSON."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from .bench_scripts import ROOT
+
+
+def test_counts_every_hook_of_a_step(tmp_path):
+    out = tmp_path / "r.json"
+    cmd = [sys.executable, "benchmarks/host_per_step.py", "--out", str(out), "--blocks", "3",
+           "--steps", "2", "--recipes", "qsdp-w8g8", "cgx"]  # fmt: skip
+    env = {"PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
+    subprocess.run(cmd, cwd=ROOT, env=env, check=True, capture_output=True, timeout=300)
+    d = json.loads(out.read_text())
+    assert d["kernels"] == "stubbed" and d["world_size"] == 4 and d["blocks"] == 3
+    rows = {r["recipe"]: r for r in d["rows"]}
+    assert list(rows) == ["plain", "qsdp-w8g8", "cgx"]
+    assert rows["plain"]["hook_calls"] == 0 and rows["plain"]["extra_ms_vs_plain"] == 0
+    w8 = rows["qsdp-w8g8"]["hooks"]
+    # each block gathered for the forward and again for the backward, reduced once, one verdict
+    assert w8["qsdp::all-gather"]["calls"] == 6
+    assert w8["qsdp::reduce-scatter"]["calls"] == 3
+    assert w8["qsdp::nonfinite verdict"]["calls"] == 1
+    assert "qsdp::all-gather" not in rows["cgx"]["hooks"]  # gradients only
+    assert rows["cgx"]["hooks"]["qsdp::reduce-scatter"]["calls"] == 3
+    for r in rows.values():
+        assert r["ms_per_step"] > 0
+    # the compressed steps issue more ops than plain FSDP2's, weights and gradients the most
+    assert rows["plain"]["issued_ops"] < rows["cgx"]["issued_ops"] < rows["qsdp-w8g8"]["issued_ops"]

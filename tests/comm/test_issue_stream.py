@@ -129,3 +129,41 @@ def test_sync_collectives_issue_on_the_current_stream():
         hops = got["two-level sync"]
         assert hops.count(True) >= 2, hops
         assert got["on current stream after"] is False
+
+
+def _fsdp_worker(rank: int, ws: int, staleness: int) -> list:
+    from torch import nn
+    from torch.distributed.fsdp import fully_shard
+
+    import qsdp
+
+    calls: list = []
+    for name in ("all_to_all_single", "all_gather_into_tensor", "all_gather_single"):
+        if hasattr(dist, name):
+            setattr(dist, name, _spy(calls, getattr(dist, name)))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8))
+    for layer in (model[0], model[2]):
+        fully_shard(layer)
+    fully_shard(model)
+    schedule = qsdp.Schedule(staleness=staleness, start=0)
+    qsdp.compress_fsdp(model, "qsdp-w8g8", schedule=schedule)
+    state = qsdp.fsdp.comm_state(model)
+    for step in range(3):
+        x = torch.randn(4, 16, generator=torch.Generator().manual_seed(rank * 10 + step))
+        model(x).pow(2).mean().backward()
+    if staleness:
+        state.drain()
+    return calls
+
+
+def test_fsdp_hooks_issue_on_the_current_stream():
+    """Under FSDP2 every exchange of qsdp's hooks (the weight all-gathers, the gradient
+    all-to-alls; at staleness 1 those that run on the delayed reductions' side streams too) is
+    issued with async_op=False: on NCCL, on FSDP2's own stream or the side stream it runs on."""
+    for staleness in (0, 1):
+        for calls in run_distributed(_fsdp_worker, 3, staleness):
+            names = {n for n, _ in calls}
+            assert "all_to_all_single" in names, calls  # the gradients' exchange was seen
+            assert names & {"all_gather_into_tensor", "all_gather_single"}, calls
+            assert True not in [a for _, a in calls], (staleness, calls)

@@ -1,0 +1,47 @@
+"""benchmarks/run_before_after.sh: a commit's code beside the working tree's in one run, on the
+CPU (bench_fsdp_step.py --device cpu --tiny, 2 gloo processes)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from .bench_scripts import ROOT
+
+ARGS = ["--regime", "nvlink", "--device", "cpu", "--tiny", "--recipes", "qsdp-w8g8",
+        "--baselines", "bf16", "--steps", "2", "--warmup", "1", "--profile", "@/prof"]  # fmt: skip
+
+
+def _run(tmp: Path, *args: str, rounds: int = 1) -> subprocess.CompletedProcess:
+    path = f"{Path(sys.executable).parent}:{os.environ['PATH']}"  # torchrun, python
+    env = dict(os.environ, RESULTS_DIR=str(tmp), NPROC="2", ROUNDS=str(rounds),
+               OMP_NUM_THREADS="1", PATH=path)  # fmt: skip
+    cmd = ["bash", "benchmarks/run_before_after.sh", *args]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_both_sides_run_alternating_with_their_own_code(tmp_path):
+    done = _run(tmp_path, "HEAD", "bench_fsdp_step.py", *ARGS, rounds=2)
+    assert done.returncode == 0, done.stdout + done.stderr
+    order = [line.split(" round ")[0] for line in done.stdout.splitlines()]
+    assert order == ["before", "after", "after", "before"], done.stdout  # alternated
+    losses = set()
+    for side in ("before_1", "after_1", "before_2", "after_2"):
+        d = json.loads((tmp_path / side / "result.json").read_text())
+        rows = {r["variant"]: r for r in d["rows"]}
+        assert set(rows) == {"fsdp2-bf16-reduce", "qsdp-w8g8"}
+        losses.add(tuple(r["last_loss"] for r in d["rows"]))
+        prof = tmp_path / side / "prof"
+        assert not list(prof.glob("*.trace.json.gz"))  # summarized, then deleted
+        assert list(prof.glob("*.streams.txt"))
+    assert len(losses) == 1  # HEAD's code and the tree's train alike
+
+
+def test_refuses_what_it_cannot_run(tmp_path):
+    bad = _run(tmp_path, "no-such-rev", "bench_fsdp_step.py")
+    assert bad.returncode == 2 and "no-such-rev is not a commit" in bad.stderr
+    bad = _run(tmp_path, "HEAD", "no_such_bench.py")
+    assert bad.returncode == 2 and "no benchmarks/no_such_bench.py" in bad.stderr

@@ -413,3 +413,93 @@ def test_ddp_predicts_from_each_ranks_own_gradient():
     moved = run_distributed(_ddp_estimates, 3)
     # each rank moved by its own estimate: the replicas computed at different points
     assert any(not torch.equal(a, b) for a, b in zip(moved[0], moved[1], strict=True))
+
+
+# --- Schedule(predict="local"): the loop by hand, on hooks ------------------------------------
+def _train(rank: int, world: int, kind: str, how: str, steps: int = 6) -> list[torch.Tensor]:
+    """``steps`` steps of the README loop at staleness 1 from the start, its gradient taken
+    ahead by hand (``how="hand"``), by the schedule (``"schedule"``) or not at all
+    (``"none"``); the parameters after the drained last step."""
+    predict = "local" if how == "schedule" else "none"
+    schedule = qsdp.Schedule(staleness=1, start=0, predict=predict, predict_clip=None)
+    model = classifier()
+    if kind == "fsdp2":
+        for i in (2, 5):
+            fully_shard(model[i])
+        fully_shard(model)
+        qsdp.compress_fsdp(model, "qsdp-w8g8", schedule=schedule)
+        state, run = qsdp.fsdp.comm_state(model), model
+    else:
+        run = DDP(model)
+        state = qsdp.ddp.register(run, "cgx", schedule=schedule)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    by_hand = WeightPrediction(opt, local=state) if how == "hand" else None
+    for step in range(steps):
+        ahead = by_hand.ahead(enabled=state.in_flight) if by_hand else _nothing()
+        with ahead:
+            _loss(run, rank, step).backward()
+        if not state.applied_nothing:
+            opt.step()
+        opt.zero_grad()
+    state.drain()
+    opt.step()
+    return [_full(p) for p in model.parameters()]
+
+
+class _nothing:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *_: object) -> bool:
+        return False
+
+
+def _full(p: torch.Tensor) -> torch.Tensor:
+    return (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+
+
+def _three_ways(rank: int, world: int, kind: str) -> dict:
+    runs = {how: _train(rank, world, kind, how) for how in ("hand", "schedule", "none")}
+    same = all(torch.equal(a, b) for a, b in zip(runs["hand"], runs["schedule"], strict=True))
+    moved = any(not torch.equal(a, b) for a, b in zip(runs["hand"], runs["none"], strict=True))
+    assert_same_on_all_ranks(runs["schedule"][0])
+    return {"same": same, "moved": moved}
+
+
+@pytest.mark.parametrize("kind", ["fsdp2", "ddp"])
+def test_the_schedule_predicts_as_the_loop_by_hand(kind):
+    """[Note: prediction in the schedule]: the same parameters, bit for bit, as the README's
+    loop with its WeightPrediction, and not those of the delay as it is."""
+    for got in run_distributed(_three_ways, 3, kind):
+        assert got == {"same": True, "moved": True}, got
+
+
+def _sgd_refused(rank: int, world: int) -> str:
+    model = classifier()
+    fully_shard(model)
+    schedule = qsdp.Schedule(staleness=1, start=0, predict="local")
+    qsdp.compress_fsdp(model, "qsdp-w8g8", schedule=schedule)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    _loss(model, rank, 0).backward()
+    try:
+        opt.step()
+    except TypeError as e:
+        return str(e)
+    return "no error"
+
+
+def test_the_schedule_refuses_an_optimizer_it_cannot_predict_on_every_rank():
+    for message in run_distributed(_sgd_refused, 2):
+        assert "Schedule(predict='local') predicts SGD's next step" in message
+        assert "predict='none'" in message
+
+
+def test_schedule_checks_its_prediction_settings():
+    with pytest.raises(ValueError, match="must be 'local'"):
+        qsdp.Schedule(staleness=1, predict="last")
+    with pytest.raises(ValueError, match="with staleness=0 nothing is delayed"):
+        qsdp.Schedule(predict="local")
+    with pytest.raises(ValueError, match="positive number"):
+        qsdp.Schedule(staleness=1, predict="local", predict_clip=0)
+    with pytest.raises(ValueError, match="with predict='none' there is none"):
+        qsdp.Schedule(staleness=1, predict_clip=1.0)

@@ -17,6 +17,7 @@ from ..config import (
 )
 from ..policy import auto
 from ..runtime.agreement import check_same_arguments
+from ..runtime.prediction import AutoPrediction
 from ..runtime.streams import twin_group
 from .hook import DDPCompression
 
@@ -144,6 +145,8 @@ def register(
         hook.count_native(model)
     else:
         model.register_comm_hook(hook, _ddp_hook)
+    if schedule.predict == "local":  # [Note: prediction in the schedule]
+        hook.predict = AutoPrediction(model, hook, clip=schedule.predict_clip)
     return hook
 
 

@@ -85,6 +85,7 @@ from ..config import CompressionConfig, NonFinite, Schedule, check_saved, config
 from ..policy import auto
 from ..runtime import NonfiniteCheck, SideStreams
 from ..runtime.delayed import DelayedReductions, packed_slots
+from ..runtime.prediction import AutoPrediction
 from ..runtime.widths import WidthController
 
 __all__ = ["DDPCompression"]
@@ -140,6 +141,7 @@ class DDPCompression:
         self._reports: dict[int, _BucketReport] = {}  # one per bucket index, reused
         self._streams = SideStreams(2)
         self.stale: DelayedReductions | None = None
+        self.predict: AutoPrediction | None = None  # Schedule(predict="local"), set by register
         """Staleness 1: the reductions in flight ([Note: staleness 1 under DDP])."""
         if schedule.staleness:  # each rank's local estimates (its own gradient) differ
             tag = f"rank{dist.get_rank(group)}"
@@ -319,6 +321,8 @@ class DDPCompression:
         """
         if self.stale is None:
             raise ValueError("drain() is for staleness=1; a synchronous hook has nothing in flight")
+        if self.predict is not None:  # the parameters as they are, not predicted
+            self.predict.restore()
         self.check_nonfinite()  # the last backward's verdict first
         self.stale.drain()
 

@@ -16,6 +16,7 @@ from ..config import CompressionConfig, Schedule, check_saved, config_record
 from ..policy import auto
 from ..runtime import NonfiniteCheck
 from ..runtime.delayed import DelayedReductions
+from ..runtime.prediction import AutoPrediction
 from ..runtime.widths import WidthController
 from ._gathers import WeightDiffAllGather
 from ._hooks import StepClock
@@ -45,9 +46,10 @@ class _Installed:
     """``"auto"``: what was measured, predicted and chosen."""
     check: NonfiniteCheck | None = None
     """The NaN/Inf check of the model's reductions (None: ``nonfinite="propagate"``)."""
+    predict: AutoPrediction | None = None
+    """``Schedule(predict="local")``: the prediction on hooks."""
 
 
-_INSTALLED: weakref.WeakKeyDictionary[nn.Module, _Installed] = weakref.WeakKeyDictionary()
 _INSTALLED: weakref.WeakKeyDictionary[nn.Module, _Installed] = weakref.WeakKeyDictionary()
 
 
@@ -178,6 +180,8 @@ class CommState:
             raise ValueError(
                 "drain() is for staleness=1; a synchronous model has nothing in flight"
             )
+        if self._installed.predict is not None:  # the parameters as they are, not predicted
+            self._installed.predict.restore()
         self.check_nonfinite()
         self._installed.stale.drain()
 

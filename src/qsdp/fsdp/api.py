@@ -30,6 +30,7 @@ from ..policy import auto
 from ..runtime import NonfiniteCheck, SideStreams, side_mesh
 from ..runtime.agreement import agree_verdict, check_same_arguments
 from ..runtime.delayed import DelayedReductions
+from ..runtime.prediction import AutoPrediction
 from ..runtime.streams import twin_groups
 from ..runtime.widths import WidthController
 from ._gathers import QuantizedAllGather, QuantizedMasterAllGather, WeightDiffAllGather
@@ -40,6 +41,7 @@ from ._replicate import ReplicateAllReduce, ReplicateCounter
 from ._state import (
     _INSTALLED,
     _Installed,
+    comm_state,
 )
 
 __all__ = ["compress_fsdp"]
@@ -165,6 +167,10 @@ def compress_fsdp(
         decision=decision,
         check=shared.check,
     )
+    if schedule.predict == "local":  # [Note: prediction in the schedule]
+        _INSTALLED[model].predict = AutoPrediction(
+            model, comm_state(model), clip=schedule.predict_clip
+        )
     _HOOKED.update(modules)
     return model
 

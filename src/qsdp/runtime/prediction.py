@@ -58,14 +58,16 @@ from __future__ import annotations
 
 import contextlib
 import math
+import weakref
 from collections.abc import Iterator
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from .contracts import LocalGradients, check_contract
+from .contracts import LocalGradients, StalenessState, check_contract
 from .placement import like_param, local_of
 
-__all__ = ["WeightPrediction"]
+__all__ = ["AutoPrediction", "WeightPrediction"]
 
 
 class WeightPrediction:
@@ -282,3 +284,89 @@ def _adam_group(group: dict, picked: list, adamw: bool, clip_coef: float) -> lis
     if moved:
         torch._foreach_copy_([x for x, _ in moved], [n for _, n in moved])
     return list(zip(xs, copies, strict=True))
+
+
+class AutoPrediction:
+    """``Schedule(staleness=1, predict="local")``: :class:`WeightPrediction` from each rank's
+    own gradient with no change to the training loop.
+
+    [Note: prediction in the schedule]
+    The loop of the README computes each delayed step's gradient ahead by hand: a
+    ``WeightPrediction(optimizer, local=state)`` and its ``ahead(enabled=state.in_flight)``
+    around the forward and backward. Installed by the schedule, the same happens on hooks:
+    the first ``optimizer.step()`` of an optimizer holding the model's parameters (a global
+    optimizer pre-hook, ``torch.optim.optimizer.register_optimizer_step_pre_hook``) attaches a
+    :class:`WeightPrediction` to it; the model's forward pre-hook (ahead of FSDP2's, so the
+    all-gathers read the moved shards) enters ``ahead`` when grad is enabled and a reduction is
+    in flight; the next ``optimizer.step()`` (the global pre-hook runs before the optimizer's
+    own) or ``drain()`` puts the parameters back. So every forward and backward of one
+    optimizer step (gradient accumulation included) runs at the predicted point and the step
+    applies to the parameters as they were, the bits of the loop by hand. Between a backward
+    and its ``optimizer.step()`` the parameters are the predicted ones: read them after the
+    step. The estimates are kept from the first backward (``keep_local_gradients`` at
+    installation); Adam's state is empty before the first step, so the first prediction is at
+    the forward after it, as by hand. Adam and AdamW only (the error comes from that first
+    step on every rank); a hand-made ``WeightPrediction`` beside it would move the parameters
+    twice.
+    """
+
+    def __init__(self, module: torch.nn.Module, local: LocalGradients, *, clip: float | None):
+        check_contract(local, StalenessState, what="Schedule(predict='local')")
+        self.local = local
+        self.clip = clip
+        self.predictions: list[WeightPrediction] = []
+        self._module = weakref.ref(module)  # (the global hook must not keep the model alive)
+        self._owned = {id(p) for p in module.parameters()}
+        self._stack: contextlib.ExitStack | None = None
+        local.keep_local_gradients()
+        self._handles = [
+            module.register_forward_pre_hook(self._before_forward, prepend=True),
+            register_optimizer_step_pre_hook(self._before_step),
+        ]
+
+    @property
+    def ahead(self) -> bool:
+        """Whether the parameters are the predicted ones now."""
+        return self._stack is not None
+
+    def _before_forward(self, module: torch.nn.Module, args: object) -> None:
+        if self._stack is not None or not torch.is_grad_enabled() or not self.predictions:
+            return
+        if not self.local.in_flight:
+            return
+        stack = contextlib.ExitStack()
+        for prediction in self.predictions:
+            stack.enter_context(prediction.ahead(enabled=True, clip=self.clip))
+        self._stack = stack
+
+    def _before_step(self, optimizer: torch.optim.Optimizer, *_: object) -> None:
+        if self._module() is None:  # the model is gone (its parameters' ids may be reused)
+            self.remove()
+            return
+        self.restore()
+        if any(p.optimizer is optimizer for p in self.predictions):
+            return
+        if not any(id(p) in self._owned for g in optimizer.param_groups for p in g["params"]):
+            return
+        try:
+            self.predictions.append(WeightPrediction(optimizer, local=self.local))
+        except (TypeError, ValueError) as e:
+            raise type(e)(
+                f"Schedule(predict='local') predicts {type(optimizer).__name__}'s next step and "
+                f"cannot: {e}. Build the schedule with predict='none'"
+            ) from e
+
+    def restore(self) -> None:
+        """Put the parameters back if they are the predicted ones (before a step, a drain)."""
+        stack, self._stack = self._stack, None
+        if stack is not None:
+            stack.close()
+
+    def remove(self) -> None:
+        """Take every hook off (the parameters put back first)."""
+        self.restore()
+        for h in self._handles:
+            h.remove()
+        for p in self.predictions:
+            p.remove()
+        self._handles, self.predictions = [], []

@@ -362,13 +362,15 @@ class Schedule:
     starts ([Note: when staleness 1 starts] in ``qsdp.runtime.stale_start``); an int ``k``: after
     ``k`` synchronous backwards, ``0`` from the first. The backward that starts it applies
     nothing (``applied_nothing``)."""
-    predict: str = "none"
+    predict: str | None = None
     """Staleness 1: ``"local"`` computes each delayed step's gradient at the parameters Adam's
     (AdamW's) next step would reach with each rank's own gradient of the step in flight, with
     no change to the loop ([Note: prediction in the schedule] in ``qsdp.runtime.prediction``;
     the README loop's ``WeightPrediction(optimizer, local=state)`` on hooks, the same bits);
-    ``"none"`` (default): the delayed gradient as it is. Measured by hand on GPT-125M: the delay
-    as it is +19-30% of final loss, this prediction +0.6-1.9% (docs/recipes.md)."""
+    ``"none"``: the delayed gradient as it is; ``None`` (default): ``"local"`` at staleness 1
+    (an optimizer other than Adam or AdamW is refused at its first step: pass ``"none"``).
+    Measured on GPT-125M: the delay as it is +19-30% of final loss, this prediction +0.6-1.9%
+    (docs/recipes.md)."""
     predict_clip: float | None = None
     """``predict="local"``: clip each rank's estimate as ``clip_grad_norm_(max_norm=...)`` clips
     the gradient (pass the loop's own clipping norm), None: unclipped."""
@@ -396,12 +398,13 @@ class Schedule:
                 f"Schedule.start={self.start!r} is when staleness 1 starts; with staleness=0 "
                 "every step is synchronous: drop start, or set staleness=1"
             )
-        if self.predict not in ("none", "local"):
+        if self.predict not in (None, "none", "local"):
             raise ValueError(
                 f"Schedule.predict={self.predict!r} must be 'local' (each delayed gradient "
-                "computed at Adam's next step from each rank's own gradient) or 'none'"
+                "computed at Adam's next step from each rank's own gradient), 'none' or None "
+                "(the default: 'local' at staleness 1)"
             )
-        if self.predict != "none" and not self.staleness:
+        if self.predict == "local" and not self.staleness:
             raise ValueError(
                 f"Schedule.predict={self.predict!r} predicts where a delayed gradient lands; "
                 "with staleness=0 nothing is delayed: drop predict, or set staleness=1"
@@ -415,10 +418,11 @@ class Schedule:
                 f"Schedule.predict_clip={self.predict_clip!r} must be a positive number (the "
                 "loop's gradient-clipping norm) or None"
             )
-        if self.predict_clip is not None and self.predict == "none":
+        if self.predict_clip is not None and self.prediction == "none":
             raise ValueError(
-                "Schedule.predict_clip clips the prediction's estimate; with predict='none' "
-                "there is none: drop predict_clip, or set predict='local'"
+                "Schedule.predict_clip clips the prediction's estimate; with "
+                f"predict={self.predict!r} at staleness={self.staleness} there is none: drop "
+                "predict_clip, or set staleness=1 and predict='local'"
             )
         if self.own_reduce_group is not None and not isinstance(self.own_reduce_group, bool):
             raise TypeError(
@@ -426,6 +430,13 @@ class Schedule:
             )
         if not isinstance(self.pipeline, bool):
             raise TypeError(f"Schedule.pipeline={self.pipeline!r} must be a bool")
+
+    @property
+    def prediction(self) -> str:
+        """The prediction that runs: ``"local"`` or ``"none"`` (:attr:`predict` resolved)."""
+        if not self.staleness or self.predict == "none":
+            return "none"
+        return "local"
 
     def own_group(self, config: CompressionConfig) -> bool:
         """Whether ``config``'s FSDP2 reduce-scatters run on their own communicator

@@ -339,7 +339,11 @@ class TrainConfig:
             return Schedule(pipeline=self.pipeline)
         # an explicit --stale-after: this loop runs the steps before it synchronous()
         start = "auto" if self.stale_after == "auto" else 0
-        return Schedule(staleness=self.staleness, pipeline=self.pipeline, start=start)
+        # this loop predicts by hand (--predict, aware of its gate's synchronous steps), so
+        # the schedule's own prediction stays off
+        return Schedule(
+            staleness=self.staleness, pipeline=self.pipeline, start=start, predict="none"
+        )
 
     def compression(self) -> CompressionConfig | str:
         """The recipe with this run's overrides (adaptive widths, group size); ``"auto"`` is

@@ -90,7 +90,9 @@ def _stale_vs_by_hand(rank: int, world: int) -> None:
             nn.Embedding(512, D), nn.Flatten(), nn.Linear(4 * D, D), nn.GELU(), nn.Linear(D, 512)
         ).to(dev)
         ddp = DDP(model, device_ids=[dev.index], bucket_cap_mb=0.25)
-        hook = qsdp.ddp.register(ddp, "cgx", schedule=qsdp.Schedule(staleness=staleness, start=0))
+        hook = qsdp.ddp.register(
+            ddp, "cgx", schedule=qsdp.Schedule(staleness=staleness, start=0, predict="none")
+        )
         return ddp, hook, torch.optim.AdamW(ddp.parameters(), lr=3e-3)
 
     def loss(ddp, step):
@@ -125,7 +127,9 @@ def _local_estimates_on_nccl(rank: int, world: int) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Embedding(512, D), nn.Flatten(), nn.Linear(4 * D, 512)).to(dev)
     ddp = DDP(model, device_ids=[dev.index], bucket_cap_mb=0.25)
-    hook = qsdp.ddp.register(ddp, "bf16", schedule=qsdp.Schedule(staleness=1, start=0))
+    hook = qsdp.ddp.register(
+        ddp, "bf16", schedule=qsdp.Schedule(staleness=1, start=0, predict="none")
+    )
     opt = torch.optim.AdamW(ddp.parameters(), lr=3e-3)
     qsdp.WeightPrediction(opt, local=hook)  # the hook keeps the estimates from now on
     x = torch.randint(0, 512, (32, 4), generator=torch.Generator().manual_seed(7)).to(dev)

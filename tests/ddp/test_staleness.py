@@ -29,7 +29,9 @@ def _loss(ddp: DDP, rank: int, step: int) -> torch.Tensor:
 
 def _build(recipe: str, staleness: int):
     ddp = DDP(classifier(), bucket_cap_mb=0.01)  # several buckets, rebuilt after the first step
-    hook = qsdp.ddp.register(ddp, recipe, schedule=qsdp.Schedule(staleness=staleness, start=0))
+    hook = qsdp.ddp.register(
+        ddp, recipe, schedule=qsdp.Schedule(staleness=staleness, start=0, predict="none")
+    )
     return ddp, hook, torch.optim.AdamW(ddp.parameters(), lr=3e-3)
 
 

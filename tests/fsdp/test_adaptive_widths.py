@@ -229,7 +229,7 @@ def _refused(rank: int, world: int) -> str:
     model = classifier()
     fully_shard(model)
     with pytest.raises(ValueError, match="per_parameter=True\\) is built for FSDP2's") as e:
-        stale = qsdp.Schedule(staleness=1, start=0)
+        stale = qsdp.Schedule(staleness=1, start=0, predict="none")
         qsdp.compress_fsdp(model, qsdp.recipe("cgx", adaptive=PER_PARAM), schedule=stale)
     with pytest.raises(ValueError, match="DDP adapts a width per bucket"):
         qsdp.ddp.register(DDP(classifier()), qsdp.recipe("cgx", adaptive=PER_PARAM))

@@ -140,7 +140,9 @@ def _stale_vs_by_hand(rank: int, ws: int, recipe: str, predict: bool) -> None:
         loss.backward()
 
     batches = list(_batches(rank, ws))[:6]
-    stale, dev = _build(recipe, ws, torch.float32, schedule=qsdp.Schedule(staleness=1, start=0))
+    stale, dev = _build(
+        recipe, ws, torch.float32, schedule=qsdp.Schedule(staleness=1, start=0, predict="none")
+    )
     opt = torch.optim.AdamW(stale.parameters(), lr=3e-3)
     state = qsdp.fsdp.comm_state(stale)
     prediction = qsdp.WeightPrediction(opt) if predict else None
@@ -204,7 +206,9 @@ def _delay_streams(rank: int, ws: int, recipe: str) -> dict:
     mesh = None
     if qsdp.recipe(recipe).two_level:
         mesh = init_device_mesh("cuda", (2, ws // 2), mesh_dim_names=("inter", "intra"))
-    qsdp.compress_fsdp(model, recipe, mesh=mesh, schedule=qsdp.Schedule(staleness=1, start=0))
+    qsdp.compress_fsdp(
+        model, recipe, mesh=mesh, schedule=qsdp.Schedule(staleness=1, start=0, predict="none")
+    )
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     for batch in list(_batches(rank, ws))[:2]:
         _train_step(model, opt, dev, batch)
@@ -252,7 +256,9 @@ def _local_estimates_on_nccl(rank: int, ws: int, recipe: str) -> None:
     and the copy of FSDP2's input buffer are what only CUDA can get wrong). Two levels
     (``tlq-hs-only`` on 2 x 2): the estimate is the node's average, written on the hook's
     stream mid-reduction (an event orders its reads); equal up to the codes of both levels."""
-    model, dev = _build(recipe, ws, torch.float32, schedule=qsdp.Schedule(staleness=1, start=0))
+    model, dev = _build(
+        recipe, ws, torch.float32, schedule=qsdp.Schedule(staleness=1, start=0, predict="none")
+    )
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     state = qsdp.fsdp.comm_state(model)
     qsdp.WeightPrediction(opt, local=state)  # the hooks keep the estimates from now on
@@ -337,7 +343,7 @@ def _backward_syncs(rank: int, ws: int) -> dict[str, str]:
         for name in (*RECIPES, "cgx")
     }
     builds["sdp4bit+s1"] = lambda: _build(
-        "sdp4bit", ws, torch.bfloat16, schedule=qsdp.Schedule(staleness=1, start=0)
+        "sdp4bit", ws, torch.bfloat16, schedule=qsdp.Schedule(staleness=1, start=0, predict="none")
     )[0]
     if ws % 2 == 0:
         builds["hsdp-cgx"] = lambda: _hsdp(ws, dev, pipeline=False)

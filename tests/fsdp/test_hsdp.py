@@ -119,7 +119,7 @@ def _refusals(rank: int, world: int) -> None:
             replicate=mesh["replicate"],
             schedule=qsdp.Schedule(pipeline=True),
         )
-    stale = qsdp.Schedule(staleness=1, pipeline=True, start=0)
+    stale = qsdp.Schedule(staleness=1, pipeline=True, start=0, predict="none")
     with pytest.raises(ValueError, match="with staleness=1"):
         qsdp.compress_fsdp(
             sharded_classifier(mesh["shard"]), "cgx", replicate=mesh["replicate"], schedule=stale

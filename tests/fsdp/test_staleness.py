@@ -34,7 +34,7 @@ def _build(recipe: str, staleness: int, *, mesh=None, replicate=None, two_level=
     for i in (2, 5):
         fully_shard(model[i], mesh=mesh)
     fully_shard(model, mesh=mesh)
-    schedule = qsdp.Schedule(staleness=staleness, start=0)
+    schedule = qsdp.Schedule(staleness=staleness, start=0, predict="none")
     qsdp.compress_fsdp(model, recipe, replicate=replicate, mesh=two_level, schedule=schedule)
     return model, torch.optim.AdamW(model.parameters(), lr=3e-3)
 

@@ -280,7 +280,9 @@ def _trainer_misuse(rank: int, world: int, out_dir: str) -> dict:
     args = _arguments(out_dir, fsdp=False, max_steps=2)
     trainer = Trainer(model=tiny_llama(), args=args, train_dataset=dataset(world * BATCH * 2))
     with pytest.raises(ValueError) as e:
-        hf.compress_trainer(trainer, DDP_RECIPE, schedule=qsdp.Schedule(staleness=1, start=0))
+        hf.compress_trainer(
+            trainer, DDP_RECIPE, schedule=qsdp.Schedule(staleness=1, start=0, predict="none")
+        )
     out["stale"] = str(e.value)
     trainer = Trainer(model=tiny_llama(), args=args, train_dataset=dataset(world * BATCH * 2))
     midway = _CompressMidway(trainer)

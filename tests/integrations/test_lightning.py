@@ -213,7 +213,7 @@ def _misuse(rank: int, world: int, out_dir: str) -> dict:
 
     out = {}
     with pytest.raises(ValueError) as e:
-        QSDPCallback(DDP_RECIPE, schedule=qsdp.Schedule(staleness=1, start=0))
+        QSDPCallback(DDP_RECIPE, schedule=qsdp.Schedule(staleness=1, start=0, predict="none"))
     out["stale"] = str(e.value)
     fsdp2, ddp = (lambda: strategy("fsdp2", world)), (lambda: strategy("ddp", world))
     # Lightning itself refuses FSDPStrategy without GPUs: the callback's check, as the Trainer

@@ -25,10 +25,12 @@ from ..models import classifier
 def _states(rank: int, world: int) -> dict:
     fsdp_model = classifier()
     fully_shard(fsdp_model)
-    qsdp.compress_fsdp(fsdp_model, "cgx", schedule=qsdp.Schedule(staleness=1, start=0))
+    qsdp.compress_fsdp(
+        fsdp_model, "cgx", schedule=qsdp.Schedule(staleness=1, start=0, predict="none")
+    )
     fsdp_state = qsdp.fsdp.comm_state(fsdp_model)
     ddp_state = qsdp.ddp.register(
-        DDP(classifier()), "cgx", schedule=qsdp.Schedule(staleness=1, start=0)
+        DDP(classifier()), "cgx", schedule=qsdp.Schedule(staleness=1, start=0, predict="none")
     )
     hooks = qsdp.fsdp._state._installed(fsdp_model).hooks
     return {

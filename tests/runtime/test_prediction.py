@@ -113,7 +113,7 @@ def _stale_fsdp(world: int, recipe: str):
     for i in (2, 5):
         fully_shard(model[i], mesh=mesh)
     fully_shard(model, mesh=mesh)
-    qsdp.compress_fsdp(model, recipe, schedule=qsdp.Schedule(staleness=1, start=0))
+    qsdp.compress_fsdp(model, recipe, schedule=qsdp.Schedule(staleness=1, start=0, predict="none"))
     return model, qsdp.fsdp.comm_state(model), torch.optim.AdamW(model.parameters(), lr=1e-2)
 
 
@@ -296,7 +296,9 @@ def _two_level_estimates(rank: int, world: int) -> dict:
     for i in (2, 5):
         fully_shard(model[i])
     fully_shard(model)
-    qsdp.compress_fsdp(model, "sdp4bit", mesh=mesh, schedule=qsdp.Schedule(staleness=1, start=0))
+    qsdp.compress_fsdp(
+        model, "sdp4bit", mesh=mesh, schedule=qsdp.Schedule(staleness=1, start=0, predict="none")
+    )
     state, opt, predict, grads, estimates = _first_stale_step(model, rank, world)
     node, per_node = rank // (world // 2), world // 2
     errors = {}
@@ -340,7 +342,7 @@ def _hsdp_estimates(rank: int, world: int) -> dict:
     for i in (2, 5):
         fully_shard(model[i], mesh=mesh["shard"])
     fully_shard(model, mesh=mesh["shard"])
-    stale = qsdp.Schedule(staleness=1, start=0)
+    stale = qsdp.Schedule(staleness=1, start=0, predict="none")
     qsdp.compress_fsdp(model, "cgx", replicate=mesh["replicate"], schedule=stale)
     state, opt, predict, grads, estimates = _first_stale_step(model, rank, world)
     node, shard, per_node = rank // (world // 2), rank % (world // 2), world // 2
@@ -381,7 +383,9 @@ def _ddp_estimates(rank: int, world: int) -> list[torch.Tensor]:
     """DDP at staleness 1: each rank's estimate is its own whole gradient; the replicas
     predict apart and are identical again after the backward."""
     ddp = DDP(classifier(), bucket_cap_mb=0.001)  # several buckets
-    hook = qsdp.ddp.register(ddp, "cgx", schedule=qsdp.Schedule(staleness=1, start=0))
+    hook = qsdp.ddp.register(
+        ddp, "cgx", schedule=qsdp.Schedule(staleness=1, start=0, predict="none")
+    )
     opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
     predict = WeightPrediction(opt, local=hook)
     assert hook.local_gradients() == {}
@@ -418,10 +422,12 @@ def test_ddp_predicts_from_each_ranks_own_gradient():
 # --- Schedule(predict="local"): the loop by hand, on hooks ------------------------------------
 def _train(rank: int, world: int, kind: str, how: str, steps: int = 6) -> list[torch.Tensor]:
     """``steps`` steps of the README loop at staleness 1 from the start, its gradient taken
-    ahead by hand (``how="hand"``), by the schedule (``"schedule"``) or not at all
-    (``"none"``); the parameters after the drained last step."""
-    predict = "local" if how == "schedule" else "none"
-    schedule = qsdp.Schedule(staleness=1, start=0, predict=predict, predict_clip=None)
+    ahead by hand (``how="hand"``), by the schedule as shipped (``"schedule"``, the default
+    ``predict``) or not at all (``"none"``); the parameters after the drained last step."""
+    if how == "schedule":  # the default: staleness 1 as shipped predicts
+        schedule = qsdp.Schedule(staleness=1, start=0)
+    else:
+        schedule = qsdp.Schedule(staleness=1, start=0, predict="none")
     model = classifier()
     if kind == "fsdp2":
         for i in (2, 5):
@@ -501,5 +507,10 @@ def test_schedule_checks_its_prediction_settings():
         qsdp.Schedule(predict="local")
     with pytest.raises(ValueError, match="positive number"):
         qsdp.Schedule(staleness=1, predict="local", predict_clip=0)
-    with pytest.raises(ValueError, match="with predict='none' there is none"):
-        qsdp.Schedule(staleness=1, predict_clip=1.0)
+    with pytest.raises(ValueError, match="there is none"):
+        qsdp.Schedule(staleness=1, predict="none", predict_clip=1.0)
+    with pytest.raises(ValueError, match="there is none"):
+        qsdp.Schedule(predict_clip=1.0)  # (synchronous)
+    assert qsdp.Schedule(staleness=1).prediction == "local"  # the default, as shipped
+    assert qsdp.Schedule().prediction == "none"
+    assert qsdp.Schedule(staleness=1, predict="none").prediction == "none"

@@ -94,11 +94,15 @@ def _run(rank: int, kind: str, start: int | str, steps: int) -> dict:
         for i in (2, 5):
             fully_shard(model[i])
         fully_shard(model)
-        qsdp.compress_fsdp(model, "sdp4bit", schedule=qsdp.Schedule(staleness=1, start=start))
+        qsdp.compress_fsdp(
+            model, "sdp4bit", schedule=qsdp.Schedule(staleness=1, start=start, predict="none")
+        )
         state = qsdp.fsdp.comm_state(model)
     else:
         model = DDP(model)
-        state = qsdp.ddp.register(model, "cgx", schedule=qsdp.Schedule(staleness=1, start=start))
+        state = qsdp.ddp.register(
+            model, "cgx", schedule=qsdp.Schedule(staleness=1, start=start, predict="none")
+        )
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     skipped, since = [], []
     for step in range(steps):

@@ -145,7 +145,7 @@ def register(
         hook.count_native(model)
     else:
         model.register_comm_hook(hook, _ddp_hook)
-    if schedule.predict == "local":  # [Note: prediction in the schedule]
+    if schedule.prediction == "local":  # [Note: prediction in the schedule]
         hook.predict = AutoPrediction(model, hook, clip=schedule.predict_clip)
     return hook
 

@@ -167,7 +167,7 @@ def compress_fsdp(
         decision=decision,
         check=shared.check,
     )
-    if schedule.predict == "local":  # [Note: prediction in the schedule]
+    if schedule.prediction == "local":  # [Note: prediction in the schedule]
         _INSTALLED[model].predict = AutoPrediction(
             model, comm_state(model), clip=schedule.predict_clip
         )

@@ -514,3 +514,28 @@ def test_schedule_checks_its_prediction_settings():
     assert qsdp.Schedule(staleness=1).prediction == "local"  # the default, as shipped
     assert qsdp.Schedule().prediction == "none"
     assert qsdp.Schedule(staleness=1, predict="none").prediction == "none"
+
+
+def _hooks_after_the_model_is_gone(rank: int, world: int) -> tuple[int, int, int]:
+    import gc
+
+    from torch.optim import optimizer as optim_module
+
+    hooks = optim_module._global_optimizer_pre_hooks
+    before = len(hooks)
+    model = classifier()
+    fully_shard(model)
+    qsdp.compress_fsdp(model, "qsdp-w8g8", schedule=qsdp.Schedule(staleness=1, start=0))
+    installed = len(hooks)
+    del model
+    gc.collect()
+    other = nn.Linear(2, 2)
+    opt = torch.optim.AdamW(other.parameters())
+    other(torch.ones(1, 2)).sum().backward()
+    opt.step()  # the first step after: the prediction of the dead model takes itself off
+    return before, installed, len(hooks)
+
+
+def test_the_schedules_global_hook_leaves_with_its_model():
+    for before, installed, after in run_distributed(_hooks_after_the_model_is_gone, 2):
+        assert installed == before + 1 and after == before

@@ -297,9 +297,10 @@ class AutoPrediction:
     the first ``optimizer.step()`` of an optimizer holding the model's parameters (a global
     optimizer pre-hook, ``torch.optim.optimizer.register_optimizer_step_pre_hook``) attaches a
     :class:`WeightPrediction` to it; the model's forward pre-hook (ahead of FSDP2's, so the
-    all-gathers read the moved shards) enters ``ahead`` when grad is enabled and a reduction is
-    in flight; the next ``optimizer.step()`` (the global pre-hook runs before the optimizer's
-    own) or ``drain()`` puts the parameters back. So every forward and backward of one
+    all-gathers read the moved shards) enters ``ahead`` in training mode with grad enabled
+    while a reduction is in flight (never for an evaluation); the next ``optimizer.step()``
+    (the global pre-hook runs before the optimizer's own) or ``drain()`` puts the parameters
+    back. So every forward and backward of one
     optimizer step (gradient accumulation included) runs at the predicted point and the step
     applies to the parameters as they were, the bits of the loop by hand. Between a backward
     and its ``optimizer.step()`` the parameters are the predicted ones: read them after the
@@ -332,7 +333,9 @@ class AutoPrediction:
         return self._stack is not None
 
     def _before_forward(self, module: torch.nn.Module, args: object) -> None:
-        if self._stack is not None or not torch.is_grad_enabled() or not self.predictions:
+        if self._stack is not None or not self.predictions:
+            return
+        if not module.training or not torch.is_grad_enabled():  # (an evaluation)
             return
         if not self.local.in_flight:
             return

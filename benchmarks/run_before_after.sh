@@ -21,8 +21,7 @@ if [ -z "${RESULTS_DIR:-}" ]; then
   echo "run_before_after.sh: set RESULTS_DIR (where before_N/ and after_N/ go)" >&2
   exit 2
 fi
-export PYTHONPATH=src PYTHONUNBUFFERED=1
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+source benchmarks/run_env.sh 2>/dev/null  # PYTHONPATH, GPU safety variables (no GPU: no name)
 nproc=${NPROC:-$(nvidia-smi -L 2>/dev/null | wc -l)}
 [ "$nproc" -ge 1 ] || nproc=2
 old=$(mktemp -d)

@@ -564,9 +564,8 @@ def decode_rows(
             p, numel=numel, spec=spec, out=out, accumulate=accumulate, rotate=True, separate=True
         )
         return out
-    for j in range(k):
-        vals = ref.decode_sum_flat(p[j : j + 1], numel, spec)
-        out[j].copy_(out[j].float() + vals if accumulate else vals)
+    for j in range(k):  # each row as decode (or decode_add) computes it
+        _decode_into(p[j : j + 1], numel, spec, out[j], accumulate=accumulate, backend="reference")
     return out
 
 

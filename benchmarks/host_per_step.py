@@ -1,6 +1,8 @@
 """Host time of a whole FSDP2 training step, plain beside qsdp's recipes, without wire or kernels.
 
     PYTHONPATH=src python benchmarks/host_per_step.py --out r.json [--recipes qsdp-w8g8 ...]
+    PYTHONPATH=src python benchmarks/host_per_step.py --device cuda --block gpt --out r.json \
+        --cprofile prof.txt      # a GPU's host, the real kernels, where the Python goes
 
 What a compressed FSDP2 step adds on the CPU (issue 32: on NVLink the step is host-bound): a
 stack of ``--blocks`` small residual MLP blocks (d ``--d``, a LayerNorm and two Linears each,
@@ -14,15 +16,28 @@ the torch ops the Python issued in one profiled step (not those inside other ops
 calls and microseconds per call of each hook kind (the ``qsdp::`` profiler scopes; profiled,
 so slower than the timed steps).
 Runs on any machine; compare rows of one run.
+
+``--device cuda`` runs the same on a GPU with the real Triton kernels (``--stub`` keeps them
+no-ops): the model is so small that the device never holds the host back, and each step starts
+from an empty device queue (a synchronisation before it, untimed), so a row is what the host
+pays to issue a step, launches included. ``--block gpt`` uses a GPT block's 12 parameters (two
+LayerNorms, the attention's two Linears and the MLP's two, attention itself left out: it adds no
+collective) instead of the 6 of a LayerNorm and an MLP. ``--cprofile FILE`` writes, per recipe,
+cProfile's functions by cumulative time over ``--steps`` more steps, the backward run on the
+calling thread (``torch.autograd.set_multithreading_enabled(False)``: on a GPU the backward's
+hooks otherwise run on autograd's device thread, which cProfile does not see).
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import cProfile
 import datetime
+import io
 import json
 import platform
+import pstats
 import statistics
 import time
 from pathlib import Path
@@ -48,9 +63,28 @@ class Block(nn.Module):
         return x + self.fc2(torch.relu(self.fc1(self.ln(x))))
 
 
-def build(recipe: str, blocks: int, d: int) -> nn.Module:
+class GPTBlock(nn.Module):
+    """A GPT block's parameters (12: two LayerNorms, qkv and proj, the MLP's two Linears), its
+    attention a plain mix of the qkv projections (no collective depends on what it computes)."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.fc1, self.fc2 = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(self.ln1(x)).chunk(3, dim=-1)
+        x = x + self.proj(q * torch.sigmoid(k) * v)
+        return x + self.fc2(torch.relu(self.fc1(self.ln2(x))))
+
+
+def build(
+    recipe: str, blocks: int, d: int, *, block: str = "mlp", device: str = "cpu"
+) -> nn.Module:
     torch.manual_seed(0)
-    model = nn.Sequential(*[Block(d) for _ in range(blocks)])
+    kind = GPTBlock if block == "gpt" else Block
+    model = nn.Sequential(*[kind(d) for _ in range(blocks)]).to(device)
     for block in model:
         fully_shard(block)
     fully_shard(model)
@@ -69,22 +103,41 @@ def _in_aten(event) -> bool:
     return False
 
 
-def measure(recipe: str, *, blocks: int, d: int, steps: int) -> dict:
-    model = build(recipe, blocks, d)
-    x = torch.randn(4, d)
+def measure(
+    recipe: str,
+    *,
+    blocks: int,
+    d: int,
+    steps: int,
+    block: str = "mlp",
+    device: str = "cpu",
+    cprofile: list[str] | None = None,
+) -> dict:
+    model = build(recipe, blocks, d, block=block, device=device)
+    x = torch.randn(4, d, device=device)
 
     def step() -> None:
         model(x).pow(2).mean().backward()
+
+    def sync() -> None:
+        if device == "cuda":
+            torch.cuda.synchronize()
 
     for _ in range(5):  # first-call work (plans, caches) out of the timing
         step()
     times = []
     for _ in range(steps):
+        sync()
         t0 = time.perf_counter()
         step()
         times.append(time.perf_counter() - t0)
+    sync()
+    if cprofile is not None:
+        cprofile.append(_cprofile(recipe, step, steps))
+        sync()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         step()
+        sync()
     events = prof.events()
     ops = sum(1 for e in events if e.name.startswith("aten::") and not _in_aten(e))
     hooks: dict[str, list[float]] = collections.defaultdict(list)
@@ -104,6 +157,20 @@ def measure(recipe: str, *, blocks: int, d: int, steps: int) -> dict:
     }
 
 
+def _cprofile(recipe: str, step, steps: int) -> str:
+    """cProfile's view of ``steps`` steps, the backward on this thread: the top functions by
+    cumulative time, as text."""
+    profile = cProfile.Profile()
+    with torch.autograd.set_multithreading_enabled(False):
+        profile.enable()
+        for _ in range(steps):
+            step()
+        profile.disable()
+    text = io.StringIO()
+    pstats.Stats(profile, stream=text).sort_stats("cumulative").print_stats(60)
+    return f"== {recipe}: {steps} steps\n{text.getvalue()}"
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, required=True)
@@ -112,10 +179,36 @@ def main() -> None:
     p.add_argument("--d", type=int, default=64)
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--label", default="", help="a name for this code version in the JSON")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--block", choices=["mlp", "gpt"], default="mlp")
+    p.add_argument(
+        "--stub",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="the quantizer kernels as no-ops (default: on the CPU only)",
+    )
+    p.add_argument("--cprofile", type=Path, help="write cProfile's functions per recipe here")
     a = p.parse_args()
-    host_per_bucket._stub_kernels()
+    stub = a.device == "cpu" if a.stub is None else a.stub
+    if stub:
+        host_per_bucket._stub_kernels()
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
-    rows = [measure(r, blocks=a.blocks, d=a.d, steps=a.steps) for r in ["plain", *a.recipes]]
+    profiles: list[str] | None = [] if a.cprofile else None
+    rows = [
+        measure(
+            r,
+            blocks=a.blocks,
+            d=a.d,
+            steps=a.steps,
+            block=a.block,
+            device=a.device,
+            cprofile=profiles,
+        )
+        for r in ["plain", *a.recipes]
+    ]
+    if a.cprofile:
+        a.cprofile.parent.mkdir(parents=True, exist_ok=True)
+        a.cprofile.write_text("\n".join(profiles))
     plain = rows[0]["ms_per_step"]
     for r in rows:
         r["extra_ms_vs_plain"] = round(r["ms_per_step"] - plain, 3)
@@ -132,8 +225,9 @@ def main() -> None:
             {
                 "benchmark": "host_per_step",
                 "label": a.label,
-                "device": "cpu",
-                "kernels": "stubbed",
+                "device": torch.cuda.get_device_name() if a.device == "cuda" else "cpu",
+                "kernels": "stubbed" if stub else "real",
+                "block": a.block,
                 "cpu": platform.processor() or platform.machine(),
                 "torch": torch.__version__,
                 "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from ..quant import Backend, QuantSpec, decode_rows, encode, flagged_groups
 from . import _common as C
 from ._calls import checked
-from ._split import Split, check_split, fused_row
+from ._split import Split, check_split, fused_parts, fused_row
 from ._stats import CommStats
 
 __all__ = ["all_gather", "all_gather_payloads", "all_gather_wire_bytes"]
@@ -177,12 +177,11 @@ def _fused_stages(
     buffer before anything is written)."""
     rows = input.reshape(1, -1)  # read before the exchange, never written
     raw_bytes = split.n_raw * input.element_size()
-    at, row = fused_row(spec, split.n_comp, raw_bytes)
-    send = torch.zeros(row, dtype=torch.uint8, device=input.device)
-    nbytes = spec.payload_bytes(split.n_comp)
+    _, row, parts = fused_parts(spec, split.n_comp, raw_bytes)
+    # (the parts' padding is never read: no zeroing)
+    send = torch.empty(row, dtype=torch.uint8, device=input.device)
     # the row's parts as views, cut once per call ([Note: a split's plan] in _split.py)
-    parts = [nbytes, at - nbytes, raw_bytes, row - at - raw_bytes]
-    codes, _, raw_slot, _ = send.split(parts)
+    codes, _, raw_slot, _ = send.split_with_sizes(parts)
     if split.one_run_each:  # views of the input: the raw run copied into its slot
         comp, raw = (part.reshape(-1) for part in split.views(rows))
         raw_slot.copy_(raw.view(torch.uint8))
@@ -208,7 +207,7 @@ def _fused_stages(
         return
     recv = torch.empty(n * row, dtype=torch.uint8, device=send.device)
     yield [C.all_gather(recv, send, pg, stats, name)], True
-    got_codes, _, got_raw, _ = recv.view(n, row).split(parts, dim=1)
+    got_codes, _, got_raw, _ = recv.view(n, row).split_with_sizes(parts, dim=1)
     comp_out = torch.empty(n, comp.numel(), dtype=comp.dtype, device=comp.device)
     if comp.numel():
         decode_rows(got_codes, comp.numel(), spec, out=comp_out, backend=backend)

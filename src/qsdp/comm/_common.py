@@ -235,6 +235,8 @@ def group_info(group: dist.ProcessGroup | None) -> tuple[dist.ProcessGroup, int,
         raise RuntimeError(
             "qsdp.comm collectives need torch.distributed: call dist.init_process_group first"
         )
+    if isinstance(group, dist.ProcessGroup):  # (a member's group: no lookup, a hot path)
+        return group, group.size(), group.rank()
     pg = group if group is not None else dist.group.WORLD
     rank = dist.get_rank(pg)
     if rank < 0:
@@ -380,6 +382,7 @@ def replica_seed(seed: int, replica: int) -> int:
     return seed if replica == 0 else _mix64((seed + replica * 0xD1B54A32D192ED03) & _MASK64)
 
 
+@functools.lru_cache(maxsize=65536)
 def noise_stream(rank: int, chunk: int, *, bucket: int = 0, hop: int = 0, piece: int = 0) -> int:
     """Philox ``stream`` word of one encode: distinct per (bucket, hop, rank, chunk, piece), with
     ``rank`` the encoder's place in the collective's group (:func:`noise_rank`).

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from ..quant import Backend, QuantSpec, decode_rows, decode_sum_finish, encode_rows, flagged_groups
 from . import _common as C
 from ._calls import checked
-from ._split import Split, check_split, fused_row
+from ._split import Split, check_split, fused_parts, fused_row
 from ._stats import CommStats
 
 __all__ = ["reduce_scatter", "reduce_scatter_wire_bytes"]
@@ -252,21 +252,20 @@ class _Call(NamedTuple):
 
 
 def _fused_stages(output, input, split, call: _Call, *, lost=None, keep_own=True) -> C.Stages:
-    """A policy split's reduce-scatter: ``[codes | raw bytes]`` rows in one all-to-all; the
+    """A policy split's reduce-scatter: ``[codes | raw]`` rows in one all-to-all; the
     receiver decodes the codes onto its own chunk's (exact) and sums the raw values in float32,
     each part divided and written to its runs of ``output``."""
     pg, n, r, m, spec, op, seed, step, bucket, hop, backend, stats, name = call
-    comp, raw = split.views(input.reshape(n, m))  # only read
+    comp, raw = split.views(input.view(n, m))  # only read
     own_comp, own_raw = comp[r], raw[r]
     if keep_own and split.one_run_each:  # (views of input; take() made copies)
         own_comp, own_raw = own_comp.clone(), own_raw.clone()
     raw_bytes = split.n_raw * raw.element_size()
-    at, row = fused_row(spec, split.n_comp, raw_bytes)
-    nbytes = spec.payload_bytes(split.n_comp)
-    send = torch.zeros(n - 1, row, dtype=torch.uint8, device=input.device)
+    nbytes, row, parts = fused_parts(spec, split.n_comp, raw_bytes)
+    # (the parts' padding is never read: no zeroing)
+    send = torch.empty(n - 1, row, dtype=torch.uint8, device=input.device)
     # each row's parts as views, cut once per call ([Note: a split's plan] in _split.py)
-    parts = [nbytes, at - nbytes, raw_bytes, row - at - raw_bytes]
-    codes, _, raw_slots, _ = send.split(parts, dim=1)
+    codes, _, raw_slots, _ = send.split_with_sizes(parts, dim=1)
     enc_spec = spec.propagating()
     if split.n_comp:  # the n - 1 peers' codes, one launch; noise per place in the group
         encode_rows(
@@ -299,7 +298,7 @@ def _fused_stages(output, input, split, call: _Call, *, lost=None, keep_own=True
         recv = torch.empty_like(send)
         splits = [0 if j == r else row for j in range(n)]
         yield [C.all_to_all(recv.view(-1), send.view(-1), splits, splits, pg, stats, name)], True
-        got_codes, _, got_raw, _ = recv.split(parts, dim=1)
+        got_codes, _, got_raw, _ = recv.split_with_sizes(parts, dim=1)
     divisor = n if op == "avg" else None
     # [Note: the receive side in one launch]
     # The compressed part goes from the payloads to the output in one kernel (decode, the sum
@@ -307,28 +306,37 @@ def _fused_stages(output, input, split, call: _Call, *, lost=None, keep_own=True
     # several, where it took a float32 copy of the own chunk, a decode, a division into a
     # temporary and the copy: two launches and ~8 torch ops fewer per call (issue 32). The
     # copy to the runs stays outside the kernel: a scatter inside it (a search of the runs per
-    # tile) made the decode 4-7x slower on 2x H200, its stores no longer vectorized.
+    # tile) made the decode 4-7x slower on 2x H200, its stores no longer vectorized. Where
+    # both parts have several runs, the two parts go to their runs in one ``_foreach_copy_``.
+    several = not split.one_run_each
+    comp_out = output.view(-1)
+    if several and split.n_comp:  # (decoded whole, put in place with the raw part below)
+        comp_out = torch.empty(split.n_comp, dtype=output.dtype, device=output.device)
     decode_sum_finish(
         got_codes,
         split.n_comp,
         spec,
         base=own_comp,
-        out=output.view(-1),
+        out=comp_out,
         divisor=divisor,
-        runs=split.places(compressed=True),
+        runs=None if several else split.places(compressed=True),
         backend=backend,
     )
     if not split.n_raw:
+        if several:
+            split.put(output.view(1, -1), comp_out.view(1, -1), None)
         return
     acc_raw = own_raw.to(torch.float32, copy=True)
-    # the raw values where they arrived (each row's part starts on a 16-byte boundary)
-    peers = got_raw.view(raw.dtype)
-    for j in range(peers.shape[0]):  # in rank order, as the codes; widened to float32 in the add
-        acc_raw.add_(peers[j])
-    if split.one_run_each:
+    # the raw values where they arrived (each row's part starts on a 16-byte boundary), in
+    # rank order as the codes, widened to float32 in the add
+    for peer in got_raw.view(raw.dtype).unbind(0):
+        acc_raw.add_(peer)
+    if not several:
         _, raw_out = split.views(output.view(1, -1))
         C.finish_into(raw_out, acc_raw, op, n)
         return
     raw_out = torch.empty(split.n_raw, dtype=output.dtype, device=output.device)
     C.finish_into(raw_out, acc_raw, op, n)
-    split.put(output.view(1, -1), None, raw_out.view(1, -1))
+    split.put(
+        output.view(1, -1), comp_out.view(1, -1) if split.n_comp else None, raw_out.view(1, -1)
+    )

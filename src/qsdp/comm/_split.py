@@ -13,15 +13,17 @@ is quantized against the policy.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import cached_property
+from typing import NamedTuple
 
 import torch
 
 from ..quant import QuantSpec
 
-__all__ = ["Split", "check_split", "fused_row"]
+__all__ = ["RowParts", "Split", "check_split", "fused_parts", "fused_row"]
 
 
 @dataclass(frozen=True)
@@ -64,13 +66,24 @@ class Split:
         if covered != self.chunk:
             raise ValueError(f"Split.runs cover {covered} elements, not chunk={self.chunk}")
 
-    @property
+    @cached_property
     def n_comp(self) -> int:
+        """Elements of the compressed runs (worked out once: a hot path reads it per call)."""
         return sum(n for _, n, c in self.runs if c)
 
-    @property
+    @cached_property
     def n_raw(self) -> int:
+        """Elements of the raw runs."""
         return sum(n for _, n, c in self.runs if not c)
+
+    def __hash__(self) -> int:
+        # per-call plans are looked up by split (``qsdp.comm._layout``): the tuple of runs is
+        # hashed once, not on every lookup
+        return self._hash
+
+    @cached_property
+    def _hash(self) -> int:
+        return hash((self.chunk, self.runs, self.raw_names))
 
     def positions(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(compressed, raw) int64 positions on the CPU (for tests and reports)."""
@@ -104,7 +117,7 @@ class Split:
         which are compressed are worked out once, and the runs are cut by one
         ``split_with_sizes`` (one op for all the views), not by a slice per run."""
         lengths, comp, raw = self._plan
-        pieces = rows.split(lengths, dim=1)
+        pieces = rows.split_with_sizes(lengths, dim=1)
         return _cat(rows, pieces, comp), _cat(rows, pieces, raw)
 
     def take_part(
@@ -114,9 +127,9 @@ class Split:
         ``[k, n_comp]`` (``[k, n_raw]``) copy, written into ``out`` when given (a slot of a
         send buffer: no temporary and no second copy)."""
         lengths, comp, raw = self._plan
-        return _cat(rows, rows.split(lengths, dim=1), comp if compressed else raw, out)
+        return _cat(rows, rows.split_with_sizes(lengths, dim=1), comp if compressed else raw, out)
 
-    @property
+    @cached_property
     def one_run_each(self) -> bool:
         """Whether each part is at most one run (then :meth:`views` copies nothing)."""
         return sum(c for _, _, c in self.runs) <= 1 and sum(not c for _, _, c in self.runs) <= 1
@@ -135,12 +148,12 @@ class Split:
         """Write ``comp`` (``[k, n_comp]``) and ``raw`` (``[k, n_raw]``) back into ``rows``
         (one ``_foreach_copy_``); a part given as None is left as it is."""
         lengths, comp_i, raw_i = self._plan
-        dst = rows.split(lengths, dim=1)
+        dst = rows.split_with_sizes(lengths, dim=1)
         targets, sources = [], []
         pairs = zip((comp_i, raw_i), (comp, raw), self._part_lengths, strict=True)
         for indices, part, sizes in pairs:
             if indices and part is not None:
-                for i, piece in zip(indices, part.split(sizes, 1), strict=True):
+                for i, piece in zip(indices, part.split_with_sizes(sizes, 1), strict=True):
                     targets.append(dst[i])
                     sources.append(piece)
         torch._foreach_copy_(targets, sources)
@@ -183,3 +196,24 @@ def check_split(split: object, numel: int, what: str) -> None:
             f"split={split!r} {covers}, but {what} has {numel}; build it for this chunk: "
             "ParamPolicy.split of its layout"
         )
+
+
+class RowParts(NamedTuple):
+    """One ``[codes | raw]`` row's layout (:func:`fused_parts`)."""
+
+    nbytes: int
+    """Bytes of the codes' payload."""
+    row: int
+    """Bytes of the row, both parts padded."""
+    parts: list[int]
+    """The row cut in four: codes, their padding, raw bytes, their padding (``split`` sizes;
+    shared, never write it)."""
+
+
+@functools.lru_cache(maxsize=1024)
+def fused_parts(spec: QuantSpec, n_comp: int, raw_bytes: int) -> RowParts:
+    """:func:`fused_row` with the row's four parts, worked out once per (spec, sizes): a
+    collective cuts every call's buffers by them ([Note: a split's plan])."""
+    nbytes = spec.payload_bytes(n_comp)
+    at, row = fused_row(spec, n_comp, raw_bytes)
+    return RowParts(nbytes, row, [nbytes, at - nbytes, raw_bytes, row - at - raw_bytes])

@@ -50,34 +50,41 @@ class CommStats:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._counts: dict[str, CollectiveCounts] = {}
+        self._counts: dict[str, list[int]] = {}
+        """``[calls, bytes, dist_calls]`` per collective, updated in place (a hot path counts
+        several times per call: no object made per count)."""
 
     def count_call(self, collective: str) -> None:
         """Count one call of ``collective`` (done once per qsdp collective call)."""
         with self._lock:
-            c = self._counts.get(collective, CollectiveCounts())
-            self._counts[collective] = CollectiveCounts(c.calls + 1, c.bytes, c.dist_calls)
+            c = self._counts.get(collective)
+            if c is None:
+                c = self._counts[collective] = [0, 0, 0]
+            c[0] += 1
 
     def add_bytes(self, collective: str, nbytes: int) -> None:
         """Count one ``torch.distributed`` call of ``collective`` sending ``nbytes``."""
         with self._lock:
-            c = self._counts.get(collective, CollectiveCounts())
-            self._counts[collective] = CollectiveCounts(c.calls, c.bytes + nbytes, c.dist_calls + 1)
+            c = self._counts.get(collective)
+            if c is None:
+                c = self._counts[collective] = [0, 0, 0]
+            c[1] += nbytes
+            c[2] += 1
 
     def __getitem__(self, collective: str) -> CollectiveCounts:
         with self._lock:
-            return self._counts.get(collective, CollectiveCounts())
+            return CollectiveCounts(*self._counts.get(collective, (0, 0, 0)))
 
     def snapshot(self) -> dict[str, CollectiveCounts]:
         """A copy of all counts, keyed by collective name."""
         with self._lock:
-            return dict(self._counts)
+            return {k: CollectiveCounts(*c) for k, c in self._counts.items()}
 
     @property
     def total_bytes(self) -> int:
         """Bytes over all collectives."""
         with self._lock:
-            return sum(c.bytes for c in self._counts.values())
+            return sum(c[1] for c in self._counts.values())
 
     def reset(self) -> None:
         """Forget all counts."""

@@ -12,7 +12,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 from .. import comm as qc
 from ..runtime import NonfiniteCheck, nonfinite_flags
 from ..runtime.delayed import DelayedReductions, padded_slots
-from ..runtime.nonfinite import agree
+from ..runtime.nonfinite import agree, layout_sizes
 from ..runtime.widths import WidthController
 from ._hooks import _Context, _Counter, _Hook, _usable
 
@@ -76,6 +76,7 @@ class _Reduction:
         if not isinstance(plan, qc.ReducePlan):
             raise TypeError(f"plan must be a qsdp.comm.ReducePlan, got {type(plan).__name__}")
         self.plan, self.check, self.layout, self.split = plan, check, layout, split
+        self._sizes = layout_sizes(layout)  # (the flags' runs, worked out once)
         self.module_name = module_name
         self.where = ""  # (a report names the module: qsdp.runtime.FlaggedReduction)
         self.zeroed = 0
@@ -176,7 +177,8 @@ class _Reduction:
             return
         output.copy_(result)
         if self.check is not None:  # agreed, and acted on, when the backward ends
-            self._defer(nonfinite_flags(output.reshape(1, -1), self.layout), group)
+            flags = nonfinite_flags(output, self.layout, sizes=self._sizes)
+            self._defer(flags, group)
 
     def check_applied(self, flat: torch.Tensor) -> None:
         """Zero ``flat`` (a result about to be applied outside a backward: ``drain()``) on
@@ -184,7 +186,7 @@ class _Reduction:
         group now, decided by the check."""
         if self.check is None:
             return
-        flags = nonfinite_flags(flat.reshape(1, -1), self.layout)
+        flags = nonfinite_flags(flat, self.layout, sizes=self._sizes)
         flat.masked_fill_(self._agree(flags, self._group), 0)
 
     def _defer(
@@ -281,7 +283,7 @@ class QuantizedReduceScatter(_Reduction, _Hook, ReduceScatter):
         sections = self._sections_now(rows, split)
         if self.check is not None:  # agreed, and acted on, when the backward ends
             limit = min(plan.value_limit() for plan, *_ in sections)
-            flags = nonfinite_flags(input_tensor.reshape(group.size(), -1), self.layout, limit)
+            flags = nonfinite_flags(rows, self.layout, limit, sizes=self._sizes)
             self._defer(flags, group)
         step = self._steps.next()
         for plan, runs, sub, bucket in sections:

@@ -7,6 +7,7 @@ reference elsewhere. There is no silent fallback: a backend that cannot run rais
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -85,6 +86,14 @@ def _check_rng(seed: int, step: int, stream: int) -> None:
     _check_counter("seed", seed, 64)
     _check_counter("step", step, 32)
     _check_counter("stream", stream, 32)
+
+
+@functools.lru_cache(maxsize=4096)
+def _check_streams(streams: tuple[int, ...]) -> None:
+    """Each of ``streams`` a valid noise stream (checked once per tuple: a reduce-scatter
+    passes the same ``n - 1`` streams on every call)."""
+    for stream in streams:
+        _check_counter("stream", stream, 32)
 
 
 def _resolve(backend: Backend, device: torch.device) -> str:
@@ -338,8 +347,8 @@ def encode_rows(
             f"rows must be 2-D with unit column stride, out uint8 [{slots}, >= {nbytes}] on "
             f"{rows.device} with unit column stride, one stream per row of out"
         )
-    for stream in streams:
-        _check_rng(seed, step, stream)
+    _check_rng(seed, step, 0)
+    _check_streams(tuple(streams))
     if _resolve(backend, rows.device) == "triton" and spec.nonfinite is NonFinite.PROPAGATE:
         table = on_device(tuple(streams), dtype=torch.int64, device=rows.device)
         _launch().encode_rows(
@@ -508,14 +517,16 @@ def decode_sum_finish(
         flat = out[start : start + numel] if not more else torch.empty_like(out[:numel])
         _launch().decode_sum_finish(p, numel=numel, spec=spec, base=base, out=flat, divisor=divisor)
         if more:
-            torch._foreach_copy_([out[s : s + n] for s, n in places], list(flat.split(lengths)))
+            torch._foreach_copy_(
+                [out[s : s + n] for s, n in places], list(flat.split_with_sizes(lengths))
+            )
         return
     acc = base.to(torch.float32, copy=True)
     _decode_into(p, numel, spec, acc, accumulate=True, backend="reference")
     if divisor is not None:
         divide_into(acc, acc, divisor)
     targets = [out[s : s + n] for s, n in places]
-    torch._foreach_copy_(targets, list(acc.split(lengths)))
+    torch._foreach_copy_(targets, list(acc.split_with_sizes(lengths)))
 
 
 def divide_into(out: torch.Tensor, acc: torch.Tensor, divisor: int) -> None:

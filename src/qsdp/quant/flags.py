@@ -5,6 +5,7 @@ NaN/Inf check)."""
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Sequence
 
@@ -58,9 +59,15 @@ def run_flags(
     from ._triton import launch
 
     flags = torch.zeros(len(sizes), dtype=torch.int32, device=rows.device)
-    ends = on_device(tuple(itertools.accumulate(sizes)), dtype=torch.int64, device=rows.device)
+    ends = on_device(_ends(tuple(sizes)), dtype=torch.int64, device=rows.device)
     launch.run_flags(rows, ends=ends, flags=flags, limit=lim)
     return flags
+
+
+@functools.lru_cache(maxsize=1024)
+def _ends(sizes: tuple[int, ...]) -> tuple[int, ...]:
+    """The runs' cumulative ends (worked out once per layout: every reduction asks)."""
+    return tuple(itertools.accumulate(sizes))
 
 
 def _run_flags_reference(rows: torch.Tensor, sizes: Sequence[int], limit: float) -> torch.Tensor:

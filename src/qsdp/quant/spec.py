@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import math
 from dataclasses import dataclass
 
@@ -181,7 +182,7 @@ class QuantSpec:
 
     def payload_bytes(self, numel: int) -> int:
         """Exact wire size of one encoded tensor of ``numel`` elements."""
-        return self.num_groups(numel) * self.scale_bytes + self.code_bytes(numel)
+        return _payload_bytes(self, numel)
 
     def propagating(self) -> QuantSpec:
         """This spec with ``nonfinite="propagate"``: an encode that never raises (NaN/Inf
@@ -218,6 +219,13 @@ class QuantSpec:
     def __str__(self) -> str:
         had = f", hadamard={self.hadamard_block}" if self.hadamard_block else ""
         return f"{self.scheme.value}{self.bits}/g{self.group_size}/{self.rounding.value}{had}"
+
+
+@functools.lru_cache(maxsize=4096)
+def _payload_bytes(spec: QuantSpec, numel: int) -> int:
+    """:meth:`QuantSpec.payload_bytes`, worked out once per (spec, size): collectives ask on
+    every call."""
+    return spec.num_groups(numel) * spec.scale_bytes + spec.code_bytes(numel)
 
 
 def _as_enum(cls: type[enum.Enum], value: object, name: str):

@@ -50,7 +50,7 @@ from ..quant import Backend, run_flags
 from .contracts import FlaggedReduction
 from .placement import local_of
 
-__all__ = ["NonfiniteCheck", "nonfinite_flags", "zero_where"]
+__all__ = ["NonfiniteCheck", "layout_sizes", "nonfinite_flags", "zero_where"]
 
 
 def nonfinite_flags(
@@ -59,17 +59,29 @@ def nonfinite_flags(
     limit: float = float("inf"),
     *,
     backend: Backend = "auto",
+    sizes: tuple[int, ...] | None = None,
 ) -> torch.Tensor:
     """Per-parameter flags (int32) of NaN/Inf, or of ``|x| > limit`` (a value the quantizer
     would send as NaN, ``ReducePlan.value_limit``), in the rank-major ``[world, M]`` gradient
     input (one flag for the whole group when the layout does not match): the parameters' runs
-    of ``qsdp.quant.run_flags`` (on a GPU one kernel launch; ``backend`` as there)."""
-    rows = chunks.reshape(chunks.shape[0] if chunks.dim() > 1 else 1, -1)
-    if layout is None or sum(n for _, n in layout) != rows.shape[1]:
-        sizes: tuple[int, ...] = (rows.shape[1],)
-    else:
-        sizes = tuple(n for _, n in layout)
+    of ``qsdp.quant.run_flags`` (on a GPU one kernel launch; ``backend`` as there). ``sizes``:
+    the layout's lengths when the caller holds them (:func:`layout_sizes`, worked out once)."""
+    rows = (
+        chunks
+        if chunks.dim() == 2
+        else chunks.reshape(chunks.shape[0] if chunks.dim() > 1 else 1, -1)
+    )
+    if sizes is None:
+        sizes = layout_sizes(layout)
+    if sizes is None or sum(sizes) != rows.shape[1]:
+        sizes = (rows.shape[1],)
     return run_flags(rows, sizes, limit=limit, backend=backend)
+
+
+def layout_sizes(layout: list[tuple[str, int]] | None) -> tuple[int, ...] | None:
+    """The run lengths :func:`nonfinite_flags` checks for ``layout`` (``(name, elements, ...)``
+    per parameter), or None without one."""
+    return None if layout is None else tuple(entry[1] for entry in layout)
 
 
 def zero_where(bad: torch.Tensor, grads: Sequence[torch.Tensor]) -> None:
@@ -87,21 +99,21 @@ def zero_where(bad: torch.Tensor, grads: Sequence[torch.Tensor]) -> None:
 
 def _one_span(grads: Sequence[torch.Tensor]) -> torch.Tensor | None:
     """A 1-D view of the storage ``grads`` share, from the first element any of them holds to
-    the last; None unless they are contiguous views of one storage, of one dtype."""
+    the last; None unless they are contiguous views of one storage, of one dtype. (The storage
+    is told by where it starts, from each view's address and offset: no storage object made per
+    gradient, this runs for every group of every backward.)"""
     if len(grads) < 2:
         return None
     first = grads[0]
-    storage = first.untyped_storage()
+    size = first.element_size()
+    start = first.data_ptr() - first.storage_offset() * size
     lo, hi = first.storage_offset(), first.storage_offset() + first.numel()
     for g in grads:
-        if (
-            g.dtype != first.dtype
-            or not g.is_contiguous()
-            or g.untyped_storage().data_ptr() != storage.data_ptr()
-        ):
+        offset = g.storage_offset()
+        if g.dtype != first.dtype or not g.is_contiguous() or g.data_ptr() - offset * size != start:
             return None
-        lo, hi = min(lo, g.storage_offset()), max(hi, g.storage_offset() + g.numel())
-    return first.new_empty(0).set_(storage, lo, (hi - lo,))
+        lo, hi = min(lo, offset), max(hi, offset + g.numel())
+    return first.as_strided((hi - lo,), (1,), lo)
 
 
 class _Entry(NamedTuple):

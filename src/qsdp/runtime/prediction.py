@@ -295,7 +295,7 @@ class AutoPrediction:
     ``WeightPrediction(optimizer, local=state)`` and its ``ahead(enabled=state.in_flight)``
     around the forward and backward. Installed by the schedule, the same happens on hooks:
     the first ``optimizer.step()`` of an optimizer holding the model's parameters (a global
-    optimizer pre-hook, ``torch.optim.optimizer.register_optimizer_step_pre_hook``) attaches a
+    optimizer pre-hook, [Note: one global optimizer hook]) attaches a
     :class:`WeightPrediction` to it; the model's forward pre-hook (ahead of FSDP2's, so the
     all-gathers read the moved shards) enters ``ahead`` in training mode with grad enabled
     while a reduction is in flight (never for an evaluation); the next ``optimizer.step()``
@@ -322,10 +322,9 @@ class AutoPrediction:
         self._owned = {id(p) for p in module.parameters()}
         self._stack: contextlib.ExitStack | None = None
         local.keep_local_gradients()
-        self._handles = [
-            module.register_forward_pre_hook(self._before_forward, prepend=True),
-            register_optimizer_step_pre_hook(self._before_step),
-        ]
+        self._handles = [module.register_forward_pre_hook(self._before_forward, prepend=True)]
+        _live.add(self)
+        _dispatch_steps()
 
     @property
     def ahead(self) -> bool:
@@ -370,8 +369,34 @@ class AutoPrediction:
     def remove(self) -> None:
         """Take every hook off (the parameters put back first)."""
         self.restore()
+        _live.discard(self)
         for h in self._handles:
             h.remove()
         for p in self.predictions:
             p.remove()
         self._handles, self.predictions = [], []
+
+
+# [Note: one global optimizer hook]
+# Every AutoPrediction learns of the optimizer steps through one global optimizer pre-hook of
+# the process, registered at the first and never taken off, which calls the live instances
+# (a WeakSet: the model's forward pre-hook holds each alive, so it leaves with its model). A
+# hook of its own per instance, taken off by the instance from inside its call once its model
+# was gone, mutated torch's ordered dict of global hooks while ``Optimizer.step`` iterated it:
+# "OrderedDict mutated during iteration" at the next step of any optimizer, as soon as a
+# second hook followed it (found on 2x H200, benchmarks/bench_ddp_step.py, whose rounds build
+# one staleness-1 model after another; torch 2.11 and 2.13 alike).
+_live: weakref.WeakSet[AutoPrediction] = weakref.WeakSet()
+_dispatcher: object | None = None
+
+
+def _on_step(optimizer: torch.optim.Optimizer, *_: object) -> None:
+    for auto in list(_live):  # (a copy: an instance may leave during its call)
+        auto._before_step(optimizer)
+
+
+def _dispatch_steps() -> None:
+    """Register the process's one global optimizer pre-hook, once."""
+    global _dispatcher
+    if _dispatcher is None:
+        _dispatcher = register_optimizer_step_pre_hook(_on_step)

@@ -834,7 +834,6 @@ def encode_kernel(
         )
 
 
-
 @triton.jit
 def _decode_tiles(
     in_ptr,
@@ -1031,7 +1030,6 @@ def decode_kernel(
         )
 
 
-
 @triton.jit
 def _decode_sum_encode_tiles(
     in_ptr,
@@ -1218,7 +1216,6 @@ def decode_sum_encode_kernel(
         )
 
 
-
 @triton.jit
 def _global_int_encode_tiles(
     x_ptr,
@@ -1323,7 +1320,6 @@ def global_int_encode_kernel(
             pid=pid,
             TAIL=True,
         )
-
 
 
 @triton.jit

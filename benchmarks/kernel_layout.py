@@ -33,7 +33,7 @@ _POINTERS = {
     "decode": {"in_ptr": "*u8", "out_ptr": "*fp32", "signs_ptr": "*fp32"},
 }
 _INTS = ("numel", "scale_region", "n_code_bytes", "n_groups", "key0", "key1", "rng_stream")
-_INTS += ("step", "n_whole", "chunk_stride", "row_stride", "out_row_stride")
+_INTS += ("step", "pid_base", "chunk_stride", "row_stride", "out_row_stride")
 _FLAGS = {
     "encode": {"HAS_REF": False},
     "decode": {"K": 1, "ACCUMULATE": False, "INTERPRET": False},
@@ -46,7 +46,7 @@ def compile_kernel(kind: str, bits: int, arch: int):
     spec = QuantSpec(bits=bits, group_size=128, scheme="absmax", rounding="nearest")
     c = L._consts(spec, rotate=False, block=L._BLOCK)
     constexprs = {**c.tile, **c.codes, **c.quantize, **c.rotation, **_FLAGS[kind]}
-    constexprs |= {"BIG": False, "ALIGNED": True}
+    constexprs |= {"BIG": False, "ALIGNED": True, "TAIL": False}
     fn = K.encode_kernel if kind == "encode" else K.decode_kernel
     signature, fixed = {}, {}
     for i, name in enumerate(fn.arg_names):

@@ -19,15 +19,8 @@ else byte by byte (little endian), so a payload may sit at any byte offset of a 
 reference in order and kind: IEEE division (``div_rn``), no FMA contraction (launch with
 ``enable_fp_fusion=False``), ``floor(v + 0.5)`` for nearest rounding, butterflies for Hadamard.
 Offsets are int32 unless the launcher sets ``BIG`` (tensors of 2^31 elements or bytes and more).
-
-[Note: one launch, the tail inside]
-Each op is one launch. Its programs before ``n_whole`` take whole tiles and run the body
-compiled without masks (``TAIL=False``); the last program, when the elements leave a partial
-tile, runs the body compiled with them (``TAIL=True``): a branch on the program id, the same in
-every thread of a program, so the whole tiles pay nothing for the tail's masks and tail-block
-checks. It was two launches, the main grid and one ``TAIL`` program: the second cost the host a
-Triton launch (~20-40 us on a GPU machine) per op, ~150 a step of a 24-block GPT (issue 32).
-Each kernel is therefore a short dispatcher over its ``_*_tiles`` body.
+Each op is two launches: the main grid over whole tiles, compiled without masks, and one ``TAIL``
+program for the last partial tile (its masks and tail-block checks cost the main grid nothing).
 """
 
 from __future__ import annotations
@@ -619,8 +612,8 @@ def _run_of(x, ends_ptr, n_runs, SEARCH: tl.constexpr):
 
 
 # --- kernels ------------------------------------------------------------------------------------
-@triton.jit
-def _encode_tiles(
+@triton.jit(do_not_specialize=["key0", "key1", "rng_stream", "step", "skip_row"])
+def encode_kernel(
     x_ptr,
     ref_ptr,
     out_ptr,
@@ -634,7 +627,7 @@ def _encode_tiles(
     rng_stream,
     step,
     inv_sqrt_h,
-    pid,
+    pid_base,
     x_row_stride,
     out_row_stride,
     skip_row,
@@ -661,7 +654,7 @@ def _encode_tiles(
     row ``s + (s >= skip_row)`` (rows ``x_row_stride`` apart: every row but ``skip_row``) into
     the payload at ``out_ptr + s * out_row_stride`` with noise stream ``streams_ptr[s]``; else
     the one row at ``x_ptr`` with ``rng_stream``."""
-    gidx, offs = _tile(pid, ROWS=ROWS, GPB=GPB, HB=HB, BIG=BIG)
+    gidx, offs = _tile(tl.program_id(0) + pid_base, ROWS=ROWS, GPB=GPB, HB=HB, BIG=BIG)
     if MULTI:
         slot = tl.program_id(1)
         if BIG:
@@ -715,127 +708,8 @@ def _encode_tiles(
     )
 
 
-@triton.jit(do_not_specialize=["key0", "key1", "rng_stream", "step", "skip_row", "n_whole"])
-def encode_kernel(
-    x_ptr,
-    ref_ptr,
-    out_ptr,
-    signs_ptr,
-    numel,
-    scale_region,
-    n_code_bytes,
-    n_groups,
-    key0,
-    key1,
-    rng_stream,
-    step,
-    inv_sqrt_h,
-    n_whole,
-    x_row_stride,
-    out_row_stride,
-    skip_row,
-    streams_ptr,
-    BITS: tl.constexpr,
-    ROWS: tl.constexpr,
-    GPB: tl.constexpr,
-    HB: tl.constexpr,
-    SCHEME: tl.constexpr,
-    STOCHASTIC: tl.constexpr,
-    SCALE_BF16: tl.constexpr,
-    STEP_CAP: tl.constexpr,
-    HEADROOM: tl.constexpr,
-    HAS_REF: tl.constexpr,
-    ROTATE: tl.constexpr,
-    HAS_SIGNS: tl.constexpr,
-    LOG_H: tl.constexpr,
-    BIG: tl.constexpr,
-    ALIGNED: tl.constexpr,
-    MULTI: tl.constexpr,
-):
-    """``_encode_tiles`` over the grid: the programs before ``n_whole`` take whole tiles
-    (no masks), a last one, if any, the partial tile: one launch
-    where there were two ([Note: one launch, the tail inside])."""
-    pid = tl.program_id(0)
-    if pid < n_whole:
-        _encode_tiles(
-            x_ptr=x_ptr,
-            ref_ptr=ref_ptr,
-            out_ptr=out_ptr,
-            signs_ptr=signs_ptr,
-            numel=numel,
-            scale_region=scale_region,
-            n_code_bytes=n_code_bytes,
-            n_groups=n_groups,
-            key0=key0,
-            key1=key1,
-            rng_stream=rng_stream,
-            step=step,
-            inv_sqrt_h=inv_sqrt_h,
-            x_row_stride=x_row_stride,
-            out_row_stride=out_row_stride,
-            skip_row=skip_row,
-            streams_ptr=streams_ptr,
-            BITS=BITS,
-            ROWS=ROWS,
-            GPB=GPB,
-            HB=HB,
-            SCHEME=SCHEME,
-            STOCHASTIC=STOCHASTIC,
-            SCALE_BF16=SCALE_BF16,
-            STEP_CAP=STEP_CAP,
-            HEADROOM=HEADROOM,
-            HAS_REF=HAS_REF,
-            ROTATE=ROTATE,
-            HAS_SIGNS=HAS_SIGNS,
-            LOG_H=LOG_H,
-            BIG=BIG,
-            ALIGNED=ALIGNED,
-            MULTI=MULTI,
-            pid=pid,
-            TAIL=False,
-        )
-    else:
-        _encode_tiles(
-            x_ptr=x_ptr,
-            ref_ptr=ref_ptr,
-            out_ptr=out_ptr,
-            signs_ptr=signs_ptr,
-            numel=numel,
-            scale_region=scale_region,
-            n_code_bytes=n_code_bytes,
-            n_groups=n_groups,
-            key0=key0,
-            key1=key1,
-            rng_stream=rng_stream,
-            step=step,
-            inv_sqrt_h=inv_sqrt_h,
-            x_row_stride=x_row_stride,
-            out_row_stride=out_row_stride,
-            skip_row=skip_row,
-            streams_ptr=streams_ptr,
-            BITS=BITS,
-            ROWS=ROWS,
-            GPB=GPB,
-            HB=HB,
-            SCHEME=SCHEME,
-            STOCHASTIC=STOCHASTIC,
-            SCALE_BF16=SCALE_BF16,
-            STEP_CAP=STEP_CAP,
-            HEADROOM=HEADROOM,
-            HAS_REF=HAS_REF,
-            ROTATE=ROTATE,
-            HAS_SIGNS=HAS_SIGNS,
-            LOG_H=LOG_H,
-            BIG=BIG,
-            ALIGNED=ALIGNED,
-            MULTI=MULTI,
-            pid=pid,
-            TAIL=True,
-        )
-
-
 @triton.jit
-def _decode_tiles(
+def decode_kernel(
     in_ptr,
     chunk_stride,
     out_ptr,
@@ -847,7 +721,7 @@ def _decode_tiles(
     inv_sqrt_h,
     row_stride,
     out_row_stride,
-    pid,
+    pid_base,
     base_ptr,
     divisor,
     BITS: tl.constexpr,
@@ -876,7 +750,7 @@ def _decode_tiles(
     row = tl.program_id(1).to(tl.int64)
     in_ptr = in_ptr + row * row_stride
     out_ptr = out_ptr + row * out_row_stride
-    gidx, offs = _tile(pid, ROWS=ROWS, GPB=GPB, HB=HB, BIG=BIG)
+    gidx, offs = _tile(tl.program_id(0) + pid_base, ROWS=ROWS, GPB=GPB, HB=HB, BIG=BIG)
     mask = offs < numel
     acc = _decode_sum(
         in_ptr,
@@ -923,115 +797,8 @@ def _decode_tiles(
         tl.store(out_ptr + offs, acc)
 
 
-@triton.jit(do_not_specialize=["n_whole"])
-def decode_kernel(
-    in_ptr,
-    chunk_stride,
-    out_ptr,
-    signs_ptr,
-    numel,
-    scale_region,
-    n_code_bytes,
-    n_groups,
-    inv_sqrt_h,
-    row_stride,
-    out_row_stride,
-    n_whole,
-    base_ptr,
-    divisor,
-    BITS: tl.constexpr,
-    ROWS: tl.constexpr,
-    GPB: tl.constexpr,
-    HB: tl.constexpr,
-    SCHEME: tl.constexpr,
-    SCALE_BF16: tl.constexpr,
-    K: tl.constexpr,
-    ACCUMULATE: tl.constexpr,
-    ROTATE: tl.constexpr,
-    HAS_SIGNS: tl.constexpr,
-    LOG_H: tl.constexpr,
-    BIG: tl.constexpr,
-    INTERPRET: tl.constexpr,
-    ALIGNED: tl.constexpr,
-    HAS_BASE: tl.constexpr,
-    DIVIDE: tl.constexpr,
-):
-    """``_decode_tiles`` over the grid: the programs before ``n_whole`` take whole tiles
-    (no masks), a last one, if any, the partial tile: one launch
-    where there were two ([Note: one launch, the tail inside])."""
-    pid = tl.program_id(0)
-    if pid < n_whole:
-        _decode_tiles(
-            in_ptr=in_ptr,
-            chunk_stride=chunk_stride,
-            out_ptr=out_ptr,
-            signs_ptr=signs_ptr,
-            numel=numel,
-            scale_region=scale_region,
-            n_code_bytes=n_code_bytes,
-            n_groups=n_groups,
-            inv_sqrt_h=inv_sqrt_h,
-            row_stride=row_stride,
-            out_row_stride=out_row_stride,
-            base_ptr=base_ptr,
-            divisor=divisor,
-            BITS=BITS,
-            ROWS=ROWS,
-            GPB=GPB,
-            HB=HB,
-            SCHEME=SCHEME,
-            SCALE_BF16=SCALE_BF16,
-            K=K,
-            ACCUMULATE=ACCUMULATE,
-            ROTATE=ROTATE,
-            HAS_SIGNS=HAS_SIGNS,
-            LOG_H=LOG_H,
-            BIG=BIG,
-            INTERPRET=INTERPRET,
-            ALIGNED=ALIGNED,
-            HAS_BASE=HAS_BASE,
-            DIVIDE=DIVIDE,
-            pid=pid,
-            TAIL=False,
-        )
-    else:
-        _decode_tiles(
-            in_ptr=in_ptr,
-            chunk_stride=chunk_stride,
-            out_ptr=out_ptr,
-            signs_ptr=signs_ptr,
-            numel=numel,
-            scale_region=scale_region,
-            n_code_bytes=n_code_bytes,
-            n_groups=n_groups,
-            inv_sqrt_h=inv_sqrt_h,
-            row_stride=row_stride,
-            out_row_stride=out_row_stride,
-            base_ptr=base_ptr,
-            divisor=divisor,
-            BITS=BITS,
-            ROWS=ROWS,
-            GPB=GPB,
-            HB=HB,
-            SCHEME=SCHEME,
-            SCALE_BF16=SCALE_BF16,
-            K=K,
-            ACCUMULATE=ACCUMULATE,
-            ROTATE=ROTATE,
-            HAS_SIGNS=HAS_SIGNS,
-            LOG_H=LOG_H,
-            BIG=BIG,
-            INTERPRET=INTERPRET,
-            ALIGNED=ALIGNED,
-            HAS_BASE=HAS_BASE,
-            DIVIDE=DIVIDE,
-            pid=pid,
-            TAIL=True,
-        )
-
-
-@triton.jit
-def _decode_sum_encode_tiles(
+@triton.jit(do_not_specialize=["key0", "key1", "rng_stream", "step"])
+def decode_sum_encode_kernel(
     in_ptr,
     chunk_stride,
     out_ptr,
@@ -1045,7 +812,7 @@ def _decode_sum_encode_tiles(
     key1,
     rng_stream,
     step,
-    pid,
+    pid_base,
     IN_BITS: tl.constexpr,
     IN_SCHEME: tl.constexpr,
     IN_SCALE_BF16: tl.constexpr,
@@ -1064,7 +831,7 @@ def _decode_sum_encode_tiles(
     ALIGNED: tl.constexpr,
     TAIL: tl.constexpr,
 ):
-    gidx, offs = _tile(pid, ROWS=ROWS, GPB=GPB, HB=HB, BIG=BIG)
+    gidx, offs = _tile(tl.program_id(0) + pid_base, ROWS=ROWS, GPB=GPB, HB=HB, BIG=BIG)
     mask = offs < numel
     acc = _decode_sum(
         in_ptr,
@@ -1109,115 +876,8 @@ def _decode_sum_encode_tiles(
     )
 
 
-@triton.jit(do_not_specialize=["key0", "key1", "rng_stream", "step", "n_whole"])
-def decode_sum_encode_kernel(
-    in_ptr,
-    chunk_stride,
-    out_ptr,
-    numel,
-    in_scale_region,
-    in_code_bytes,
-    out_scale_region,
-    out_code_bytes,
-    n_groups,
-    key0,
-    key1,
-    rng_stream,
-    step,
-    n_whole,
-    IN_BITS: tl.constexpr,
-    IN_SCHEME: tl.constexpr,
-    IN_SCALE_BF16: tl.constexpr,
-    BITS: tl.constexpr,
-    ROWS: tl.constexpr,
-    GPB: tl.constexpr,
-    HB: tl.constexpr,
-    SCHEME: tl.constexpr,
-    STOCHASTIC: tl.constexpr,
-    SCALE_BF16: tl.constexpr,
-    STEP_CAP: tl.constexpr,
-    HEADROOM: tl.constexpr,
-    K: tl.constexpr,
-    BIG: tl.constexpr,
-    IN_ALIGNED: tl.constexpr,
-    ALIGNED: tl.constexpr,
-):
-    """``_decode_sum_encode_tiles`` over the grid: the programs before ``n_whole`` take whole tiles
-    (no masks), a last one, if any, the partial tile: one launch
-    where there were two ([Note: one launch, the tail inside])."""
-    pid = tl.program_id(0)
-    if pid < n_whole:
-        _decode_sum_encode_tiles(
-            in_ptr=in_ptr,
-            chunk_stride=chunk_stride,
-            out_ptr=out_ptr,
-            numel=numel,
-            in_scale_region=in_scale_region,
-            in_code_bytes=in_code_bytes,
-            out_scale_region=out_scale_region,
-            out_code_bytes=out_code_bytes,
-            n_groups=n_groups,
-            key0=key0,
-            key1=key1,
-            rng_stream=rng_stream,
-            step=step,
-            IN_BITS=IN_BITS,
-            IN_SCHEME=IN_SCHEME,
-            IN_SCALE_BF16=IN_SCALE_BF16,
-            BITS=BITS,
-            ROWS=ROWS,
-            GPB=GPB,
-            HB=HB,
-            SCHEME=SCHEME,
-            STOCHASTIC=STOCHASTIC,
-            SCALE_BF16=SCALE_BF16,
-            STEP_CAP=STEP_CAP,
-            HEADROOM=HEADROOM,
-            K=K,
-            BIG=BIG,
-            IN_ALIGNED=IN_ALIGNED,
-            ALIGNED=ALIGNED,
-            pid=pid,
-            TAIL=False,
-        )
-    else:
-        _decode_sum_encode_tiles(
-            in_ptr=in_ptr,
-            chunk_stride=chunk_stride,
-            out_ptr=out_ptr,
-            numel=numel,
-            in_scale_region=in_scale_region,
-            in_code_bytes=in_code_bytes,
-            out_scale_region=out_scale_region,
-            out_code_bytes=out_code_bytes,
-            n_groups=n_groups,
-            key0=key0,
-            key1=key1,
-            rng_stream=rng_stream,
-            step=step,
-            IN_BITS=IN_BITS,
-            IN_SCHEME=IN_SCHEME,
-            IN_SCALE_BF16=IN_SCALE_BF16,
-            BITS=BITS,
-            ROWS=ROWS,
-            GPB=GPB,
-            HB=HB,
-            SCHEME=SCHEME,
-            STOCHASTIC=STOCHASTIC,
-            SCALE_BF16=SCALE_BF16,
-            STEP_CAP=STEP_CAP,
-            HEADROOM=HEADROOM,
-            K=K,
-            BIG=BIG,
-            IN_ALIGNED=IN_ALIGNED,
-            ALIGNED=ALIGNED,
-            pid=pid,
-            TAIL=True,
-        )
-
-
-@triton.jit
-def _global_int_encode_tiles(
+@triton.jit(do_not_specialize=["key0", "key1", "rng_stream", "step"])
+def global_int_encode_kernel(
     x_ptr,
     scale_ptr,
     out_ptr,
@@ -1228,7 +888,7 @@ def _global_int_encode_tiles(
     key1,
     rng_stream,
     step,
-    pid,
+    pid_base,
     ROWS: tl.constexpr,
     GROUP: tl.constexpr,
     STOCHASTIC: tl.constexpr,
@@ -1237,7 +897,7 @@ def _global_int_encode_tiles(
 ):
     """Global-QSGD codes ``clamp(r(x * (levels / M')), -levels, levels)`` in the carrier dtype,
     ``M' = max(M, levels * 2^-126)`` (the reference's [Note: step floor])."""
-    gidx, offs = _tile(pid, ROWS=ROWS, GPB=1, HB=GROUP, BIG=BIG)
+    gidx, offs = _tile(tl.program_id(0) + pid_base, ROWS=ROWS, GPB=1, HB=GROUP, BIG=BIG)
     mask = offs < numel
     x = _load(x_ptr + offs, mask, TAIL=TAIL)
     m = tl.load(scale_ptr + gidx, mask=gidx < n_groups, other=0.0)
@@ -1258,68 +918,6 @@ def _global_int_encode_tiles(
         tl.store(out_ptr + offs, q, mask=mask)
     else:
         tl.store(out_ptr + offs, q)
-
-
-@triton.jit(do_not_specialize=["key0", "key1", "rng_stream", "step", "n_whole"])
-def global_int_encode_kernel(
-    x_ptr,
-    scale_ptr,
-    out_ptr,
-    numel,
-    n_groups,
-    levels,
-    key0,
-    key1,
-    rng_stream,
-    step,
-    n_whole,
-    ROWS: tl.constexpr,
-    GROUP: tl.constexpr,
-    STOCHASTIC: tl.constexpr,
-    BIG: tl.constexpr,
-):
-    """``_global_int_encode_tiles`` over the grid: the programs before ``n_whole`` take whole tiles
-    (no masks), a last one, if any, the partial tile: one launch
-    where there were two ([Note: one launch, the tail inside])."""
-    pid = tl.program_id(0)
-    if pid < n_whole:
-        _global_int_encode_tiles(
-            x_ptr=x_ptr,
-            scale_ptr=scale_ptr,
-            out_ptr=out_ptr,
-            numel=numel,
-            n_groups=n_groups,
-            levels=levels,
-            key0=key0,
-            key1=key1,
-            rng_stream=rng_stream,
-            step=step,
-            ROWS=ROWS,
-            GROUP=GROUP,
-            STOCHASTIC=STOCHASTIC,
-            BIG=BIG,
-            pid=pid,
-            TAIL=False,
-        )
-    else:
-        _global_int_encode_tiles(
-            x_ptr=x_ptr,
-            scale_ptr=scale_ptr,
-            out_ptr=out_ptr,
-            numel=numel,
-            n_groups=n_groups,
-            levels=levels,
-            key0=key0,
-            key1=key1,
-            rng_stream=rng_stream,
-            step=step,
-            ROWS=ROWS,
-            GROUP=GROUP,
-            STOCHASTIC=STOCHASTIC,
-            BIG=BIG,
-            pid=pid,
-            TAIL=True,
-        )
 
 
 @triton.jit

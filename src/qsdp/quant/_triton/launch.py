@@ -104,15 +104,17 @@ def _signs_ptr(spec: QuantSpec, placeholder: torch.Tensor) -> torch.Tensor:
 
 
 def _launch(kernel, *, tile_numel: int, grid_rows: int = 1, **kwargs) -> None:
-    """Launch ``kernel`` over the whole tiles of ``tile_numel`` elements and, when ``numel``
-    leaves a rest, one more program for it, in one grid ([Note: one launch, the tail inside]
-    in ``kernels``; ``grid_rows`` independent rows on grid axis 1, for the kernels that take
-    them); ``kwargs`` are the kernel's arguments, ``numel`` among them."""
+    """Launch the mask-free main grid over whole tiles of ``tile_numel`` elements, then one TAIL
+    program for the rest (``grid_rows`` independent rows on grid axis 1, for the kernels that
+    take them); ``kwargs`` are the kernel's arguments, ``numel`` among them."""
     whole, rest = divmod(kwargs["numel"], tile_numel)
-    programs = whole + (rest > 0)
-    if programs:
-        kernel[(programs, grid_rows)](
-            **kwargs, n_whole=whole, num_warps=_NUM_WARPS, enable_fp_fusion=False
+    if whole:
+        kernel[(whole, grid_rows)](
+            **kwargs, pid_base=0, TAIL=False, num_warps=_NUM_WARPS, enable_fp_fusion=False
+        )
+    if rest:
+        kernel[(1, grid_rows)](
+            **kwargs, pid_base=whole, TAIL=True, num_warps=_NUM_WARPS, enable_fp_fusion=False
         )
 
 

@@ -208,10 +208,19 @@ def _fused_stages(
     recv = torch.empty(n * row, dtype=torch.uint8, device=send.device)
     yield [C.all_gather(recv, send, pg, stats, name)], True
     got_codes, _, got_raw, _ = recv.view(n, row).split_with_sizes(parts, dim=1)
+    raw_out = got_raw.view(raw.dtype)  # (16-byte aligned rows: a view)
+    if split.one_run_each and output.dtype == input.dtype:
+        # each part one run of every row: decoded straight into the output's rows (strided),
+        # the raw values copied into theirs (the bits of the temporary and the put below)
+        comp_dst, raw_dst = split.views(output.view(n, -1))
+        if comp.numel():
+            decode_rows(got_codes, comp.numel(), spec, out=comp_dst, backend=backend)
+        if split.n_raw:
+            raw_dst.copy_(raw_out)
+        return
     comp_out = torch.empty(n, comp.numel(), dtype=comp.dtype, device=comp.device)
     if comp.numel():
         decode_rows(got_codes, comp.numel(), spec, out=comp_out, backend=backend)
-    raw_out = got_raw.view(raw.dtype)  # (16-byte aligned rows: a view)
     split.put(output.view(n, -1), comp_out, raw_out)
 
 

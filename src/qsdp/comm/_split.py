@@ -139,10 +139,17 @@ class Split:
         is contiguous; writing through a view writes ``rows``), copies otherwise."""
         if not self.one_run_each:
             return self.take(rows)
-        parts = {True: rows[:, :0], False: rows[:, :0]}
+        comp, raw = self._one_runs
+        return rows[:, comp[0] : comp[1]], rows[:, raw[0] : raw[1]]
+
+    @cached_property
+    def _one_runs(self) -> tuple[tuple[int, int], tuple[int, int]]:
+        """With :attr:`one_run_each`: ``(start, end)`` of the compressed run and of the raw
+        one (``(0, 0)`` for a part without), for :meth:`views`' two slices."""
+        found = {True: (0, 0), False: (0, 0)}
         for start, n, c in self.runs:
-            parts[c] = rows[:, start : start + n]
-        return parts[True], parts[False]
+            found[c] = (start, start + n)
+        return found[True], found[False]
 
     def put(self, rows: torch.Tensor, comp: torch.Tensor | None, raw: torch.Tensor | None) -> None:
         """Write ``comp`` (``[k, n_comp]``) and ``raw`` (``[k, n_raw]``) back into ``rows``

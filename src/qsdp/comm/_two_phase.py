@@ -259,7 +259,11 @@ def _split_phases(
     common = _stage_args(spec, seed, step, bucket, backend, stats, split=per_chunk)
     reduced = torch.empty(per_chunk.chunk, dtype=torch.float32, device=tensor.device)
     lost = None if owner.feedback is None else torch.empty_like(rows, dtype=torch.float32)
-    phase1 = _reduce_scatter_stages(reduced, rows, pgs[0], op=op, hop=0, lost=lost, **common)
+    # (rows is this call's own: nothing writes it before phase 1 decodes, keep_own=False
+    # reads the own chunk there instead of copying it)
+    phase1 = _reduce_scatter_stages(
+        reduced, rows, pgs[0], op=op, hop=0, lost=lost, keep_own=False, **common
+    )
     return _split_stages(flat, pieces, reduced, phase1, pgs[1], n, common, lost, owner)
 
 

@@ -186,9 +186,8 @@ def _fused_stages(
         comp, raw = (part.reshape(-1) for part in split.views(rows))
         raw_slot.copy_(raw.view(torch.uint8))
     else:  # the raw runs gathered straight into their slot (16-byte aligned: a float view)
-        comp = split.take_part(rows, compressed=True).reshape(-1)
         raw = raw_slot.view(input.dtype)
-        split.take_part(rows, compressed=False, out=raw.view(1, -1))
+        comp = split.take(rows, raw_out=raw.view(1, -1))[0].view(-1)
     enc_spec = spec.propagating()
     if comp.numel():
         encode(

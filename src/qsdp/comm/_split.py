@@ -108,8 +108,12 @@ class Split:
         lengths, comp, raw = self._plan
         return [lengths[i] for i in comp], [lengths[i] for i in raw]
 
-    def take(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``rows`` (``[k, chunk]``) as contiguous ``[k, n_comp]`` and ``[k, n_raw]`` copies.
+    def take(
+        self, rows: torch.Tensor, *, raw_out: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``rows`` (``[k, chunk]``) as contiguous ``[k, n_comp]`` and ``[k, n_raw]`` copies,
+        the raw part written into ``raw_out`` when given (a slot of a send buffer: no
+        temporary and no second copy).
 
         [Note: a split's plan]
         A split is applied on every call of a collective, so the host work per call counts
@@ -118,16 +122,7 @@ class Split:
         ``split_with_sizes`` (one op for all the views), not by a slice per run."""
         lengths, comp, raw = self._plan
         pieces = rows.split_with_sizes(lengths, dim=1)
-        return _cat(rows, pieces, comp), _cat(rows, pieces, raw)
-
-    def take_part(
-        self, rows: torch.Tensor, *, compressed: bool, out: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """One part of :meth:`take`: ``rows``' compressed (or raw) runs as a contiguous
-        ``[k, n_comp]`` (``[k, n_raw]``) copy, written into ``out`` when given (a slot of a
-        send buffer: no temporary and no second copy)."""
-        lengths, comp, raw = self._plan
-        return _cat(rows, rows.split_with_sizes(lengths, dim=1), comp if compressed else raw, out)
+        return _cat(rows, pieces, comp), _cat(rows, pieces, raw, raw_out)
 
     @cached_property
     def one_run_each(self) -> bool:

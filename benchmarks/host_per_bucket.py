@@ -67,11 +67,14 @@ def _stub_kernels() -> None:
     codec._launch = lambda: _NoKernels()
     launch.global_int_encode = lambda *args, **kwargs: None
     launch.run_flags = lambda *args, **kwargs: None
+    launch.row_sum = lambda *args, **kwargs: None
     import qsdp.quant.flags as flags
     import qsdp.quant.global_int as global_int
+    import qsdp.quant.rowsum as rowsum
 
     global_int._resolve = codec._resolve
     flags._resolve = codec._resolve  # (imported by name: patched where it is read)
+    rowsum._resolve = codec._resolve
 
 
 def measure(name: str, calls: int, collective: str = "all_reduce", device: str = "cpu") -> dict:

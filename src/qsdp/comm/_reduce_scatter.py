@@ -14,7 +14,15 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from ..quant import Backend, QuantSpec, decode_rows, decode_sum_finish, encode_rows, flagged_groups
+from ..quant import (
+    Backend,
+    QuantSpec,
+    decode_rows,
+    decode_sum_finish,
+    encode_rows,
+    flagged_groups,
+    sum_rows_finish,
+)
 from . import _common as C
 from ._calls import checked
 from ._split import Split, check_split, fused_parts, fused_row
@@ -306,37 +314,26 @@ def _fused_stages(output, input, split, call: _Call, *, lost=None, keep_own=True
     # several, where it took a float32 copy of the own chunk, a decode, a division into a
     # temporary and the copy: two launches and ~8 torch ops fewer per call (issue 32). The
     # copy to the runs stays outside the kernel: a scatter inside it (a search of the runs per
-    # tile) made the decode 4-7x slower on 2x H200, its stores no longer vectorized. Where
-    # both parts have several runs, the two parts go to their runs in one ``_foreach_copy_``.
-    several = not split.one_run_each
-    comp_out = output.view(-1)
-    if several and split.n_comp:  # (decoded whole, put in place with the raw part below)
-        comp_out = torch.empty(split.n_comp, dtype=output.dtype, device=output.device)
+    # tile) made the decode 4-7x slower on 2x H200, its stores no longer vectorized.
+    # The raw part (each peer's raw values summed onto the own chunk's in float32, divided)
+    # goes to its runs in one launch (``sum_rows_finish``), where it took a float32 copy, an
+    # add per peer, a division into a temporary and a copy: ~8 torch ops fewer per call.
     decode_sum_finish(
         got_codes,
         split.n_comp,
         spec,
         base=own_comp,
-        out=comp_out,
+        out=output.view(-1),
         divisor=divisor,
-        runs=None if several else split.places(compressed=True),
+        runs=split.places(compressed=True),
         backend=backend,
     )
-    if not split.n_raw:
-        if several:
-            split.put(output.view(1, -1), comp_out.view(1, -1), None)
-        return
-    acc_raw = own_raw.to(torch.float32, copy=True)
-    # the raw values where they arrived (each row's part starts on a 16-byte boundary), in
-    # rank order as the codes, widened to float32 in the add
-    for peer in got_raw.view(raw.dtype).unbind(0):
-        acc_raw.add_(peer)
-    if not several:
-        _, raw_out = split.views(output.view(1, -1))
-        C.finish_into(raw_out, acc_raw, op, n)
-        return
-    raw_out = torch.empty(split.n_raw, dtype=output.dtype, device=output.device)
-    C.finish_into(raw_out, acc_raw, op, n)
-    split.put(
-        output.view(1, -1), comp_out.view(1, -1) if split.n_comp else None, raw_out.view(1, -1)
-    )
+    if split.n_raw:
+        sum_rows_finish(
+            got_raw.view(raw.dtype),  # (each row's part starts on a 16-byte boundary: a view)
+            base=own_raw,
+            out=output.view(-1),
+            places=split.places(compressed=False),
+            divisor=divisor,
+            backend=backend,
+        )

@@ -22,6 +22,7 @@ from .global_int import (
     global_int_levels,
     group_absmax,
 )
+from .rowsum import sum_rows_finish
 from .spec import BITS, STEP_FLOOR, NonFinite, QuantSpec, Rounding, Scheme
 
 __all__ = [
@@ -50,4 +51,5 @@ __all__ = [
     "global_int_levels",
     "group_absmax",
     "run_flags",
+    "sum_rows_finish",
 ]

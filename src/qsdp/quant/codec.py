@@ -514,12 +514,15 @@ def decode_sum_finish(
     if _resolve(backend, p.device) == "triton":
         # contiguous into out's one run (or a temporary the runs are copied from, one launch)
         (start, _), *more = places
-        flat = out[start : start + numel] if not more else torch.empty_like(out[:numel])
+        if not more:
+            flat = out[start : start + numel]
+        else:
+            flat = torch.empty(numel, dtype=out.dtype, device=out.device)
         _launch().decode_sum_finish(p, numel=numel, spec=spec, base=base, out=flat, divisor=divisor)
-        if more:
-            torch._foreach_copy_(
-                [out[s : s + n] for s, n in places], list(flat.split_with_sizes(lengths))
-            )
+        if more:  # (out cut once at every run's ends: one op, not a slice per run)
+            sizes, picks = _cut(tuple(places), out.numel())
+            pieces = out.split_with_sizes(sizes)
+            torch._foreach_copy_([pieces[i] for i in picks], list(flat.split_with_sizes(lengths)))
         return
     acc = base.to(torch.float32, copy=True)
     _decode_into(p, numel, spec, acc, accumulate=True, backend="reference")
@@ -527,6 +530,26 @@ def decode_sum_finish(
         divide_into(acc, acc, divisor)
     targets = [out[s : s + n] for s, n in places]
     torch._foreach_copy_(targets, list(acc.split_with_sizes(lengths)))
+
+
+@functools.lru_cache(maxsize=1024)
+def _cut(
+    places: tuple[tuple[int, int], ...], total: int
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """A cut of ``total`` elements at every run's start and end (``places``: ``(start,
+    length)`` in order, not overlapping) and which of the pieces are the runs."""
+    sizes, picks, at = [], [], 0
+    for s, n in places:
+        if s < at:
+            raise ValueError(f"runs {places} must be in order and not overlap")
+        if s > at:
+            sizes.append(s - at)
+        picks.append(len(sizes))
+        sizes.append(n)
+        at = s + n
+    if total > at:
+        sizes.append(total - at)
+    return tuple(sizes), tuple(picks)
 
 
 def divide_into(out: torch.Tensor, acc: torch.Tensor, divisor: int) -> None:

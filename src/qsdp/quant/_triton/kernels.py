@@ -950,3 +950,41 @@ def run_flags_kernel(
     if tl.max(bad.to(tl.int32), axis=0) > 0:
         run = _run_of(col, ends_ptr=ends_ptr, n_runs=n_runs, SEARCH=SEARCH)
         tl.atomic_max(flags_ptr + run, bad.to(tl.int32), mask=bad)
+
+
+@triton.jit(do_not_specialize=["row_stride"])
+def row_sum_kernel(
+    rows_ptr,
+    base_ptr,
+    out_ptr,
+    ends_ptr,
+    starts_ptr,
+    numel,
+    row_stride,
+    n_runs,
+    divisor,
+    K: tl.constexpr,
+    DIVIDE: tl.constexpr,
+    BLOCK: tl.constexpr,
+    SEARCH: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    """``out`` at the runs' places gets ``(base + rows[0] + ... + rows[K-1]) / divisor``,
+    summed in float32 in that order (``DIVIDE``: IEEE division), cast to ``out``'s dtype:
+    element ``i`` (of run ``p``, found by a binary search of the runs' cumulative ``ends``)
+    goes to ``out[starts[p] + i - (ends[p - 1] or 0)]``. ``qsdp.quant.rowsum`` is the
+    specification."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < numel
+    stride = row_stride.to(tl.int64)  # (K rows apart may pass 2^31 elements)
+    acc = tl.load(base_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    for j in tl.static_range(K):
+        acc = acc + tl.load(rows_ptr + j * stride + offs, mask=mask, other=0.0).to(tl.float32)
+    if DIVIDE:
+        acc = tl.math.div_rn(acc, divisor)
+    run = _run_of(offs, ends_ptr=ends_ptr, n_runs=n_runs, SEARCH=SEARCH)
+    run = tl.where(mask, run, 0)
+    first = tl.load(ends_ptr + run - 1, mask=mask & (run > 0), other=0)
+    dest = tl.load(starts_ptr + run, mask=mask, other=0) + (offs - first)
+    acc = _cast_out(acc, DTYPE=out_ptr.dtype.element_ty, INTERPRET=INTERPRET)
+    tl.store(out_ptr + dest, acc, mask=mask)

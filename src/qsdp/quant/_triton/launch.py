@@ -458,3 +458,40 @@ def run_flags(rows: torch.Tensor, *, ends: torch.Tensor, flags: torch.Tensor, li
         BIG=_big(k * rows.stride(0), numel),
         num_warps=_NUM_WARPS,
     )
+
+
+#: Elements per program of ``row_sum_kernel``.
+_ROW_SUM_BLOCK = 1024
+
+
+def row_sum(
+    rows: torch.Tensor,
+    *,
+    base: torch.Tensor,
+    out: torch.Tensor,
+    ends: torch.Tensor,
+    starts: torch.Tensor,
+    divisor: float | None,
+) -> None:
+    """One launch: ``out`` at the runs (cumulative ``ends``, output ``starts``; int64 on the
+    device) gets ``(base + sum of rows) / divisor``."""
+    k, numel = rows.shape
+    if numel == 0:
+        return
+    K.row_sum_kernel[(-(-numel // _ROW_SUM_BLOCK),)](
+        rows_ptr=rows,
+        base_ptr=base,
+        out_ptr=out,
+        ends_ptr=ends,
+        starts_ptr=starts,
+        numel=numel,
+        row_stride=rows.stride(0) if k else 0,
+        n_runs=ends.numel(),
+        divisor=1.0 if divisor is None else float(divisor),
+        K=k,
+        DIVIDE=divisor is not None,
+        BLOCK=_ROW_SUM_BLOCK,
+        SEARCH=max(1, ends.numel().bit_length()),
+        INTERPRET=_interpret(),
+        num_warps=_NUM_WARPS,
+    )

@@ -33,3 +33,24 @@ def test_counts_every_hook_of_a_step(tmp_path):
         assert r["ms_per_step"] > 0
     # the compressed steps issue more ops than plain FSDP2's, weights and gradients the most
     assert rows["plain"]["issued_ops"] < rows["cgx"]["issued_ops"] < rows["qsdp-w8g8"]["issued_ops"]
+
+
+def test_gpt_blocks_and_cprofile(tmp_path):
+    """``--block gpt``: 12 parameters a block (the hooks' count unchanged, more ops than the
+    6-parameter block's); ``--cprofile``: one section per variant, the hooks' functions in it."""
+    env = {"PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
+    ops = {}
+    for block in ("mlp", "gpt"):
+        out, prof = tmp_path / f"{block}.json", tmp_path / f"{block}.txt"
+        cmd = [sys.executable, "benchmarks/host_per_step.py", "--out", str(out), "--blocks", "2",
+               "--steps", "2", "--recipes", "cgx", "--block", block, "--cprofile", str(prof)]  # fmt: skip
+        subprocess.run(cmd, cwd=ROOT, env=env, check=True, capture_output=True, timeout=300)
+        d = json.loads(out.read_text())
+        assert d["block"] == block and d["device"] == "cpu"
+        rows = {r["recipe"]: r for r in d["rows"]}
+        assert rows["cgx"]["hooks"]["qsdp::reduce-scatter"]["calls"] == 2
+        ops[block] = rows["cgx"]["issued_ops"]
+        text = prof.read_text()
+        assert "== plain: 2 steps" in text and "== cgx: 2 steps" in text
+        assert "_reduce_scatter.py" in text.split("== cgx")[1]  # the hook's code, profiled
+    assert ops["gpt"] > ops["mlp"]

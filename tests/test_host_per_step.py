@@ -42,8 +42,9 @@ def test_gpt_blocks_and_cprofile(tmp_path):
     ops = {}
     for block in ("mlp", "gpt"):
         out, prof = tmp_path / f"{block}.json", tmp_path / f"{block}.txt"
-        cmd = [sys.executable, "benchmarks/host_per_step.py", "--out", str(out), "--blocks", "2",
-               "--steps", "2", "--recipes", "cgx", "--block", block, "--cprofile", str(prof)]  # fmt: skip
+        cmd = [sys.executable, "benchmarks/host_per_step.py", "--out", str(out), "--blocks",
+               "2", "--steps", "2", "--recipes", "cgx", "--block", block, "--cprofile",
+               str(prof)]  # fmt: skip
         subprocess.run(cmd, cwd=ROOT, env=env, check=True, capture_output=True, timeout=300)
         d = json.loads(out.read_text())
         assert d["block"] == block and d["device"] == "cpu"

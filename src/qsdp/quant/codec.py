@@ -492,17 +492,7 @@ def decode_sum_finish(
     _check_float(out, "out")
     lengths = [n for _, n in runs] if runs is not None else [numel]
     places = runs if runs is not None else ((0, numel),)
-    if (
-        base.dim() != 1
-        or base.numel() != numel
-        or (numel and base.stride(0) != 1)
-        or out.dim() != 1
-        or not out.is_contiguous()
-        or sum(lengths) != numel
-        or any(s < 0 or n < 0 or s + n > out.numel() for s, n in places)
-        or out.device != p.device
-        or base.device != p.device
-    ):
+    if _misfit(base, out, places, numel) or out.device != p.device:
         raise ValueError(
             f"decode_sum_finish: base {tuple(base.shape)} (strides {base.stride()}) on "
             f"{base.device}, out {tuple(out.shape)} on {out.device}, runs {runs}: base must "
@@ -530,6 +520,24 @@ def decode_sum_finish(
         divide_into(acc, acc, divisor)
     targets = [out[s : s + n] for s, n in places]
     torch._foreach_copy_(targets, list(acc.split_with_sizes(lengths)))
+
+
+def _misfit(
+    base: torch.Tensor, out: torch.Tensor, places: Sequence[tuple[int, int]], numel: int
+) -> bool:
+    """Whether a receive side's ``base`` (``numel`` values, unit stride), ``out`` (1-D,
+    contiguous, on base's device) and ``places`` (``(start, length)`` inside ``out``, covering
+    ``numel``) do not fit together (each caller names its own arguments in the error)."""
+    return bool(
+        base.dim() != 1
+        or base.numel() != numel
+        or (numel and base.stride(0) != 1)
+        or out.dim() != 1
+        or not out.is_contiguous()
+        or sum(n for _, n in places) != numel
+        or any(s < 0 or n < 0 or s + n > out.numel() for s, n in places)
+        or base.device != out.device
+    )
 
 
 @functools.lru_cache(maxsize=1024)

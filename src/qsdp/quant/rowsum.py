@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import torch
 
 from ._tables import on_device
-from .codec import Backend, _check_float, _resolve, divide_into
+from .codec import Backend, _check_float, _misfit, _resolve, divide_into
 
 __all__ = ["sum_rows_finish"]
 
@@ -57,14 +57,8 @@ def sum_rows_finish(
     if (
         rows.dim() != 2
         or (numel and k and rows.stride(1) != 1)
-        or base.dim() != 1
-        or base.numel() != numel
-        or (numel and base.stride(0) != 1)
-        or out.dim() != 1
-        or not out.is_contiguous()
-        or sum(lengths) != numel
-        or any(s < 0 or n < 0 or s + n > out.numel() for s, n in places)
-        or len({rows.device, base.device, out.device}) != 1
+        or rows.device != out.device
+        or _misfit(base, out, places, numel)
     ):
         raise ValueError(
             f"sum_rows_finish: rows {tuple(rows.shape)} (strides {rows.stride()}), base "

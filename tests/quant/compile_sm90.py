@@ -1,0 +1,103 @@
+"""Compile every Triton kernel of ``qsdp.quant`` for an H100 (sm_90) without a GPU and print, per
+kernel, the registers and spill bytes ``ptxas`` reports, as JSON (run by
+``test_compile_sm90.py`` in a process of its own: the tests' interpreter mode must be off when
+triton is imported)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+os.environ.pop("TRITON_INTERPRET", None)
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from qsdp.quant import QuantSpec  # noqa: E402
+from qsdp.quant._triton import kernels as K  # noqa: E402
+from qsdp.quant._triton import launch as L  # noqa: E402
+
+#: 8-bit and 4-bit groups as the recipes send them: CGX's min-max stochastic, SDP4Bit's rotated
+#: absmax (Hadamard 32 with signs)
+SPECS = {
+    "minmax4-stochastic": QuantSpec(bits=4, group_size=256, scheme="minmax", rounding="stochastic"),
+    "absmax8-h32": QuantSpec(
+        bits=8,
+        group_size=128,
+        scheme="absmax",
+        rounding="stochastic",
+        hadamard_block=32,
+        hadamard_seed=7,
+    ),  # fmt: skip
+}
+FLOATS = {"inv_sqrt_h", "divisor", "limit"}
+
+
+def _compile(fn, pointers: dict[str, str], constexprs: dict) -> dict:
+    signature, fixed = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in pointers:
+            signature[name] = pointers[name]
+        elif name in constexprs:
+            signature[name] = "constexpr"
+            fixed[(i,)] = constexprs[name]
+        else:
+            signature[name] = "fp32" if name in FLOATS else "i32"
+    kernel = triton.compile(
+        ASTSource(fn=fn, signature=signature, constexprs=fixed),
+        target=GPUTarget("cuda", 90, 32),
+        options={"num_warps": L._NUM_WARPS},
+    )
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(kernel.asm["ptx"])
+    out = subprocess.run(
+        [ptxas, "-arch=sm_90a", "-v", f.name, "-o", os.devnull], capture_output=True, text=True
+    )
+    os.unlink(f.name)
+    text = out.stdout + out.stderr
+    regs = re.search(r"Used (\d+) registers", text)
+    spills = re.search(r"(\d+) bytes spill stores", text)
+    return {"registers": int(regs.group(1)), "spill_bytes": int(spills.group(1))}
+
+
+def main() -> None:
+    results = {}
+    codes_ptr = {"in_ptr": "*u8", "out_ptr": "*u8", "signs_ptr": "*fp32", "scale_ptr": "*fp32"}
+    for name, spec in SPECS.items():
+        c = L._consts(spec, rotate=True, block=L._BLOCK)
+        flags = {"BIG": False, "ALIGNED": True}
+        for tail in (False, True):
+            enc = {**c.tile, **c.codes, **c.quantize, **c.rotation, **flags, "TAIL": tail}
+            enc |= {"HAS_REF": True, "MULTI": True}
+            ptrs = {"x_ptr": "*bf16", "ref_ptr": "*bf16", "out_ptr": "*u8", "signs_ptr": "*fp32",
+                    "streams_ptr": "*i64"}  # fmt: skip
+            results[f"encode {name} tail={tail}"] = _compile(K.encode_kernel, ptrs, enc)
+            dec = {**c.tile, **c.codes, **c.rotation, **flags, "TAIL": tail, "K": 3}
+            dec |= {"ACCUMULATE": False, "INTERPRET": False, "HAS_BASE": True, "DIVIDE": True}
+            ptrs = {"in_ptr": "*u8", "out_ptr": "*bf16", "signs_ptr": "*fp32", "base_ptr": "*bf16"}
+            results[f"decode {name} tail={tail}"] = _compile(K.decode_kernel, ptrs, dec)
+        c = L._consts(spec, rotate=False, block=L._BLOCK)
+        dse = {**c.in_codes, **c.tile, **c.codes, **c.quantize, "K": 3, "BIG": False}
+        dse |= {"IN_ALIGNED": True, "ALIGNED": True, "TAIL": True}
+        results[f"decode_sum_encode {name}"] = _compile(K.decode_sum_encode_kernel, codes_ptr, dse)
+    gi = {"ROWS": 16, "GROUP": 256, "STOCHASTIC": True, "BIG": False, "TAIL": True}
+    ptrs = {"x_ptr": "*fp32", "scale_ptr": "*fp32", "out_ptr": "*i8"}
+    results["global_int_encode"] = _compile(K.global_int_encode_kernel, ptrs, gi)
+    rf = {"BLOCK": 2048, "SEARCH": 4, "BIG": False}
+    ptrs = {"x_ptr": "*bf16", "ends_ptr": "*i64", "flags_ptr": "*i32"}
+    results["run_flags"] = _compile(K.run_flags_kernel, ptrs, rf)
+    rs = {"K": 7, "DIVIDE": True, "BLOCK": 1024, "SEARCH": 4, "INTERPRET": False}
+    ptrs = {"rows_ptr": "*bf16", "base_ptr": "*bf16", "out_ptr": "*bf16", "ends_ptr": "*i64",
+            "starts_ptr": "*i64"}  # fmt: skip
+    results["row_sum"] = _compile(K.row_sum_kernel, ptrs, rs)
+    json.dump({"triton": triton.__version__, "kernels": results}, sys.stdout, indent=1)
+
+
+if __name__ == "__main__":
+    main()

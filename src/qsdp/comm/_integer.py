@@ -16,8 +16,7 @@ import torch
 import torch.distributed as dist
 
 from ..quant import CARRIERS, Rounding, global_int_decode, global_int_encode, global_int_levels
-from ..quant import group_absmax as _group_absmax
-from ..quant.global_int import nonfinite_mode
+from ..quant.global_int import nonfinite_mode, rows_group_absmax
 from . import _common as C
 from ._calls import checked
 from ._reduce_scatter import check_chunks
@@ -106,8 +105,7 @@ def _check_options(carrier: str, group_size: int, rounding: str | Rounding) -> R
 
 def _local_scales(rows: torch.Tensor, group_size: int) -> torch.Tensor:
     """Float32 max-abs per group of each row of ``rows`` ([k, m]); non-finite groups get +inf."""
-    scales = torch.stack([_group_absmax(row, group_size) for row in rows])
-    return torch.where(torch.isnan(scales), float("inf"), scales)
+    return rows_group_absmax(rows, group_size)
 
 
 def _check_global_scales(scales: torch.Tensor, what: str) -> None:

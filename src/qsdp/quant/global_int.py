@@ -77,12 +77,21 @@ def group_absmax(x: torch.Tensor, group_size: int) -> torch.Tensor:
     ``+inf``, which survives the MAX on every backend, so every rank sees it and raises in
     :func:`global_int_encode`.
     """
-    flat = x.reshape(-1).float()
-    n = flat.numel()
-    ng = -(-n // group_size)
-    padded = torch.zeros(ng * group_size, dtype=torch.float32, device=flat.device)
-    padded[:n] = flat.abs()
-    amax = padded.reshape(ng, group_size).amax(dim=1)
+    return rows_group_absmax(x.reshape(1, -1), group_size)[0]
+
+
+def rows_group_absmax(rows: torch.Tensor, group_size: int) -> torch.Tensor:
+    """:func:`group_absmax` of each row of ``rows`` (``[k, m]``), ``[k, groups]``, in one pass
+    over all rows (a reduce-scatter's ``n`` chunks: a handful of ops, not a handful per
+    chunk)."""
+    k, m = rows.shape
+    ng = -(-m // group_size)
+    if m == ng * group_size:
+        amax = rows.reshape(k, ng, group_size).abs().amax(dim=2).float()
+    else:
+        padded = torch.zeros(k, ng * group_size, dtype=torch.float32, device=rows.device)
+        padded[:, :m] = rows.abs()
+        amax = padded.view(k, ng, group_size).amax(dim=2)
     return torch.where(torch.isnan(amax), float("inf"), amax)
 
 

@@ -83,7 +83,7 @@ from torch import nn
 from .. import comm as qc
 from ..config import CompressionConfig, NonFinite, Schedule, check_saved, config_record
 from ..policy import auto
-from ..runtime import NonfiniteCheck, SideStreams, nonfinite_flags
+from ..runtime import NonfiniteCheck, SideStreams
 from ..runtime.delayed import DelayedReductions, packed_slots
 from ..runtime.prediction import AutoPrediction
 from ..runtime.widths import WidthController
@@ -361,28 +361,21 @@ class DDPCompression:
         the flagging is queued there at once and a new future records it, no callback (a
         callback would take a stream from PyTorch's pool: [Note: a CUDA future without a
         callback] in ``qsdp.comm._common``). On gloo it runs in ``fut``'s callback."""
-        flags = None
+        flags = (
+            None if self.check is None else torch.zeros(1, dtype=torch.int32, device=tensor.device)
+        )
 
         def finish(_: torch.futures.Future | None = None) -> torch.Tensor:
-            nonlocal flags
-            if self.check is not None:
-                # one flag, set where the result holds a NaN/Inf: the same on every rank (see
-                # the note); one kernel on a GPU (qsdp.quant.run_flags), where ~isfinite, all
-                # and the copy into the flags were four launches per bucket (issue 32)
-                bad = nonfinite_flags(tensor.view(1, -1), None)
-                tensor.masked_fill_(bad.bool(), 0)
-                if flags is None:
-                    flags = bad
-                else:
-                    flags.copy_(bad)
+            if flags is not None:
+                bad = ~torch.isfinite(tensor).all()  # the same on every rank (see the note)
+                tensor.masked_fill_(bad, 0)
+                flags.copy_(bad.reshape(1))
             return tensor
 
         if tensor.is_cuda:
             fut.wait()  # (complete: the current stream waits for its events, the host does not)
             done = _completed(finish())
         else:
-            if self.check is not None:  # (filled by the callback, handed to the check now)
-                flags = torch.zeros(1, dtype=torch.int32, device=tensor.device)
             done = fut.then(finish)
         if flags is not None:
             report = self._reports.setdefault(index, _BucketReport())

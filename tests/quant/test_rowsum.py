@@ -4,7 +4,7 @@ on the CPU, compiled on a GPU), the reference against float64 sums, and the bad 
 import pytest
 import torch
 
-from qsdp.quant import sum_rows_finish
+from qsdp.quant import QuantSpec, decode_sum_finish, sum_rows_finish
 
 from .helpers import heavy_tailed
 
@@ -74,6 +74,19 @@ def test_bad_inputs_are_refused():
         sum_rows_finish(rows, base=base, out=out, places=((0, 3),))
     with pytest.raises(ValueError, match="inside out"):
         sum_rows_finish(rows, base=base, out=out, places=((30, N),))
+    # out of order, or overlapping: refused on both backends, as decode_sum_finish does
+    unordered, overlapping = PLACES[1:2] + PLACES[:1] + PLACES[2:], ((0, 10), (5, 13))
+    for places in (unordered, overlapping):
+        for backend in ("reference", "triton"):
+            with pytest.raises(ValueError, match="in order, not overlapping"):
+                sum_rows_finish(rows, base=base, out=out, places=places, backend=backend)
+    spec = QuantSpec(bits=8, group_size=16, scheme="absmax", rounding="nearest")
+    payloads = torch.zeros(1, spec.payload_bytes(N), dtype=torch.uint8)
+    for backend in ("reference", "triton"):
+        with pytest.raises(ValueError, match="in order, not overlapping"):
+            decode_sum_finish(
+                payloads, N, spec, base=base, out=out, runs=unordered, backend=backend
+            )
     with pytest.raises(ValueError, match="unit column stride"):
         sum_rows_finish(rows.t(), base=base, out=out, places=PLACES)
     with pytest.raises(TypeError, match="dtype"):

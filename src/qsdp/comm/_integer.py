@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from ..quant import CARRIERS, Rounding, global_int_decode, global_int_encode, global_int_levels
-from ..quant.global_int import nonfinite_mode, rows_group_absmax
+from ..quant.global_int import group_absmax, nonfinite_mode, rows_group_absmax
 from . import _common as C
 from ._calls import checked
 from ._reduce_scatter import check_chunks
@@ -101,11 +101,6 @@ def _check_options(carrier: str, group_size: int, rounding: str | Rounding) -> R
         return Rounding(rounding)
     except ValueError:
         raise ValueError(f"rounding={rounding!r} must be 'stochastic' or 'nearest'") from None
-
-
-def _local_scales(rows: torch.Tensor, group_size: int) -> torch.Tensor:
-    """Float32 max-abs per group of each row of ``rows`` ([k, m]); non-finite groups get +inf."""
-    return rows_group_absmax(rows, group_size)
 
 
 def _check_global_scales(scales: torch.Tensor, what: str) -> None:
@@ -208,7 +203,7 @@ def _all_reduce_stages(
     flat = tensor.view(-1)
     if flat.numel() == 0:
         return
-    scales = _local_scales(flat.reshape(1, -1), group_size)[0]
+    scales = group_absmax(flat, group_size)
     yield [C.all_reduce(scales, dist.ReduceOp.MAX, pgs[0], stats, name)], False
     if nonfinite == "raise":
         _check_global_scales(scales, name)
@@ -323,7 +318,7 @@ def _reduce_scatter_stages(
     if m == 0:
         return
     chunks = input.reshape(n, m)
-    scales = _local_scales(chunks, group_size)
+    scales = rows_group_absmax(chunks, group_size)  # (non-finite groups: +inf)
     yield [C.all_reduce(scales, dist.ReduceOp.MAX, pg, stats, name)], False
     if nonfinite == "raise":
         _check_global_scales(scales, name)

@@ -77,8 +77,8 @@ class Split:
         return sum(n for _, n, c in self.runs if not c)
 
     def __hash__(self) -> int:
-        # per-call plans are looked up by split (``qsdp.comm._layout``): the tuple of runs is
-        # hashed once, not on every lookup
+        # the two-phase all-reduce looks its layout up by split on every call
+        # (``_two_phase._chunked``): the tuple of runs is hashed once, not on every lookup
         return self._hash
 
     @cached_property
@@ -207,9 +207,8 @@ class RowParts(NamedTuple):
     """Bytes of the codes' payload."""
     row: int
     """Bytes of the row, both parts padded."""
-    parts: list[int]
-    """The row cut in four: codes, their padding, raw bytes, their padding (``split`` sizes;
-    shared, never write it)."""
+    parts: tuple[int, int, int, int]
+    """The row cut in four: codes, their padding, raw bytes, their padding (``split`` sizes)."""
 
 
 @functools.lru_cache(maxsize=1024)
@@ -218,4 +217,4 @@ def fused_parts(spec: QuantSpec, n_comp: int, raw_bytes: int) -> RowParts:
     collective cuts every call's buffers by them ([Note: a split's plan])."""
     nbytes = spec.payload_bytes(n_comp)
     at, row = fused_row(spec, n_comp, raw_bytes)
-    return RowParts(nbytes, row, [nbytes, at - nbytes, raw_bytes, row - at - raw_bytes])
+    return RowParts(nbytes, row, (nbytes, at - nbytes, raw_bytes, row - at - raw_bytes))

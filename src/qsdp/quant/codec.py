@@ -490,14 +490,13 @@ def decode_sum_finish(
     p = _stacked(payloads, numel, spec)
     _check_float(base, "base")
     _check_float(out, "out")
-    lengths = [n for _, n in runs] if runs is not None else [numel]
     places = runs if runs is not None else ((0, numel),)
     if _misfit(base, out, places, numel) or out.device != p.device:
         raise ValueError(
             f"decode_sum_finish: base {tuple(base.shape)} (strides {base.stride()}) on "
             f"{base.device}, out {tuple(out.shape)} on {out.device}, runs {runs}: base must "
             f"be {numel} elements with unit stride, out 1-D contiguous on {p.device}, the runs "
-            f"(start, length) inside out and covering {numel} elements"
+            f"(start, length) inside out, in order, not overlapping, covering {numel} elements"
         )
     if numel == 0:
         return
@@ -509,25 +508,28 @@ def decode_sum_finish(
         else:
             flat = torch.empty(numel, dtype=out.dtype, device=out.device)
         _launch().decode_sum_finish(p, numel=numel, spec=spec, base=base, out=flat, divisor=divisor)
-        if more:  # (out cut once at every run's ends: one op, not a slice per run)
-            sizes, picks = _cut(tuple(places), out.numel())
-            pieces = out.split_with_sizes(sizes)
-            torch._foreach_copy_([pieces[i] for i in picks], list(flat.split_with_sizes(lengths)))
+        if more:
+            _put_runs(out, flat, places)
         return
     acc = base.to(torch.float32, copy=True)
     _decode_into(p, numel, spec, acc, accumulate=True, backend="reference")
     if divisor is not None:
         divide_into(acc, acc, divisor)
-    targets = [out[s : s + n] for s, n in places]
-    torch._foreach_copy_(targets, list(acc.split_with_sizes(lengths)))
+    _put_runs(out, acc, places)
 
 
 def _misfit(
     base: torch.Tensor, out: torch.Tensor, places: Sequence[tuple[int, int]], numel: int
 ) -> bool:
     """Whether a receive side's ``base`` (``numel`` values, unit stride), ``out`` (1-D,
-    contiguous, on base's device) and ``places`` (``(start, length)`` inside ``out``, covering
-    ``numel``) do not fit together (each caller names its own arguments in the error)."""
+    contiguous, on base's device) and ``places`` (``(start, length)`` inside ``out``, in order,
+    not overlapping, covering ``numel``) do not fit together (each caller names its own
+    arguments in the error)."""
+    end = 0
+    for s, n in places:
+        if s < end or n < 0:
+            return True
+        end = s + n
     return bool(
         base.dim() != 1
         or base.numel() != numel
@@ -535,21 +537,28 @@ def _misfit(
         or out.dim() != 1
         or not out.is_contiguous()
         or sum(n for _, n in places) != numel
-        or any(s < 0 or n < 0 or s + n > out.numel() for s, n in places)
+        or end > out.numel()
         or base.device != out.device
     )
+
+
+def _put_runs(out: torch.Tensor, values: torch.Tensor, places: Sequence[tuple[int, int]]) -> None:
+    """Copy ``values`` (1-D, the runs' elements in order, any float dtype) to the ``places``
+    of ``out`` (``(start, length)`` in order, not overlapping, as :func:`_misfit` checks): one
+    cut of ``out`` at every run's ends and one ``_foreach_copy_`` (not a slice per run)."""
+    sizes, picks, lengths = _cut(tuple(places), out.numel())
+    pieces = out.split_with_sizes(sizes)
+    torch._foreach_copy_([pieces[i] for i in picks], list(values.split_with_sizes(lengths)))
 
 
 @functools.lru_cache(maxsize=1024)
 def _cut(
     places: tuple[tuple[int, int], ...], total: int
-) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """A cut of ``total`` elements at every run's start and end (``places``: ``(start,
-    length)`` in order, not overlapping) and which of the pieces are the runs."""
+) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """A cut of ``total`` elements at every run's start and end (``places`` in order, not
+    overlapping), which of the pieces are the runs, and the runs' lengths."""
     sizes, picks, at = [], [], 0
     for s, n in places:
-        if s < at:
-            raise ValueError(f"runs {places} must be in order and not overlap")
         if s > at:
             sizes.append(s - at)
         picks.append(len(sizes))
@@ -557,7 +566,7 @@ def _cut(
         at = s + n
     if total > at:
         sizes.append(total - at)
-    return tuple(sizes), tuple(picks)
+    return tuple(sizes), tuple(picks), tuple(n for _, n in places)
 
 
 def divide_into(out: torch.Tensor, acc: torch.Tensor, divisor: int) -> None:

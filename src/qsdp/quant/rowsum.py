@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import torch
 
 from ._tables import on_device
-from .codec import Backend, _check_float, _misfit, _resolve, divide_into
+from .codec import Backend, _check_float, _misfit, _put_runs, _resolve, divide_into
 
 __all__ = ["sum_rows_finish"]
 
@@ -53,7 +53,6 @@ def sum_rows_finish(
     _check_float(base, "base")
     _check_float(out, "out")
     k, numel = rows.shape if rows.dim() == 2 else (-1, -1)
-    lengths = _lengths(tuple(places))
     if (
         rows.dim() != 2
         or (numel and k and rows.stride(1) != 1)
@@ -64,8 +63,8 @@ def sum_rows_finish(
             f"sum_rows_finish: rows {tuple(rows.shape)} (strides {rows.stride()}), base "
             f"{tuple(base.shape)} (strides {base.stride()}), out {tuple(out.shape)}, places "
             f"{tuple(places)}: rows must be [k, n] with unit column stride, base n elements "
-            "with unit stride, out 1-D contiguous, the places (start, length) inside out and "
-            "covering n elements, all on one device"
+            "with unit stride, out 1-D contiguous, the places (start, length) inside out, in "
+            "order, not overlapping, covering n elements, all on one device"
         )
     if numel == 0:
         return
@@ -92,13 +91,7 @@ def sum_rows_finish(
         acc.add_(row)
     if divisor is not None:
         divide_into(acc, acc, divisor)
-    targets = [out[s : s + n] for s, n in places]
-    torch._foreach_copy_(targets, list(acc.split_with_sizes(list(lengths))))
-
-
-@functools.lru_cache(maxsize=1024)
-def _lengths(places: tuple[tuple[int, int], ...]) -> tuple[int, ...]:
-    return tuple(n for _, n in places)
+    _put_runs(out, acc, places)
 
 
 @functools.lru_cache(maxsize=1024)

@@ -30,7 +30,6 @@ drift (the judged socket ratios of three single-pass runs of one day spread from
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import gc
 import json
@@ -131,14 +130,12 @@ def run_variant(name: str, a, cfg, device: torch.device, rank: int) -> dict:
     # a stale step ends when the compute stream is done: its reduction runs on into the next
     # step (that is the point); a synchronous step's compute stream waits for every reduction
     step_sync = profiling.compute_sync if stale else profiling.sync
-    # staleness 1 computes ahead, as qsdp train does ([Note: weight prediction])
-    predict = qsdp.WeightPrediction(opt) if stale else None
+    # staleness 1 computes ahead on the schedule's hooks (predict="local", the default); no
+    # WeightPrediction by hand ([Note: one prediction per parameter])
     for i, (x, y) in enumerate(_batches(cfg, a.warmup + a.steps, a.batch, device, rank)):
         step_sync(device)  # (a full sync would wait for a stale step's reduction untimed)
         t0 = time.perf_counter()
-        ahead = predict.ahead(enabled=qsdp_state.in_flight) if predict else contextlib.nullcontext()
-        with ahead:
-            loss = _forward_backward(model, amp, x, y)
+        loss = _forward_backward(model, amp, x, y)
         opt.step()
         opt.zero_grad(set_to_none=True)
         step_sync(device)

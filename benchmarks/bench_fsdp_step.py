@@ -34,7 +34,6 @@ replicate all-reduce through ``compress_fsdp(..., replicate=mesh["replicate"])``
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import gc
 import json
@@ -162,7 +161,9 @@ def build(
     fully_shard(model, mesh=shard_on, mp_policy=mp)
     if recipe is None or recipe == "compute-alone":
         return model
-    # NAME+s1: the recipe at staleness 1 (+local: predicting from each rank's own gradient);
+    # NAME+s1: the recipe at staleness 1 as shipped (Schedule(staleness=1): its default
+    # predict="local" computes each delayed gradient at Adam's next step from each rank's own
+    # gradient, on hooks; +local, once the prediction by hand, is that default and kept as a name);
     # NAME+own: its reduce-scatters on their own communicator (Schedule.own_reduce_group; off
     # without it, also for qsdp-w8g8); NAME+pipe (--hsdp): Schedule(pipeline=True); NAME+prop:
     # nonfinite="propagate"; NAME+gN: gradients in groups of N
@@ -287,10 +288,9 @@ def run_variant(
     # a stale step ends when the compute stream is done: its reduction runs on into the next
     # step (that is the point), so no full device sync may wait for it, before or after a step
     step_sync = profiling.compute_sync if stale else profiling.sync
-    # staleness 1 computes ahead, as qsdp train does ([Note: weight prediction]): one more
-    # buffer of the local shards, in the peak memory
-    local = state if stale and "+local" in recipe else None  # (the hooks keep the estimates)
-    predict = qsdp.WeightPrediction(opt, local=local) if stale else None
+    # staleness 1 computes ahead on the schedule's hooks (predict="local", the default; one
+    # more buffer of the local shards, in the peak memory). No WeightPrediction by hand: it
+    # would move the parameters a second time ([Note: one prediction per parameter])
     # extra steps after the measured ones: one profiled (--profile), one whose collectives are
     # read for the wire-alone replay (--bounds)
     bounds = args.bounds and recipe != "compute-alone"  # (no communication to replay)
@@ -321,15 +321,11 @@ def run_variant(
         phases = _Phases(device, profiled)
         # the loss outside the model, as before the model moved to the package: FSDP's root
         # pre-backward hook (the last block's prefetch) fires on the logits, after its backward
-        ahead = predict.ahead(enabled=state.in_flight) if predict else contextlib.nullcontext()
-        with ahead:
-            logits, _ = model(batch[:, :-1])
-            loss = F.cross_entropy(
-                logits.float().reshape(-1, c.vocab_size), batch[:, 1:].reshape(-1)
-            )
-            phases.mark("forward")
-            loss.backward()
-            phases.mark("backward")
+        logits, _ = model(batch[:, :-1])
+        loss = F.cross_entropy(logits.float().reshape(-1, c.vocab_size), batch[:, 1:].reshape(-1))
+        phases.mark("forward")
+        loss.backward()
+        phases.mark("backward")
         if not (stale and state.applied_nothing):  # a stale first step applies nothing
             opt.step()
         opt.zero_grad(set_to_none=True)

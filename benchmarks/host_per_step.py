@@ -23,9 +23,9 @@ from an empty device queue (a synchronisation before it, untimed), so a row is w
 pays to issue a step, launches included. ``--block gpt`` uses a GPT block's 12 parameters (two
 LayerNorms, the attention's two Linears and the MLP's two, attention itself left out: it adds no
 collective) instead of the 6 of a LayerNorm and an MLP. ``--cprofile FILE`` writes, per recipe,
-cProfile's functions by cumulative time over ``--steps`` more steps, the backward run on the
-calling thread (``torch.autograd.set_multithreading_enabled(False)``: on a GPU the backward's
-hooks otherwise run on autograd's device thread, which cProfile does not see).
+cProfile's functions by own and by cumulative time over ``--steps`` more steps, the backward
+run on the calling thread (``torch.autograd.set_multithreading_enabled(False)``: on a GPU the
+backward's hooks otherwise run on autograd's device thread, which cProfile does not see).
 """
 
 from __future__ import annotations
@@ -159,7 +159,7 @@ def measure(
 
 def _cprofile(recipe: str, step, steps: int) -> str:
     """cProfile's view of ``steps`` steps, the backward on this thread: the top functions by
-    cumulative time, as text."""
+    own time, then by cumulative time, as text."""
     profile = cProfile.Profile()
     with torch.autograd.set_multithreading_enabled(False):
         profile.enable()
@@ -167,7 +167,9 @@ def _cprofile(recipe: str, step, steps: int) -> str:
             step()
         profile.disable()
     text = io.StringIO()
-    pstats.Stats(profile, stream=text).sort_stats("cumulative").print_stats(60)
+    stats = pstats.Stats(profile, stream=text)
+    for key in ("tottime", "cumulative"):
+        stats.sort_stats(key).print_stats(60)
     return f"== {recipe}: {steps} steps\n{text.getvalue()}"
 
 

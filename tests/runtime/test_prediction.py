@@ -500,6 +500,62 @@ def test_the_schedule_refuses_an_optimizer_it_cannot_predict_on_every_rank():
         assert "predict='none'" in message
 
 
+def _twice(rank: int, world: int, kind: str, order: str) -> str:
+    """A hand-made WeightPrediction beside the schedule's default prediction, built before the
+    first step (``order="before"``: the schedule refuses at that step) or after it."""
+    model = classifier()
+    schedule = qsdp.Schedule(staleness=1, start=0)  # predict="local", as shipped
+    if kind == "fsdp2":
+        fully_shard(model)
+        qsdp.compress_fsdp(model, "qsdp-w8g8", schedule=schedule)
+        state, run = qsdp.fsdp.comm_state(model), model
+    else:
+        run = DDP(model)
+        state = qsdp.ddp.register(run, "cgx", schedule=schedule)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    try:
+        if order == "before":
+            WeightPrediction(opt)
+        _loss(run, rank, 0).backward()
+        opt.step()
+        if order == "after":
+            WeightPrediction(opt, local=state)
+    except ValueError as e:
+        return str(e)
+    finally:
+        state.drain()
+    return "no error"
+
+
+@pytest.mark.parametrize("kind", ["fsdp2", "ddp"])
+@pytest.mark.parametrize("order", ["before", "after"])
+def test_two_predictions_of_one_parameter_are_refused_on_every_rank(kind, order):
+    """[Note: one prediction per parameter]: the schedule's prediction and a hand-made one
+    would move the parameters twice; refused at the first step or at once, on every rank."""
+    for message in run_distributed(_twice, 3, kind, order):
+        assert "already moved by another WeightPrediction" in message, message
+        assert "predict='none'" in message
+        if order == "before":
+            assert message.startswith("Schedule(predict='local') predicts AdamW"), message
+
+
+def test_a_removed_prediction_frees_its_parameters():
+    import gc
+
+    model = classifier()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    first = WeightPrediction(opt)
+    with pytest.raises(ValueError, match="already moved by another WeightPrediction"):
+        WeightPrediction(torch.optim.SGD(list(model.parameters())[:1], lr=0.1))  # one shared
+    first.remove()
+    WeightPrediction(opt)  # free again; its hooks keep it alive with the optimizer
+    with pytest.raises(ValueError, match="already moved by another WeightPrediction"):
+        WeightPrediction(opt)
+    del opt, first
+    gc.collect()  # the optimizer gone, its prediction with it: the parameters are free
+    WeightPrediction(torch.optim.AdamW(model.parameters(), lr=1e-2))
+
+
 def test_schedule_checks_its_prediction_settings():
     with pytest.raises(ValueError, match="must be 'local'"):
         qsdp.Schedule(staleness=1, predict="last")

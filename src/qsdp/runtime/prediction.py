@@ -97,6 +97,7 @@ class WeightPrediction:
             )
         self.optimizer = optimizer
         self.params = [p for group in optimizer.param_groups for p in group["params"]]
+        _check_unclaimed(self.params)
         self.update: list[torch.Tensor] | None = None
         """The last update of each parameter's local tensor, or None before the first step."""
         self.local = local
@@ -109,6 +110,7 @@ class WeightPrediction:
         self._handles = [optimizer.register_step_pre_hook(self._before_step)]
         if local is None:
             self._handles.append(optimizer.register_step_post_hook(self._after_step))
+        _claim(self)
 
     def _locals(self) -> list[torch.Tensor]:
         return [local_of(p.detach()) for p in self.params]
@@ -177,10 +179,15 @@ class WeightPrediction:
                     x.copy_(copy)
 
     def remove(self) -> None:
-        """Take the hooks off the optimizer; the prediction stops tracking its steps."""
+        """Take the hooks off the optimizer; the prediction stops tracking its steps (and its
+        parameters may get another prediction)."""
         for h in self._handles:
             h.remove()
         self._handles = []
+        for p in self.params:
+            ref = _moved_by.get(id(p))
+            if ref is not None and ref() is self:
+                del _moved_by[id(p)]
 
     # --- checkpoints ------------------------------------------------------------------------
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -217,6 +224,45 @@ class WeightPrediction:
             local_of(state[f"update.{i}"]).to(local_of(p).device, local_of(p).dtype).clone()
             for i, p in enumerate(self.params)
         ]
+
+
+# [Note: one prediction per parameter]
+# Two predictions over the same parameters would each move them in ahead(): the forward and
+# backward would run at x + 2u (or Adam's next step taken twice) and no error would say so.
+# That is what a loop predicting by hand beside Schedule(staleness=1), whose default
+# predict="local" predicts on hooks, did (benchmarks/bench_fsdp_step.py did, from 2026-11-28
+# until this check found it). A WeightPrediction claims its parameters when it is built and
+# frees them in remove(); a second claim raises, on every rank alike (ranks build the same
+# predictions): built by hand next to the schedule's, at the schedule's first
+# optimizer.step(); built by hand after it, at once. The table maps each claimed parameter's
+# id to a weak reference of its prediction, which holds the parameter (so the id is not
+# reused while the claim is alive) and leaves with its optimizer, whose hooks hold it.
+_moved_by: dict[int, weakref.ref[WeightPrediction]] = {}
+
+
+def _check_unclaimed(params: list[torch.Tensor]) -> None:
+    """Raise if a live prediction already moves one of ``params``."""
+    for p in params:
+        ref = _moved_by.get(id(p))
+        if ref is not None and ref() is not None:
+            raise ValueError(
+                f"a parameter of shape {tuple(p.shape)} is already moved by another "
+                "WeightPrediction (each step would move it twice). Keep one: a loop that "
+                "predicts by hand builds its schedule with Schedule(staleness=1, "
+                "predict='none'); with the schedule's default predict='local' drop the "
+                "hand-made WeightPrediction; or remove() the old prediction first"
+            )
+
+
+def _claim(prediction: WeightPrediction) -> None:
+    ref = weakref.ref(prediction, _forget)
+    for p in prediction.params:
+        _moved_by[id(p)] = ref
+
+
+def _forget(ref: weakref.ref) -> None:
+    for key in [k for k, v in _moved_by.items() if v is ref]:
+        del _moved_by[key]
 
 
 def _check_adam(optimizer: torch.optim.Optimizer) -> None:

@@ -146,7 +146,7 @@ def main() -> None:
         lambda: L._consts(spec, rotate=True, block=L._BLOCK),
     )  # noqa: E501
     codes = qsdp.quant.encode(x, spec)
-    run("qsdp.quant.encode (64 Ki elements, Triton launch)", lambda: qsdp.quant.encode(x, spec))
+    run("qsdp.quant.encode (64 Ki elements)", lambda: qsdp.quant.encode(x, spec))
     run("qsdp.quant.decode (64 Ki elements)", lambda: qsdp.quant.decode(codes))
     if cuda:
         _triton_rows(run, x, spec)
@@ -175,6 +175,7 @@ def main() -> None:
                         timespec="seconds"
                     ),
                     "world_size": dist.get_world_size() if dist.is_initialized() else 1,
+                    "codec_backend": "triton" if cuda else "reference",
                     "us_per_call": rows,
                 },
                 indent=2,

@@ -1,0 +1,56 @@
+"""benchmarks/host_sampled.py and host_primitives.py: the host-time tools of issue 32. Their
+timings are not asserted (benchmarks measure, tests check); what they report is."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from .bench_scripts import ROOT
+
+ENV = {"PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
+
+RAW = """\
+<module> (x.py:1);setup (x.py:9) 100
+<module> (x.py:1);timed_loop (benchmarks/host_sampled.py:50);step (b.py:2);call (src/qsdp/comm/_common.py:82);all_to_all_single (torch/c10d.py:5) 30
+<module> (x.py:1);timed_loop (benchmarks/host_sampled.py:50);step (b.py:2);call (src/qsdp/comm/_common.py:83) 10
+<module> (x.py:1);timed_loop (benchmarks/host_sampled.py:50);step (b.py:2);forward (torch/nn.py:3) 60
+"""  # noqa: E501
+
+
+def test_sampled_summary_counts_the_timed_loop_only(tmp_path):
+    raw = tmp_path / "raw.txt"
+    raw.write_text(RAW)
+    cmd = [sys.executable, "benchmarks/host_sampled.py", "summarize", str(raw)]
+    out = subprocess.run(cmd, cwd=ROOT, env=ENV, check=True, capture_output=True, text=True)
+    text = out.stdout
+    assert text.startswith("100 samples in the timed loop")  # setup's 100 left out
+    assert "  40.0%  call (src/qsdp/comm/_common.py)" in text  # inclusive, both lines
+    assert "  30.0%  all_to_all_single (torch/c10d.py)" in text  # own
+    assert "qsdp lines, with what they issued: 40.0% in all" in text
+    assert "  30.0%  call (src/qsdp/comm/_common.py:82)" in text  # the line, with its C call
+    assert "  10.0%  call (src/qsdp/comm/_common.py:83)" in text
+    bad = subprocess.run(cmd + ["--loop", "nowhere"], cwd=ROOT, env=ENV, capture_output=True)
+    assert bad.returncode != 0 and b"no stack holds a frame with 'nowhere'" in bad.stderr
+
+
+def test_sampled_run_steps_a_recipe():
+    cmd = [sys.executable, "benchmarks/host_sampled.py", "run", "--recipe", "cgx", "--steps",
+           "2", "--blocks", "2"]  # fmt: skip
+    out = subprocess.run(cmd, cwd=ROOT, env=ENV, check=True, capture_output=True, text=True)
+    recipe, ms, unit = out.stdout.split()[:3]
+    assert recipe == "cgx" and float(ms) > 0 and unit == "ms"
+
+
+def test_primitives_price_each_piece_on_the_cpu(tmp_path):
+    out = tmp_path / "p.json"
+    cmd = [sys.executable, "benchmarks/host_primitives.py", "--out", str(out), "--calls", "20",
+           "--rounds", "1"]  # fmt: skip
+    subprocess.run(cmd, cwd=ROOT, env=ENV, check=True, capture_output=True, timeout=300)
+    d = json.loads(out.read_text())
+    assert d["device"] == "cpu" and d["world_size"] == 1
+    rows = d["us_per_call"]
+    for name in ("tensor.view(-1)", "torch.empty (256 KiB)", "qsdp.quant.encode (64 Ki elements)"):
+        assert rows[name] > 0, name
+    assert not any(k.startswith("triton launch") or "stream" in k for k in rows)  # GPU only

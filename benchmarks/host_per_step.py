@@ -80,7 +80,13 @@ class GPTBlock(nn.Module):
 
 
 def build(
-    recipe: str, blocks: int, d: int, *, block: str = "mlp", device: str = "cpu"
+    recipe: str,
+    blocks: int,
+    d: int,
+    *,
+    block: str = "mlp",
+    device: str = "cpu",
+    schedule: qsdp.Schedule | None = None,
 ) -> nn.Module:
     torch.manual_seed(0)
     kind = GPTBlock if block == "gpt" else Block
@@ -89,7 +95,7 @@ def build(
         fully_shard(block)
     fully_shard(model)
     if recipe != "plain":
-        qsdp.compress_fsdp(model, qsdp.recipe(recipe, nonfinite="zero"))
+        qsdp.compress_fsdp(model, qsdp.recipe(recipe, nonfinite="zero"), schedule=schedule)
     return model
 
 

@@ -7,12 +7,14 @@
 
 ``run``: ``--steps`` training steps of ``host_per_step.py``'s model (GPT blocks, a ``fake``
 process group of 4, real kernels on a GPU) with the backward on the calling thread, after 5
-untimed ones; prints milliseconds per step. ``summarize``: from py-spy's raw stacks, the samples
-of the timed loop only: each function's share inclusive and of its own (a C call is charged to
-the Python line that made it), and each qsdp line's share counting everything below it that is
-not qsdp's (the torch ops and launches it issued). Sampling does not slow the Python it
-measures the way cProfile and line_profiler do (their per-call and per-line costs land on the
-many small functions of a hook), so the shares are the unprofiled step's.
+untimed ones; prints milliseconds per step. ``--optimizer`` adds an AdamW step to each step;
+``--staleness 1`` runs the recipe at staleness 1 as shipped, its prediction included.
+``summarize``: from py-spy's raw stacks, the samples of the timed loop only: each function's
+share inclusive and of its own (a C call is charged to the Python line that made it), and each
+qsdp line's share counting everything below it that is not qsdp's (the torch ops and launches
+it issued). Sampling does not slow the Python it measures the way cProfile and line_profiler do
+(their per-call and per-line costs land on the many small functions of a hook), so the shares
+are the unprofiled step's.
 """
 
 from __future__ import annotations
@@ -30,10 +32,15 @@ def run(a: argparse.Namespace) -> None:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     import host_per_step  # benchmarks/, the script's own folder
+    import qsdp
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
-    model = host_per_step.build(a.recipe, a.blocks, a.d, block="gpt", device=a.device)
+    schedule = qsdp.Schedule(staleness=1, start=0) if a.staleness else None  # as shipped
+    model = host_per_step.build(
+        a.recipe, a.blocks, a.d, block="gpt", device=a.device, schedule=schedule
+    )
     x = torch.randn(4, a.d, device=a.device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4) if a.optimizer or a.staleness else None
 
     def sync() -> None:
         if a.device == "cuda":
@@ -41,6 +48,9 @@ def run(a: argparse.Namespace) -> None:
 
     def step() -> None:
         model(x).pow(2).mean().backward()
+        if opt is not None:  # (staleness 1: its prediction runs on the optimizer's hooks)
+            opt.step()
+            opt.zero_grad()
 
     for _ in range(5):
         step()
@@ -104,6 +114,14 @@ def main() -> None:
     r.add_argument("--blocks", type=int, default=8)
     r.add_argument("--d", type=int, default=64)
     r.add_argument("--steps", type=int, default=400)
+    r.add_argument("--optimizer", action="store_true", help="an AdamW step in each step")
+    r.add_argument(
+        "--staleness",
+        type=int,
+        choices=[0, 1],
+        default=0,
+        help="1: Schedule(staleness=1) as shipped (its prediction; implies --optimizer)",
+    )
     s = sub.add_parser("summarize", help="shares from py-spy's raw output")
     s.add_argument("raw")
     s.add_argument("--top", type=int, default=40)

@@ -35,12 +35,13 @@ def test_sampled_summary_counts_the_timed_loop_only(tmp_path):
     assert bad.returncode != 0 and b"no stack holds a frame with 'nowhere'" in bad.stderr
 
 
-def test_sampled_run_steps_a_recipe():
-    cmd = [sys.executable, "benchmarks/host_sampled.py", "run", "--recipe", "cgx", "--steps",
-           "2", "--blocks", "2"]  # fmt: skip
-    out = subprocess.run(cmd, cwd=ROOT, env=ENV, check=True, capture_output=True, text=True)
-    recipe, ms, unit = out.stdout.split()[:3]
-    assert recipe == "cgx" and float(ms) > 0 and unit == "ms"
+def test_sampled_run_steps_a_recipe_synchronous_and_at_staleness_1():
+    for extra in ([], ["--staleness", "1"]):
+        cmd = [sys.executable, "benchmarks/host_sampled.py", "run", "--recipe", "cgx",
+               "--steps", "3", "--blocks", "2", *extra]  # fmt: skip
+        out = subprocess.run(cmd, cwd=ROOT, env=ENV, check=True, capture_output=True, text=True)
+        recipe, ms, unit = out.stdout.split()[:3]
+        assert recipe == "cgx" and float(ms) > 0 and unit == "ms"
 
 
 def test_primitives_price_each_piece_on_the_cpu(tmp_path):

@@ -174,9 +174,9 @@ class WeightPrediction:
             yield
         finally:
             self._ahead = False
-            with torch.no_grad():
-                for x, copy in saved:
-                    x.copy_(copy)
+            if saved:  # one launch per parameter list, not one copy per parameter
+                with torch.no_grad():
+                    torch._foreach_copy_([x for x, _ in saved], [c for _, c in saved])
 
     def remove(self) -> None:
         """Take the hooks off the optimizer; the prediction stops tracking its steps (and its

@@ -1,8 +1,9 @@
 """Launchers of the Triton quantizer kernels: shapes, grids and constexpr flags.
 
-Every argument reaches a kernel by keyword, under the kernel's own parameter name. What a
-``QuantSpec`` fixes at compile time is worked out once per spec by :func:`_consts` and splatted
-(``**c.codes``), so two kernels cannot receive the same flags in different orders.
+Every argument is named by the kernel's own parameter name (a launcher builds one dict of them;
+:func:`_launch` hands them over in the kernel's parameter order, [Note: a launch's host cost]).
+What a ``QuantSpec`` fixes at compile time is worked out once per spec by :func:`_consts` and
+splatted (``**c.encoding``), so two kernels cannot receive the same flags in different orders.
 """
 
 from __future__ import annotations
@@ -54,6 +55,11 @@ class _Consts:
     """``ROTATE``, ``HAS_SIGNS``, ``LOG_H``: the Hadamard rotation of the rotating kernels."""
     inv_sqrt_h: float
     """The rotation's float32 scale ``1/sqrt(h)`` (a run-time argument, not a constexpr)."""
+    encoding: Mapping[str, object]
+    """``tile``, ``codes``, ``quantize``, ``rotation`` and ``inv_sqrt_h`` in one dict: what
+    ``encode_kernel`` takes from the spec, splatted once per launch (not four merges)."""
+    decoding: Mapping[str, object]
+    """``tile``, ``codes``, ``rotation`` and ``inv_sqrt_h``: ``decode_kernel``'s share."""
 
 
 @functools.lru_cache(maxsize=256)
@@ -70,24 +76,42 @@ def _consts(spec: QuantSpec, *, rotate: bool, block: int) -> _Consts:
         "SCHEME": _SCHEME_ID[spec.scheme],
         "SCALE_BF16": spec.scale_dtype == torch.bfloat16,
     }
+    tile = {"ROWS": rows, "GPB": spec.group_size // hb, "HB": hb}
+    quantize = {
+        "STOCHASTIC": spec.rounding is Rounding.STOCHASTIC,
+        # the representable-range constants (reference's [Note: representable range])
+        "STEP_CAP": step_cap(spec),
+        "HEADROOM": headroom(spec),
+    }
+    rotation = {
+        "ROTATE": rotates,
+        "HAS_SIGNS": spec.hadamard_seed is not None,
+        "LOG_H": h.bit_length() - 1,
+    }
+    scale = {"inv_sqrt_h": inv_sqrt(h)}
     return _Consts(
-        tile={"ROWS": rows, "GPB": spec.group_size // hb, "HB": hb},
+        tile=tile,
         tile_numel=rows * spec.group_size,
         codes=codes,
         in_codes={f"IN_{k}": v for k, v in codes.items()},
-        quantize={
-            "STOCHASTIC": spec.rounding is Rounding.STOCHASTIC,
-            # the representable-range constants (reference's [Note: representable range])
-            "STEP_CAP": step_cap(spec),
-            "HEADROOM": headroom(spec),
-        },
-        rotation={
-            "ROTATE": rotates,
-            "HAS_SIGNS": spec.hadamard_seed is not None,
-            "LOG_H": h.bit_length() - 1,
-        },
-        inv_sqrt_h=inv_sqrt(h),
+        quantize=quantize,
+        rotation=rotation,
+        inv_sqrt_h=scale["inv_sqrt_h"],
+        encoding={**tile, **codes, **quantize, **rotation, **scale},
+        decoding={**tile, **codes, **rotation, **scale},
     )
+
+
+@functools.lru_cache(maxsize=4096)
+def _sizes(spec: QuantSpec, numel: int) -> dict[str, int]:
+    """The payload layout of ``numel`` elements, under the kernels' argument names (shared:
+    never mutate it, only splat it)."""
+    n_groups = spec.num_groups(numel)
+    return {
+        "scale_region": n_groups * spec.scale_bytes,
+        "n_code_bytes": spec.code_bytes(numel),
+        "n_groups": n_groups,
+    }
 
 
 @functools.lru_cache(maxsize=64)
@@ -103,18 +127,43 @@ def _signs_ptr(spec: QuantSpec, placeholder: torch.Tensor) -> torch.Tensor:
     return _signs(spec.hadamard_block, spec.hadamard_seed, placeholder.device)
 
 
-def _launch(kernel, *, tile_numel: int, grid_rows: int = 1, **kwargs) -> None:
+def _launch(kernel, kwargs: dict, *, tile_numel: int, grid_rows: int = 1) -> None:
     """Launch the mask-free main grid over whole tiles of ``tile_numel`` elements, then one TAIL
     program for the rest (``grid_rows`` independent rows on grid axis 1, for the kernels that
-    take them); ``kwargs`` are the kernel's arguments, ``numel`` among them."""
+    take them); ``kwargs`` are the kernel's arguments, ``numel`` among them.
+
+    [Note: a launch's host cost]
+    The hooks are host-bound on a GPU machine (issue 32), and a launch is most of a codec
+    call's host work there: ``JITFunction.run`` binds and specializes every argument (about
+    26 us on an H200 host for the encode kernel's 35 keyword arguments, against 9 us for the
+    compiled kernel's own launcher, ``benchmarks/host_primitives.py``), and each ``**`` layer on
+    the way copied the argument dict again. So a launcher builds the arguments once, as one
+    dict under the kernel's parameter names (what a spec and a length fix comes from cached
+    dicts: ``_Consts.encoding`` / ``decoding``, ``_sizes``), and this passes them to
+    ``kernel.run`` positionally, in the kernel's own parameter order (``arg_names``), with no
+    ``kernel[grid]`` (``KernelInterface``'s lambda around the same call: one more copy per
+    launch). Same kernel, same arguments, same bits (Triton and its interpreter alike); on the
+    development CPU with a no-op kernel an encode call's Python fell from 14.5 to 6.4 us.
+    """
     whole, rest = divmod(kwargs["numel"], tile_numel)
+    names = kernel.arg_names  # (every parameter: positional, no keyword matching per launch)
     if whole:
-        kernel[(whole, grid_rows)](
-            **kwargs, pid_base=0, TAIL=False, num_warps=_NUM_WARPS, enable_fp_fusion=False
+        kwargs["pid_base"], kwargs["TAIL"] = 0, False
+        kernel.run(
+            *[kwargs[n] for n in names],
+            grid=(whole, grid_rows),
+            warmup=False,
+            num_warps=_NUM_WARPS,
+            enable_fp_fusion=False,
         )
     if rest:
-        kernel[(1, grid_rows)](
-            **kwargs, pid_base=whole, TAIL=True, num_warps=_NUM_WARPS, enable_fp_fusion=False
+        kwargs["pid_base"], kwargs["TAIL"] = whole, True
+        kernel.run(
+            *[kwargs[n] for n in names],
+            grid=(1, grid_rows),
+            warmup=False,
+            num_warps=_NUM_WARPS,
+            enable_fp_fusion=False,
         )
 
 
@@ -229,28 +278,19 @@ def _encode_launch(
     which rows (one, or ``MULTI``) and how they lie."""
     c = _consts(spec, rotate=rotate, block=_BLOCK)
     key0, key1 = _key(seed)
-    n_groups = spec.num_groups(numel)
-    _launch(
-        K.encode_kernel,
-        tile_numel=c.tile_numel,
-        grid_rows=grid_rows,
-        x_ptr=x,
-        out_ptr=out,
-        signs_ptr=_signs_ptr(spec, x),
-        numel=numel,
-        scale_region=n_groups * spec.scale_bytes,
-        n_code_bytes=spec.code_bytes(numel),
-        n_groups=n_groups,
-        key0=key0,
-        key1=key1,
-        step=step,
-        inv_sqrt_h=c.inv_sqrt_h,
-        **c.tile,
-        **c.codes,
-        **c.quantize,
-        **c.rotation,
+    kwargs = {
+        **c.encoding,
+        **_sizes(spec, numel),
         **rows,
-    )
+        "x_ptr": x,
+        "out_ptr": out,
+        "signs_ptr": _signs_ptr(spec, x),
+        "numel": numel,
+        "key0": key0,
+        "key1": key1,
+        "step": step,
+    }
+    _launch(K.encode_kernel, kwargs, tile_numel=c.tile_numel, grid_rows=grid_rows)
 
 
 def decode(
@@ -328,28 +368,21 @@ def _decode_launch(
     if numel == 0:
         return
     c = _consts(spec, rotate=rotate, block=_BLOCK)
-    n_groups = spec.num_groups(numel)
-    _launch(
-        K.decode_kernel,
-        tile_numel=c.tile_numel,
-        grid_rows=grid_rows,
-        in_ptr=payloads,
-        chunk_stride=payloads.stride(0),
-        out_ptr=out,
-        signs_ptr=_signs_ptr(spec, out),
-        numel=numel,
-        scale_region=n_groups * spec.scale_bytes,
-        n_code_bytes=spec.code_bytes(numel),
-        n_groups=n_groups,
-        inv_sqrt_h=c.inv_sqrt_h,
-        **c.tile,
-        **c.codes,
-        **c.rotation,
-        BIG=_big(numel, payloads.numel(), out.numel()),
-        INTERPRET=_interpret(),
-        ALIGNED=_aligned(payloads, spec, payloads.stride(0)),
+    stride = payloads.stride(0)
+    kwargs = {
+        **c.decoding,
+        **_sizes(spec, numel),
         **how,
-    )
+        "in_ptr": payloads,
+        "chunk_stride": stride,
+        "out_ptr": out,
+        "signs_ptr": _signs_ptr(spec, out),
+        "numel": numel,
+        "BIG": _big(numel, payloads.numel(), out.numel()),
+        "INTERPRET": _interpret(),
+        "ALIGNED": _aligned(payloads, spec, stride),
+    }
+    _launch(K.decode_kernel, kwargs, tile_numel=c.tile_numel, grid_rows=grid_rows)
 
 
 def decode_sum_encode(
@@ -371,9 +404,7 @@ def decode_sum_encode(
     c_out = _consts(out_spec, rotate=False, block=_BLOCK)
     key0, key1 = _key(seed)
     n_groups = out_spec.num_groups(numel)
-    _launch(
-        K.decode_sum_encode_kernel,
-        tile_numel=c_out.tile_numel,
+    kwargs = dict(
         in_ptr=payloads,
         chunk_stride=payloads.stride(0),
         out_ptr=out,
@@ -396,6 +427,7 @@ def decode_sum_encode(
         IN_ALIGNED=_aligned(payloads, in_spec, payloads.stride(0)),
         ALIGNED=_aligned(out, out_spec),
     )
+    _launch(K.decode_sum_encode_kernel, kwargs, tile_numel=c_out.tile_numel)
 
 
 def global_int_encode(
@@ -414,9 +446,7 @@ def global_int_encode(
     numel = src.numel()
     key0, key1 = _key(seed)
     rows = _rows(group_size, _BLOCK)
-    _launch(
-        K.global_int_encode_kernel,
-        tile_numel=rows * group_size,
+    kwargs = dict(
         x_ptr=src,
         scale_ptr=scales,
         out_ptr=out,
@@ -432,6 +462,7 @@ def global_int_encode(
         STOCHASTIC=stochastic,
         BIG=_big(numel),
     )
+    _launch(K.global_int_encode_kernel, kwargs, tile_numel=rows * group_size)
 
 
 #: Columns per program of ``run_flags_kernel``.
@@ -445,7 +476,9 @@ def run_flags(rows: torch.Tensor, *, ends: torch.Tensor, flags: torch.Tensor, li
     k, numel = rows.shape
     if k == 0 or numel == 0:
         return
-    K.run_flags_kernel[(-(-numel // _FLAG_BLOCK), k)](
+    K.run_flags_kernel.run(  # (not kernel[grid]: [Note: a launch's host cost])
+        grid=(-(-numel // _FLAG_BLOCK), k),
+        warmup=False,
         x_ptr=rows,
         ends_ptr=ends,
         flags_ptr=flags,
@@ -478,7 +511,9 @@ def row_sum(
     k, numel = rows.shape
     if numel == 0:
         return
-    K.row_sum_kernel[(-(-numel // _ROW_SUM_BLOCK),)](
+    K.row_sum_kernel.run(  # (not kernel[grid]: [Note: a launch's host cost])
+        grid=(-(-numel // _ROW_SUM_BLOCK),),
+        warmup=False,
         rows_ptr=rows,
         base_ptr=base,
         out_ptr=out,

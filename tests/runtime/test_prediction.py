@@ -539,6 +539,28 @@ def test_two_predictions_of_one_parameter_are_refused_on_every_rank(kind, order)
             assert message.startswith("Schedule(predict='local') predicts AdamW"), message
 
 
+def _two_models_one_optimizer(rank: int, world: int) -> list[int]:
+    """Two DDP models at staleness 1 as shipped, one optimizer over both: each schedule's
+    prediction claims its own model's parameters only, so both predict."""
+    runs, hooks = [], []
+    for _ in range(2):
+        run = DDP(classifier())
+        hooks.append(qsdp.ddp.register(run, "cgx", schedule=qsdp.Schedule(staleness=1, start=0)))
+        runs.append(run)
+    opt = torch.optim.AdamW([p for r in runs for p in r.parameters()], lr=3e-3)
+    for step in range(3):
+        sum(_loss(r, rank, step) for r in runs).backward()
+        opt.step()
+        opt.zero_grad()
+    for hook in hooks:
+        hook.drain()
+    return [len(hook.predict.predictions) for hook in hooks]
+
+
+def test_two_models_sharing_an_optimizer_each_predict_their_own():
+    assert run_distributed(_two_models_one_optimizer, 2) == [[1, 1]] * 2
+
+
 def test_a_removed_prediction_frees_its_parameters():
     import gc
 

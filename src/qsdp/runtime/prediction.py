@@ -91,13 +91,25 @@ class WeightPrediction:
     def __init__(
         self, optimizer: torch.optim.Optimizer, *, local: LocalGradients | None = None
     ) -> None:
+        self._build(optimizer, local=local, moves=None)
+
+    def _build(
+        self,
+        optimizer: torch.optim.Optimizer,
+        *,
+        local: LocalGradients | None,
+        moves: set[int] | None,
+    ) -> None:
+        """``moves``: the ids of the parameters this prediction may move (None: every one of
+        the optimizer's), which it claims ([Note: one prediction per parameter])."""
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(
                 f"WeightPrediction takes a torch.optim.Optimizer, got {type(optimizer).__name__}"
             )
         self.optimizer = optimizer
         self.params = [p for group in optimizer.param_groups for p in group["params"]]
-        _check_unclaimed(self.params)
+        self._claims = [p for p in self.params if moves is None or id(p) in moves]
+        _check_unclaimed(self._claims)
         self.update: list[torch.Tensor] | None = None
         """The last update of each parameter's local tensor, or None before the first step."""
         self.local = local
@@ -184,7 +196,7 @@ class WeightPrediction:
         for h in self._handles:
             h.remove()
         self._handles = []
-        for p in self.params:
+        for p in self._claims:
             ref = _moved_by.get(id(p))
             if ref is not None and ref() is self:
                 del _moved_by[id(p)]
@@ -234,7 +246,9 @@ class WeightPrediction:
 # until this check found it). A WeightPrediction claims its parameters when it is built and
 # frees them in remove(); a second claim raises, on every rank alike (ranks build the same
 # predictions): built by hand next to the schedule's, at the schedule's first
-# optimizer.step(); built by hand after it, at once. The table maps each claimed parameter's
+# optimizer.step(); built by hand after it, at once. A hand-made prediction claims all its
+# optimizer's parameters, the schedule's only its model's (two models at staleness 1 may share
+# one optimizer: each moves its own). The table maps each claimed parameter's
 # id to a weak reference of its prediction, which holds the parameter (so the id is not
 # reused while the claim is alive) and leaves with its optimizer, whose hooks hold it.
 _moved_by: dict[int, weakref.ref[WeightPrediction]] = {}
@@ -256,7 +270,7 @@ def _check_unclaimed(params: list[torch.Tensor]) -> None:
 
 def _claim(prediction: WeightPrediction) -> None:
     ref = weakref.ref(prediction, _forget)
-    for p in prediction.params:
+    for p in prediction._claims:
         _moved_by[id(p)] = ref
 
 
@@ -398,8 +412,10 @@ class AutoPrediction:
             return
         if not any(id(p) in self._owned for g in optimizer.param_groups for p in g["params"]):
             return
-        try:
-            self.predictions.append(WeightPrediction(optimizer, local=self.local))
+        try:  # (it claims this model's parameters only: another model may share the optimizer)
+            prediction = WeightPrediction.__new__(WeightPrediction)
+            prediction._build(optimizer, local=self.local, moves=self._owned)
+            self.predictions.append(prediction)
         except (TypeError, ValueError) as e:
             raise type(e)(
                 f"Schedule(predict='local') predicts {type(optimizer).__name__}'s next step and "

@@ -5,6 +5,12 @@
         python benchmarks/host_sampled.py run --recipe sdp4bit --device cuda --steps 400
     python benchmarks/host_sampled.py summarize sdp4bit.txt > sdp4bit_summary.txt
 
+    # the real step on several GPUs (every rank's samples together; warm-up steps included)
+    py-spy record --subprocesses --nonblocking -r 500 --format raw -o s1.txt -- \
+        torchrun --standalone --nproc-per-node 4 benchmarks/bench_fsdp_step.py \
+        --regime socket --recipes sdp4bit+s1 --baselines --out r.json
+    python benchmarks/host_sampled.py summarize s1.txt --loop "run_variant ("
+
 ``run``: ``--steps`` training steps of ``host_per_step.py``'s model (GPT blocks, a ``fake``
 process group of 4, real kernels on a GPU) with the backward on the calling thread, after 5
 untimed ones; prints milliseconds per step. ``--optimizer`` adds an AdamW step to each step;

@@ -428,16 +428,7 @@ def _train(rank: int, world: int, kind: str, how: str, steps: int = 6) -> list[t
         schedule = qsdp.Schedule(staleness=1, start=0)
     else:
         schedule = qsdp.Schedule(staleness=1, start=0, predict="none")
-    model = classifier()
-    if kind == "fsdp2":
-        for i in (2, 5):
-            fully_shard(model[i])
-        fully_shard(model)
-        qsdp.compress_fsdp(model, "qsdp-w8g8", schedule=schedule)
-        state, run = qsdp.fsdp.comm_state(model), model
-    else:
-        run = DDP(model)
-        state = qsdp.ddp.register(run, "cgx", schedule=schedule)
+    model, run, state = _staleness_model(kind, schedule)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     by_hand = WeightPrediction(opt, local=state) if how == "hand" else None
     for step in range(steps):
@@ -450,6 +441,20 @@ def _train(rank: int, world: int, kind: str, how: str, steps: int = 6) -> list[t
     state.drain()
     opt.step()
     return [_full(p) for p in model.parameters()]
+
+
+def _staleness_model(kind: str, schedule: qsdp.Schedule) -> tuple:
+    """(model, what runs it, its comm state): the classifier under FSDP2 (``qsdp-w8g8``) or
+    DDP (``cgx``) with ``schedule``."""
+    model = classifier()
+    if kind == "fsdp2":
+        for i in (2, 5):
+            fully_shard(model[i])
+        fully_shard(model)
+        qsdp.compress_fsdp(model, "qsdp-w8g8", schedule=schedule)
+        return model, model, qsdp.fsdp.comm_state(model)
+    run = DDP(model)
+    return model, run, qsdp.ddp.register(run, "cgx", schedule=schedule)
 
 
 class _nothing:
@@ -503,15 +508,8 @@ def test_the_schedule_refuses_an_optimizer_it_cannot_predict_on_every_rank():
 def _twice(rank: int, world: int, kind: str, order: str) -> str:
     """A hand-made WeightPrediction beside the schedule's default prediction, built before the
     first step (``order="before"``: the schedule refuses at that step) or after it."""
-    model = classifier()
     schedule = qsdp.Schedule(staleness=1, start=0)  # predict="local", as shipped
-    if kind == "fsdp2":
-        fully_shard(model)
-        qsdp.compress_fsdp(model, "qsdp-w8g8", schedule=schedule)
-        state, run = qsdp.fsdp.comm_state(model), model
-    else:
-        run = DDP(model)
-        state = qsdp.ddp.register(run, "cgx", schedule=schedule)
+    model, run, state = _staleness_model(kind, schedule)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     try:
         if order == "before":

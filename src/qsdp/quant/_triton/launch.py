@@ -9,7 +9,6 @@ splatted (``**c.encoding``), so two kernels cannot receive the same flags in dif
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -178,8 +177,9 @@ def _aligned(t: torch.Tensor, spec: QuantSpec, *strides: int) -> bool:
     return t.data_ptr() % size == 0 and all(s % size == 0 for s in strides)
 
 
-def _interpret() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
+#: Whether the kernels run in Triton's interpreter: read once, when Triton and ``kernels`` read
+#: it (their kernels are interpreted or compiled from import on), not per launch.
+_INTERPRET = bool(K._INTERPRETED)
 
 
 def _key(seed: int) -> tuple[int, int]:
@@ -379,7 +379,7 @@ def _decode_launch(
         "signs_ptr": _signs_ptr(spec, out),
         "numel": numel,
         "BIG": _big(numel, payloads.numel(), out.numel()),
-        "INTERPRET": _interpret(),
+        "INTERPRET": _INTERPRET,
         "ALIGNED": _aligned(payloads, spec, stride),
     }
     _launch(K.decode_kernel, kwargs, tile_numel=c.tile_numel, grid_rows=grid_rows)
@@ -527,6 +527,6 @@ def row_sum(
         DIVIDE=divisor is not None,
         BLOCK=_ROW_SUM_BLOCK,
         SEARCH=max(1, ends.numel().bit_length()),
-        INTERPRET=_interpret(),
+        INTERPRET=_INTERPRET,
         num_warps=_NUM_WARPS,
     )

@@ -19,6 +19,7 @@ launch state), as a new launch would. Each block is its own test: a failure name
 from __future__ import annotations
 
 import os
+import random
 import re
 import shlex
 import socket
@@ -115,11 +116,37 @@ def _run_blocks(rank: int, world: int, blocks: list[Block], ports: list[int], wo
 
 
 def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
+    """``n`` ports free now, each block's rendezvous port. Chosen up front and listened on
+    only when the block runs, seconds later: a port the OS numbers itself (from its ephemeral
+    range, as it numbers gloo's connections) could be taken by then, and the block failed with
+    EADDRINUSE (once in 15 stressed runs, 2026-11-28). So they come from below that range,
+    which the OS never hands out on its own (the OS's choice where the range leaves no room)."""
+    low = 10_000
     try:
-        for s in socks:
+        first = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        first = low
+    candidates = list(range(low, first))
+    random.shuffle(candidates)
+    socks, ports = [], []
+    try:
+        for port in candidates:
+            if len(ports) == n:
+                break
+            s = socket.socket()
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                s.close()
+                continue
+            socks.append(s)
+            ports.append(port)
+        while len(ports) < n:  # (no room below the ephemeral range)
+            s = socket.socket()
             s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
+            socks.append(s)
+            ports.append(s.getsockname()[1])
+        return ports
     finally:
         for s in socks:
             s.close()

@@ -146,24 +146,17 @@ def _launch(kernel, kwargs: dict, *, tile_numel: int, grid_rows: int = 1) -> Non
     """
     whole, rest = divmod(kwargs["numel"], tile_numel)
     names = kernel.arg_names  # (every parameter: positional, no keyword matching per launch)
-    if whole:
-        kwargs["pid_base"], kwargs["TAIL"] = 0, False
-        kernel.run(
-            *[kwargs[n] for n in names],
-            grid=(whole, grid_rows),
-            warmup=False,
-            num_warps=_NUM_WARPS,
-            enable_fp_fusion=False,
-        )
-    if rest:
-        kwargs["pid_base"], kwargs["TAIL"] = whole, True
-        kernel.run(
-            *[kwargs[n] for n in names],
-            grid=(1, grid_rows),
-            warmup=False,
-            num_warps=_NUM_WARPS,
-            enable_fp_fusion=False,
-        )
+    # (programs, pid_base, TAIL): the whole tiles' grid, then the rest's one program
+    for programs, pid_base, tail in ((whole, 0, False), (int(rest > 0), whole, True)):
+        if programs:
+            kwargs["pid_base"], kwargs["TAIL"] = pid_base, tail
+            kernel.run(
+                *[kwargs[n] for n in names],
+                grid=(programs, grid_rows),
+                warmup=False,
+                num_warps=_NUM_WARPS,
+                enable_fp_fusion=False,
+            )
 
 
 def _big(*sizes: int) -> bool:

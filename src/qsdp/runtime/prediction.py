@@ -196,10 +196,7 @@ class WeightPrediction:
         for h in self._handles:
             h.remove()
         self._handles = []
-        for p in self._claims:
-            ref = _moved_by.get(id(p))
-            if ref is not None and ref() is self:
-                del _moved_by[id(p)]
+        _forget(self._claim_ref)
 
     # --- checkpoints ------------------------------------------------------------------------
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -269,12 +266,13 @@ def _check_unclaimed(params: list[torch.Tensor]) -> None:
 
 
 def _claim(prediction: WeightPrediction) -> None:
-    ref = weakref.ref(prediction, _forget)
+    prediction._claim_ref = ref = weakref.ref(prediction, _forget)
     for p in prediction._claims:
         _moved_by[id(p)] = ref
 
 
 def _forget(ref: weakref.ref) -> None:
+    """Free what the prediction of ``ref`` claimed (its ``remove()``, or its collection)."""
     for key in [k for k, v in _moved_by.items() if v is ref]:
         del _moved_by[key]
 

@@ -50,7 +50,8 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-import profiling  # benchmarks/, the script's own folder
+import memory_peak  # benchmarks/, the script's own folder
+import profiling
 import qsdp
 import regimes
 import variants
@@ -271,6 +272,8 @@ def run_variant(
         left = torch.cuda.memory_allocated(device)
         if left > 2**28 and dist.get_rank() == 0:
             print(f"  warning: {left / 2**30:.2f} GiB still allocated before {name}", flush=True)
+    record = args.mem_peak is not None and device.type == "cuda" and dist.get_rank() == 0
+    before = memory_peak.start() if record else 0
     hsdp = hsdp_mesh(device) if args.hsdp else None
     mesh = None if args.hsdp else two_level_mesh(args.regime, device)
     model = build(c, device, reduce_dtype, recipe, compute_dtype, mesh, hsdp)
@@ -364,6 +367,9 @@ def run_variant(
         opt.step()
         opt.zero_grad(set_to_none=True)
         profiling.sync(device)
+    if record:  # who held the memory at the highest point of the build and the steps
+        profiling.sync(device)
+        memory_peak.write(args.mem_peak / f"{args.regime}_{name}.txt", device, before=before)
     if hsdp is not None:  # a shard's replicas that drifted apart measured a broken exchange
         assert_replicas_agree(model, hsdp["replicate"].get_group())
     decision = getattr(state, "decision", None)  # an "auto" variant's choice, as JSON
@@ -483,6 +489,12 @@ def main() -> None:
     p.add_argument("--tiny", action="store_true", help="a 2-layer d-128 model (smoke tests)")
     p.add_argument("--mem-trace", action="store_true", help="print allocated memory per step")
     p.add_argument("--profile", type=Path, help="profile one extra step per variant into DIR")
+    p.add_argument(
+        "--mem-peak",
+        type=Path,
+        help="rank 0's peak memory by the line that allocated it, per variant into DIR "
+        "(memory_peak.py; records the allocator's history: not for timing)",
+    )
     p.add_argument(
         "--cprofile",
         type=Path,

@@ -7,7 +7,7 @@ import json
 import subprocess
 import sys
 
-from .bench_scripts import ROOT
+from .bench_scripts import ROOT, load
 
 ENV = {"PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
 
@@ -55,3 +55,35 @@ def test_primitives_price_each_piece_on_the_cpu(tmp_path):
     for name in ("tensor.view(-1)", "torch.empty (256 KiB)", "qsdp.quant.encode (64 Ki elements)"):
         assert rows[name] > 0, name
     assert not any(k.startswith("triton launch") or "stream" in k for k in rows)  # GPU only
+
+
+def _fr(path: str, line: int, name: str) -> dict:
+    return {"filename": path, "line": line, "name": name}
+
+
+def test_memory_peak_replays_to_the_highest_point_and_charges_the_right_lines():
+    mp = load("memory_peak")
+    qsdp_line = [_fr("/x/torch/ops.py", 1, "empty"), _fr("/x/src/qsdp/fsdp/_reduce.py", 7, "h")]
+    fsdp_line = [_fr("/x/torch/distributed/fsdp/_fully_shard/_fsdp_param.py", 3, "alloc")]
+    model_line = [_fr("/x/torch/optim/adamw.py", 9, "step"), _fr("/x/benchmarks/b.py", 5, "run")]
+    trace = [
+        {"action": "alloc", "addr": 1, "size": 100, "frames": qsdp_line},
+        {"action": "alloc", "addr": 2, "size": 50, "frames": fsdp_line},
+        {"action": "free_completed", "addr": 99, "size": 30},  # allocated before recording
+        {"action": "free_requested", "addr": 1, "size": 100},  # held for a stream still
+        {"action": "alloc", "addr": 3, "size": 40, "frames": model_line},  # the peak: 1000+160
+        {"action": "free_completed", "addr": 1, "size": 100},
+        {"action": "free_requested", "addr": 2, "size": 50},
+        {"action": "free_completed", "addr": 2, "size": 50},
+        {"action": "alloc", "addr": 4, "size": 60, "frames": model_line},  # 1070: lower
+    ]
+    peak = mp.at_peak(trace, before=1000)
+    assert (peak.bytes, peak.index) == (1160, 4)
+    assert peak.held == {
+        mp.BEFORE: (970, 0),
+        "qsdp/fsdp/_reduce.py:7 h  [freed, held for a stream]": (100, 1),
+        "torch/distributed/fsdp/_fully_shard/_fsdp_param.py:3 alloc": (50, 1),
+        "benchmarks/b.py:5 run": (40, 1),
+    }
+    assert sum(b for b, _ in peak.held.values()) == peak.bytes
+    assert "1 more lines" in peak.table(top=3)

@@ -3,6 +3,9 @@ forward and backward, on plain parameters and on FSDP2's shards."""
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -169,8 +172,8 @@ class _Source:
     def keep_local_gradients(self) -> None:
         self.kept = True
 
-    def local_gradients(self) -> dict:
-        return self.estimates
+    def local_gradients(self, *, take: bool = False) -> dict:
+        return self.estimates  # (fixed: taken or not, the same each time)
 
     def estimate_square_norm(self, estimates: dict) -> torch.Tensor:
         return torch.stack([g.float().square().sum() for g in estimates.values()]).sum()
@@ -261,6 +264,57 @@ def _local_estimates(rank: int, world: int) -> None:
 
 def test_fsdp2_keeps_each_ranks_own_gradient_of_its_shard():
     run_distributed(_local_estimates, 3)
+
+
+def _kept_estimates(state) -> list:
+    """Weak references to the buffers the state keeps its estimates in."""
+    held = state._installed.stale._local.values()
+    return list({id(e.buffer): weakref.ref(e.buffer) for e, _ in held}.values())
+
+
+def _estimates_handed_over(rank: int, world: int) -> list[int]:
+    """[Note: estimates handed over]: the prediction reads the estimates once and the state
+    keeps them no longer, so they are not held through the forward (the step's peak); the
+    next backward keeps new ones. By hand and as the schedule ships it."""
+    alive = []
+    model, state, opt = _stale_fsdp(world, "global-qsgd")
+    predict = WeightPrediction(opt, local=state)
+    _loss(model, rank, 0).backward()
+    opt.step()
+    opt.zero_grad()
+    kept = _kept_estimates(state)
+    assert kept and state.in_flight
+    with predict.ahead(enabled=state.in_flight):
+        gc.collect()
+        alive.append(sum(r() is not None for r in kept))
+        assert state.local_gradients() == {}
+        _loss(model, rank, 1).backward()
+        assert len(state.local_gradients()) == 7  # the new backward's
+    state.drain()
+
+    mesh = init_device_mesh("cpu", (world,))
+    model = classifier()
+    fully_shard(model, mesh=mesh)
+    qsdp.compress_fsdp(model, "global-qsgd", schedule=qsdp.Schedule(staleness=1, start=0))
+    state = qsdp.fsdp.comm_state(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for step in range(3):
+        kept = _kept_estimates(state)
+        loss = _loss(model, rank, step)  # step 2's forward predicts (Adam's state exists)
+        gc.collect()
+        if step == 2:
+            assert kept and state._installed.stale._local == {}
+            alive.append(sum(r() is not None for r in kept))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    state.drain()
+    return alive
+
+
+def test_the_prediction_takes_the_estimates_so_the_forward_holds_none():
+    for alive in run_distributed(_estimates_handed_over, 3):
+        assert alive == [0, 0], alive
 
 
 def _every_ranks_gradient(rank: int, world: int) -> list[list[torch.Tensor]]:

@@ -297,13 +297,14 @@ class DDPCompression:
             raise ValueError("local gradient estimates are for staleness=1")
         self.stale.keep_local_gradients()
 
-    def local_gradients(self) -> dict[nn.Parameter, torch.Tensor]:
+    def local_gradients(self, *, take: bool = False) -> dict[nn.Parameter, torch.Tensor]:
         """Each parameter's share of this rank's own gradient of the step in flight, shaped as
         the parameter (an unbiased estimate of the averaged gradient the next backward
-        applies); empty when nothing is in flight."""
+        applies); empty when nothing is in flight. ``take``: handed over, the hook keeps them
+        no longer ([Note: estimates handed over] in ``qsdp.runtime.delayed``)."""
         if self.stale is None:
             raise ValueError("local gradient estimates are for staleness=1")
-        return self.stale.local_gradients()
+        return self.stale.local_gradients(take=take)
 
     def estimate_square_norm(self, estimates: dict) -> torch.Tensor:
         """The squared norm of one whole estimate: this rank's own (every rank holds a whole

@@ -234,12 +234,13 @@ class CommState:
             raise ValueError("local gradient estimates: the HSDP hooks shard over different groups")
         return next(iter(groups.values()), None)
 
-    def local_gradients(self) -> dict:
+    def local_gradients(self, *, take: bool = False) -> dict:
         """Each parameter's share of this rank's own gradient of the step in flight (see
-        :meth:`keep_local_gradients`)."""
+        :meth:`keep_local_gradients`). ``take``: handed over, the state keeps them no longer
+        ([Note: estimates handed over] in ``qsdp.runtime.delayed``)."""
         if self._installed.stale is None:
             raise ValueError("local gradient estimates are for staleness=1")
-        return self._installed.stale.local_gradients()
+        return self._installed.stale.local_gradients(take=take)
 
     @property
     def in_flight(self) -> bool:

@@ -321,11 +321,22 @@ class DelayedReductions:
         input, for :meth:`local_gradients`."""
         self.keep_local = True
 
-    def local_gradients(self) -> dict[nn.Parameter, torch.Tensor]:
+    def local_gradients(self, *, take: bool = False) -> dict[nn.Parameter, torch.Tensor]:
         """Each parameter's share of this rank's own gradient of the step in flight, shaped as
         its local tensor (an unbiased estimate of the averaged gradient the next backward
         applies), complete for the current stream (it waits for the copy, not for the
-        reduction); empty when nothing is in flight."""
+        reduction); empty when nothing is in flight. ``take``: handed over, kept here no longer.
+
+        [Note: estimates handed over]
+        The estimates are kept from a backward to the next forward, whose prediction reads
+        them once. Kept on after that read, they would lie through the forward, where a step's
+        memory peaks (its activations): 2 bytes per element of the local shards, bf16, a
+        quarter of what staleness 1 added at the peak (measured, 2x H200, GPT 1.42 B over
+        sockets, ``benchmarks/memory_peak.py``: the prediction's copies of the shards 2.64 GiB,
+        the results in flight 1.32, the estimates 1.32). The prediction takes them
+        (``take=True``): their memory returns once it has computed the predicted step, and
+        the next backward keeps new ones. A checkpoint saved between that forward and the
+        step (when the parameters are the predicted ones anyway) saves zeros for them."""
         out: dict[nn.Parameter, torch.Tensor] = {}
         waited: set[int] = set()
         for i, (flight, _) in self._pending.items():
@@ -338,6 +349,8 @@ class DelayedReductions:
                 entry.wait()
                 waited.add(id(entry))
             out[slot.param] = _view(entry.buffer, slot)
+        if take:
+            self._local = {}
         return out
 
     # --- after the last backward ------------------------------------------------------------

@@ -175,12 +175,14 @@ class WeightPrediction:
 
     @contextlib.contextmanager
     def _ahead_local(self, *, enabled: bool, clip: float | None) -> Iterator[None]:
-        estimates = self.local.local_gradients() if enabled else {}
+        # taken: read once here, not held through the forward ([Note: estimates handed over])
+        estimates = self.local.local_gradients(take=True) if enabled else {}
         coef = 1.0
         if estimates and clip is not None:  # (in flight on every rank or on none)
             square = self.local.estimate_square_norm(estimates)  # of one whole estimate
             coef = min(1.0, clip / (float(square.sqrt()) + 1e-6))
         saved = _adam_next(self.optimizer, estimates, coef) if estimates else []
+        del estimates  # (this generator's frame lives through the block)
         self._ahead = True
         try:
             yield

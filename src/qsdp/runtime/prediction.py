@@ -57,7 +57,6 @@ computed. ``qsdp train --staleness 1`` predicts: ``--predict local`` (the defaul
 from __future__ import annotations
 
 import contextlib
-import math
 import weakref
 from collections.abc import Iterator
 
@@ -317,33 +316,56 @@ def _adam_next(
 
 
 def _adam_group(group: dict, picked: list, adamw: bool, clip_coef: float) -> list:
-    """:func:`_adam_next` for one parameter group's ``(parameter, estimate, state)``."""
+    """:func:`_adam_next` for one parameter group's ``(parameter, estimate, state)``.
+
+    [Note: the prediction in one fused step]
+    The step is torch's own fused Adam / AdamW kernel (``torch._fused_adam_``, what
+    ``fused=True`` runs; on CPU and CUDA) over float32 copies of the moments, so the optimizer's
+    state is read and never written: one launch set per group, where the same step in
+    ``torch._foreach_*`` ops took a dozen (sampled, 2x H200, GPT 1.42 B over sockets: the
+    prediction held 24 ms of the host's 222 ms a step). Parameters stored in another dtype
+    step on a float32 copy, copied back."""
     # AdamW, or Adam(decoupled_weight_decay=True) of torch >= 2.6
     decoupled = group.get("decoupled_weight_decay", adamw)
     beta1, beta2 = group["betas"]
-    lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
     xs = [local_of(p.detach()) for p, _, _ in picked]
-    copies = [torch.empty_like(x) for x in xs]
-    torch._foreach_copy_(copies, xs)
-    steps = [float(state["step"]) + 1 for _, _, state in picked]
+    copies = torch._foreach_mul(xs, 1.0)  # (x * 1 is x, bit for bit: one launch set)
     gs = torch._foreach_mul([g.to(torch.float32) for _, g, _ in picked], clip_coef)
     new = [x.float() for x in xs]  # fp32 parameters: the tensors themselves, moved in place
-    if wd and not decoupled:
-        torch._foreach_add_(gs, torch._foreach_mul(new, wd))
-    m = torch._foreach_mul([local_of(s["exp_avg"]).float() for _, _, s in picked], beta1)
-    torch._foreach_add_(m, torch._foreach_mul(gs, 1 - beta1))
-    v = torch._foreach_mul([local_of(s["exp_avg_sq"]).float() for _, _, s in picked], beta2)
-    torch._foreach_add_(v, torch._foreach_mul(torch._foreach_mul(gs, gs), 1 - beta2))
-    denom = torch._foreach_sqrt(v)
-    torch._foreach_div_(denom, [math.sqrt(1 - beta2**t) for t in steps])
-    torch._foreach_add_(denom, eps)
-    if wd and decoupled:
-        torch._foreach_mul_(new, 1 - lr * wd)
-    torch._foreach_addcdiv_(new, m, denom, [-lr / (1 - beta1**t) for t in steps])
+    m = _fp32_copies([local_of(s["exp_avg"]) for _, _, s in picked])
+    v = _fp32_copies([local_of(s["exp_avg_sq"]) for _, _, s in picked])
+    steps = torch.tensor(
+        [float(state["step"]) + 1 for _, _, state in picked],
+        dtype=torch.float32,
+        device=xs[0].device,
+    )
+    fused = torch._fused_adamw_ if decoupled else torch._fused_adam_
+    fused(
+        new,
+        gs,
+        m,
+        v,
+        [],
+        list(steps.unbind(0)),
+        amsgrad=False,
+        lr=group["lr"],
+        beta1=beta1,
+        beta2=beta2,
+        weight_decay=group["weight_decay"],
+        eps=group["eps"],
+        maximize=False,
+    )
     moved = [(x, n) for x, n in zip(xs, new, strict=True) if n is not x]  # (not fp32)
     if moved:
         torch._foreach_copy_([x for x, _ in moved], [n for _, n in moved])
     return list(zip(xs, copies, strict=True))
+
+
+def _fp32_copies(ts: list[torch.Tensor]) -> list[torch.Tensor]:
+    """New float32 tensors equal to ``ts`` (one launch set when they are float32 already)."""
+    if all(t.dtype == torch.float32 for t in ts):
+        return torch._foreach_mul(ts, 1.0)
+    return [t.to(torch.float32, copy=True) for t in ts]
 
 
 class AutoPrediction:

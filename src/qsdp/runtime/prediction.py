@@ -334,11 +334,10 @@ def _adam_group(group: dict, picked: list, adamw: bool, clip_coef: float) -> lis
     new = [x.float() for x in xs]  # fp32 parameters: the tensors themselves, moved in place
     m = _fp32_copies([local_of(s["exp_avg"]) for _, _, s in picked])
     v = _fp32_copies([local_of(s["exp_avg_sq"]) for _, _, s in picked])
-    steps = torch.tensor(
-        [float(state["step"]) + 1 for _, _, state in picked],
-        dtype=torch.float32,
-        device=xs[0].device,
-    )
+    # the steps as the kernel reads them, on the device: a fill per distinct value (a tensor
+    # built from a list would copy from pageable memory, which makes the host wait)
+    values = [float(state["step"]) + 1 for _, _, state in picked]
+    filled = {t: torch.full((), t, dtype=torch.float32, device=xs[0].device) for t in set(values)}
     fused = torch._fused_adamw_ if decoupled else torch._fused_adam_
     fused(
         new,
@@ -346,7 +345,7 @@ def _adam_group(group: dict, picked: list, adamw: bool, clip_coef: float) -> lis
         m,
         v,
         [],
-        list(steps.unbind(0)),
+        [filled[t] for t in values],
         amsgrad=False,
         lr=group["lr"],
         beta1=beta1,

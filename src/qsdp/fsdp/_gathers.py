@@ -13,6 +13,7 @@ from ..quant import QuantSpec
 from ..quant import decode as qc_decode
 from ..quant import decode_rows as qc_decode_rows
 from ..quant import encode as qc_encode
+from ..runtime.gathered import GatheredPrediction
 from ._hooks import StepClock, _Counter, _Gather, _usable
 
 __all__ = [
@@ -34,14 +35,22 @@ class QuantizedAllGather(_Gather):
         stats: qc.CommStats,
         split: qc.Split | None = None,
         module_name: str = "",
+        prediction: GatheredPrediction | None = None,
+        slots: Sequence = (),
     ) -> None:
+        """``prediction``, ``slots``: staleness 1's prediction of the group's parameters at
+        ``slots`` of the input ([Note: the prediction in the gathers] in
+        ``qsdp.runtime.gathered``), written there before each gather."""
         self.spec, self.seed, self.bucket, self.stats = spec.propagating(), seed, bucket, stats
         self.split, self.module_name = split, module_name
+        self.prediction, self.slots = prediction, list(slots)
         self._steps = _Counter()
 
     def _call(
         self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup
     ) -> None:
+        if self.prediction is not None:  # (the backward's re-gather writes the same values)
+            self.prediction.write(self.slots, input_tensor)
         # codes and the policy's raw values in one all-gather ([Note: policies inside flat
         # buffers] in qsdp.comm)
         qc.all_gather(
@@ -103,9 +112,16 @@ class WeightDiffAllGather(_Gather):
         resync_every: int = 0,
         check_replicas: bool = False,
         module_name: str = "",
+        prediction: GatheredPrediction | None = None,
+        slots: Sequence = (),
     ) -> None:
+        """``prediction``, ``slots``: as :class:`QuantizedAllGather`'s; the gathers of the rest
+        of an armed step are served from the reconstruction, so the estimates are dropped
+        once gathered."""
         self.spec, self.seed, self.bucket, self.stats = spec.propagating(), seed, bucket, stats
         self.module_name = module_name
+        self.prediction, self.slots = prediction, list(slots)
+        self._predicted_step = -1
         self.clock, self.resync_every, self.check_replicas = clock, resync_every, check_replicas
         self.versions = _Versions(params)
         self.recon: torch.Tensor | None = None
@@ -120,10 +136,16 @@ class WeightDiffAllGather(_Gather):
         self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup
     ) -> None:
         fresh = self.recon is None or self.recon.shape != output_tensor.shape
-        if not fresh and self.clock.epoch == self._epoch and not self.versions.changed():
+        pred = self.prediction
+        same = self.clock.epoch == self._epoch or (
+            pred is not None and pred.armed and pred.step == self._predicted_step
+        )  # (an armed step's gathers all send the same predicted weights)
+        if not fresh and same and not self.versions.changed():
             output_tensor.copy_(self.recon)  # weights unchanged since the last gather
             self.cached_gathers += 1
             return None
+        # staleness 1: the predicted weights over FSDP2's copy of the shards
+        predicted = pred is not None and pred.write(self.slots, input_tensor)
         exact = (
             fresh
             or self._generation != self.clock.generation
@@ -146,6 +168,9 @@ class WeightDiffAllGather(_Gather):
         self._diffs = 0 if exact else self._diffs + 1
         self._epoch, self._generation = self.clock.epoch, self.clock.generation
         self.versions.record()
+        if predicted:  # later gathers of this step are served from the reconstruction
+            self._predicted_step = pred.step
+            pred.drop(self.slots)
         if self.check_replicas:
             _check_replicas(self.recon, group)
         return None

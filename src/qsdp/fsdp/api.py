@@ -29,7 +29,8 @@ from ..config import (
 from ..policy import auto
 from ..runtime import NonfiniteCheck, SideStreams, side_mesh
 from ..runtime.agreement import agree_verdict, check_same_arguments
-from ..runtime.delayed import DelayedReductions
+from ..runtime.delayed import DelayedReductions, padded_slots
+from ..runtime.gathered import GatheredPrediction
 from ..runtime.prediction import AutoPrediction
 from ..runtime.streams import twin_groups
 from ..runtime.widths import WidthController
@@ -169,7 +170,11 @@ def compress_fsdp(
     )
     if schedule.prediction == "local":  # [Note: prediction in the schedule]
         _INSTALLED[model].predict = AutoPrediction(
-            model, comm_state(model), clip=schedule.predict_clip
+            model,
+            comm_state(model),
+            clip=schedule.predict_clip,
+            gathers=shared.prediction,
+            gathered=frozenset(shared.gathered),
         )
     _HOOKED.update(modules)
     return model
@@ -203,6 +208,10 @@ class _Shared:
     streams: SideStreams
     piped: int = 0
     """Pipelined HSDP hooks made so far (they alternate between two streams)."""
+    prediction: GatheredPrediction | None = None
+    """Staleness 1's prediction where qsdp gathers ([Note: the prediction in the gathers])."""
+    gathered: set[int] = dataclasses.field(default_factory=set)
+    """The ids of the parameters the gathers predict."""
 
     def split(self, layout: list) -> qc.Split | None:
         """The policy's split of a group's chunk (None: everything quantized)."""
@@ -256,7 +265,11 @@ def _shared(
     widths, param_widths = _widths(
         config, groups, plan=replicate_plan or plan, hsdp=replicate, stale=bool(stale)
     )
+    prediction = None
+    if schedule.staleness and schedule.prediction == "local":
+        prediction = GatheredPrediction()
     return _Shared(
+        prediction=prediction,
         config=config,
         stats=CommStats(),
         check=check,
@@ -352,6 +365,7 @@ def _gather_hook(shared: _Shared, model: nn.Module, group: FSDPGroup, i: int):
             params=list(group.params),
             resync_every=weights.resync_every,
             check_replicas=weights.check_replicas,
+            **_predicting(shared, model, group),
             **key,
         )
     elif isinstance(weights, QuantizedMaster):
@@ -359,11 +373,33 @@ def _gather_hook(shared: _Shared, model: nn.Module, group: FSDPGroup, i: int):
         gather = QuantizedMasterAllGather(weights.spec, clock=shared.clock, params=params, **key)
     elif isinstance(weights, QuantizedWeights):
         layout = group.layout(grads_only=False)
-        gather = QuantizedAllGather(weights.spec, split=shared.split(layout), **key)
+        gather = QuantizedAllGather(
+            weights.spec, split=shared.split(layout), **_predicting(shared, model, group), **key
+        )
     else:
         return None
     group.module.set_custom_all_gather(gather)
     return gather
+
+
+def _predicting(shared: _Shared, model: nn.Module, group: FSDPGroup) -> dict:
+    """A gather hook's share of staleness 1's prediction ([Note: the prediction in the
+    gathers]): its input's slots, where every parameter is sharded on dim 0 (the input holds
+    each local shard as it is laid out); ``{}`` otherwise, and those parameters are moved."""
+    if shared.prediction is None:
+        return {}
+    params = _master_params(model, group)
+    if not all(_dim0(p) for p, _ in params):
+        return {}
+    shared.gathered.update(id(p) for p, _ in params)
+    return {"prediction": shared.prediction, "slots": padded_slots(params)}
+
+
+def _dim0(p: nn.Parameter) -> bool:
+    placements = getattr(p, "placements", None)
+    if placements is None:
+        return False
+    return all(pl.is_replicate() or (pl.is_shard() and pl.dim == 0) for pl in placements)
 
 
 def _reduce_hook(

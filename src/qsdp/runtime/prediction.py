@@ -63,7 +63,9 @@ from collections.abc import Iterator
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from .adam_step import adam_next, check_adam
 from .contracts import LocalGradients, StalenessState, check_contract
+from .gathered import GatheredPrediction
 from .placement import like_param, local_of
 
 __all__ = ["AutoPrediction", "WeightPrediction"]
@@ -98,9 +100,14 @@ class WeightPrediction:
         *,
         local: LocalGradients | None,
         moves: set[int] | None,
+        gathers: GatheredPrediction | None = None,
+        gathered: frozenset[int] = frozenset(),
     ) -> None:
         """``moves``: the ids of the parameters this prediction may move (None: every one of
-        the optimizer's), which it claims ([Note: one prediction per parameter])."""
+        the optimizer's), which it claims ([Note: one prediction per parameter]); of those,
+        ``gathered`` are predicted in their all-gathers through ``gathers``, not moved
+        ([Note: the prediction in the gathers] in ``qsdp.runtime.gathered``)."""
+        self._gathers, self._gathered = gathers, gathered
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(
                 f"WeightPrediction takes a torch.optim.Optimizer, got {type(optimizer).__name__}"
@@ -115,7 +122,7 @@ class WeightPrediction:
         self._ahead = False
         if local is not None:
             check_contract(local, LocalGradients, what="WeightPrediction(local=...)")
-            _check_adam(optimizer)
+            check_adam(optimizer)
             local.keep_local_gradients()
         # (with local, the pre-hook only refuses a step inside ahead())
         self._handles = [optimizer.register_step_pre_hook(self._before_step)]
@@ -180,13 +187,23 @@ class WeightPrediction:
         if estimates and clip is not None:  # (in flight on every rank or on none)
             square = self.local.estimate_square_norm(estimates)  # of one whole estimate
             coef = min(1.0, clip / (float(square.sqrt()) + 1e-6))
-        saved = _adam_next(self.optimizer, estimates, coef) if estimates else []
+        armed = False
+        if self._gathers is not None and estimates:  # predicted where they are gathered
+            on_gathers = {p: e for p, e in estimates.items() if id(p) in self._gathered}
+            if on_gathers:
+                self._gathers.arm(self.optimizer, on_gathers, coef)
+                armed = True
+            estimates = {p: e for p, e in estimates.items() if id(p) not in self._gathered}
+            del on_gathers
+        saved = adam_next(self.optimizer, estimates, coef) if estimates else []
         del estimates  # (this generator's frame lives through the block)
         self._ahead = True
         try:
             yield
         finally:
             self._ahead = False
+            if armed:
+                self._gathers.disarm(self.optimizer)
             if saved:  # one launch per parameter list, not one copy per parameter
                 with torch.no_grad():
                     torch._foreach_copy_([x for x, _ in saved], [c for _, c in saved])
@@ -278,95 +295,6 @@ def _forget(ref: weakref.ref) -> None:
         del _moved_by[key]
 
 
-def _check_adam(optimizer: torch.optim.Optimizer) -> None:
-    if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
-        raise TypeError(
-            "WeightPrediction(local=...) computes the optimizer's next step and knows Adam and "
-            f"AdamW, not {type(optimizer).__name__}: use WeightPrediction(optimizer) (the last "
-            "update applied again)"
-        )
-    for group in optimizer.param_groups:
-        for key in ("amsgrad", "maximize", "capturable", "differentiable"):
-            if group.get(key):
-                raise ValueError(
-                    f"WeightPrediction(local=...) computes Adam's plain step; {key}=True is not "
-                    "it: use WeightPrediction(optimizer)"
-                )
-
-
-@torch.no_grad()
-def _adam_next(
-    optimizer: torch.optim.Optimizer, estimates: dict, clip_coef: float
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Move each parameter with an estimate and optimizer state to where ``optimizer.step()``
-    would take it with that gradient (times ``clip_coef``); returns (local tensor, copy) to
-    restore. Adam's and AdamW's step as ``torch.optim`` computes it, over each parameter group
-    with ``torch._foreach_*`` ops (a dozen launches per group, not per parameter: GPT-125M
-    has 150 parameters)."""
-    saved = []
-    for group in optimizer.param_groups:
-        picked = [
-            (p, estimates[p], optimizer.state[p])
-            for p in group["params"]
-            if p in estimates and optimizer.state.get(p)
-        ]
-        if picked:
-            saved += _adam_group(group, picked, isinstance(optimizer, torch.optim.AdamW), clip_coef)
-    return saved
-
-
-def _adam_group(group: dict, picked: list, adamw: bool, clip_coef: float) -> list:
-    """:func:`_adam_next` for one parameter group's ``(parameter, estimate, state)``.
-
-    [Note: the prediction in one fused step]
-    The step is torch's own fused Adam / AdamW kernel (``torch._fused_adam_``, what
-    ``fused=True`` runs; on CPU and CUDA) over float32 copies of the moments, so the optimizer's
-    state is read and never written: one launch set per group, where the same step in
-    ``torch._foreach_*`` ops took a dozen (sampled, 2x H200, GPT 1.42 B over sockets: the
-    prediction held 24 ms of the host's 222 ms a step). Parameters stored in another dtype
-    step on a float32 copy, copied back."""
-    # AdamW, or Adam(decoupled_weight_decay=True) of torch >= 2.6
-    decoupled = group.get("decoupled_weight_decay", adamw)
-    beta1, beta2 = group["betas"]
-    xs = [local_of(p.detach()) for p, _, _ in picked]
-    copies = torch._foreach_mul(xs, 1.0)  # (x * 1 is x, bit for bit: one launch set)
-    gs = torch._foreach_mul([g.to(torch.float32) for _, g, _ in picked], clip_coef)
-    new = [x.float() for x in xs]  # fp32 parameters: the tensors themselves, moved in place
-    m = _fp32_copies([local_of(s["exp_avg"]) for _, _, s in picked])
-    v = _fp32_copies([local_of(s["exp_avg_sq"]) for _, _, s in picked])
-    # the steps as the kernel reads them, on the device: a fill per distinct value (a tensor
-    # built from a list would copy from pageable memory, which makes the host wait)
-    values = [float(state["step"]) + 1 for _, _, state in picked]
-    filled = {t: torch.full((), t, dtype=torch.float32, device=xs[0].device) for t in set(values)}
-    fused = torch._fused_adamw_ if decoupled else torch._fused_adam_
-    fused(
-        new,
-        gs,
-        m,
-        v,
-        [],
-        [filled[t] for t in values],
-        amsgrad=False,
-        lr=group["lr"],
-        beta1=beta1,
-        beta2=beta2,
-        weight_decay=group["weight_decay"],
-        eps=group["eps"],
-        maximize=False,
-    )
-    moved = [(x, n) for x, n in zip(xs, new, strict=True) if n is not x]  # (not fp32)
-    if moved:
-        torch._foreach_copy_([x for x, _ in moved], [n for _, n in moved])
-    return list(zip(xs, copies, strict=True))
-
-
-def _fp32_copies(ts: list[torch.Tensor]) -> list[torch.Tensor]:
-    """New float32 tensors equal to ``ts`` (one launch set when they are float32 already)."""
-    if all(t.dtype == torch.float32 for t in ts):
-        return torch._foreach_mul(ts, 1.0)
-    return [t.to(torch.float32, copy=True) for t in ts]
-
-
 class AutoPrediction:
     """``Schedule(staleness=1)`` (its default ``predict="local"``): :class:`WeightPrediction`
     from each rank's own gradient with no change to the training loop.
@@ -383,9 +311,12 @@ class AutoPrediction:
     (the global pre-hook runs before the optimizer's own) or ``drain()`` puts the parameters
     back. So every forward and backward of one
     optimizer step (gradient accumulation included) runs at the predicted point and the step
-    applies to the parameters as they were, the bits of the loop by hand. Between a backward
-    and its ``optimizer.step()`` the parameters are the predicted ones: read them after the
-    step. The estimates are kept from the first backward (``keep_local_gradients`` at
+    applies to the parameters as they were, the bits of the loop by hand. Under FSDP2 the
+    groups whose all-gather is qsdp's are predicted in it and never moved ([Note: the
+    prediction in the gathers] in ``qsdp.runtime.gathered``: the same gathered bits, no copy
+    of the shards); any other parameter is moved, and between a backward and its
+    ``optimizer.step()`` reads as the predicted one: read parameters after the step. The
+    estimates are kept from the first backward (``keep_local_gradients`` at
     installation); Adam's state is empty before the first step, so the first prediction is at
     the forward after it, as by hand. Adam and AdamW only (the error comes from that first
     step on every rank, naming ``predict="none"``); a hand-made ``WeightPrediction`` beside it
@@ -394,10 +325,21 @@ class AutoPrediction:
     +19-30% of final loss on GPT-125M, this prediction +0.6-1.9% (docs/recipes.md).
     """
 
-    def __init__(self, module: torch.nn.Module, local: LocalGradients, *, clip: float | None):
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        local: LocalGradients,
+        *,
+        clip: float | None,
+        gathers: GatheredPrediction | None = None,
+        gathered: frozenset[int] = frozenset(),
+    ) -> None:
+        """``gathers``, ``gathered``: the ids of the parameters whose all-gathers predict them
+        instead ([Note: the prediction in the gathers] in ``qsdp.runtime.gathered``)."""
         check_contract(local, StalenessState, what="Schedule(predict='local')")
         self.local = local
         self.clip = clip
+        self._gathers, self._gathered = gathers, gathered
         self.predictions: list[WeightPrediction] = []
         self._module = weakref.ref(module)  # (the global hook must not keep the model alive)
         self._owned = {id(p) for p in module.parameters()}
@@ -435,7 +377,13 @@ class AutoPrediction:
             return
         try:  # (it claims this model's parameters only: another model may share the optimizer)
             prediction = WeightPrediction.__new__(WeightPrediction)
-            prediction._build(optimizer, local=self.local, moves=self._owned)
+            prediction._build(
+                optimizer,
+                local=self.local,
+                moves=self._owned,
+                gathers=self._gathers,
+                gathered=self._gathered,
+            )
             self.predictions.append(prediction)
         except (TypeError, ValueError) as e:
             raise type(e)(

@@ -1,0 +1,135 @@
+"""Weight prediction in the weights an FSDP2 all-gather sends, the parameters never moved.
+
+[Note: the prediction in the gathers]
+Staleness 1 as shipped predicts each step's weights ([Note: prediction in the schedule] in
+``qsdp.runtime.prediction``). Moving the parameters there and back needs a copy of every local
+shard for the way back (4 bytes per element of the fp32 shards), held through the forward,
+where a step's memory peaks: on 2x H200 (GPT 1.42 B over sockets, ``benchmarks/memory_peak.py``)
+it was half of what staleness 1 added at the peak (2.64 of 5.28 GiB). Under FSDP2 the
+predicted weights are needed only where an all-gather reads them, cast to the compute dtype:
+so where qsdp runs a group's all-gather (quantized weights, weight differences) the hook
+writes the predicted values itself into the gather's input, over FSDP2's copy of the shards,
+computed on float32 copies by the same fused step and cast as FSDP2 casts. The gathered bits
+are those of the moved parameters, and the parameters themselves never move: no copy, no way
+back, and between a backward and its ``optimizer.step()`` they read as they are.
+
+:class:`GatheredPrediction` is armed with the step's estimates by the forward pre-hook that
+predicts, and disarmed by the next ``optimizer.step()`` (or ``drain()``). A weight-difference
+gather keeps what it reconstructed: every later gather of the group in the same armed step
+(FSDP2's backward re-gather, the forwards of gradient accumulation) is served from it, so its
+estimates are dropped once it has gathered (their memory returns before the peak). A quantized
+all-gather gathers again in the backward: its estimates stay until the step. A gather that
+would need estimates already dropped (a parameter written in place between the forward and
+the step) raises.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+from .adam_step import fp32_copies, predicted_into
+from .placement import local_of
+
+__all__ = ["GatheredPrediction"]
+
+
+class _Armed(NamedTuple):
+    estimate: torch.Tensor
+    group: dict
+    state: dict
+    adamw: bool
+    coef: float
+    optimizer: torch.optim.Optimizer
+
+
+class GatheredPrediction:
+    """The step's prediction of one model's gathered parameters ([Note: the prediction in the
+    gathers]): what the all-gather hooks write into their inputs."""
+
+    def __init__(self) -> None:
+        self._armed: dict[int, _Armed] = {}
+        self._dropped: dict[int, torch.optim.Optimizer] = {}
+        self.step = 0
+        """Armed steps so far: a gather made in step ``step`` may be served again in it."""
+        self.armed = False
+
+    def arm(
+        self, optimizer: torch.optim.Optimizer, estimates: dict[nn.Parameter, torch.Tensor], coef
+    ) -> None:
+        """Predict the parameters of ``estimates`` that ``optimizer`` holds state for, each
+        with its estimate (times ``coef``), at their next gathers."""
+        adamw = isinstance(optimizer, torch.optim.AdamW)
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                state = optimizer.state.get(p)
+                if p in estimates and state:
+                    self._armed[id(p)] = _Armed(estimates[p], group, state, adamw, coef, optimizer)
+        if not self.armed:
+            self.step += 1
+        self.armed = True
+
+    def disarm(self, optimizer: torch.optim.Optimizer) -> None:
+        """The step's end: ``optimizer``'s parameters are gathered as they are again."""
+        self._armed = {k: a for k, a in self._armed.items() if a.optimizer is not optimizer}
+        self._dropped = {k: o for k, o in self._dropped.items() if o is not optimizer}
+        self.armed = bool(self._armed) or bool(self._dropped)
+
+    def write(self, slots: Sequence, flat: torch.Tensor) -> bool:
+        """Write the predicted values of ``slots``' parameters (``(param, offset, numel)``: their
+        places in ``flat``, a gather's input of this rank's shards) over what is there, cast to
+        ``flat``'s dtype; whether any was. Raises if one was dropped in this step."""
+        if not self.armed:
+            return False
+        lost = [s for s in slots if id(s.param) in self._dropped]
+        if lost:
+            raise RuntimeError(
+                "qsdp staleness 1: a parameter of shape "
+                f"{tuple(lost[0].param.shape)} is gathered again in a step after its predicted "
+                "weights were sent and their estimates dropped: it was written in place between "
+                "the forward and optimizer.step(). Write parameters after optimizer.step(), or "
+                "build the schedule with predict='none'"
+            )
+        picked = [(s, self._armed[id(s.param)]) for s in slots if id(s.param) in self._armed]
+        if not picked:
+            return False
+        by_group: dict[int, list] = defaultdict(list)
+        for slot, armed in picked:
+            by_group[id(armed.group)].append((slot, armed))
+        views, values = [], []
+        for items in by_group.values():
+            first = items[0][1]
+            xs = [local_of(s.param.detach()) for s, _ in items]
+            new = fp32_copies(xs)
+            predicted_into(
+                new,
+                group=first.group,
+                adamw=first.adamw,
+                estimates=[a.estimate for _, a in items],
+                states=[a.state for _, a in items],
+                clip_coef=first.coef,
+            )
+            views += [
+                flat.view(-1)[s.offset : s.offset + x.numel()]
+                for (s, _), x in zip(items, xs, strict=True)
+            ]
+            values += [n.view(-1) for n in new]
+            if flat.is_cuda:  # read on this stream: its memory stays until the read is done
+                stream = torch.cuda.current_stream(flat.device)
+                for _, a in items:
+                    a.estimate.record_stream(stream)
+        with torch.no_grad():
+            torch._foreach_copy_(views, values)
+        return True
+
+    def drop(self, slots: Sequence) -> None:
+        """Forget the estimates of ``slots``' parameters for the rest of the step (their gather
+        keeps what it sent)."""
+        for s in slots:
+            armed = self._armed.pop(id(s.param), None)
+            if armed is not None:
+                self._dropped[id(s.param)] = armed.optimizer

@@ -44,8 +44,10 @@ against the synchronous loss, where the last-update prediction gives +18.7% and 
 +30.5%; the exact reduced gradient gives +0.4% (``oracle``). Through qsdp (``qsdp train``,
 2x H100, each rank's estimate half the batch): +1.85% against +19.4% with the last update. The
 shards are copied before the shift and restored after (ranks shift differently; a subtraction
-would not restore them bit for bit). Memory: one shard per group kept by the hooks and one
-copy of the local parameters.
+would not restore them bit for bit). Memory: one shard per group kept by the hooks until the
+prediction reads them, and one copy of the local parameters while they are moved; under FSDP2
+the schedule predicts in the all-gathers instead, with no copy ([Note: the prediction in the
+gathers] in ``qsdp.runtime.gathered``).
 
 Predict only in a step whose backward applies a reduction in flight (the comm state's
 ``in_flight``): the first step, the synchronous step after the staleness gate fired and the

@@ -738,19 +738,28 @@ def test_staleness_1_models_one_after_another():
         assert ahead == [1.0, 1.0, 1.0]
 
 
-def _evaluation_is_not_predicted(rank: int, world: int) -> dict:
-    from qsdp.runtime import prediction
-
+def _shipped_after(rank: int, recipe: str, *, steps: int, inner: tuple[int, ...]) -> tuple:
+    """(model, comm state, AdamW): the classifier under FSDP2 (``inner``: its layers sharded
+    as groups of their own) with ``recipe`` at staleness 1 as shipped, after ``steps`` steps."""
     model = classifier()
+    for i in inner:
+        fully_shard(model[i])
     fully_shard(model)
-    qsdp.compress_fsdp(model, "qsdp-w8g8", schedule=qsdp.Schedule(staleness=1, start=0))
+    qsdp.compress_fsdp(model, recipe, schedule=qsdp.Schedule(staleness=1, start=0))
     state = qsdp.fsdp.comm_state(model)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    for step in range(3):
+    for step in range(steps):
         _loss(model, rank, step).backward()
         if not state.applied_nothing:
             opt.step()
         opt.zero_grad()
+    return model, state, opt
+
+
+def _evaluation_is_not_predicted(rank: int, world: int) -> dict:
+    from qsdp.runtime import prediction
+
+    model, state, opt = _shipped_after(rank, "qsdp-w8g8", steps=3, inner=())
     assert state.in_flight
     (auto,) = [a for a in prediction._live if a._module() is model]
     seen = []  # (predicting, the weights the first layer computed with)
@@ -786,18 +795,7 @@ def _predicted_in_the_gathers(rank: int, world: int) -> dict:
     move, every group's estimates are dropped once its gather sent the predicted weights (none
     is held through the forward), and a parameter written in place before the backward's
     re-gather, which would need them again, raises."""
-    model = classifier()
-    for i in (2, 5):
-        fully_shard(model[i])
-    fully_shard(model)
-    qsdp.compress_fsdp(model, "sdp4bit", schedule=qsdp.Schedule(staleness=1, start=0))
-    state = qsdp.fsdp.comm_state(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    for step in range(2):
-        _loss(model, rank, step).backward()
-        if not state.applied_nothing:
-            opt.step()
-        opt.zero_grad()
+    model, state, opt = _shipped_after(rank, "sdp4bit", steps=2, inner=(2, 5))
     gathers = state._installed.predict._gathers
     before = [p.to_local().detach().clone() for p in model.parameters()]
     loss = _loss(model, rank, 2)  # predicted (Adam's state exists, a reduction in flight)

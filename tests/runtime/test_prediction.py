@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import qsdp
@@ -509,9 +509,12 @@ def _staleness_model(kind: str, schedule: qsdp.Schedule) -> tuple:
     ``fsdp2-diffs``: ``sdp4bit``'s weight differences) or DDP (``cgx``) with ``schedule``."""
     model = classifier()
     if kind.startswith("fsdp2"):
+        # fsdp2-bf16: bf16 compute, the gathers' inputs cast from the fp32 shards
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        kw = {"mp_policy": mp} if kind == "fsdp2-bf16" else {}
         for i in (2, 5):
-            fully_shard(model[i])
-        fully_shard(model)
+            fully_shard(model[i], **kw)
+        fully_shard(model, **kw)
         recipe = "sdp4bit" if kind == "fsdp2-diffs" else "qsdp-w8g8"
         qsdp.compress_fsdp(model, recipe, schedule=schedule)
         return model, model, qsdp.fsdp.comm_state(model)
@@ -541,7 +544,7 @@ def _three_ways(rank: int, world: int, kind: str, micro: int = 1) -> dict:
     return {"same": same, "moved": moved}
 
 
-@pytest.mark.parametrize("kind", ["fsdp2", "fsdp2-diffs", "ddp"])
+@pytest.mark.parametrize("kind", ["fsdp2", "fsdp2-bf16", "fsdp2-diffs", "ddp"])
 def test_the_schedule_predicts_as_the_loop_by_hand(kind):
     """[Note: prediction in the schedule]: the same parameters, bit for bit, as the README's
     loop with its WeightPrediction, and not those of the delay as it is. Under FSDP2 the

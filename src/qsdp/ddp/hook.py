@@ -311,6 +311,23 @@ class DDPCompression:
         gradient). No collective."""
         return torch.stack([g.float().square().sum() for g in estimates.values()]).sum()
 
+    def predict_with(self, optimizer: torch.optim.Optimizer) -> None:
+        """Staleness 1 with the schedule's prediction (``predict="local"``, the default):
+        predict ``optimizer``'s next step from now on. The schedule learns the optimizer at its
+        first ``optimizer.step()``; after loading a checkpoint with a reduction in flight the
+        first forward comes before it, and refuses to run unpredicted: call this after loading
+        ([Note: a resumed prediction] in ``qsdp.runtime.prediction``).
+
+        Raises:
+            ValueError: the schedule does not predict (staleness 0, or ``predict`` other than
+                ``"local"``)."""
+        if self.predict is None:
+            raise ValueError(
+                "predict_with() is for Schedule(staleness=1) with its prediction "
+                "(predict='local', the default); this hook's schedule does not predict"
+            )
+        self.predict.attach(optimizer)
+
     def drain(self) -> None:
         """Staleness 1, after the last backward: wait for the reductions still in flight and put
         them into the parameters' ``.grad`` (then call ``optimizer.step()`` once more); checked
@@ -523,6 +540,8 @@ class DDPCompression:
             self.widths.load_state_dict(state)
         if self.stale is not None:
             self.stale.load_state_dict(state)
+            if self.predict is not None and self.stale.in_flight:  # [Note: a resumed prediction]
+                self.predict.loaded = True
         mine = f"residual.rank{dist.get_rank(self.group)}."
         self._residuals = {
             k[len(mine) :]: v.reshape(-1).clone() for k, v in state.items() if k.startswith(mine)

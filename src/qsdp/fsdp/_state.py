@@ -166,6 +166,23 @@ class CommState:
         if self._installed.check is not None:
             self._installed.check.flush()
 
+    def predict_with(self, optimizer: torch.optim.Optimizer) -> None:
+        """Staleness 1 with the schedule's prediction (``predict="local"``, the default):
+        predict ``optimizer``'s next step from now on. The schedule learns the optimizer at its
+        first ``optimizer.step()``; after loading a checkpoint with a reduction in flight the
+        first forward comes before it, and refuses to run unpredicted: call this after loading
+        ([Note: a resumed prediction] in ``qsdp.runtime.prediction``).
+
+        Raises:
+            ValueError: the schedule does not predict (staleness 0, or ``predict`` other than
+                ``"local"``)."""
+        if self._installed.predict is None:
+            raise ValueError(
+                "predict_with() is for Schedule(staleness=1) with its prediction "
+                "(predict='local', the default); this model's schedule does not predict"
+            )
+        self._installed.predict.attach(optimizer)
+
     def drain(self) -> None:
         """Staleness 1, after the last backward: put the reductions still in flight into the
         parameters' ``.grad``, for one more ``optimizer.step()`` (see [Note: one staleness
@@ -280,6 +297,8 @@ class CommState:
             inst.clock.request_resync()
         if inst.stale is not None:
             inst.stale.load_state_dict(state)
+            if inst.predict is not None and inst.stale.in_flight:  # [Note: a resumed prediction]
+                inst.predict.loaded = True
         if inst.widths is not None:
             inst.widths.load_state_dict(state)
 

@@ -342,6 +342,8 @@ class AutoPrediction:
         self.local = local
         self.clip = clip
         self._gathers, self._gathered = gathers, gathered
+        self.loaded = False
+        """A checkpoint's reduction in flight was loaded and no optimizer is known yet."""
         self.predictions: list[WeightPrediction] = []
         self._module = weakref.ref(module)  # (the global hook must not keep the model alive)
         self._owned = {id(p) for p in module.parameters()}
@@ -357,11 +359,22 @@ class AutoPrediction:
         return self._stack is not None
 
     def _before_forward(self, module: torch.nn.Module, args: object) -> None:
-        if self._stack is not None or not self.predictions:
+        if self._stack is not None:
             return
         if not module.training or not torch.is_grad_enabled():  # (an evaluation)
             return
         if not self.local.in_flight:
+            return
+        if not self.predictions:
+            if self.loaded:  # [Note: a resumed prediction]
+                raise RuntimeError(
+                    "qsdp staleness 1: a checkpoint's reduction in flight was loaded, but the "
+                    "schedule's prediction does not know the optimizer yet (it learns it at the "
+                    "first optimizer.step(), after this forward): the resumed step would not be "
+                    "predicted as the saved run's was. After loading, call "
+                    "state.predict_with(optimizer) (state: qsdp.fsdp.comm_state(model), or what "
+                    "qsdp.ddp.register returned), or build the schedule with predict='none'"
+                )
             return
         stack = contextlib.ExitStack()
         for prediction in self.predictions:
@@ -373,6 +386,13 @@ class AutoPrediction:
             self.remove()
             return
         self.restore()
+        self.attach(optimizer)
+
+    def attach(self, optimizer: torch.optim.Optimizer) -> None:
+        """Predict ``optimizer``'s next step for the model's parameters it holds (once per
+        optimizer; one holding none of them is ignored). The first ``optimizer.step()`` calls
+        it; after loading a checkpoint, call it first ([Note: a resumed prediction])."""
+        self.loaded = False
         if any(p.optimizer is optimizer for p in self.predictions):
             return
         if not any(id(p) in self._owned for g in optimizer.param_groups for p in g["params"]):
@@ -392,6 +412,17 @@ class AutoPrediction:
                 f"Schedule(predict='local') predicts {type(optimizer).__name__}'s next step and "
                 f"cannot: {e}. Build the schedule with predict='none'"
             ) from e
+
+    # [Note: a resumed prediction]
+    # The schedule learns the optimizer at its first ``optimizer.step()`` (a global pre-hook:
+    # it is given none). A fresh run's first forwards have nothing to predict (no reduction in
+    # flight, then no Adam state), but a run resumed from a checkpoint with a reduction in
+    # flight predicted in the saved run's next step: resumed, its first step ran unpredicted,
+    # and the run left the saved one's path silently (found 2026-11-28: the README's loop
+    # resumed at step 3 of 6 ended on other parameters than the uninterrupted run). Loading a
+    # reduction in flight (``load_state_dict`` of the comm state) now sets ``loaded``; the
+    # first training forward refuses to run unpredicted until ``state.predict_with(opt)``
+    # names the optimizer (then it continues bit for bit, tested for FSDP2 and DDP).
 
     def restore(self) -> None:
         """Put the parameters back if they are the predicted ones (before a step, a drain)."""

@@ -515,8 +515,11 @@ def _staleness_model(kind: str, schedule: qsdp.Schedule) -> tuple:
         for i in (2, 5):
             fully_shard(model[i], **kw)
         fully_shard(model, **kw)
-        recipe = "sdp4bit" if kind == "fsdp2-diffs" else "qsdp-w8g8"
-        qsdp.compress_fsdp(model, recipe, schedule=schedule)
+        recipe = "sdp4bit" if kind in ("fsdp2-diffs", "fsdp2-2level") else "qsdp-w8g8"
+        mesh = None
+        if kind == "fsdp2-2level":  # SDP4Bit's two levels, 2 nodes x 2: node-averaged estimates
+            mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("inter", "intra"))
+        qsdp.compress_fsdp(model, recipe, mesh=mesh, schedule=schedule)
         return model, model, qsdp.fsdp.comm_state(model)
     run = DDP(model)
     recipe = "bf16" if kind == "ddp-bf16" else "cgx"  # (bf16: the same sums however bucketed)
@@ -545,13 +548,16 @@ def _three_ways(rank: int, world: int, kind: str, micro: int = 1) -> dict:
     return {"same": same, "moved": moved}
 
 
-@pytest.mark.parametrize("kind", ["fsdp2", "fsdp2-bf16", "fsdp2-diffs", "ddp"])
-def test_the_schedule_predicts_as_the_loop_by_hand(kind):
+@pytest.mark.parametrize(
+    "kind, world",
+    [("fsdp2", 3), ("fsdp2-bf16", 3), ("fsdp2-diffs", 3), ("fsdp2-2level", 4), ("ddp", 3)],
+)
+def test_the_schedule_predicts_as_the_loop_by_hand(kind, world):
     """[Note: prediction in the schedule]: the same parameters, bit for bit, as the README's
     loop with its WeightPrediction, and not those of the delay as it is. Under FSDP2 the
     schedule predicts in the gathers, the loop by hand moves the parameters ([Note: the
     prediction in the gathers]): the same gathered bits."""
-    for got in run_distributed(_three_ways, 3, kind):
+    for got in run_distributed(_three_ways, world, kind):
         assert got == {"same": True, "moved": True}, got
 
 

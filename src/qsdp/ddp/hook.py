@@ -85,7 +85,7 @@ from ..config import CompressionConfig, NonFinite, Schedule, check_saved, config
 from ..policy import auto
 from ..runtime import NonfiniteCheck, SideStreams
 from ..runtime.delayed import DelayedReductions, packed_slots
-from ..runtime.prediction import AutoPrediction
+from ..runtime.prediction import AutoPrediction, predict_with
 from ..runtime.widths import WidthController
 
 __all__ = ["DDPCompression"]
@@ -312,21 +312,10 @@ class DDPCompression:
         return torch.stack([g.float().square().sum() for g in estimates.values()]).sum()
 
     def predict_with(self, optimizer: torch.optim.Optimizer) -> None:
-        """Staleness 1 with the schedule's prediction (``predict="local"``, the default):
-        predict ``optimizer``'s next step from now on. The schedule learns the optimizer at its
-        first ``optimizer.step()``; after loading a checkpoint with a reduction in flight the
-        first forward comes before it, and refuses to run unpredicted: call this after loading
-        ([Note: a resumed prediction] in ``qsdp.runtime.prediction``).
-
-        Raises:
-            ValueError: the schedule does not predict (staleness 0, or ``predict`` other than
-                ``"local"``)."""
-        if self.predict is None:
-            raise ValueError(
-                "predict_with() is for Schedule(staleness=1) with its prediction "
-                "(predict='local', the default); this hook's schedule does not predict"
-            )
-        self.predict.attach(optimizer)
+        """Staleness 1 as shipped: predict ``optimizer``'s next step from now on. Call it after
+        loading a checkpoint, whose first forward refuses to run unpredicted otherwise
+        (:func:`qsdp.runtime.prediction.predict_with`)."""
+        predict_with(self.predict, optimizer, what="hook")
 
     def drain(self) -> None:
         """Staleness 1, after the last backward: wait for the reductions still in flight and put

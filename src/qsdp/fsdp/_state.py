@@ -16,7 +16,7 @@ from ..config import CompressionConfig, Schedule, check_saved, config_record
 from ..policy import auto
 from ..runtime import NonfiniteCheck
 from ..runtime.delayed import DelayedReductions
-from ..runtime.prediction import AutoPrediction
+from ..runtime.prediction import AutoPrediction, predict_with
 from ..runtime.widths import WidthController
 from ._gathers import WeightDiffAllGather
 from ._hooks import StepClock
@@ -167,21 +167,10 @@ class CommState:
             self._installed.check.flush()
 
     def predict_with(self, optimizer: torch.optim.Optimizer) -> None:
-        """Staleness 1 with the schedule's prediction (``predict="local"``, the default):
-        predict ``optimizer``'s next step from now on. The schedule learns the optimizer at its
-        first ``optimizer.step()``; after loading a checkpoint with a reduction in flight the
-        first forward comes before it, and refuses to run unpredicted: call this after loading
-        ([Note: a resumed prediction] in ``qsdp.runtime.prediction``).
-
-        Raises:
-            ValueError: the schedule does not predict (staleness 0, or ``predict`` other than
-                ``"local"``)."""
-        if self._installed.predict is None:
-            raise ValueError(
-                "predict_with() is for Schedule(staleness=1) with its prediction "
-                "(predict='local', the default); this model's schedule does not predict"
-            )
-        self._installed.predict.attach(optimizer)
+        """Staleness 1 as shipped: predict ``optimizer``'s next step from now on. Call it after
+        loading a checkpoint, whose first forward refuses to run unpredicted otherwise
+        (:func:`qsdp.runtime.prediction.predict_with`)."""
+        predict_with(self._installed.predict, optimizer, what="model")
 
     def drain(self) -> None:
         """Staleness 1, after the last backward: put the reductions still in flight into the

@@ -70,7 +70,7 @@ from .contracts import LocalGradients, StalenessState, check_contract
 from .gathered import GatheredPrediction
 from .placement import like_param, local_of
 
-__all__ = ["AutoPrediction", "WeightPrediction"]
+__all__ = ["AutoPrediction", "WeightPrediction", "predict_with"]
 
 
 class WeightPrediction:
@@ -355,7 +355,8 @@ class AutoPrediction:
 
     @property
     def ahead(self) -> bool:
-        """Whether the parameters are the predicted ones now."""
+        """Whether this step computes at the predicted point now (moved parameters, or the
+        weights the gathers send: [Note: the prediction in the gathers])."""
         return self._stack is not None
 
     def _before_forward(self, module: torch.nn.Module, args: object) -> None:
@@ -425,7 +426,8 @@ class AutoPrediction:
     # names the optimizer (then it continues bit for bit, tested for FSDP2 and DDP).
 
     def restore(self) -> None:
-        """Put the parameters back if they are the predicted ones (before a step, a drain)."""
+        """End the step's prediction (before a step, a drain): moved parameters put back, the
+        gathers disarmed."""
         stack, self._stack = self._stack, None
         if stack is not None:
             stack.close()
@@ -439,6 +441,25 @@ class AutoPrediction:
         for p in self.predictions:
             p.remove()
         self._handles, self.predictions = [], []
+
+
+def predict_with(
+    predict: AutoPrediction | None, optimizer: torch.optim.Optimizer, *, what: str
+) -> None:
+    """A staleness-1 state's ``predict_with(optimizer)``: ``predict`` (its schedule's
+    prediction, None if it has none) predicts ``optimizer``'s next step from now on; call it
+    after loading a checkpoint ([Note: a resumed prediction]). ``what``: the state, for the
+    error.
+
+    Raises:
+        ValueError: the schedule does not predict (staleness 0, or ``predict`` other than
+            ``"local"``)."""
+    if predict is None:
+        raise ValueError(
+            "predict_with() is for Schedule(staleness=1) with its prediction (predict='local', "
+            f"the default); this {what}'s schedule does not predict"
+        )
+    predict.attach(optimizer)
 
 
 # [Note: one global optimizer hook]

@@ -780,9 +780,10 @@ def _evaluation_is_not_predicted(rank: int, world: int) -> dict:
     before = [p.to_local().detach().clone() for p in params]
     model.eval()
     _loss(model, rank, 9)  # an evaluation with grad enabled: the weights as they are
-    model.reshard()  # (FSDP2 keeps the root gathered after a forward without a backward)
     model.train()
-    _loss(model, rank, 10).backward()  # training: at the predicted point until the step
+    # training: at the predicted point until the step (FSDP2 kept the root gathered after the
+    # evaluation, which had no backward: the prediction reshards it first)
+    _loss(model, rank, 10).backward()
     # the gathers predict: the parameters themselves never move ([Note: the prediction in
     # the gathers])
     unmoved = all(torch.equal(a, p.to_local()) for a, p in zip(before, params, strict=True))

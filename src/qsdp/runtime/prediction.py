@@ -63,6 +63,7 @@ import weakref
 from collections.abc import Iterator
 
 import torch
+from torch.distributed.fsdp import FSDPModule
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .adam_step import adam_next, check_adam
@@ -377,6 +378,10 @@ class AutoPrediction:
                     "qsdp.ddp.register returned), or build the schedule with predict='none'"
                 )
             return
+        if isinstance(module, FSDPModule):
+            # FSDP2 keeps the root gathered after a forward with no backward (an evaluation):
+            # this forward would compute on those weights, gathered unpredicted, as they are
+            module.reshard()
         stack = contextlib.ExitStack()
         for prediction in self.predictions:
             stack.enter_context(prediction.ahead(enabled=True, clip=self.clip))

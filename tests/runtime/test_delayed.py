@@ -66,7 +66,7 @@ def test_padded_slots_skip_the_padding_and_reuse_keeps_one_buffer():
     params = _params(3, 1)
     chunk = [(p, 4) for p in params.values()]  # FSDP2 pads each to 4 elements
     slots = padded_slots(chunk)
-    assert slots == [Slot(params["p0"], 0, 3), Slot(params["p1"], 4, 1)]
+    assert slots == [Slot(params["p0"], 0, 3, (3,)), Slot(params["p1"], 4, 1, (1,))]
     core = DelayedReductions(params)
     out = torch.empty(8)
 

@@ -62,11 +62,13 @@ __all__ = ["AppliedCheck", "DelayedReductions", "Slot", "packed_slots", "padded_
 
 class Slot(NamedTuple):
     """Where one parameter's gradient lies in a hook's flat buffer: ``numel`` elements (its
-    local tensor's) from ``offset``."""
+    local tensor's) from ``offset``, shaped ``shape`` (its local tensor's, read once: a
+    DTensor's ``to_local()`` costs the host every call)."""
 
     param: nn.Parameter
     offset: int
     numel: int
+    shape: tuple[int, ...]
 
 
 def padded_slots(params: Iterable[tuple[nn.Parameter, int]]) -> list[Slot]:
@@ -74,7 +76,8 @@ def padded_slots(params: Iterable[tuple[nn.Parameter, int]]) -> list[Slot]:
     chunk order (FSDP2's flat shard)."""
     slots, offset = [], 0
     for p, padded in params:
-        slots.append(Slot(p, offset, local_of(p).numel()))
+        local = local_of(p)
+        slots.append(Slot(p, offset, local.numel(), tuple(local.shape)))
         offset += padded
     return slots
 
@@ -83,7 +86,7 @@ def packed_slots(params: Iterable[nn.Parameter]) -> list[Slot]:
     """The slots of a buffer whose parameters follow each other (a DDP bucket)."""
     slots, offset = [], 0
     for p in params:
-        slots.append(Slot(p, offset, p.numel()))
+        slots.append(Slot(p, offset, p.numel(), tuple(p.shape)))
         offset += p.numel()
     return slots
 
@@ -404,7 +407,7 @@ class DelayedReductions:
         layouts = list(self._hooks)
         seen = {id(s.param) for _, slots, _ in layouts for s in slots}
         layouts += [
-            (self._owner, [Slot(p, 0, local_of(p).numel())], local_of(p).numel())
+            (self._owner, padded_slots([(p, local_of(p).numel())]), local_of(p).numel())
             for p in self._names.values()
             if id(p) not in seen
         ]
@@ -430,7 +433,7 @@ def _ignore(_: torch.Tensor) -> None:
 
 def _view(flat: torch.Tensor, slot: Slot) -> torch.Tensor:
     """``slot``'s piece of ``flat``, shaped as its parameter's local tensor."""
-    return flat.view(-1)[slot.offset : slot.offset + slot.numel].view(local_of(slot.param).shape)
+    return flat.view(-1)[slot.offset : slot.offset + slot.numel].view(slot.shape)
 
 
 def _saved(held: tuple | None, p: nn.Parameter) -> torch.Tensor:

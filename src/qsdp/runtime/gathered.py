@@ -103,7 +103,8 @@ class GatheredPrediction:
         views, values = [], []
         for items in by_group.values():
             first = items[0][1]
-            xs = [local_of(s.param.detach()) for s, _ in items]
+            with torch.no_grad():  # (a DTensor's to_local() is its local tensor then)
+                xs = [local_of(s.param) for s, _ in items]
             new = fp32_copies(xs)
             predicted_into(
                 new,
@@ -113,10 +114,7 @@ class GatheredPrediction:
                 states=[a.state for _, a in items],
                 clip_coef=first.coef,
             )
-            views += [
-                flat.view(-1)[s.offset : s.offset + x.numel()]
-                for (s, _), x in zip(items, xs, strict=True)
-            ]
+            views += [flat.view(-1)[s.offset : s.offset + s.numel] for s, _ in items]
             values += [n.view(-1) for n in new]
             if flat.is_cuda:  # read on this stream: its memory stays until the read is done
                 stream = torch.cuda.current_stream(flat.device)

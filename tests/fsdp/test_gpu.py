@@ -456,8 +456,8 @@ def test_pipelined_hsdp_gives_the_same_bits_on_nccl(reduce_dtype):
 
 
 def _staleness_peak(rank: int, ws: int) -> dict:
-    """Peak memory above the start, synchronous ``sdp4bit`` and staleness 1 as shipped, each
-    from a model of its own; and the bound staleness 1 may add."""
+    """The forward's peak memory above the start, synchronous ``sdp4bit`` and staleness 1 as
+    shipped, each from a model of its own; and the bound staleness 1 may add."""
     import gc
 
     from ..tiny_gpt import TinyGPT as Wide
@@ -479,10 +479,26 @@ def _staleness_peak(rank: int, ws: int) -> dict:
         schedule = qsdp.Schedule(staleness=1, start=0) if stale else None
         qsdp.compress_fsdp(model, "sdp4bit", schedule=schedule)
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-        for batch in list(_batches(rank, ws))[:6]:
+        batches = list(_batches(rank, ws))[:6]
+        for batch in batches[:-1]:
             _train_step(model, opt, dev, batch)
+        # the last step's forward, where a step peaks (its activations) and where the moved
+        # parameters' copies were held: its highest point, from the same start for both
+        batch = batches[-1].to(dev)
+        opt.zero_grad()
+        torch.cuda.synchronize()
+        # blocks freed on the host but held for a side stream's reduction count as allocated
+        # until the allocator polls their events; empty_cache() polls them first
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(dev)
+        logits = model(batch[:, :-1])
         torch.cuda.synchronize()
         out[stale] = torch.cuda.max_memory_allocated(dev) - start
+        loss = nn.functional.cross_entropy(
+            logits.float().reshape(-1, 256), batch[:, 1:].reshape(-1)
+        )
+        loss.backward()
+        opt.step()
         local = [p.to_local().numel() for p in model.parameters()]
         groups = [sum(p.to_local().numel() for p in b.parameters()) for b in model.blocks]
         if stale:
@@ -498,7 +514,7 @@ def _staleness_peak(rank: int, ws: int) -> dict:
 
 def test_staleness_1_adds_only_its_results_in_flight_at_the_peak():
     """[Note: the prediction in the gathers] and [Note: estimates handed over], on NCCL:
-    staleness 1 as shipped adds to the synchronous step's peak its results in flight and one
+    staleness 1 as shipped adds to the synchronous forward's peak its results in flight and one
     group's temporaries, not a copy of the shards nor the kept estimates (written 2026-11-28,
     not yet run on a GPU)."""
     ws = min(torch.cuda.device_count(), 4)

@@ -85,16 +85,13 @@ def at_peak(trace: list[dict], *, before: int = 0) -> Peak:
     """Replay ``trace`` (one device's entries of ``torch.cuda.memory._snapshot()``) from
     ``before`` bytes already allocated: the highest point and the blocks live at it."""
     cur, best, best_i = before, before, -1
-    known: set[int] = set()
     for i, e in enumerate(trace):
         if e["action"] == "alloc":
             cur += e["size"]
-            known.add(e["addr"])
             if cur > best:
                 best, best_i = cur, i
         elif e["action"] == "free_completed":
             cur -= e["size"]
-            known.discard(e["addr"])
     live: dict[int, tuple[int, str]] = {}
     requested: set[int] = set()
     old = before

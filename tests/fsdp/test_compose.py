@@ -297,3 +297,45 @@ def test_quantized_master_names_what_the_user_did():
         assert "stores its parameters in ['torch.bfloat16']" in r["bf16 parameters"], r
         assert "param_dtype" not in r["bf16 parameters"], r  # the user passed none
         assert "MixedPrecisionPolicy(param_dtype=...)" in r["param_dtype"], r
+
+
+def _tp_stale(rank: int, world: int, recipe: str) -> dict:
+    """Staleness 1 on the (dp, tp) model: the schedule's prediction (in the gathers where they
+    are qsdp's and the shards lie on dim 0; moved elsewhere, as TP's row-wise shards) against
+    the loop by hand, which moves every parameter ([Note: the prediction in the gathers])."""
+    from qsdp.runtime import WeightPrediction
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    dp_rank = mesh["dp"].get_local_rank()
+    out = {}
+    for how in ("schedule", "hand", "none"):
+        model = _tp_model(mesh)
+        predict = "local" if how == "schedule" else "none"
+        schedule = qsdp.Schedule(staleness=1, start=0, predict=predict)
+        qsdp.compress_fsdp(model, recipe, schedule=schedule)
+        state = qsdp.fsdp.comm_state(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        by_hand = WeightPrediction(opt, local=state) if how == "hand" else None
+        for step in range(6):
+            ahead = by_hand.ahead(enabled=state.in_flight) if by_hand else contextlib.nullcontext()
+            with ahead:
+                x, y = batch(dp_rank, step)
+                nn.functional.cross_entropy(model(x), y).backward()
+            if not state.applied_nothing:
+                opt.step()
+            opt.zero_grad()
+        state.drain()
+        opt.step()
+        out[how] = [p.full_tensor() for p in model.parameters()]
+    pairs = zip(out["schedule"], out["hand"], strict=True)
+    moved = zip(out["hand"], out["none"], strict=True)
+    return {
+        "same": all(torch.equal(a, b) for a, b in pairs),
+        "moved": any(not torch.equal(a, b) for a, b in moved),
+    }
+
+
+@pytest.mark.parametrize("recipe", ["qsdp-w8g8", "sdp4bit"])
+def test_staleness_1_with_tensor_parallel_predicts_as_the_loop_by_hand(recipe):
+    for got in run_distributed(_tp_stale, 4, recipe, timeout_s=240):
+        assert got == {"same": True, "moved": True}, got

@@ -493,6 +493,7 @@ def _forward_end_held(rank: int, ws: int, stale: bool) -> tuple[int, int]:
     opt.zero_grad()
     logits = model(batches[-1][:, :-1].to(dev))
     held = requested() - start
+    del logits  # (alive until measured: the activations a forward's end holds)
     return held, local
 
 

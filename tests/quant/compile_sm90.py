@@ -1,7 +1,7 @@
-"""Compile every Triton kernel of ``qsdp.quant`` for an H100 (sm_90) without a GPU and print, per
-kernel, the registers and spill bytes ``ptxas`` reports, as JSON (run by
-``test_compile_sm90.py`` in a process of its own: the tests' interpreter mode must be off when
-triton is imported)."""
+"""Compile every Triton kernel of ``qsdp.quant`` (and weight prediction's, ``qsdp.runtime``)
+for an H100 (sm_90) without a GPU and print, per kernel, the registers and spill bytes
+``ptxas`` reports, as JSON (run by ``test_compile_sm90.py`` in a process of its own: the
+tests' interpreter mode must be off when triton is imported)."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from qsdp.quant import QuantSpec  # noqa: E402
 from qsdp.quant._triton import kernels as K  # noqa: E402
 from qsdp.quant._triton import launch as L  # noqa: E402
+from qsdp.runtime import _adam_triton as A  # noqa: E402
 
 #: 8-bit and 4-bit groups as the recipes send them: CGX's min-max stochastic, SDP4Bit's rotated
 #: absmax (Hadamard 32 with signs)
@@ -35,7 +36,8 @@ SPECS = {
         hadamard_seed=7,
     ),  # fmt: skip
 }
-FLOATS = {"inv_sqrt_h", "divisor", "limit"}
+FLOATS = {"inv_sqrt_h", "divisor", "limit", "lr", "beta1", "beta2", "eps", "weight_decay", "coef"}
+FLOATS |= {"bias1", "bias2_sqrt"}
 
 
 def _compile(fn, pointers: dict[str, str], constexprs: dict) -> dict:
@@ -96,6 +98,11 @@ def main() -> None:
     ptrs = {"rows_ptr": "*bf16", "base_ptr": "*bf16", "out_ptr": "*bf16", "ends_ptr": "*i64",
             "starts_ptr": "*i64"}  # fmt: skip
     results["row_sum"] = _compile(K.row_sum_kernel, ptrs, rs)
+    ptrs = {"x_ptr": "*fp32", "g_ptr": "*bf16", "m_ptr": "*fp32", "v_ptr": "*fp32",
+            "out_ptr": "*bf16"}  # fmt: skip
+    for decoupled in (False, True):  # weight prediction's step
+        ap = {"DECOUPLED": decoupled, "BLOCK": A._BLOCK}
+        results[f"adam_predict decoupled={decoupled}"] = _compile(A.adam_predict_kernel, ptrs, ap)
     json.dump({"triton": triton.__version__, "kernels": results}, sys.stdout, indent=1)
 
 

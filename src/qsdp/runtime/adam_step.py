@@ -10,6 +10,18 @@ never written: one launch set per parameter group, where the same step in ``torc
 ops took a dozen (sampled, 2x H200, GPT 1.42 B over sockets: the prediction held 24 ms of the
 host's 222 ms a step). The steps it reads are filled on the device, one fill per distinct value:
 a tensor built from a Python list is copied from pageable memory, which makes the host wait.
+
+[Note: the prediction in one kernel]
+On CUDA the step is one Triton kernel per parameter (``qsdp.runtime._adam_triton``) that reads
+the parameter, its estimate and its moments and writes the predicted values, cast, straight
+where they go (a gather's input, or the parameter itself): no float32 copies of the moments
+and the parameters (16 bytes an element allocated per group at each gather, where the forward
+peaks) and one pass over memory where the fused step above took seven launch sets (copies,
+the estimates' casts one launch per tensor, the step, the cast into the gather's input). Under
+staleness 1 these launches sit between two all-gathers on FSDP2's all-gather stream, where a
+forward waits for them (profiled, 2x H200, GPT 1.42 B over sockets: ~1.7 ms between the
+gathers of each block, 41 ms a forward). Elsewhere (CPU, non-contiguous tensors, float64) the
+fused step above runs: it is the kernel's reference (``tests/runtime/test_adam_kernel.py``).
 """
 
 from __future__ import annotations
@@ -20,7 +32,7 @@ import torch
 
 from .placement import local_of
 
-__all__ = ["adam_next", "check_adam", "fp32_copies", "predicted_into"]
+__all__ = ["adam_next", "check_adam", "fp32_copies", "predict_step", "predicted_into"]
 
 
 def check_adam(optimizer: torch.optim.Optimizer) -> None:
@@ -102,20 +114,60 @@ def adam_next(
             continue
         xs = [local_of(p.detach()) for p, _, _ in picked]
         copies = torch._foreach_mul(xs, 1.0)  # (x * 1 is x, bit for bit: one launch set)
-        new = [x.float() for x in xs]  # fp32 parameters: the tensors themselves, moved in place
-        predicted_into(
-            new,
+        predict_step(
+            xs,  # moved in place
+            xs=xs,
             group=group,
             adamw=adamw,
             estimates=[g for _, g, _ in picked],
             states=[s for _, _, s in picked],
             clip_coef=clip_coef,
         )
-        moved = [(x, n) for x, n in zip(xs, new, strict=True) if n is not x]  # (not fp32)
-        if moved:
-            torch._foreach_copy_([x for x, _ in moved], [n for _, n in moved])
         saved += list(zip(xs, copies, strict=True))
     return saved
+
+
+@torch.no_grad()
+def predict_step(
+    outs: Sequence[torch.Tensor],
+    *,
+    xs: Sequence[torch.Tensor],
+    group: dict,
+    adamw: bool,
+    estimates: Sequence[torch.Tensor],
+    states: Sequence[dict],
+    clip_coef: float,
+) -> None:
+    """Write into ``outs[i]`` (its own dtype, cast; ``xs[i]`` itself to move it in place, or a
+    tensor of its element count, read flat) the values of ``xs[i]`` after the step
+    ``optimizer.step()`` would take with ``estimates[i]`` as its gradient (times
+    ``clip_coef``), the optimizer's ``states`` read, not written: one kernel per parameter on
+    CUDA, torch's fused step elsewhere ([Note: the prediction in one kernel])."""
+    kw = dict(group=group, adamw=adamw, estimates=estimates, states=states, clip_coef=clip_coef)
+    if _kernel_applies(outs, xs, estimates, states):
+        from ._adam_triton import predict_into  # (triton imported on first use)
+
+        predict_into(outs, xs=xs, **kw)
+        return
+    if all(o is x for o, x in zip(outs, xs, strict=True)):  # moved: fp32 ones in place
+        new = [x.float() for x in xs]
+    else:
+        new = fp32_copies(xs)
+    predicted_into(new, **kw)
+    pairs = [(o, n.view(o.shape)) for o, n in zip(outs, new, strict=True) if o is not n]
+    if pairs:
+        torch._foreach_copy_([o for o, _ in pairs], [n for _, n in pairs])
+
+
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _kernel_applies(outs, xs, estimates, states) -> bool:
+    """Whether the kernel computes this step: every tensor on CUDA, contiguous, of a dtype it
+    reads in float32 without loss (not float64)."""
+    ts = [*outs, *xs, *estimates]
+    ts += [local_of(s[k]) for s in states for k in ("exp_avg", "exp_avg_sq")]
+    return all(t.is_cuda and t.is_contiguous() and t.dtype in _KERNEL_DTYPES for t in ts)
 
 
 def fp32_copies(ts: Sequence[torch.Tensor]) -> list[torch.Tensor]:

@@ -32,7 +32,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from .adam_step import fp32_copies, predicted_into
+from .adam_step import predict_step
 from .placement import local_of
 
 __all__ = ["GatheredPrediction"]
@@ -100,28 +100,23 @@ class GatheredPrediction:
         by_group: dict[int, list] = defaultdict(list)
         for slot, armed in picked:
             by_group[id(armed.group)].append((slot, armed))
-        views, values = [], []
         for items in by_group.values():
             first = items[0][1]
             with torch.no_grad():  # (a DTensor's to_local() is its local tensor then)
                 xs = [local_of(s.param) for s, _ in items]
-            new = fp32_copies(xs)
-            predicted_into(
-                new,
+            predict_step(
+                [flat.view(-1)[s.offset : s.offset + s.numel] for s, _ in items],
+                xs=xs,
                 group=first.group,
                 adamw=first.adamw,
                 estimates=[a.estimate for _, a in items],
                 states=[a.state for _, a in items],
                 clip_coef=first.coef,
             )
-            views += [flat.view(-1)[s.offset : s.offset + s.numel] for s, _ in items]
-            values += [n.view(-1) for n in new]
             if flat.is_cuda:  # read on this stream: its memory stays until the read is done
                 stream = torch.cuda.current_stream(flat.device)
                 for _, a in items:
                     a.estimate.record_stream(stream)
-        with torch.no_grad():
-            torch._foreach_copy_(views, values)
         return True
 
     def drop(self, slots: Sequence) -> None:

@@ -1,0 +1,121 @@
+"""Weight prediction's Triton kernel against its torch reference ([Note: the prediction in one
+kernel] in ``qsdp.runtime.adam_step``): on CPU in Triton's interpreter (``TRITON_INTERPRET=1``,
+set by conftest) and, marked ``gpu``, compiled on CUDA against torch's own fused step there."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from qsdp.runtime import adam_step
+
+# lengths: one element, one under and one over a program's 2048, several programs and a tail
+SHAPES = [(1,), (2047,), (3, 683), (4099,)]
+
+
+def _adam_decoupled(params, **kw):
+    return torch.optim.Adam(params, decoupled_weight_decay=True, **kw)
+
+
+def _case(kind, weight_decay: float, device: str, dtype=torch.float32):
+    """Parameters of ``SHAPES`` with two steps of ``kind`` taken (moments and steps set), their
+    states and group, and random estimates (bf16, as the reductions keep them)."""
+    g = torch.Generator().manual_seed(3)
+    params = [torch.randn(s, generator=g).to(device, dtype) for s in SHAPES]
+    params = [torch.nn.Parameter(p) for p in params]
+    opt = kind(params, lr=1e-2, weight_decay=weight_decay, betas=(0.9, 0.95))
+    for _ in range(2):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=g).to(device, dtype)
+        opt.step()
+    estimates = [torch.randn(s, generator=g).to(device, torch.bfloat16) for s in SHAPES]
+    xs = [p.detach() for p in params]
+    return opt, xs, [opt.state[p] for p in params], estimates
+
+
+def _reference(opt, xs, states, estimates, coef) -> list[torch.Tensor]:
+    new = adam_step.fp32_copies(xs)
+    adam_step.predicted_into(
+        new,
+        group=opt.param_groups[0],
+        adamw=isinstance(opt, torch.optim.AdamW),
+        estimates=estimates,
+        states=states,
+        clip_coef=coef,
+    )
+    return new
+
+
+@pytest.mark.parametrize("coef", [1.0, 0.37])
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+@pytest.mark.parametrize("kind", [torch.optim.AdamW, torch.optim.Adam, _adam_decoupled])
+def test_the_kernel_writes_the_reference_step_cast_where_it_goes(kind, weight_decay, coef):
+    from qsdp.runtime import _adam_triton
+
+    opt, xs, states, estimates = _case(kind, weight_decay, "cpu")
+    moments = [(s["exp_avg"].clone(), s["exp_avg_sq"].clone()) for s in states]
+    want = _reference(opt, xs, states, estimates, coef)
+    kw = dict(
+        group=opt.param_groups[0],
+        adamw=isinstance(opt, torch.optim.AdamW),
+        estimates=estimates,
+        states=states,
+        clip_coef=coef,
+    )
+    # float32 out (a gather's input under fp32 compute), and bf16 (under bf16 compute): flat
+    # slices of one buffer, as a gather's input holds them
+    for dtype, rtol in ((torch.float32, 1e-6), (torch.bfloat16, 2**-8)):
+        flat = torch.full((sum(x.numel() for x in xs) + 5,), 7.0, dtype=dtype)
+        outs, offset = [], 2
+        for x in xs:
+            outs.append(flat[offset : offset + x.numel()])
+            offset += x.numel()
+        _adam_triton.predict_into(outs, xs=xs, **kw)
+        for out, w, x in zip(outs, want, xs, strict=True):
+            w = w.reshape(-1).to(dtype).float()
+            torch.testing.assert_close(out.float(), w, rtol=rtol, atol=1e-7)
+            assert not torch.equal(out.float(), x.reshape(-1).to(dtype).float())  # it moved
+        assert flat[:2].eq(7).all() and flat[offset:].eq(7).all()  # nothing written around
+    for s, (m, v) in zip(states, moments, strict=True):  # the moments read, never written
+        assert torch.equal(s["exp_avg"], m) and torch.equal(s["exp_avg_sq"], v)
+    # in place: the parameter itself moved
+    before = [x.clone() for x in xs]
+    _adam_triton.predict_into(xs, xs=xs, **kw)
+    for x, w, b in zip(xs, want, before, strict=True):
+        torch.testing.assert_close(x, w, rtol=1e-6, atol=1e-7)
+        assert not torch.equal(x, b)
+
+
+def test_the_kernel_runs_where_it_applies_and_the_reference_elsewhere():
+    """On CPU the reference computes the step; on CUDA the kernel, for contiguous float32 /
+    bf16 / fp16 tensors only."""
+    opt, xs, states, estimates = _case(torch.optim.AdamW, 0.1, "cpu")
+    assert not adam_step._kernel_applies(xs, xs, estimates, states)
+    if torch.cuda.is_available():
+        opt, xs, states, estimates = _case(torch.optim.AdamW, 0.1, "cuda")
+        assert adam_step._kernel_applies(xs, xs, estimates, states)
+        assert not adam_step._kernel_applies([xs[2].t()], [xs[2].t()], estimates[2:3], states[2:3])
+        wide = [x.double() for x in xs]
+        assert not adam_step._kernel_applies(wide, wide, estimates, states)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("kind", [torch.optim.AdamW, torch.optim.Adam])
+def test_the_compiled_kernel_is_torchs_fused_step_on_cuda(kind):
+    """Compiled, against torch's fused step on the same device (the reference's kernel):
+    float32 within 1e-6, as the CPU test; the moments untouched."""
+    opt, xs, states, estimates = _case(kind, 0.1, "cuda")
+    want = _reference(opt, xs, states, estimates, 0.5)
+    got = [torch.empty_like(x) for x in xs]
+    adam_step.predict_step(
+        got,
+        xs=xs,
+        group=opt.param_groups[0],
+        adamw=kind is torch.optim.AdamW,
+        estimates=estimates,
+        states=states,
+        clip_coef=0.5,
+    )
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-7)

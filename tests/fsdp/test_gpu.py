@@ -124,6 +124,44 @@ def test_nan_gradient_on_one_rank_raises_everywhere_or_is_zeroed():
         assert r["error"] is None and r["finite"], r
 
 
+def _stale_nan(rank: int, ws: int) -> list[str]:
+    """Staleness 1 on NCCL, the last rank's gradient of step 1 NaN: its result is applied
+    (zeroed on the device) in step 2 with flags agreed on a side stream when step 1's backward
+    ended ([Note: flags agreed where they were reduced]), and the verdict read when step 3's
+    backward ends; its estimate never reaches step 2's predicted weights ([Note: a non-finite
+    estimate predicts nothing])."""
+    schedule = qsdp.Schedule(staleness=1, start=0)  # predicting, as shipped
+    model, dev = _build("qsdp-w8g8", ws, torch.bfloat16, schedule=schedule)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    seen = []
+    for step, batch in enumerate(list(_batches(rank, ws))[:4]):
+        handle = nan_gradient(model.blocks[1].down) if (rank, step) == (ws - 1, 1) else None
+        batch = batch.to(dev)
+        loss = nn.functional.cross_entropy(
+            model(batch[:, :-1]).float().reshape(-1, 256), batch[:, 1:].reshape(-1)
+        )
+        try:
+            loss.backward()
+        except ValueError as e:
+            assert "non-finite gradient" in str(e) and "blocks.1.down.weight" in str(e), e
+            seen.append("raised")
+            break
+        finally:
+            if handle is not None:
+                handle.remove()
+        opt.step()
+        opt.zero_grad()
+        finite = all(bool(torch.isfinite(p.full_tensor()).all()) for p in model.parameters())
+        seen.append("ok" if finite else "nan")
+    return seen
+
+
+def test_staleness_1_agrees_a_nan_on_every_rank_and_never_applies_it_on_nccl():
+    ws = min(4, torch.cuda.device_count())
+    got = run_distributed(_stale_nan, ws, backend="nccl", pg_timeout_s=60)
+    assert got == [["ok", "ok", "ok", "raised"]] * ws, got
+
+
 def _stale_vs_by_hand(rank: int, ws: int, recipe: str, predict: bool) -> None:
     """Staleness 1 on NCCL against the synchronous model delayed by hand (as on gloo in
     tests/fsdp/test_staleness.py): the hook's own stream, the twin communicators and the

@@ -7,6 +7,8 @@ state, and the twin communicators the delayed reductions run on."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -153,6 +155,38 @@ def test_a_nan_raises_on_every_rank_one_backward_after_the_step_that_applies_it(
     assert results == [["ok", "ok", "ok", "raised"]] * 3, results
 
 
+def _nan_predicted(rank: int, world: int) -> list[float]:
+    # staleness 1 as shipped (predicting from each rank's own gradient), nonfinite="zero":
+    # rank 1's gradient of step 1 is NaN; its reduction is zeroed when applied in step 2, and
+    # its estimate must not reach step 2's predicted weights ([Note: a non-finite estimate
+    # predicts nothing] in qsdp.runtime.adam_step): every later loss was NaN before
+    mesh = init_device_mesh("cpu", (world,))
+    model = classifier()
+    for i in (2, 5):
+        fully_shard(model[i], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    config = qsdp.recipe("qsdp-w8g8", nonfinite="zero")
+    qsdp.compress_fsdp(model, config, schedule=qsdp.Schedule(staleness=1, start=0))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    state = qsdp.fsdp.comm_state(model)
+    losses = []
+    for step in range(6):
+        x, y = batch(rank, step)
+        loss = nn.functional.cross_entropy(model(x), y)
+        (loss * (float("nan") if (rank, step) == (1, 1) else 1.0)).backward()
+        if not state.applied_nothing:
+            opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+    assert_same_on_all_ranks(torch.cat([p.full_tensor().reshape(-1) for p in model.parameters()]))
+    return losses
+
+
+def test_a_nan_gradient_never_reaches_the_predicted_weights():
+    for losses in run_distributed(_nan_predicted, 3):
+        assert all(math.isfinite(v) for v in losses), losses
+
+
 def _refusals(rank: int, world: int) -> None:
     mesh = init_device_mesh("cpu", (world,))
     model, opt = _build("bf16", 0, mesh=mesh)
@@ -222,15 +256,20 @@ def test_own_reduce_group_reduces_the_same_on_a_second_communicator():
 
 
 def _flag_groups(rank: int, world: int) -> None:
-    # [Note: one flag agreement per backward]: the check of an applied result (it waited for the
-    # previous step's reduction) agrees its flags with every other group's when the backward
-    # ends, never between two hooks; drain(), outside a backward, agrees at once
+    # [Note: flags agreed where they were reduced]: a result's flags are agreed over the
+    # reductions' own communicator when the backward that sent it ends, all of that backward's
+    # in one all-reduce, never over FSDP2's group at the end of the backward that applies them
+    # (where the compute stream would wait for it) nor between two hooks; drain(), outside a
+    # backward, agrees the drained results' at once, over FSDP2's group
     mesh = init_device_mesh("cpu", (world,))
     model, opt = _build("qsdp-w8g8", 1, mesh=mesh)
     fsdp_group = mesh.get_group()
+    hooks = [h for h in qsdp.fsdp._state._installed(model).hooks if hasattr(h, "twins")]
+    twin = hooks[0].twins[fsdp_group.group_name]
+    assert twin is not fsdp_group
     with flag_groups() as seen:
-        _stale_run(model, opt, rank, range(3))  # the first step applies nothing
-    assert seen == [fsdp_group, fsdp_group], seen
+        _stale_run(model, opt, rank, range(3))
+    assert seen == [twin, twin, twin], seen  # one per backward, each step sends
     with flag_groups() as seen:
         qsdp.fsdp.comm_state(model).drain()
     assert len(seen) == 3 and all(g is fsdp_group for g in seen), seen  # one per group

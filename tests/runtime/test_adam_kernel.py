@@ -86,6 +86,28 @@ def test_the_kernel_writes_the_reference_step_cast_where_it_goes(kind, weight_de
         assert not torch.equal(x, b)
 
 
+def test_a_non_finite_estimate_predicts_nothing_in_the_kernel_and_its_reference():
+    """[Note: a non-finite estimate predicts nothing]: NaN and infinite elements of an estimate
+    step as a zero gradient would, in the kernel and in the reference, and nothing written is
+    non-finite."""
+    from qsdp.runtime import _adam_triton
+
+    opt, xs, states, estimates = _case(torch.optim.AdamW, 0.1, "cpu")
+    bad = [e.clone() for e in estimates]
+    bad[1][5], bad[3][7], bad[3][4000] = float("nan"), float("inf"), float("-inf")
+    zeroed = [torch.nan_to_num(e, nan=0.0, posinf=0.0, neginf=0.0) for e in bad]
+    want = _reference(opt, xs, states, zeroed, 0.5)
+    kw = dict(group=opt.param_groups[0], adamw=True, states=states, clip_coef=0.5)
+    ref = adam_step.fp32_copies(xs)
+    adam_step.predicted_into(ref, estimates=bad, **kw)
+    got = [torch.empty_like(x) for x in xs]
+    _adam_triton.predict_into(got, xs=xs, estimates=bad, **kw)
+    for r, g, w in zip(ref, got, want, strict=True):
+        assert torch.isfinite(r).all() and torch.isfinite(g).all()
+        assert torch.equal(r, w)  # the reference: exactly the zeroed estimate's step
+        torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-7)
+
+
 def test_the_kernel_runs_where_it_applies_and_the_reference_elsewhere():
     """On CPU the reference computes the step; on CUDA the kernel, for contiguous float32 /
     bf16 / fp16 tensors only."""

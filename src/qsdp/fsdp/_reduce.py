@@ -11,7 +11,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
 from .. import comm as qc
 from ..runtime import NonfiniteCheck, nonfinite_flags
-from ..runtime.delayed import DelayedReductions, padded_slots
+from ..runtime.delayed import DelayedReductions, FlagsToAgree, padded_slots
 from ..runtime.nonfinite import agree, layout_sizes
 from ..runtime.widths import WidthController
 from ._hooks import _Context, _Counter, _Hook, _usable
@@ -176,9 +176,16 @@ class _Reduction:
             output.zero_()
             return
         output.copy_(result)
-        if self.check is not None:  # agreed, and acted on, when the backward ends
-            flags = nonfinite_flags(output, self.layout, sizes=self._sizes)
-            self._defer(flags, group)
+        if self.check is None:
+            return
+        agreed = self.stale.agreed_flags(self.slots)
+        if agreed is not None:  # agreed where it was reduced: acted on when the backward ends
+            if agreed.is_cuda:  # (written on a side stream, read on this one)
+                agreed.record_stream(torch.cuda.current_stream(agreed.device))
+            self.check.add(self, agreed, params=self.params)
+            return
+        flags = nonfinite_flags(output, self.layout, sizes=self._sizes)
+        self._defer(flags, group)  # agreed, and acted on, when the backward ends
 
     def check_applied(self, flat: torch.Tensor) -> None:
         """Zero ``flat`` (a result about to be applied outside a backward: ``drain()``) on
@@ -247,7 +254,7 @@ class QuantizedReduceScatter(_Reduction, _Hook, ReduceScatter):
             # this rank's row of the unreduced input
             node = self.stale.keep_local and plan.node_level
 
-            def launch(result: torch.Tensor, keep) -> None:
+            def launch(result: torch.Tensor, keep) -> FlagsToAgree | None:
                 plan.reduce_scatter(
                     result,
                     input_tensor,
@@ -260,6 +267,12 @@ class QuantizedReduceScatter(_Reduction, _Hook, ReduceScatter):
                     stats=self.stats,
                     **({"node_average": keep} if node else {}),
                 )
+                if self.check is None:
+                    return None
+                # [Note: flags agreed where they were reduced] (qsdp.runtime.delayed)
+                flags = nonfinite_flags(result, self.layout, sizes=self._sizes)
+                self.stats.add_bytes("nonfinite_check", flags.numel() * flags.element_size())
+                return FlagsToAgree(flags, twin)
 
             local = None
             if self.stale.keep_local and not node:

@@ -43,7 +43,8 @@ def adam_predict_kernel(
     DECOUPLED: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    """``out = x`` after one Adam (AdamW: ``DECOUPLED``) step with gradient ``g * coef`` from
+    """``out = x`` after one Adam (AdamW: ``DECOUPLED``) step with gradient ``g * coef`` (0
+    where ``g`` is NaN or infinite, [Note: a non-finite estimate predicts nothing]) from
     moments ``m``, ``v`` (read, not written), in float32 as torch's fused kernel computes it,
     stored in ``out``'s dtype (rounded to nearest even). ``bias1``: ``1 - beta1^t``;
     ``bias2_sqrt``: ``sqrt(1 - beta2^t)``."""
@@ -51,7 +52,8 @@ def adam_predict_kernel(
     mask = offs < n
     # (the quantizers' float32 load and rounding store: exact for bf16 in the interpreter too)
     x = _load(x_ptr + offs, mask, TAIL=True)
-    g = _load(g_ptr + offs, mask, TAIL=True) * coef
+    g = _load(g_ptr + offs, mask, TAIL=True)
+    g = tl.where((g == g) & (tl.abs(g) != float("inf")), g, 0.0) * coef  # (non-finite: 0)
     m = _load(m_ptr + offs, mask, TAIL=True)
     v = _load(v_ptr + offs, mask, TAIL=True)
     if DECOUPLED:

@@ -11,6 +11,14 @@ ops took a dozen (sampled, 2x H200, GPT 1.42 B over sockets: the prediction held
 host's 222 ms a step). The steps it reads are filled on the device, one fill per distinct value:
 a tensor built from a Python list is copied from pageable memory, which makes the host wait.
 
+[Note: a non-finite estimate predicts nothing]
+An estimate is this rank's own gradient, before the ranks agree on NaN/Inf: a NaN there, which
+the check zeroes when its reduction is applied, would reach the predicted weights, and through
+the gathers every rank's forward. Under ``nonfinite="zero"`` that was for good: the NaN forward
+made every later gradient NaN, every later estimate too, and every loss after it NaN (tested:
+3 ranks, one NaN gradient on one rank, ``qsdp-w8g8``; without prediction the run went on). The
+step takes 0 for an estimate's non-finite elements, in the kernel and in its reference alike.
+
 [Note: the prediction in one kernel]
 On CUDA the step is one Triton kernel per parameter (``qsdp.runtime._adam_triton``) that reads
 the parameter, its estimate and its moments and writes the predicted values, cast, straight
@@ -71,7 +79,9 @@ def predicted_into(
     # AdamW, or Adam(decoupled_weight_decay=True) of torch >= 2.6
     decoupled = group.get("decoupled_weight_decay", adamw)
     beta1, beta2 = group["betas"]
-    gs = torch._foreach_mul([g.to(torch.float32) for g in estimates], clip_coef)
+    # [Note: a non-finite estimate predicts nothing]
+    gs = [torch.nan_to_num(g.to(torch.float32), nan=0.0, posinf=0.0, neginf=0.0) for g in estimates]
+    torch._foreach_mul_(gs, clip_coef)
     m = fp32_copies([local_of(s["exp_avg"]) for s in states])
     v = fp32_copies([local_of(s["exp_avg_sq"]) for s in states])
     values = [float(s["step"]) + 1 for s in states]

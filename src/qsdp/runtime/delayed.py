@@ -14,17 +14,28 @@ does the same two things when its framework calls it in step ``t``'s backward:
 2. *send*: :meth:`DelayedReductions.send` starts the reduction of step ``t``'s gradient
    (``launch(result, keep_local)``, the plan's collective on the hook's second communicator)
    after everything the current stream did, on one of two side streams
-   ([Note: side streams from the high-priority pool] in ``qsdp.runtime.streams``).
+   ([Note: side streams from the high-priority pool] in ``qsdp.runtime.streams``). A launch may
+   return its result's NaN/Inf flags to be agreed when the backward ends ([Note: flags agreed
+   where they were reduced]); :meth:`DelayedReductions.agreed_flags` hands them to the hook
+   that applies the result.
 
-The results in flight are kept *per parameter* (a buffer, the parameter's offset in it, its
-elements): FSDP2's reduce-scatter result is one flat shard whose slots (padded) are its group's
-parameters; a DDP bucket is another layout of the same thing, rebuilt by DDP after the first
-step, and a parameter's pending piece is then found wherever it was sent from. The checkpoint
-form is per parameter too (``pending.<name>``, shaped and placed like the parameter: a DTensor
-sharded as FSDP2 shards it, a plain tensor under DDP), so one form serves every integration and
-``torch.distributed.checkpoint`` reshards it like the parameter. :meth:`DelayedReductions.drain`
-puts what is in flight into ``.grad``, after the hook that sent it (its
-:class:`AppliedCheck`) zeroed it on every rank if any rank's holds NaN/Inf.
+[Note: flags agreed where they were reduced]
+A hook checks the result it applies for NaN/Inf as it checks a synchronous result: flags per
+parameter, agreed (MAX) over the ranks when the backward ends, on the current stream. Under
+staleness 1 that agreement was the one collective left on the current stream at a backward's
+end, issued while the backward's own reductions stream over the same links, and the optimizer
+step and the next forward queued behind it (profiled, 2x H200 over sockets, ``sdp4bit``: in two
+of six profiled steps the flags' all-reduce held the compute stream 37 and 56 ms, finishing
+only as the queued all-to-alls did). A result is complete a step before it is applied, so its
+flags can be agreed then: FSDP2's reduce-scatter hook computes them right after its collective,
+on the side stream, and its launch returns them (:class:`FlagsToAgree`); when the backward ends,
+one all-reduce per communicator agrees all of that backward's flags on a side stream, queued
+behind the reductions, and each result's event moves past it. Applying the result, the hook
+hands its agreed flags to the check (:meth:`DelayedReductions.agreed_flags`: nothing left to
+agree): the same zeroing and the same report, one backward later as before, and no collective
+of the flags on the current stream. Results restored from a checkpoint or sent by a backward
+that failed before its end, and hooks whose launch returns no flags (DDP's, compressed HSDP's
+replicate all-reduce), are checked when applied, as before.
 
 Streams and memory (CUDA). ``send`` marks the input as used by the side stream
 (``record_stream``): the caching allocator hands that memory out again only once the side stream
@@ -53,11 +64,19 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .nonfinite import agree
 from .placement import like_param, local_of
 from .stale_start import StaleStart
 from .streams import SideStreams
 
-__all__ = ["AppliedCheck", "DelayedReductions", "Slot", "packed_slots", "padded_slots"]
+__all__ = [
+    "AppliedCheck",
+    "DelayedReductions",
+    "FlagsToAgree",
+    "Slot",
+    "packed_slots",
+    "padded_slots",
+]
 
 
 class Slot(NamedTuple):
@@ -100,14 +119,28 @@ class AppliedCheck(Protocol):
         any rank's holds NaN/Inf, and report it."""
 
 
+class FlagsToAgree(NamedTuple):
+    """What a launch returns to have its result's NaN/Inf flags agreed when the backward ends
+    ([Note: flags agreed where they were reduced])."""
+
+    flags: torch.Tensor
+    """This rank's flags of the result, written by the launch (on its stream)."""
+    group: dist.ProcessGroup
+    """The ranks to agree them over (MAX), the launch's communicator."""
+
+
 class _InFlight:
     """One reduction in flight: its result buffer and, on CUDA, the event at its end."""
 
-    __slots__ = ("result", "owner", "op", "event")
+    __slots__ = ("result", "owner", "op", "event", "flags", "agreed")
 
     def __init__(self, result: torch.Tensor, owner: AppliedCheck | None, op: str) -> None:
         self.result, self.owner, self.op = result, owner, op
         self.event: torch.cuda.Event | None = None
+        self.flags: FlagsToAgree | None = None
+        """The result's NaN/Inf flags its launch returned (None: checked when applied)."""
+        self.agreed: torch.Tensor | None = None
+        """Those flags agreed over the ranks when the backward ended, before ``event``."""
 
     def wait(self) -> torch.Tensor:
         """The result, complete for the current stream (on CUDA the stream waits, the host
@@ -182,6 +215,10 @@ class DelayedReductions:
         self.keep_local = False
         """The hooks keep each rank's own share of the gradient in flight
         (:meth:`keep_local_gradients`)."""
+        self._to_agree: list[_InFlight] = []
+        """This backward's reductions whose flags are agreed when it ends."""
+        self._agree_queued = -1
+        """The backward whose final callback agrees them, -1 for none."""
 
     def register(self, owner: AppliedCheck, slots: Sequence[Slot], *, size: int) -> None:
         """A hook whose parameters always lie in one buffer of ``size`` elements at ``slots``
@@ -246,6 +283,21 @@ class DelayedReductions:
         )
         return out.view_as(like)
 
+    def agreed_flags(self, slots: Sequence[Slot]) -> torch.Tensor | None:
+        """The NaN/Inf flags, agreed over the ranks, of the result :meth:`previous` returned
+        for ``slots`` (complete for the current stream once :meth:`previous` waited for it),
+        where one reduction sent them all at their own places and they were agreed when its
+        backward ended ([Note: flags agreed where they were reduced]); else None."""
+        first = self._pending.get(id(slots[0].param)) if slots else None
+        if first is None or first[0].agreed is None:
+            return None
+        flight = first[0]
+        for slot in slots:
+            held = self._pending.get(id(slot.param))
+            if held is None or held[0] is not flight or held[1].offset != slot.offset:
+                return None
+        return flight.agreed
+
     def send(
         self,
         launch: Callable[[torch.Tensor, Callable[[torch.Tensor], None]], object],
@@ -261,7 +313,9 @@ class DelayedReductions:
         local: torch.Tensor | None = None,
     ) -> None:
         """Start ``launch(result, keep_local)`` (the plan's collective writing ``result``,
-        shaped as ``like``) after everything the current stream did, on the side stream of
+        shaped as ``like``; it may return the result's NaN/Inf flags agreed over the ranks,
+        [Note: flags agreed where they were reduced]) after everything the current stream
+        did, on the side stream of
         ``key`` (a hook's own: the hooks alternate between the two). ``input``: what the
         collective reads, marked as used by that stream; ``in_place``: ``input`` is the result
         (an all-reduce of a copy the hook made); ``reuse``: the key's last result buffer may be
@@ -290,7 +344,8 @@ class DelayedReductions:
         if self.keep_local and local is not None:
             keep(local)
         if not like.is_cuda:
-            launch(result, keep)  # gloo: synchronous, applied one step late all the same
+            # gloo: synchronous, applied one step late all the same
+            self._to_be_agreed(flight, launch(result, keep))
             return
         turn = self._turns.setdefault(key, len(self._turns))
         stream = self.streams.get(like.device, turn)
@@ -299,8 +354,60 @@ class DelayedReductions:
         input.record_stream(stream)
         stream.wait_stream(torch.cuda.current_stream(like.device))
         with torch.cuda.stream(stream):
-            launch(result, keep)
+            flags = launch(result, keep)
             flight.event = stream.record_event()
+        self._to_be_agreed(flight, flags)
+
+    def _to_be_agreed(self, flight: _InFlight, flags: FlagsToAgree | None) -> None:
+        """Agree ``flags`` (of ``flight``'s result) when this backward ends, with the rest of
+        its flags ([Note: flags agreed where they were reduced])."""
+        if flags is None:
+            return
+        flight.flags = flags
+        task = torch._C._current_graph_task_id()
+        if task == -1:  # (outside a backward: at once)
+            self._agree([flight])
+            return
+        if task != self._agree_queued:  # a new backward (drop what a failed one left)
+            self._to_agree = []
+            self._agree_queued = task
+            torch.autograd.Variable._execution_engine.queue_callback(self._agree_backward)
+        self._to_agree.append(flight)
+
+    def _agree_backward(self) -> None:
+        """A backward's end: its flags agreed, one all-reduce per communicator."""
+        flights, self._to_agree, self._agree_queued = self._to_agree, [], -1
+        groups: dict[int, list[_InFlight]] = {}
+        for f in flights:
+            groups.setdefault(id(f.flags.group), []).append(f)
+        for same in groups.values():
+            self._agree(same)
+
+    def _agree(self, flights: list[_InFlight]) -> None:
+        """The flags of ``flights`` (one communicator) agreed in one all-reduce; on CUDA on a
+        side stream after their launches, each flight's event moved past it."""
+        group = flights[0].flags.group
+        device = flights[0].flags.flags.device
+        if device.type != "cuda":
+            self._agree_on_this_stream(flights, group)
+            return
+        stream = self.streams.get(device, 0)
+        for f in flights:
+            stream.wait_event(f.event)
+            f.flags.flags.record_stream(stream)
+        with torch.cuda.stream(stream):
+            self._agree_on_this_stream(flights, group)
+            event = stream.record_event()
+        for f in flights:
+            f.event = event
+
+    @staticmethod
+    def _agree_on_this_stream(flights: list[_InFlight], group: dist.ProcessGroup) -> None:
+        flat = torch.cat([f.flags.flags.reshape(-1) for f in flights])
+        agree(flat, group)
+        parts = flat.split([f.flags.flags.numel() for f in flights])
+        for f, part in zip(flights, parts, strict=True):
+            f.agreed = part
 
     def _keeper(self, slots: Sequence[Slot], like: torch.Tensor) -> Callable:
         """``keep_local(estimate)``: ``estimate`` (this rank's share, laid out as ``like``),

@@ -16,6 +16,11 @@ Rows: median seconds per step, tokens/s, ratio to both baselines, peak memory, f
 loss (all variants start from the same weights and see the same batches). ``--device cpu``
 runs a gloo smoke test with a tiny model.
 
+``--loop-steps K`` also times K steps back to back per variant, one full synchronisation at
+the end (row ``loop_s_per_step``): the timed steps each start after a barrier and the benchmark
+all-reduces each one's time between them, gaps through which a staleness-1 reduction runs on
+untimed; back to back it cannot.
+
 ``--rounds R`` runs the variant list R times, every other round in reverse order, each variant
 built afresh each round; its median is over the timed steps of all rounds and its row keeps
 each round's median (``round_medians``). One pass measures each variant in one window of a few
@@ -119,6 +124,11 @@ class Row:
     profile: dict | None = None
     """--profile: the profiled step's kernel launches, host ops and kernel time (rank 0's;
     ``profiling.counts``)."""
+    loop_s_per_step: float | None = None
+    """--loop-steps K: K steps run back to back as a training loop runs them, no
+    synchronisation or collective of the benchmark between them, one full synchronisation at
+    the end (every stream: a staleness-1 step's last reduction included); the slowest rank's
+    seconds over K (the median over rounds)."""
 
 
 def two_level_mesh(regime: str, device: torch.device):
@@ -228,6 +238,7 @@ class Measured:
     decision: dict | None
     round_medians: list[float]
     profile: dict | None = None
+    loop_times: list[float] | None = None
 
 
 def _choice(decision: dict | None) -> dict | None:
@@ -260,6 +271,7 @@ def merge(rounds: list[Measured]) -> Measured:
         decision=first.decision,
         round_medians=[m for r in rounds for m in r.round_medians],
         profile=first.profile,
+        loop_times=[t for r in rounds for t in (r.loop_times or [])] or None,
     )
 
 
@@ -362,6 +374,7 @@ def run_variant(
             print(f"  {name} step {i}: {float(slowest):.3f} s loss {losses[-1]:.4f}", flush=True)
         if i == timed - 1:  # the measured steps' peak, before a profiled step resets it
             peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
+    loop = _loop_time(model, opt, state, stale, c, args, device, g) if args.loop_steps else None
     if stale:  # the last gradient, as a training loop ends
         state.drain()
         opt.step()
@@ -394,7 +407,35 @@ def run_variant(
         decision=decision,
         round_medians=[statistics.median(times)],
         profile=counted,
+        loop_times=[loop] if loop is not None else None,
     )
+
+
+def _loop_time(model, opt, state, stale: bool, c, args, device: torch.device, g) -> float:
+    """--loop-steps: the timed steps above each start after a barrier and end with a
+    synchronisation, and between two of them the benchmark all-reduces the step's time: a
+    staleness-1 reduction runs on through those gaps untimed, and the next step may start with
+    the link free. Here ``args.loop_steps`` steps run back to back as a training loop runs them,
+    one full synchronisation at the end (the last reduction in flight included, a tail once
+    per K steps); the slowest rank's seconds per step."""
+    profiling.sync(device)
+    dist.barrier()
+    profiling.sync(device)
+    t0 = time.perf_counter()
+    for _ in range(args.loop_steps):
+        batch = torch.randint(
+            0, c.vocab_size, (args.batch, c.block_size + 1), device=device, generator=g
+        )
+        logits, _ = model(batch[:, :-1])
+        loss = F.cross_entropy(logits.float().reshape(-1, c.vocab_size), batch[:, 1:].reshape(-1))
+        loss.backward()
+        if not (stale and state.applied_nothing):
+            opt.step()
+        opt.zero_grad(set_to_none=True)
+    profiling.sync(device)
+    slowest = torch.tensor([time.perf_counter() - t0], device=device, dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    return float(slowest) / args.loop_steps
 
 
 def _wire_alone(prof, device: torch.device) -> dict:
@@ -484,6 +525,13 @@ def main() -> None:
         "over all rounds' steps (see the docstring)",
     )
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument(
+        "--loop-steps",
+        type=int,
+        default=0,
+        help="also time K steps back to back, one synchronisation at the end (row "
+        "loop_s_per_step; the timed steps each start after a barrier)",
+    )
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--tiny", action="store_true", help="a 2-layer d-128 model (smoke tests)")
@@ -592,6 +640,7 @@ def main() -> None:
                 auto=m.decision,
                 round_medians=[round(x, 4) for x in m.round_medians] if a.rounds > 1 else None,
                 profile=m.profile,
+                loop_s_per_step=round(statistics.median(m.loop_times), 4) if m.loop_times else None,
             )
         )
     if dist.get_rank() == 0:
@@ -606,6 +655,11 @@ def main() -> None:
             )
             if r.profile:
                 print(f"        profiled step: {json.dumps(r.profile)}", flush=True)
+            if r.loop_s_per_step:
+                print(
+                    f"        {a.loop_steps} steps back to back: {r.loop_s_per_step:.3f} s/step",
+                    flush=True,
+                )
             if r.round_medians:
                 print(
                     f"        rounds: {' '.join(f'{x:.3f}' for x in r.round_medians)} s", flush=True

@@ -1,0 +1,38 @@
+"""benchmarks/bench_fsdp_step.py --loop-steps: steps back to back, one synchronisation at the end,
+beside the steps timed one by one (CPU: --device cpu --tiny, 2 gloo processes)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from .bench_scripts import ROOT
+
+
+def _bench(out: Path, *extra: str) -> dict:
+    torchrun = Path(sys.executable).parent / "torchrun"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT / "src"))
+    cmd = [str(torchrun), "--standalone", "--nproc-per-node", "2", "benchmarks/bench_fsdp_step.py",
+           "--regime", "nvlink", "--device", "cpu", "--tiny", "--baselines", "bf16",
+           "--recipes", "qsdp-w8g8", "qsdp-w8g8+s1", "--steps", "2", "--warmup", "1",
+           "--out", str(out), *extra]  # fmt: skip
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return {r["variant"]: r for r in json.loads(out.read_text())["rows"]}
+
+
+def test_loop_steps_time_every_variant_back_to_back(tmp_path):
+    rows = _bench(tmp_path / "loop.json", "--loop-steps", "3")
+    assert set(rows) == {"fsdp2-bf16-reduce", "qsdp-w8g8", "qsdp-w8g8+s1"}
+    for r in rows.values():
+        assert r["loop_s_per_step"] is not None and r["loop_s_per_step"] > 0, r
+        assert math.isfinite(r["loop_s_per_step"])
+        # the same program as the timed steps, a few in a row: within 20x of their median on
+        # this shared CPU (a unit error, seconds for milliseconds, is 1000x)
+        assert r["s_per_step"] / 20 < r["loop_s_per_step"] < 20 * r["s_per_step"], r
+    rows = _bench(tmp_path / "plain.json")  # off by default
+    assert all(r["loop_s_per_step"] is None for r in rows.values())

@@ -19,7 +19,10 @@ runs a gloo smoke test with a tiny model.
 ``--loop-steps K`` also times K steps back to back per variant, one full synchronisation at
 the end (row ``loop_s_per_step``): the timed steps each start after a barrier and the benchmark
 all-reduces each one's time between them, gaps through which a staleness-1 reduction runs on
-untimed; back to back it cannot.
+untimed; back to back it cannot. With ``--profile`` the K steps run once more under the
+profiler (``NAME_loop.txt`` and its trace): the profiled step proper synchronises the device
+after its forward and its backward (per-phase memory), so a staleness-1 reduction never
+overlaps the next step there; in the loop's profile it does.
 
 ``--rounds R`` runs the variant list R times, every other round in reverse order, each variant
 built afresh each round; its median is over the timed steps of all rounds and its row keeps
@@ -374,7 +377,18 @@ def run_variant(
             print(f"  {name} step {i}: {float(slowest):.3f} s loss {losses[-1]:.4f}", flush=True)
         if i == timed - 1:  # the measured steps' peak, before a profiled step resets it
             peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
-    loop = _loop_time(model, opt, state, stale, c, args, device, g) if args.loop_steps else None
+    loop = None
+    if args.loop_steps:
+        loop = _loop_time(model, opt, state, stale, c, args, device, g)
+        if args.profile and extras:  # the same steps again, profiled: steps as a loop runs them
+            prof = profiling.profiler(device)
+            with prof:
+                elapsed = _loop_time(model, opt, state, stale, c, args, device, g)
+            if dist.get_rank() == 0 or args.profile_all_ranks:
+                suffix = f"_rank{dist.get_rank()}" if args.profile_all_ranks else ""
+                path = args.profile / f"{args.regime}_{name}_loop{suffix}.txt"
+                what = f"{args.loop_steps} steps back to back, the wall per step above"
+                profiling.write_profile(prof, path, elapsed, what)
     if stale:  # the last gradient, as a training loop ends
         state.drain()
         opt.step()

@@ -26,7 +26,8 @@ def _bench(out: Path, *extra: str) -> dict:
 
 
 def test_loop_steps_time_every_variant_back_to_back(tmp_path):
-    rows = _bench(tmp_path / "loop.json", "--loop-steps", "3")
+    prof = tmp_path / "prof"
+    rows = _bench(tmp_path / "loop.json", "--loop-steps", "3", "--profile", str(prof))
     assert set(rows) == {"fsdp2-bf16-reduce", "qsdp-w8g8", "qsdp-w8g8+s1"}
     for r in rows.values():
         assert r["loop_s_per_step"] is not None and r["loop_s_per_step"] > 0, r
@@ -34,5 +35,11 @@ def test_loop_steps_time_every_variant_back_to_back(tmp_path):
         # the same program as the timed steps, a few in a row: within 20x of their median on
         # this shared CPU (a unit error, seconds for milliseconds, is 1000x)
         assert r["s_per_step"] / 20 < r["loop_s_per_step"] < 20 * r["s_per_step"], r
+    # with --profile the loop runs once more, profiled: its tables and trace beside the step's
+    for v in ("qsdp-w8g8", "qsdp-w8g8_s1"):
+        text = (prof / f"nvlink_{v}_loop.txt").read_text()
+        assert "3 steps back to back" in text and "qsdp::reduce-scatter" in text, text[:500]
+        assert (prof / f"nvlink_{v}_loop.txt.trace.json.gz").stat().st_size > 0
+        assert (prof / f"nvlink_{v}.txt").exists()  # the profiled step's, as before
     rows = _bench(tmp_path / "plain.json")  # off by default
     assert all(r["loop_s_per_step"] is None for r in rows.values())

@@ -33,16 +33,19 @@ def _case(kind, weight_decay: float, device: str, dtype=torch.float32):
     return opt, xs, [opt.state[p] for p in params], estimates
 
 
-def _reference(opt, xs, states, estimates, coef) -> list[torch.Tensor]:
-    new = adam_step.fp32_copies(xs)
-    adam_step.predicted_into(
-        new,
+def _step(opt, states, estimates, coef) -> adam_step.AdamStep:
+    return adam_step.AdamStep(
         group=opt.param_groups[0],
         adamw=isinstance(opt, torch.optim.AdamW),
         estimates=estimates,
         states=states,
         clip_coef=coef,
     )
+
+
+def _reference(opt, xs, states, estimates, coef) -> list[torch.Tensor]:
+    new = adam_step.fp32_copies(xs)
+    adam_step.predicted_into(new, _step(opt, states, estimates, coef))
     return new
 
 
@@ -55,13 +58,7 @@ def test_the_kernel_writes_the_reference_step_cast_where_it_goes(kind, weight_de
     opt, xs, states, estimates = _case(kind, weight_decay, "cpu")
     moments = [(s["exp_avg"].clone(), s["exp_avg_sq"].clone()) for s in states]
     want = _reference(opt, xs, states, estimates, coef)
-    kw = dict(
-        group=opt.param_groups[0],
-        adamw=isinstance(opt, torch.optim.AdamW),
-        estimates=estimates,
-        states=states,
-        clip_coef=coef,
-    )
+    step = _step(opt, states, estimates, coef)
     # float32 out (a gather's input under fp32 compute), and bf16 (under bf16 compute): flat
     # slices of one buffer, as a gather's input holds them
     for dtype, rtol in ((torch.float32, 1e-6), (torch.bfloat16, 2**-8)):
@@ -70,7 +67,7 @@ def test_the_kernel_writes_the_reference_step_cast_where_it_goes(kind, weight_de
         for x in xs:
             outs.append(flat[offset : offset + x.numel()])
             offset += x.numel()
-        _adam_triton.predict_into(outs, xs=xs, **kw)
+        _adam_triton.predict_into(outs, xs=xs, step=step)
         for out, w, x in zip(outs, want, xs, strict=True):
             w = w.reshape(-1).to(dtype).float()
             torch.testing.assert_close(out.float(), w, rtol=rtol, atol=1e-7)
@@ -80,7 +77,7 @@ def test_the_kernel_writes_the_reference_step_cast_where_it_goes(kind, weight_de
         assert torch.equal(s["exp_avg"], m) and torch.equal(s["exp_avg_sq"], v)
     # in place: the parameter itself moved
     before = [x.clone() for x in xs]
-    _adam_triton.predict_into(xs, xs=xs, **kw)
+    _adam_triton.predict_into(xs, xs=xs, step=step)
     for x, w, b in zip(xs, want, before, strict=True):
         torch.testing.assert_close(x, w, rtol=1e-6, atol=1e-7)
         assert not torch.equal(x, b)
@@ -97,11 +94,11 @@ def test_a_non_finite_estimate_predicts_nothing_in_the_kernel_and_its_reference(
     bad[1][5], bad[3][7], bad[3][4000] = float("nan"), float("inf"), float("-inf")
     zeroed = [torch.nan_to_num(e, nan=0.0, posinf=0.0, neginf=0.0) for e in bad]
     want = _reference(opt, xs, states, zeroed, 0.5)
-    kw = dict(group=opt.param_groups[0], adamw=True, states=states, clip_coef=0.5)
+    step = _step(opt, states, bad, 0.5)
     ref = adam_step.fp32_copies(xs)
-    adam_step.predicted_into(ref, estimates=bad, **kw)
+    adam_step.predicted_into(ref, step)
     got = [torch.empty_like(x) for x in xs]
-    _adam_triton.predict_into(got, xs=xs, estimates=bad, **kw)
+    _adam_triton.predict_into(got, xs=xs, step=step)
     for r, g, w in zip(ref, got, want, strict=True):
         assert torch.isfinite(r).all() and torch.isfinite(g).all()
         assert torch.equal(r, w)  # the reference: exactly the zeroed estimate's step
@@ -112,13 +109,14 @@ def test_the_kernel_runs_where_it_applies_and_the_reference_elsewhere():
     """On CPU the reference computes the step; on CUDA the kernel, for contiguous float32 /
     bf16 / fp16 tensors only."""
     opt, xs, states, estimates = _case(torch.optim.AdamW, 0.1, "cpu")
-    assert not adam_step._kernel_applies(xs, xs, estimates, states)
+    assert not adam_step._kernel_applies(xs, xs, _step(opt, states, estimates, 1.0))
     if torch.cuda.is_available():
         opt, xs, states, estimates = _case(torch.optim.AdamW, 0.1, "cuda")
-        assert adam_step._kernel_applies(xs, xs, estimates, states)
-        assert not adam_step._kernel_applies([xs[2].t()], [xs[2].t()], estimates[2:3], states[2:3])
+        assert adam_step._kernel_applies(xs, xs, _step(opt, states, estimates, 1.0))
+        t = [xs[2].t()]
+        assert not adam_step._kernel_applies(t, t, _step(opt, states[2:3], estimates[2:3], 1.0))
         wide = [x.double() for x in xs]
-        assert not adam_step._kernel_applies(wide, wide, estimates, states)
+        assert not adam_step._kernel_applies(wide, wide, _step(opt, states, estimates, 1.0))
 
 
 @pytest.mark.gpu
@@ -130,14 +128,6 @@ def test_the_compiled_kernel_is_torchs_fused_step_on_cuda(kind):
     opt, xs, states, estimates = _case(kind, 0.1, "cuda")
     want = _reference(opt, xs, states, estimates, 0.5)
     got = [torch.empty_like(x) for x in xs]
-    adam_step.predict_step(
-        got,
-        xs=xs,
-        group=opt.param_groups[0],
-        adamw=kind is torch.optim.AdamW,
-        estimates=estimates,
-        states=states,
-        clip_coef=0.5,
-    )
+    adam_step.predict_step(got, xs=xs, step=_step(opt, states, estimates, 0.5))
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-7)

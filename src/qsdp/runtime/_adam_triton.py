@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 import triton
@@ -16,6 +17,9 @@ import triton.language as tl
 
 from ..quant._triton.kernels import _INTERPRETED, _cast_out, _load
 from .placement import local_of
+
+if TYPE_CHECKING:
+    from .adam_step import AdamStep
 
 __all__ = ["adam_predict_kernel", "predict_into"]
 
@@ -69,22 +73,16 @@ def adam_predict_kernel(
 
 
 def predict_into(
-    outs: Sequence[torch.Tensor],
-    *,
-    xs: Sequence[torch.Tensor],
-    group: dict,
-    adamw: bool,
-    estimates: Sequence[torch.Tensor],
-    states: Sequence[dict],
-    clip_coef: float,
+    outs: Sequence[torch.Tensor], *, xs: Sequence[torch.Tensor], step: AdamStep
 ) -> None:
     """One launch per parameter: ``outs[i]`` (contiguous, any float dtype; ``xs[i]`` itself to
     move it in place) gets ``xs[i]`` after the step ``optimizer.step()`` would take with
-    ``estimates[i]`` (times ``clip_coef``) from ``states[i]``'s moments, ``group`` the
-    parameters' optimizer group; every tensor contiguous with ``xs[i]``'s element count."""
-    decoupled = bool(group.get("decoupled_weight_decay", adamw))
+    ``step``'s estimate ``i`` (times its ``clip_coef``) from its state ``i``'s moments; every
+    tensor contiguous with ``xs[i]``'s element count."""
+    group = step.group
+    decoupled = bool(group.get("decoupled_weight_decay", step.adamw))
     beta1, beta2 = (float(b) for b in group["betas"])
-    for out, x, g, state in zip(outs, xs, estimates, states, strict=True):
+    for out, x, g, state in zip(outs, xs, step.estimates, step.states, strict=True):
         n = x.numel()
         t = float(state["step"]) + 1
         m, v = local_of(state["exp_avg"]), local_of(state["exp_avg_sq"])
@@ -100,7 +98,7 @@ def predict_into(
             beta2=beta2,
             eps=float(group["eps"]),
             weight_decay=float(group["weight_decay"]),
-            coef=float(clip_coef),
+            coef=float(step.clip_coef),
             bias1=1 - beta1**t,
             bias2_sqrt=math.sqrt(1 - beta2**t),
             DECOUPLED=decoupled,

@@ -35,12 +35,31 @@ fused step above runs: it is the kernel's reference (``tests/runtime/test_adam_k
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from .placement import local_of
 
-__all__ = ["adam_next", "check_adam", "fp32_copies", "predict_step", "predicted_into"]
+__all__ = ["AdamStep", "adam_next", "check_adam", "fp32_copies", "predict_step", "predicted_into"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class AdamStep:
+    """What one predicted Adam / AdamW step of a parameter group reads besides the values it
+    moves: the kernel, its dispatch and its reference take it alike."""
+
+    group: dict
+    """The parameters' optimizer group (``lr``, ``betas``, ``eps``, ``weight_decay``)."""
+    adamw: bool
+    """The optimizer is AdamW (or Adam with ``decoupled_weight_decay=True``, read from
+    ``group``)."""
+    estimates: Sequence[torch.Tensor]
+    """Each parameter's gradient estimate, its local tensor's element count."""
+    states: Sequence[dict]
+    """Each parameter's optimizer state (``step``, ``exp_avg``, ``exp_avg_sq``): read only."""
+    clip_coef: float
+    """What the estimates are multiplied by (gradient clipping)."""
 
 
 def check_adam(optimizer: torch.optim.Optimizer) -> None:
@@ -62,26 +81,18 @@ def check_adam(optimizer: torch.optim.Optimizer) -> None:
 
 
 @torch.no_grad()
-def predicted_into(
-    new: Sequence[torch.Tensor],
-    *,
-    group: dict,
-    adamw: bool,
-    estimates: Sequence[torch.Tensor],
-    states: Sequence[dict],
-    clip_coef: float,
-) -> None:
+def predicted_into(new: Sequence[torch.Tensor], step: AdamStep) -> None:
     """Move ``new`` (float32, each parameter's local values: the parameter itself or a copy)
-    by the step ``optimizer.step()`` would take with the ``estimates`` as gradients (times
-    ``clip_coef``), the optimizer's ``states`` read, not written ([Note: the prediction in one
-    fused step]). ``group``: the parameters' optimizer group; ``adamw``: the optimizer is
-    AdamW."""
+    by the step ``optimizer.step()`` would take with ``step``'s estimates as gradients (times
+    its ``clip_coef``), the optimizer's states read, not written ([Note: the prediction in one
+    fused step]): torch's fused kernel, the reference of the Triton one."""
+    group, estimates, states = step.group, step.estimates, step.states
     # AdamW, or Adam(decoupled_weight_decay=True) of torch >= 2.6
-    decoupled = group.get("decoupled_weight_decay", adamw)
+    decoupled = group.get("decoupled_weight_decay", step.adamw)
     beta1, beta2 = group["betas"]
     # [Note: a non-finite estimate predicts nothing]
     gs = [torch.nan_to_num(g.to(torch.float32), nan=0.0, posinf=0.0, neginf=0.0) for g in estimates]
-    torch._foreach_mul_(gs, clip_coef)
+    torch._foreach_mul_(gs, step.clip_coef)
     m = fp32_copies([local_of(s["exp_avg"]) for s in states])
     v = fp32_copies([local_of(s["exp_avg_sq"]) for s in states])
     values = [float(s["step"]) + 1 for s in states]
@@ -124,46 +135,36 @@ def adam_next(
             continue
         xs = [local_of(p.detach()) for p, _, _ in picked]
         copies = torch._foreach_mul(xs, 1.0)  # (x * 1 is x, bit for bit: one launch set)
-        predict_step(
-            xs,  # moved in place
-            xs=xs,
+        step = AdamStep(
             group=group,
             adamw=adamw,
             estimates=[g for _, g, _ in picked],
             states=[s for _, _, s in picked],
             clip_coef=clip_coef,
         )
+        predict_step(xs, xs=xs, step=step)  # moved in place
         saved += list(zip(xs, copies, strict=True))
     return saved
 
 
 @torch.no_grad()
 def predict_step(
-    outs: Sequence[torch.Tensor],
-    *,
-    xs: Sequence[torch.Tensor],
-    group: dict,
-    adamw: bool,
-    estimates: Sequence[torch.Tensor],
-    states: Sequence[dict],
-    clip_coef: float,
+    outs: Sequence[torch.Tensor], *, xs: Sequence[torch.Tensor], step: AdamStep
 ) -> None:
     """Write into ``outs[i]`` (its own dtype, cast; ``xs[i]`` itself to move it in place, or a
     tensor of its element count, read flat) the values of ``xs[i]`` after the step
-    ``optimizer.step()`` would take with ``estimates[i]`` as its gradient (times
-    ``clip_coef``), the optimizer's ``states`` read, not written: one kernel per parameter on
-    CUDA, torch's fused step elsewhere ([Note: the prediction in one kernel])."""
-    kw = dict(group=group, adamw=adamw, estimates=estimates, states=states, clip_coef=clip_coef)
-    if _kernel_applies(outs, xs, estimates, states):
+    ``optimizer.step()`` would take with ``step``'s estimates as gradients: one kernel per
+    parameter on CUDA, torch's fused step elsewhere ([Note: the prediction in one kernel])."""
+    if _kernel_applies(outs, xs, step):
         from ._adam_triton import predict_into  # (triton imported on first use)
 
-        predict_into(outs, xs=xs, **kw)
+        predict_into(outs, xs=xs, step=step)
         return
     if all(o is x for o, x in zip(outs, xs, strict=True)):  # moved: fp32 ones in place
         new = [x.float() for x in xs]
     else:
         new = fp32_copies(xs)
-    predicted_into(new, **kw)
+    predicted_into(new, step)
     pairs = [(o, n.view(o.shape)) for o, n in zip(outs, new, strict=True) if o is not n]
     if pairs:
         torch._foreach_copy_([o for o, _ in pairs], [n for _, n in pairs])
@@ -172,11 +173,11 @@ def predict_step(
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def _kernel_applies(outs, xs, estimates, states) -> bool:
+def _kernel_applies(outs, xs, step: AdamStep) -> bool:
     """Whether the kernel computes this step: every tensor on CUDA, contiguous, of a dtype it
     reads in float32 without loss (not float64)."""
-    ts = [*outs, *xs, *estimates]
-    ts += [local_of(s[k]) for s in states for k in ("exp_avg", "exp_avg_sq")]
+    ts = [*outs, *xs, *step.estimates]
+    ts += [local_of(s[k]) for s in step.states for k in ("exp_avg", "exp_avg_sq")]
     return all(t.is_cuda and t.is_contiguous() and t.dtype in _KERNEL_DTYPES for t in ts)
 
 

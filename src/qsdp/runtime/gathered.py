@@ -32,7 +32,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from .adam_step import predict_step
+from .adam_step import AdamStep, predict_step
 from .placement import local_of
 
 __all__ = ["GatheredPrediction"]
@@ -104,15 +104,15 @@ class GatheredPrediction:
             first = items[0][1]
             with torch.no_grad():  # (a DTensor's to_local() is its local tensor then)
                 xs = [local_of(s.param) for s, _ in items]
-            predict_step(
-                [flat.view(-1)[s.offset : s.offset + s.numel] for s, _ in items],
-                xs=xs,
+            step = AdamStep(
                 group=first.group,
                 adamw=first.adamw,
                 estimates=[a.estimate for _, a in items],
                 states=[a.state for _, a in items],
                 clip_coef=first.coef,
             )
+            outs = [flat.view(-1)[s.offset : s.offset + s.numel] for s, _ in items]
+            predict_step(outs, xs=xs, step=step)
             if flat.is_cuda:  # read on this stream: its memory stays until the read is done
                 stream = torch.cuda.current_stream(flat.device)
                 for _, a in items:

@@ -64,7 +64,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .nonfinite import agree
+from .nonfinite import agree_together
 from .placement import like_param, local_of
 from .stale_start import StaleStart
 from .streams import SideStreams
@@ -132,15 +132,14 @@ class FlagsToAgree(NamedTuple):
 class _InFlight:
     """One reduction in flight: its result buffer and, on CUDA, the event at its end."""
 
-    __slots__ = ("result", "owner", "op", "event", "flags", "agreed")
+    __slots__ = ("result", "owner", "op", "event", "agreed")
 
     def __init__(self, result: torch.Tensor, owner: AppliedCheck | None, op: str) -> None:
         self.result, self.owner, self.op = result, owner, op
         self.event: torch.cuda.Event | None = None
-        self.flags: FlagsToAgree | None = None
-        """The result's NaN/Inf flags its launch returned (None: checked when applied)."""
         self.agreed: torch.Tensor | None = None
-        """Those flags agreed over the ranks when the backward ended, before ``event``."""
+        """The result's NaN/Inf flags its launch returned, agreed over the ranks when the
+        backward ended, before ``event`` (None: checked when applied)."""
 
     def wait(self) -> torch.Tensor:
         """The result, complete for the current stream (on CUDA the stream waits, the host
@@ -215,8 +214,8 @@ class DelayedReductions:
         self.keep_local = False
         """The hooks keep each rank's own share of the gradient in flight
         (:meth:`keep_local_gradients`)."""
-        self._to_agree: list[_InFlight] = []
-        """This backward's reductions whose flags are agreed when it ends."""
+        self._to_agree: list[tuple[_InFlight, FlagsToAgree]] = []
+        """This backward's reductions and their flags, agreed when it ends."""
         self._agree_queued = -1
         """The backward whose final callback agrees them, -1 for none."""
 
@@ -363,51 +362,41 @@ class DelayedReductions:
         its flags ([Note: flags agreed where they were reduced])."""
         if flags is None:
             return
-        flight.flags = flags
         task = torch._C._current_graph_task_id()
         if task == -1:  # (outside a backward: at once)
-            self._agree([flight])
+            self._agree([(flight, flags)])
             return
         if task != self._agree_queued:  # a new backward (drop what a failed one left)
             self._to_agree = []
             self._agree_queued = task
             torch.autograd.Variable._execution_engine.queue_callback(self._agree_backward)
-        self._to_agree.append(flight)
+        self._to_agree.append((flight, flags))
 
     def _agree_backward(self) -> None:
         """A backward's end: its flags agreed, one all-reduce per communicator."""
-        flights, self._to_agree, self._agree_queued = self._to_agree, [], -1
-        groups: dict[int, list[_InFlight]] = {}
-        for f in flights:
-            groups.setdefault(id(f.flags.group), []).append(f)
-        for same in groups.values():
-            self._agree(same)
+        sent, self._to_agree, self._agree_queued = self._to_agree, [], -1
+        self._agree(sent)
 
-    def _agree(self, flights: list[_InFlight]) -> None:
-        """The flags of ``flights`` (one communicator) agreed in one all-reduce; on CUDA on a
-        side stream after their launches, each flight's event moved past it."""
-        group = flights[0].flags.group
-        device = flights[0].flags.flags.device
+    def _agree(self, sent: list[tuple[_InFlight, FlagsToAgree]]) -> None:
+        """The flags of ``sent`` agreed (:func:`qsdp.runtime.nonfinite.agree_together`: one
+        all-reduce per communicator); on CUDA on a side stream after their launches, each
+        flight's event moved past it."""
+        flags, groups = [f.flags for _, f in sent], [(f.group,) for _, f in sent]
+        device = flags[0].device
         if device.type != "cuda":
-            self._agree_on_this_stream(flights, group)
-            return
-        stream = self.streams.get(device, 0)
-        for f in flights:
-            stream.wait_event(f.event)
-            f.flags.flags.record_stream(stream)
-        with torch.cuda.stream(stream):
-            self._agree_on_this_stream(flights, group)
-            event = stream.record_event()
-        for f in flights:
-            f.event = event
-
-    @staticmethod
-    def _agree_on_this_stream(flights: list[_InFlight], group: dist.ProcessGroup) -> None:
-        flat = torch.cat([f.flags.flags.reshape(-1) for f in flights])
-        agree(flat, group)
-        parts = flat.split([f.flags.flags.numel() for f in flights])
-        for f, part in zip(flights, parts, strict=True):
-            f.agreed = part
+            agreed = agree_together(flags, groups)
+        else:
+            stream = self.streams.get(device, 0)
+            for (flight, _), f in zip(sent, flags, strict=True):
+                stream.wait_event(flight.event)
+                f.record_stream(stream)
+            with torch.cuda.stream(stream):
+                agreed = agree_together(flags, groups)
+                event = stream.record_event()
+            for flight, _ in sent:
+                flight.event = event
+        for (flight, _), a in zip(sent, agreed, strict=True):
+            flight.agreed = a
 
     def _keeper(self, slots: Sequence[Slot], like: torch.Tensor) -> Callable:
         """``keep_local(estimate)``: ``estimate`` (this rank's share, laid out as ``like``),

@@ -126,20 +126,29 @@ class _Entry(NamedTuple):
 
 
 def _agree_deferred(pending: list[_Entry]) -> list[_Entry]:
-    """``pending`` with every deferred entry's flags MAX-reduced over its groups, one after the
-    other: one all-reduce per group, entries with the same groups together, in the order their
-    first entry came (the hooks' order, the same on every rank of a group)."""
-    groups: dict[tuple[int, ...], tuple[tuple[dist.ProcessGroup, ...], list[int]]] = {}
-    for i, e in enumerate(pending):
-        if e.groups:
-            groups.setdefault(tuple(map(id, e.groups)), (e.groups, []))[1].append(i)
-    out = list(pending)
-    for over, idx in groups.values():
-        flat = torch.cat([pending[i].flags.reshape(-1) for i in idx])
+    """``pending`` with every deferred entry's flags MAX-reduced over its groups
+    (:func:`agree_together`, in the hooks' order, the same on every rank of a group)."""
+    agreed = agree_together([e.flags for e in pending], [e.groups for e in pending])
+    return [e._replace(flags=a) for e, a in zip(pending, agreed, strict=True)]
+
+
+def agree_together(
+    flags: Sequence[torch.Tensor], groups: Sequence[tuple[dist.ProcessGroup, ...]]
+) -> list[torch.Tensor]:
+    """Each of ``flags`` MAX-reduced over its ``groups`` (one after the other; empty: left as
+    it is): one all-reduce per distinct groups, the flags with the same groups concatenated, in
+    the order their first came (which must be the same on every rank of them)."""
+    by: dict[tuple[int, ...], tuple[tuple[dist.ProcessGroup, ...], list[int]]] = {}
+    for i, over in enumerate(groups):
+        if over:
+            by.setdefault(tuple(map(id, over)), (over, []))[1].append(i)
+    out = list(flags)
+    for over, idx in by.values():
+        flat = torch.cat([flags[i].reshape(-1) for i in idx])
         agree(flat, over)
-        parts = flat.split([pending[i].flags.numel() for i in idx])
+        parts = flat.split([flags[i].numel() for i in idx])
         for i, part in zip(idx, parts, strict=True):
-            out[i] = pending[i]._replace(flags=part)
+            out[i] = part
     return out
 
 

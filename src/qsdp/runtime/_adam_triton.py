@@ -16,7 +16,6 @@ import triton
 import triton.language as tl
 
 from ..quant._triton.kernels import _INTERPRETED, _cast_out, _load
-from .placement import local_of
 
 if TYPE_CHECKING:
     from .adam_step import AdamStep
@@ -82,10 +81,11 @@ def predict_into(
     group = step.group
     decoupled = bool(group.get("decoupled_weight_decay", step.adamw))
     beta1, beta2 = (float(b) for b in group["betas"])
-    for out, x, g, state in zip(outs, xs, step.estimates, step.states, strict=True):
+    for out, x, g, state, (m, v) in zip(
+        outs, xs, step.estimates, step.states, step.moments, strict=True
+    ):
         n = x.numel()
         t = float(state["step"]) + 1
-        m, v = local_of(state["exp_avg"]), local_of(state["exp_avg_sq"])
         adam_predict_kernel[(triton.cdiv(n, _BLOCK),)](
             x_ptr=x,
             g_ptr=g,

@@ -34,6 +34,7 @@ fused step above runs: it is the kernel's reference (``tests/runtime/test_adam_k
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -60,6 +61,12 @@ class AdamStep:
     """Each parameter's optimizer state (``step``, ``exp_avg``, ``exp_avg_sq``): read only."""
     clip_coef: float
     """What the estimates are multiplied by (gradient clipping)."""
+
+    @functools.cached_property
+    def moments(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each parameter's (``exp_avg``, ``exp_avg_sq``) local tensors, read once (a
+        DTensor's ``to_local()`` costs the host every call)."""
+        return [(local_of(s["exp_avg"]), local_of(s["exp_avg_sq"])) for s in self.states]
 
 
 def check_adam(optimizer: torch.optim.Optimizer) -> None:
@@ -93,8 +100,8 @@ def predicted_into(new: Sequence[torch.Tensor], step: AdamStep) -> None:
     # [Note: a non-finite estimate predicts nothing]
     gs = [torch.nan_to_num(g.to(torch.float32), nan=0.0, posinf=0.0, neginf=0.0) for g in estimates]
     torch._foreach_mul_(gs, step.clip_coef)
-    m = fp32_copies([local_of(s["exp_avg"]) for s in states])
-    v = fp32_copies([local_of(s["exp_avg_sq"]) for s in states])
+    m = fp32_copies([m for m, _ in step.moments])
+    v = fp32_copies([v for _, v in step.moments])
     values = [float(s["step"]) + 1 for s in states]
     device = new[0].device
     filled = {t: torch.full((), t, dtype=torch.float32, device=device) for t in set(values)}
@@ -176,8 +183,7 @@ _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 def _kernel_applies(outs, xs, step: AdamStep) -> bool:
     """Whether the kernel computes this step: every tensor on CUDA, contiguous, of a dtype it
     reads in float32 without loss (not float64)."""
-    ts = [*outs, *xs, *step.estimates]
-    ts += [local_of(s[k]) for s in step.states for k in ("exp_avg", "exp_avg_sq")]
+    ts = [*outs, *xs, *step.estimates, *(t for mv in step.moments for t in mv)]
     return all(t.is_cuda and t.is_contiguous() and t.dtype in _KERNEL_DTYPES for t in ts)
 
 

@@ -328,26 +328,14 @@ def run_variant(
             print(
                 f"  {name} step {i} starts at {torch.cuda.memory_allocated(device) / 2**30:.2f} GiB"
             )
-        batch = torch.randint(
-            0, c.vocab_size, (args.batch, c.block_size + 1), device=device, generator=g
-        )
+        batch = _batch(c, args, device, g)
         step_sync(device)
         dist.barrier()
         if host is not None:
             host.enable()
         t0 = time.perf_counter()
         phases = _Phases(device, profiled)
-        # the loss outside the model, as before the model moved to the package: FSDP's root
-        # pre-backward hook (the last block's prefetch) fires on the logits, after its backward
-        logits, _ = model(batch[:, :-1])
-        loss = F.cross_entropy(logits.float().reshape(-1, c.vocab_size), batch[:, 1:].reshape(-1))
-        phases.mark("forward")
-        loss.backward()
-        phases.mark("backward")
-        if not (stale and state.applied_nothing):  # a stale first step applies nothing
-            opt.step()
-        opt.zero_grad(set_to_none=True)
-        phases.mark("optimizer")
+        loss = _train_step(model, opt, batch, c, skip=stale and state.applied_nothing, at=phases)
         cpu_elapsed = time.perf_counter() - t0  # the host's launch time; < elapsed: GPU-bound
         step_sync(device)
         elapsed = time.perf_counter() - t0
@@ -425,6 +413,32 @@ def run_variant(
     )
 
 
+def _batch(c, args, device: torch.device, g) -> torch.Tensor:
+    """One step's tokens (inputs and next-token targets), drawn on the device."""
+    shape = (args.batch, c.block_size + 1)
+    return torch.randint(0, c.vocab_size, shape, device=device, generator=g)
+
+
+def _train_step(model, opt, batch, c, *, skip: bool, at: _Phases | None = None) -> torch.Tensor:
+    """Forward, backward and AdamW (``skip``: no ``optimizer.step()``, as a staleness-1 step
+    that applied nothing); ``at`` marks the phases. Returns the loss."""
+    # the loss outside the model, as before the model moved to the package: FSDP's root
+    # pre-backward hook (the last block's prefetch) fires on the logits, after its backward
+    logits, _ = model(batch[:, :-1])
+    loss = F.cross_entropy(logits.float().reshape(-1, c.vocab_size), batch[:, 1:].reshape(-1))
+    if at is not None:
+        at.mark("forward")
+    loss.backward()
+    if at is not None:
+        at.mark("backward")
+    if not skip:
+        opt.step()
+    opt.zero_grad(set_to_none=True)
+    if at is not None:
+        at.mark("optimizer")
+    return loss
+
+
 def _loop_time(model, opt, state, stale: bool, c, args, device: torch.device, g) -> float:
     """--loop-steps: the timed steps above each start after a barrier and end with a
     synchronisation, and between two of them the benchmark all-reduces the step's time: a
@@ -437,15 +451,8 @@ def _loop_time(model, opt, state, stale: bool, c, args, device: torch.device, g)
     profiling.sync(device)
     t0 = time.perf_counter()
     for _ in range(args.loop_steps):
-        batch = torch.randint(
-            0, c.vocab_size, (args.batch, c.block_size + 1), device=device, generator=g
-        )
-        logits, _ = model(batch[:, :-1])
-        loss = F.cross_entropy(logits.float().reshape(-1, c.vocab_size), batch[:, 1:].reshape(-1))
-        loss.backward()
-        if not (stale and state.applied_nothing):
-            opt.step()
-        opt.zero_grad(set_to_none=True)
+        batch = _batch(c, args, device, g)
+        _train_step(model, opt, batch, c, skip=stale and state.applied_nothing)
     profiling.sync(device)
     slowest = torch.tensor([time.perf_counter() - t0], device=device, dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)

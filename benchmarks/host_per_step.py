@@ -88,14 +88,19 @@ def build(
     device: str = "cpu",
     schedule: qsdp.Schedule | None = None,
 ) -> nn.Module:
+    name, _, option = recipe.partition("+")
+    if option not in ("", "s1"):
+        raise SystemExit(f"recipe {recipe!r}: the one option is +s1 (staleness 1)")
+    if option:  # the delayed schedule from the first step, as bench_fsdp_step.py's +s1
+        schedule = qsdp.Schedule(staleness=1, start=0)
     torch.manual_seed(0)
     kind = GPTBlock if block == "gpt" else Block
     model = nn.Sequential(*[kind(d) for _ in range(blocks)]).to(device)
     for block in model:
         fully_shard(block)
     fully_shard(model)
-    if recipe != "plain":
-        qsdp.compress_fsdp(model, qsdp.recipe(recipe, nonfinite="zero"), schedule=schedule)
+    if name != "plain":
+        qsdp.compress_fsdp(model, qsdp.recipe(name, nonfinite="zero"), schedule=schedule)
     return model
 
 
@@ -118,12 +123,17 @@ def measure(
     block: str = "mlp",
     device: str = "cpu",
     cprofile: list[str] | None = None,
+    optimizer: bool = False,
 ) -> dict:
     model = build(recipe, blocks, d, block=block, device=device)
     x = torch.randn(4, d, device=device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4) if optimizer else None
 
     def step() -> None:
         model(x).pow(2).mean().backward()
+        if opt is not None:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
 
     def sync() -> None:
         if device == "cuda":
@@ -196,7 +206,14 @@ def main() -> None:
         help="the quantizer kernels as no-ops (default: on the CPU only)",
     )
     p.add_argument("--cprofile", type=Path, help="write cProfile's functions per recipe here")
+    p.add_argument(
+        "--optimizer",
+        action="store_true",
+        help="each step ends with AdamW's step (needed by NAME+s1, whose prediction runs on it)",
+    )
     a = p.parse_args()
+    if any(r.endswith("+s1") for r in a.recipes) and not a.optimizer:
+        raise SystemExit("a NAME+s1 recipe predicts at the optimizer's step: pass --optimizer")
     stub = a.device == "cpu" if a.stub is None else a.stub
     if stub:
         host_per_bucket._stub_kernels()
@@ -211,6 +228,7 @@ def main() -> None:
             block=a.block,
             device=a.device,
             cprofile=profiles,
+            optimizer=a.optimizer,
         )
         for r in ["plain", *a.recipes]
     ]
@@ -242,6 +260,7 @@ def main() -> None:
                 "world_size": 4,
                 "blocks": a.blocks,
                 "d": a.d,
+                "optimizer": a.optimizer,
                 "rows": rows,
             },
             indent=2,

@@ -40,7 +40,9 @@ FLOATS = {"inv_sqrt_h", "divisor", "limit", "lr", "beta1", "beta2", "eps", "weig
 FLOATS |= {"bias1", "bias2_sqrt"}
 
 
-def _compile(fn, pointers: dict[str, str], constexprs: dict) -> dict:
+def _compile(fn, pointers: dict[str, str], constexprs: dict, aligned: bool = False) -> dict:
+    """``aligned``: every pointer 16-byte aligned, as Triton's launcher specializes it when the
+    tensor's address is."""
     signature, fixed = {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in pointers:
@@ -50,8 +52,9 @@ def _compile(fn, pointers: dict[str, str], constexprs: dict) -> dict:
             fixed[(i,)] = constexprs[name]
         else:
             signature[name] = "fp32" if name in FLOATS else "i32"
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if n in pointers}
     kernel = triton.compile(
-        ASTSource(fn=fn, signature=signature, constexprs=fixed),
+        ASTSource(fn=fn, signature=signature, constexprs=fixed, attrs=attrs if aligned else None),
         target=GPUTarget("cuda", 90, 32),
         options={"num_warps": L._NUM_WARPS},
     )
@@ -65,7 +68,13 @@ def _compile(fn, pointers: dict[str, str], constexprs: dict) -> dict:
     text = out.stdout + out.stderr
     regs = re.search(r"Used (\d+) registers", text)
     spills = re.search(r"(\d+) bytes spill stores", text)
-    return {"registers": int(regs.group(1)), "spill_bytes": int(spills.group(1))}
+    return {
+        "registers": int(regs.group(1)),
+        "spill_bytes": int(spills.group(1)),
+        # global loads of 2 or 4 words at once (vectorized), and all global loads
+        "vector_loads": len(re.findall(r"ld\.global(?:\.\w+)*\.v[24]", kernel.asm["ptx"])),
+        "loads": len(re.findall(r"ld\.global", kernel.asm["ptx"])),
+    }
 
 
 def main() -> None:
@@ -99,10 +108,13 @@ def main() -> None:
             "starts_ptr": "*i64"}  # fmt: skip
     results["row_sum"] = _compile(K.row_sum_kernel, ptrs, rs)
     ptrs = {"x_ptr": "*fp32", "g_ptr": "*bf16", "m_ptr": "*fp32", "v_ptr": "*fp32",
-            "out_ptr": "*bf16"}  # fmt: skip
-    for decoupled in (False, True):  # weight prediction's step
-        ap = {"DECOUPLED": decoupled, "BLOCK": A._BLOCK}
-        results[f"adam_predict decoupled={decoupled}"] = _compile(A.adam_predict_kernel, ptrs, ap)
+            "out_ptr": "*bf16", "rel_ptr": "*i64", "numel_ptr": "*i64", "param_ptr": "*i32",
+            "first_ptr": "*i32"}  # fmt: skip
+    for decoupled in (False, True):  # weight prediction's step, a group in one launch
+        for aligned in (False, True):
+            ap = {"DECOUPLED": decoupled, "ALIGNED": aligned, "BLOCK": A._BLOCK}
+            name = f"adam_predict decoupled={decoupled} aligned={aligned}"
+            results[name] = _compile(A.adam_predict_kernel, ptrs, ap, aligned=aligned)
     json.dump({"triton": triton.__version__, "kernels": results}, sys.stdout, indent=1)
 
 

@@ -131,3 +131,64 @@ def test_the_compiled_kernel_is_torchs_fused_step_on_cuda(kind):
     adam_step.predict_step(got, xs=xs, step=_step(opt, states, estimates, 0.5))
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-7)
+
+
+def test_one_launch_per_group_builds_its_table_once_per_layout():
+    """[Note: one launch per group]: the offsets table is built at a layout's first call and
+    found again when the next step's estimates and outputs are new buffers laid out alike; a
+    new layout builds a new one. Every call computes the reference step."""
+    from qsdp.runtime import _adam_triton
+
+    opt, xs, states, estimates = _case(torch.optim.AdamW, 0.1, "cpu")
+    total = sum(x.numel() for x in xs)
+
+    def laid_out(flat: torch.Tensor, gap: int) -> list[torch.Tensor]:
+        views, offset = [], gap
+        for x in xs:
+            views.append(flat[offset : offset + x.numel()].view(x.shape))
+            offset += x.numel() + gap
+        return views
+
+    built = _adam_triton.plans_built
+    for gap in (3, 3, 3, 8):  # three steps of one layout, then another
+        ests = laid_out(torch.zeros(total + 5 * gap, dtype=torch.bfloat16), gap)
+        for e, src in zip(ests, estimates, strict=True):
+            e.copy_(src)
+        flat = torch.zeros(total + 5 * gap)
+        outs = [o.reshape(-1) for o in laid_out(flat, gap)]
+        _adam_triton.predict_into(outs, xs=xs, step=_step(opt, states, ests, 1.0))
+        want = _reference(opt, xs, states, estimates, 1.0)
+        for o, w in zip(outs, want, strict=True):
+            torch.testing.assert_close(o, w.reshape(-1), rtol=1e-6, atol=1e-7)
+    assert _adam_triton.plans_built == built + 2
+
+
+def test_parameters_at_other_steps_or_dtypes_each_take_their_own_step():
+    """A group whose parameters' optimizer steps differ (one added later) or whose dtypes
+    differ is cut into launches of one step and one dtype each: every parameter gets the
+    reference's step from its own count, an empty one nothing."""
+    from qsdp.runtime import _adam_triton
+
+    opt, xs, states, estimates = _case(torch.optim.AdamW, 0.1, "cpu")
+    late = torch.nn.Parameter(torch.randn(300))
+    empty = torch.nn.Parameter(torch.randn(0))
+    opt.add_param_group({"params": [late, empty]})
+    late.grad, empty.grad = torch.randn(300), torch.randn(0)
+    opt.step()  # the first group's third step, the late one's first
+    group = opt.param_groups[0]
+    xs = [*xs, late.detach(), empty.detach()]
+    states = [*states, opt.state[late], opt.state[empty]]
+    estimates = [*estimates, torch.randn(300).to(torch.bfloat16), torch.randn(0)]
+    step = adam_step.AdamStep(
+        group=group, adamw=True, estimates=estimates, states=states, clip_coef=1.0
+    )
+    assert {float(s["step"]) for s in states} == {1.0, 3.0}
+    want = adam_step.fp32_copies(xs)
+    adam_step.predicted_into(want, step)
+    dtypes = [torch.bfloat16 if i % 2 else torch.float32 for i in range(len(xs))]
+    outs = [torch.empty_like(x, dtype=d) for x, d in zip(xs, dtypes, strict=True)]
+    _adam_triton.predict_into(outs, xs=xs, step=step)
+    for o, w in zip(outs, want, strict=True):
+        # (bf16: float32 values 1e-6 apart may round one bf16 step apart, 2^-7 at a binade's foot)
+        rtol = 2**-7 if o.dtype == torch.bfloat16 else 1e-6
+        torch.testing.assert_close(o.float(), w.to(o.dtype).float(), rtol=rtol, atol=1e-7)

@@ -1,15 +1,36 @@
 """Triton kernel of weight prediction's Adam / AdamW step ([Note: the prediction in one kernel]
-in ``qsdp.runtime.adam_step``): each parameter's predicted values written, cast, where they go.
+in ``qsdp.runtime.adam_step``): a parameter group's predicted values written, cast, where they
+go, in one launch ([Note: one launch per group]).
 
 Imported lazily (on CUDA, or by the tests under ``TRITON_INTERPRET=1``): ``import qsdp`` never
 imports triton. The torch reference is ``adam_step.predicted_into`` (torch's own fused step).
+
+[Note: one launch per group]
+The prediction launched one kernel per parameter: twelve a GPT block, each through
+``kernel[grid](...)``, whose argument binding cost ~56 us of the host a launch on the H200
+machine (cProfile, ``benchmarks/host_per_step.py --device cuda``, 2026-11-28): 0.7 ms of host
+per block gather, ~17 ms a step of the 1.42 B GPT, where staleness 1's compute stream waited
+for the host 48 ms a step over sockets. Now one launch covers a group: each of the five tensor
+sets (parameters, estimates, first and second moments, outputs) is passed as its first
+tensor, and a device table holds every other tensor's element offset from it (tensors of one
+set share a dtype, so any two of them are a whole number of elements apart, wherever they
+live), with each program's parameter and first element. The table depends only on where the
+tensors lie relative to each other and on their lengths, which a group keeps from step to
+step (its parameters and moments stay where they are; its estimates and its gather's input are
+new buffers each step, laid out alike): it is built once per layout and stream (copied from
+pinned memory at the first step, the host never waiting) and looked up after that;
+:data:`plans_built` counts the builds. Where every tensor starts on a 16-byte boundary and
+every length is a multiple of 16 the offsets are promised to the compiler (``ALIGNED``), so the
+loads stay vectorized as they were with one tensor per launch (``tests/quant/compile_sm90.py``
+counts them).
 """
 
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import triton
@@ -20,11 +41,23 @@ from ..quant._triton.kernels import _INTERPRETED, _cast_out, _load
 if TYPE_CHECKING:
     from .adam_step import AdamStep
 
-__all__ = ["adam_predict_kernel", "predict_into"]
+__all__ = ["adam_predict_kernel", "plans_built", "predict_into"]
 
 #: Elements per program.
 _BLOCK = 2048
 _NUM_WARPS = 4
+#: Layouts kept (a model's groups, each with its gather and, for DDP, its in-place move).
+_MAX_PLANS = 1024
+
+
+@triton.jit
+def _at(ptr, rel, offs, ALIGNED: tl.constexpr):
+    """``ptr + rel + offs`` (``offs`` a program's contiguous block); with ALIGNED, ``rel`` a
+    whole number of 16-byte words, promised to the compiler."""
+    if ALIGNED:
+        words: tl.constexpr = 16 // (ptr.dtype.element_ty.primitive_bitwidth // 8)
+        return ptr + tl.max_contiguous(tl.multiple_of(rel + offs, words), words)
+    return ptr + rel + offs
 
 
 @triton.jit
@@ -34,7 +67,11 @@ def adam_predict_kernel(
     m_ptr,
     v_ptr,
     out_ptr,
-    n,
+    rel_ptr,
+    numel_ptr,
+    param_ptr,
+    first_ptr,
+    k,
     lr,
     beta1,
     beta2,
@@ -44,21 +81,31 @@ def adam_predict_kernel(
     bias1,
     bias2_sqrt,
     DECOUPLED: tl.constexpr,
+    ALIGNED: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    """``out = x`` after one Adam (AdamW: ``DECOUPLED``) step with gradient ``g * coef`` (0
-    where ``g`` is NaN or infinite, [Note: a non-finite estimate predicts nothing]) from
-    moments ``m``, ``v`` (read, not written), in float32 as torch's fused kernel computes it,
-    stored in ``out``'s dtype (rounded to nearest even). ``bias1``: ``1 - beta1^t``;
-    ``bias2_sqrt``: ``sqrt(1 - beta2^t)``."""
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    """For the parameter ``i`` of this program (``param_ptr``; its first program
+    ``first_ptr[i]``, its length ``numel_ptr[i]``): ``out = x`` after one Adam (AdamW:
+    ``DECOUPLED``) step with gradient ``g * coef`` (0 where ``g`` is NaN or infinite, [Note: a
+    non-finite estimate predicts nothing]) from moments ``m``, ``v`` (read, not written), in
+    float32 as torch's fused kernel computes it, stored in ``out``'s dtype (rounded to nearest
+    even). Tensor ``i`` of each set lies ``rel_ptr[s * k + i]`` elements from the set's first
+    (``x``, ``g``, ``m``, ``v``, ``out``: s = 0..4). ``bias1``: ``1 - beta1^t``; ``bias2_sqrt``:
+    ``sqrt(1 - beta2^t)``. ALIGNED: every tensor starts on a 16-byte boundary and every length
+    is a multiple of 16 (a mask the same over each vector: the loads stay vectorized)."""
+    pid = tl.program_id(0)
+    i = tl.load(param_ptr + pid)
+    offs = (pid - tl.load(first_ptr + i)).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    n = tl.load(numel_ptr + i)
+    if ALIGNED:
+        n = tl.multiple_of(n, 16)
     mask = offs < n
     # (the quantizers' float32 load and rounding store: exact for bf16 in the interpreter too)
-    x = _load(x_ptr + offs, mask, TAIL=True)
-    g = _load(g_ptr + offs, mask, TAIL=True)
-    g = tl.where((g == g) & (tl.abs(g) != float("inf")), g, 0.0) * coef  # (non-finite: 0)
-    m = _load(m_ptr + offs, mask, TAIL=True)
-    v = _load(v_ptr + offs, mask, TAIL=True)
+    x = _load(_at(x_ptr, tl.load(rel_ptr + i), offs, ALIGNED), mask, TAIL=True)
+    g = _load(_at(g_ptr, tl.load(rel_ptr + k + i), offs, ALIGNED), mask, TAIL=True)
+    m = _load(_at(m_ptr, tl.load(rel_ptr + 2 * k + i), offs, ALIGNED), mask, TAIL=True)
+    v = _load(_at(v_ptr, tl.load(rel_ptr + 3 * k + i), offs, ALIGNED), mask, TAIL=True)
+    g = tl.where(tl.abs(g) < float("inf"), g, 0.0) * coef  # (NaN compares false too)
     if DECOUPLED:
         x = x - lr * weight_decay * x
     else:
@@ -68,40 +115,116 @@ def adam_predict_kernel(
     denom = tl.sqrt(v) / bias2_sqrt + eps
     x = x - (lr / bias1) * m / denom
     out = _cast_out(x, DTYPE=out_ptr.dtype.element_ty, INTERPRET=_INTERPRETED)
-    tl.store(out_ptr + offs, out, mask=mask)
+    tl.store(_at(out_ptr, tl.load(rel_ptr + 4 * k + i), offs, ALIGNED), out, mask=mask)
+
+
+class _Plan(NamedTuple):
+    """One layout's device tables (see the kernel)."""
+
+    rel: torch.Tensor
+    numel: torch.Tensor
+    param: torch.Tensor
+    first: torch.Tensor
+    programs: int
+    aligned: bool
+
+
+_plans: OrderedDict[tuple, _Plan] = OrderedDict()
+plans_built = 0
+"""Layouts whose tables were built and copied to the device so far (one per group's layout
+and stream at its first step; a layout that changed every step would show here as a count
+that grows)."""
+
+
+def _plan(key: tuple, numels: Sequence[int], device: torch.device) -> _Plan:
+    """The tables of ``key``'s layout (``(device, stream, numels, rel, aligned)``), built at
+    its first call: copied from pinned memory without making the host wait, on the current
+    stream, the only one that reads them (the stream is in the key), so a launch on it finds
+    them there, and an evicted plan's memory returns to that stream's pool after its last
+    launch."""
+    global plans_built
+    plan = _plans.get(key)
+    if plan is not None:
+        _plans.move_to_end(key)
+        return plan
+    rel, aligned = key[-2:]
+    counts = [triton.cdiv(n, _BLOCK) for n in numels]
+    first = [0]
+    for c in counts[:-1]:
+        first.append(first[-1] + c)
+    index = torch.arange(len(numels), dtype=torch.int32)
+
+    def there(t: torch.Tensor) -> torch.Tensor:
+        return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+
+    plan = _Plan(
+        rel=there(torch.tensor([r for s in rel for r in s], dtype=torch.int64)),
+        numel=there(torch.tensor(numels, dtype=torch.int64)),
+        param=there(torch.repeat_interleave(index, torch.tensor(counts))),
+        first=there(torch.tensor(first, dtype=torch.int32)),
+        programs=sum(counts),
+        aligned=aligned,
+    )
+    _plans[key] = plan
+    plans_built += 1
+    if len(_plans) > _MAX_PLANS:
+        _plans.popitem(last=False)
+    return plan
 
 
 def predict_into(
     outs: Sequence[torch.Tensor], *, xs: Sequence[torch.Tensor], step: AdamStep
 ) -> None:
-    """One launch per parameter: ``outs[i]`` (contiguous, any float dtype; ``xs[i]`` itself to
-    move it in place) gets ``xs[i]`` after the step ``optimizer.step()`` would take with
-    ``step``'s estimate ``i`` (times its ``clip_coef``) from its state ``i``'s moments; every
-    tensor contiguous with ``xs[i]``'s element count."""
+    """One launch per group ([Note: one launch per group]; more only where the parameters'
+    steps or dtypes differ): ``outs[i]`` (contiguous, any float dtype; ``xs[i]`` itself to move
+    it in place) gets ``xs[i]`` after the step ``optimizer.step()`` would take with ``step``'s
+    estimate ``i`` (times its ``clip_coef``) from its state ``i``'s moments; every tensor
+    contiguous with ``xs[i]``'s element count, on one device."""
     group = step.group
     decoupled = bool(group.get("decoupled_weight_decay", step.adamw))
     beta1, beta2 = (float(b) for b in group["betas"])
-    for out, x, g, state, (m, v) in zip(
-        outs, xs, step.estimates, step.states, step.moments, strict=True
-    ):
-        n = x.numel()
-        t = float(state["step"]) + 1
-        adam_predict_kernel[(triton.cdiv(n, _BLOCK),)](
-            x_ptr=x,
-            g_ptr=g,
-            m_ptr=m,
-            v_ptr=v,
-            out_ptr=out,
-            n=n,
-            lr=float(group["lr"]),
-            beta1=beta1,
-            beta2=beta2,
-            eps=float(group["eps"]),
-            weight_decay=float(group["weight_decay"]),
-            coef=float(step.clip_coef),
-            bias1=1 - beta1**t,
-            bias2_sqrt=math.sqrt(1 - beta2**t),
-            DECOUPLED=decoupled,
-            BLOCK=_BLOCK,
-            num_warps=_NUM_WARPS,
+    sets = (list(xs), list(step.estimates), *map(list, zip(*step.moments, strict=True)), list(outs))
+    batches: dict[tuple, list[int]] = {}
+    for i, state in enumerate(step.states):
+        if xs[i].numel():
+            dtypes = tuple(s[i].dtype for s in sets)
+            batches.setdefault((float(state["step"]) + 1, dtypes), []).append(i)
+    for (t, _), picked in batches.items():
+        chosen = [[s[i] for i in picked] for s in sets]
+        ptrs = [[u.data_ptr() for u in ts] for ts in chosen]
+        sizes = [ts[0].element_size() for ts in chosen]
+        if any((p - ps[0]) % size for ps, size in zip(ptrs, sizes, strict=True) for p in ps):
+            raise ValueError(
+                "weight prediction's kernel: two tensors of one dtype lie a fraction of an "
+                "element apart (a byte view reinterpreted at an odd offset?); pass tensors "
+                "aligned to their element size"
+            )
+        rel = tuple(
+            tuple((p - ps[0]) // size for p in ps) for ps, size in zip(ptrs, sizes, strict=True)
         )
+        numels = tuple(xs[i].numel() for i in picked)
+        aligned = all(p % 16 == 0 for ps in ptrs for p in ps) and all(n % 16 == 0 for n in numels)
+        device = xs[picked[0]].device
+        stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+        plan = _plan((device, stream, numels, rel, aligned), numels, device)
+        args = (
+            *(ts[0] for ts in chosen),
+            plan.rel,
+            plan.numel,
+            plan.param,
+            plan.first,
+            len(picked),
+            float(group["lr"]),
+            beta1,
+            beta2,
+            float(group["eps"]),
+            float(group["weight_decay"]),
+            float(step.clip_coef),
+            1 - beta1**t,
+            math.sqrt(1 - beta2**t),
+            decoupled,
+            plan.aligned,
+            _BLOCK,
+        )
+        # positional, no kernel[grid]: [Note: a launch's host cost] in qsdp.quant._triton.launch
+        adam_predict_kernel.run(*args, grid=(plan.programs,), warmup=False, num_warps=_NUM_WARPS)

@@ -20,16 +20,17 @@ made every later gradient NaN, every later estimate too, and every loss after it
 step takes 0 for an estimate's non-finite elements, in the kernel and in its reference alike.
 
 [Note: the prediction in one kernel]
-On CUDA the step is one Triton kernel per parameter (``qsdp.runtime._adam_triton``) that reads
-the parameter, its estimate and its moments and writes the predicted values, cast, straight
-where they go (a gather's input, or the parameter itself): no float32 copies of the moments
-and the parameters (16 bytes an element allocated per group at each gather, where the forward
-peaks) and one pass over memory where the fused step above took seven launch sets (copies,
-the estimates' casts one launch per tensor, the step, the cast into the gather's input). Under
-staleness 1 these launches sit between two all-gathers on FSDP2's all-gather stream, where a
-forward waits for them (profiled, 2x H200, GPT 1.42 B over sockets: ~1.7 ms between the
-gathers of each block, 41 ms a forward). Elsewhere (CPU, non-contiguous tensors, float64) the
-fused step above runs: it is the kernel's reference (``tests/runtime/test_adam_kernel.py``).
+On CUDA the step is one Triton kernel (``qsdp.runtime._adam_triton``), one launch per group
+([Note: one launch per group] there), that reads the parameters, their estimates and their
+moments and writes the predicted values, cast, straight where they go (a gather's input, or
+the parameters themselves): no float32 copies of the moments and the parameters (16 bytes an
+element allocated per group at each gather, where the forward peaks) and one pass over memory
+where the fused step above took seven launch sets (copies, the estimates' casts one launch per
+tensor, the step, the cast into the gather's input). Under staleness 1 these launches sit
+between two all-gathers on FSDP2's all-gather stream, where a forward waits for them
+(profiled, 2x H200, GPT 1.42 B over sockets: ~1.7 ms between the gathers of each block, 41 ms
+a forward, before the kernel). Elsewhere (CPU, non-contiguous tensors, float64) the fused step
+above runs: it is the kernel's reference (``tests/runtime/test_adam_kernel.py``).
 """
 
 from __future__ import annotations
@@ -161,7 +162,7 @@ def predict_step(
     """Write into ``outs[i]`` (its own dtype, cast; ``xs[i]`` itself to move it in place, or a
     tensor of its element count, read flat) the values of ``xs[i]`` after the step
     ``optimizer.step()`` would take with ``step``'s estimates as gradients: one kernel per
-    parameter on CUDA, torch's fused step elsewhere ([Note: the prediction in one kernel])."""
+    group on CUDA, torch's fused step elsewhere ([Note: the prediction in one kernel])."""
     if _kernel_applies(outs, xs, step):
         from ._adam_triton import predict_into  # (triton imported on first use)
 

@@ -5,6 +5,7 @@ tests' interpreter mode must be off when triton is imported)."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -37,7 +38,7 @@ SPECS = {
     ),  # fmt: skip
 }
 FLOATS = {"inv_sqrt_h", "divisor", "limit", "lr", "beta1", "beta2", "eps", "weight_decay", "coef"}
-FLOATS |= {"bias1", "bias2_sqrt"}
+FLOATS |= {"bias1", "bias2_sqrt", "log_beta1", "log_beta2"}
 
 
 def _compile(fn, pointers: dict[str, str], constexprs: dict, aligned: bool = False) -> dict:
@@ -108,13 +109,14 @@ def main() -> None:
             "starts_ptr": "*i64"}  # fmt: skip
     results["row_sum"] = _compile(K.row_sum_kernel, ptrs, rs)
     ptrs = {"x_ptr": "*fp32", "g_ptr": "*bf16", "m_ptr": "*fp32", "v_ptr": "*fp32",
-            "out_ptr": "*bf16", "rel_ptr": "*i64", "numel_ptr": "*i64", "param_ptr": "*i32",
-            "first_ptr": "*i32"}  # fmt: skip
-    for decoupled in (False, True):  # weight prediction's step, a group in one launch
-        for aligned in (False, True):
-            ap = {"DECOUPLED": decoupled, "ALIGNED": aligned, "BLOCK": A._BLOCK}
-            name = f"adam_predict decoupled={decoupled} aligned={aligned}"
-            results[name] = _compile(A.adam_predict_kernel, ptrs, ap, aligned=aligned)
+            "out_ptr": "*bf16", "t_ptr": "*fp32", "rel_ptr": "*i64", "numel_ptr": "*i64",
+            "param_ptr": "*i32", "first_ptr": "*i32"}  # fmt: skip
+    # weight prediction's step, a group in one launch; its step counts read on the host or
+    # by the kernel (a fused optimizer's)
+    for decoupled, aligned, here in itertools.product((False, True), repeat=3):
+        ap = {"DECOUPLED": decoupled, "ALIGNED": aligned, "STEPS_HERE": here, "BLOCK": A._BLOCK}
+        name = f"adam_predict decoupled={decoupled} aligned={aligned} steps_here={here}"
+        results[name] = _compile(A.adam_predict_kernel, ptrs, ap, aligned=aligned)
     json.dump({"triton": triton.__version__, "kernels": results}, sys.stdout, indent=1)
 
 

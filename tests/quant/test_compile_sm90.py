@@ -43,13 +43,13 @@ def test_every_kernel_compiles_for_sm90_without_spills():
         "row_sum",
         "adam_predict",
     }
-    assert len(kernels) == 17
+    assert len(kernels) == 21
     spilled = {name: k for name, k in kernels.items() if k["spill_bytes"]}
     assert not spilled, spilled
     assert all(0 < k["registers"] <= 255 for k in kernels.values())
     # weight prediction's one launch per group ([Note: one launch per group]): where every
     # tensor is 16-byte aligned its loads are vectorized, as one tensor per launch had them
-    for decoupled in (False, True):
-        aligned = kernels[f"adam_predict decoupled={decoupled} aligned=True"]
+    for decoupled, here in ((False, False), (False, True), (True, False), (True, True)):
+        aligned = kernels[f"adam_predict decoupled={decoupled} aligned=True steps_here={here}"]
         assert aligned["vector_loads"] >= 12, aligned  # (14 with triton 3.6; none unaligned)
         assert aligned["registers"] < 128, aligned

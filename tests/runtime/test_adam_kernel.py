@@ -49,11 +49,19 @@ def _reference(opt, xs, states, estimates, coef) -> list[torch.Tensor]:
     return new
 
 
+@pytest.mark.parametrize("steps_here", [True, False])
 @pytest.mark.parametrize("coef", [1.0, 0.37])
 @pytest.mark.parametrize("weight_decay", [0.0, 0.1])
 @pytest.mark.parametrize("kind", [torch.optim.AdamW, torch.optim.Adam, _adam_decoupled])
-def test_the_kernel_writes_the_reference_step_cast_where_it_goes(kind, weight_decay, coef):
+def test_the_kernel_writes_the_reference_step_cast_where_it_goes(
+    monkeypatch, kind, weight_decay, coef, steps_here
+):
+    """Both ways of reading the step counts ([Note: step counts read where they are]): by the
+    kernel (every count on the parameters' device, as on this CPU) or by the host (forced)."""
     from qsdp.runtime import _adam_triton
+
+    if not steps_here:
+        monkeypatch.setattr(_adam_triton, "_steps_here", lambda steps, device: False)
 
     opt, xs, states, estimates = _case(kind, weight_decay, "cpu")
     moments = [(s["exp_avg"].clone(), s["exp_avg_sq"].clone()) for s in states]
@@ -119,9 +127,13 @@ def test_the_kernel_runs_where_it_applies_and_the_reference_elsewhere():
         assert not adam_step._kernel_applies(wide, wide, _step(opt, states, estimates, 1.0))
 
 
+def _fused_adamw(params, **kw):
+    return torch.optim.AdamW(params, fused=True, **kw)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-@pytest.mark.parametrize("kind", [torch.optim.AdamW, torch.optim.Adam])
+@pytest.mark.parametrize("kind", [torch.optim.AdamW, torch.optim.Adam, _fused_adamw])
 def test_the_compiled_kernel_is_torchs_fused_step_on_cuda(kind):
     """Compiled, against torch's fused step on the same device (the reference's kernel):
     float32 within 1e-6, as the CPU test; the moments untouched."""
@@ -163,11 +175,18 @@ def test_one_launch_per_group_builds_its_table_once_per_layout():
     assert _adam_triton.plans_built == built + 2
 
 
-def test_parameters_at_other_steps_or_dtypes_each_take_their_own_step():
+@pytest.mark.parametrize("steps_here", [True, False])
+def test_parameters_at_other_steps_or_dtypes_each_take_their_own_step(monkeypatch, steps_here):
     """A group whose parameters' optimizer steps differ (one added later) or whose dtypes
-    differ is cut into launches of one step and one dtype each: every parameter gets the
-    reference's step from its own count, an empty one nothing."""
+    differ: every parameter gets the reference's step from its own count, an empty one
+    nothing. The counts are read by the kernel where they lie on the parameters' device (a
+    fused or capturable optimizer's, [Note: step counts read where they are]; here, on the
+    CPU, every count does) or on the host, which cuts the group into launches of one step
+    each (forced here: on a GPU that is the default optimizer's case)."""
     from qsdp.runtime import _adam_triton
+
+    if not steps_here:
+        monkeypatch.setattr(_adam_triton, "_steps_here", lambda steps, device: False)
 
     opt, xs, states, estimates = _case(torch.optim.AdamW, 0.1, "cpu")
     late = torch.nn.Parameter(torch.randn(300))

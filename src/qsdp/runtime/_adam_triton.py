@@ -67,6 +67,7 @@ def adam_predict_kernel(
     m_ptr,
     v_ptr,
     out_ptr,
+    t_ptr,
     rel_ptr,
     numel_ptr,
     param_ptr,
@@ -80,7 +81,10 @@ def adam_predict_kernel(
     coef,
     bias1,
     bias2_sqrt,
+    log_beta1,
+    log_beta2,
     DECOUPLED: tl.constexpr,
+    STEPS_HERE: tl.constexpr,
     ALIGNED: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
@@ -90,9 +94,12 @@ def adam_predict_kernel(
     non-finite estimate predicts nothing]) from moments ``m``, ``v`` (read, not written), in
     float32 as torch's fused kernel computes it, stored in ``out``'s dtype (rounded to nearest
     even). Tensor ``i`` of each set lies ``rel_ptr[s * k + i]`` elements from the set's first
-    (``x``, ``g``, ``m``, ``v``, ``out``: s = 0..4). ``bias1``: ``1 - beta1^t``; ``bias2_sqrt``:
-    ``sqrt(1 - beta2^t)``. ALIGNED: every tensor starts on a 16-byte boundary and every length
-    is a multiple of 16 (a mask the same over each vector: the loads stay vectorized)."""
+    (``x``, ``g``, ``m``, ``v``, ``out``, ``t``: s = 0..5). ``bias1``: ``1 - beta1^t``;
+    ``bias2_sqrt``: ``sqrt(1 - beta2^t)``; with STEPS_HERE each parameter's optimizer step
+    count is read from the ``t`` set (a fused or capturable optimizer's, on the device) and
+    the two are computed from it and ``log(beta)`` here, as torch's fused step does.
+    ALIGNED: every tensor starts on a 16-byte boundary and every length is a multiple of 16 (a
+    mask the same over each vector: the loads stay vectorized)."""
     pid = tl.program_id(0)
     i = tl.load(param_ptr + pid)
     offs = (pid - tl.load(first_ptr + i)).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -112,6 +119,10 @@ def adam_predict_kernel(
         g = g + x * weight_decay
     m = beta1 * m + (1 - beta1) * g
     v = beta2 * v + (1 - beta2) * g * g
+    if STEPS_HERE:  # (the step the prediction takes: the optimizer's count + 1)
+        t = tl.load(_at(t_ptr, tl.load(rel_ptr + 5 * k + i), 0, False)).to(tl.float32) + 1.0
+        bias1 = 1.0 - tl.exp(t * log_beta1)
+        bias2_sqrt = tl.sqrt(1.0 - tl.exp(t * log_beta2))
     denom = tl.sqrt(v) / bias2_sqrt + eps
     x = x - (lr / bias1) * m / denom
     out = _cast_out(x, DTYPE=out_ptr.dtype.element_ty, INTERPRET=_INTERPRETED)
@@ -172,23 +183,45 @@ def _plan(key: tuple, numels: Sequence[int], device: torch.device) -> _Plan:
     return plan
 
 
+def _steps_here(steps: Sequence, device: torch.device) -> bool:
+    """Whether every optimizer step count is a tensor on ``device`` (a fused or capturable
+    optimizer's): the kernel reads them there ([Note: step counts read where they are])."""
+    return all(isinstance(t, torch.Tensor) and t.device == device for t in steps)
+
+
 def predict_into(
     outs: Sequence[torch.Tensor], *, xs: Sequence[torch.Tensor], step: AdamStep
 ) -> None:
     """One launch per group ([Note: one launch per group]; more only where the parameters'
-    steps or dtypes differ): ``outs[i]`` (contiguous, any float dtype; ``xs[i]`` itself to move
-    it in place) gets ``xs[i]`` after the step ``optimizer.step()`` would take with ``step``'s
-    estimate ``i`` (times its ``clip_coef``) from its state ``i``'s moments; every tensor
-    contiguous with ``xs[i]``'s element count, on one device."""
+    dtypes differ, or their steps where the host holds them): ``outs[i]`` (contiguous, any
+    float dtype; ``xs[i]`` itself to move it in place) gets ``xs[i]`` after the step
+    ``optimizer.step()`` would take with ``step``'s estimate ``i`` (times its ``clip_coef``)
+    from its state ``i``'s moments; every tensor contiguous with ``xs[i]``'s element count, on
+    one device.
+
+    [Note: step counts read where they are]
+    The bias corrections need each parameter's step count. ``torch.optim`` keeps it on the host
+    (a CPU tensor, read here without waiting for anything), except under ``fused=True`` or
+    ``capturable=True``, where it lies on the device: reading it here made the host wait for
+    the device once per parameter at every gather (a fused AdamW is common in GPT training).
+    Those counts are read by the kernel instead, as a sixth set of the table, and the bias
+    corrections computed there from ``log(beta)``, as torch's fused step computes them."""
     group = step.group
     decoupled = bool(group.get("decoupled_weight_decay", step.adamw))
     beta1, beta2 = (float(b) for b in group["betas"])
+    live = [i for i, x in enumerate(xs) if x.numel()]
+    if not live:
+        return
+    device = xs[live[0]].device
+    counts = [s["step"] for s in step.states]
+    here = _steps_here([counts[i] for i in live], device)
     sets = (list(xs), list(step.estimates), *map(list, zip(*step.moments, strict=True)), list(outs))
+    if here:
+        sets += (counts,)
     batches: dict[tuple, list[int]] = {}
-    for i, state in enumerate(step.states):
-        if xs[i].numel():
-            dtypes = tuple(s[i].dtype for s in sets)
-            batches.setdefault((float(state["step"]) + 1, dtypes), []).append(i)
+    for i in live:
+        dtypes = tuple(s[i].dtype for s in sets)
+        batches.setdefault((None if here else float(counts[i]) + 1, dtypes), []).append(i)
     for (t, _), picked in batches.items():
         chosen = [[s[i] for i in picked] for s in sets]
         ptrs = [[u.data_ptr() for u in ts] for ts in chosen]
@@ -203,12 +236,15 @@ def predict_into(
             tuple((p - ps[0]) // size for p in ps) for ps, size in zip(ptrs, sizes, strict=True)
         )
         numels = tuple(xs[i].numel() for i in picked)
-        aligned = all(p % 16 == 0 for ps in ptrs for p in ps) and all(n % 16 == 0 for n in numels)
-        device = xs[picked[0]].device
+        # (the step counts are read one scalar each: no promise needed for them)
+        aligned = all(p % 16 == 0 for ps in ptrs[:5] for p in ps)
+        aligned = aligned and all(n % 16 == 0 for n in numels)
         stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
         plan = _plan((device, stream, numels, rel, aligned), numels, device)
+        bias1, bias2_sqrt = (1.0, 1.0) if t is None else (1 - beta1**t, math.sqrt(1 - beta2**t))
         args = (
-            *(ts[0] for ts in chosen),
+            *(ts[0] for ts in chosen[:5]),
+            chosen[5][0] if here else chosen[0][0],  # (read only with STEPS_HERE)
             plan.rel,
             plan.numel,
             plan.param,
@@ -220,9 +256,12 @@ def predict_into(
             float(group["eps"]),
             float(group["weight_decay"]),
             float(step.clip_coef),
-            1 - beta1**t,
-            math.sqrt(1 - beta2**t),
+            bias1,
+            bias2_sqrt,
+            math.log(beta1),
+            math.log(beta2),
             decoupled,
+            here,
             plan.aligned,
             _BLOCK,
         )

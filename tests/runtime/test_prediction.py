@@ -230,6 +230,14 @@ def test_local_prediction_refuses_what_it_cannot_compute():
         WeightPrediction(torch.optim.SGD(model.parameters(), lr=0.1), local=_Source({}))
     with pytest.raises(ValueError, match="amsgrad=True is not it"):
         WeightPrediction(torch.optim.AdamW(model.parameters(), amsgrad=True), local=_Source({}))
+    # a hyperparameter on a device (here the meta device: CI has no GPU) would make the host wait
+    # at every gather; a CPU tensor is read without waiting
+    opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(1e-3))
+    opt.param_groups[0]["lr"] = torch.tensor(1e-3, device="meta")
+    with pytest.raises(ValueError, match="lr is a tensor on meta"):
+        WeightPrediction(opt, local=_Source({}))
+    on_cpu = torch.optim.AdamW(model.parameters(), lr=torch.tensor(1e-3))
+    WeightPrediction(on_cpu, local=_Source({}))
 
 
 def _local_estimates(rank: int, world: int) -> None:

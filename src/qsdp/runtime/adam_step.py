@@ -86,6 +86,18 @@ def check_adam(optimizer: torch.optim.Optimizer) -> None:
                     f"WeightPrediction(local=...) computes Adam's plain step; {key}=True is not "
                     "it: use WeightPrediction(optimizer)"
                 )
+        # read by the host at every prediction: one held on a device would make the host wait
+        # for it ([Note: step counts read where they are] in qsdp.runtime._adam_triton)
+        betas = group.get("betas", ())
+        hyper = {"lr": group.get("lr"), "eps": group.get("eps"), "beta1": betas[0]}
+        hyper |= {"beta2": betas[1], "weight_decay": group.get("weight_decay")}
+        for key, value in hyper.items():
+            if isinstance(value, torch.Tensor) and value.device.type != "cpu":
+                raise ValueError(
+                    f"WeightPrediction(local=...): the optimizer's {key} is a tensor on "
+                    f"{value.device}; the prediction reads it on the host at every gather, which "
+                    f"would wait for the device each time: pass {key} as a float or a CPU tensor"
+                )
 
 
 @torch.no_grad()

@@ -27,12 +27,11 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import statistics
-import time
 from pathlib import Path
 
 import torch
 
+import profiling  # benchmarks/, the script's own folder: the timing of both rows
 from qsdp.runtime import adam_step
 
 D = 2048
@@ -77,24 +76,6 @@ def _reference(outs, xs, step) -> None:
     torch._foreach_copy_(list(outs), new)
 
 
-def _measure(fn, calls: int, rounds: int) -> dict:
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    host, device = [], []
-    for _ in range(rounds):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        host.append((time.perf_counter() - t0) / calls * 1e6)
-        end.record()
-        end.synchronize()
-        device.append(start.elapsed_time(end) / calls)
-    return {"host_us": statistics.median(host), "device_ms": statistics.median(device)}
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, required=True)
@@ -115,7 +96,7 @@ def main() -> None:
         ("kernel", lambda: adam_step.predict_step(outs, xs=xs, step=step)),
         ("torch reference", lambda: _reference(outs, xs, step)),
     ):
-        r = _measure(fn, a.calls, a.rounds)
+        r = profiling.host_and_device(fn, a.calls, a.rounds)
         r |= {
             "variant": name,
             "gb_per_s": round(moved / (r["device_ms"] * 1e-3) / 1e9, 1),

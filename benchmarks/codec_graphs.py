@@ -27,14 +27,13 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import statistics
-import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
+import profiling  # benchmarks/, the script's own folder: the timing of every row
 import qsdp
 from qsdp import comm as qc
 
@@ -54,24 +53,6 @@ LAYOUT = [
     ("mlp.fc2.weight", (D, 4 * D)),
     ("mlp.fc2.bias", (D,)),
 ]
-
-
-def _time(fn, calls: int, rounds: int) -> dict:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    host, device = [], []
-    for _ in range(rounds):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        host.append((time.perf_counter() - t0) / calls * 1e6)
-        end.record()
-        end.synchronize()
-        device.append(start.elapsed_time(end) / calls)
-    return {"host_us": round(statistics.median(host), 1), "device_ms": statistics.median(device)}
 
 
 def main() -> None:
@@ -105,7 +86,7 @@ def main() -> None:
             )
 
         row = {"recipe": name, "world": a.world, "elements": chunk * a.world}
-        row["eager"] = _time(call, a.calls, a.rounds)
+        row["eager"] = profiling.host_and_device(call, a.calls, a.rounds)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # (capture needs its warm-up off the default stream)
@@ -119,13 +100,13 @@ def main() -> None:
         except Exception as e:  # a host sync or an uncapturable op: what stops a graph
             row["graph"] = row["graph + copy-in"] = {"error": f"{type(e).__name__}: {e}"[:300]}
         else:
-            row["graph"] = _time(graph.replay, a.calls, a.rounds)
+            row["graph"] = profiling.host_and_device(graph.replay, a.calls, a.rounds)
 
             def copied(rows=rows, fresh=fresh, graph=graph) -> None:
                 rows.copy_(fresh)
                 graph.replay()
 
-            row["graph + copy-in"] = _time(copied, a.calls, a.rounds)
+            row["graph + copy-in"] = profiling.host_and_device(copied, a.calls, a.rounds)
         results.append(row)
         for kind in ("eager", "graph", "graph + copy-in"):
             r = row[kind]

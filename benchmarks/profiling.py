@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import gzip
 import os
+import statistics
 import tempfile
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -22,6 +25,27 @@ def compute_sync(device: torch.device) -> None:
     into the next step (a full sync would wait for it, untimed)."""
     if device.type == "cuda":
         torch.cuda.current_stream(device).synchronize()
+
+
+def host_and_device(fn: Callable[[], object], calls: int, rounds: int) -> dict:
+    """``fn`` (CUDA work) issued ``calls`` times back to back, no synchronisation, in each of
+    ``rounds`` rounds after 3 warm-up calls: the medians of the host's microseconds a call (what
+    issuing it costs) and of the device's milliseconds a call (CUDA events around the round)."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    host, device = [], []
+    for _ in range(rounds):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        host.append((time.perf_counter() - t0) / calls * 1e6)
+        end.record()
+        end.synchronize()
+        device.append(start.elapsed_time(end) / calls)
+    return {"host_us": round(statistics.median(host), 1), "device_ms": statistics.median(device)}
 
 
 def profiler(device: torch.device):

@@ -148,7 +148,8 @@ def test_the_compiled_kernel_is_torchs_fused_step_on_cuda(kind):
 def test_one_launch_per_group_builds_its_table_once_per_layout():
     """[Note: one launch per group]: the offsets table is built at a layout's first call and
     found again when the next step's estimates and outputs are new buffers laid out alike; a
-    new layout builds a new one. Every call computes the reference step."""
+    new layout builds new offsets and keeps the grid of the same lengths. Every call computes
+    the reference step."""
     from qsdp.runtime import _adam_triton
 
     opt, xs, states, estimates = _case(torch.optim.AdamW, 0.1, "cpu")
@@ -173,6 +174,10 @@ def test_one_launch_per_group_builds_its_table_once_per_layout():
         for o, w in zip(outs, want, strict=True):
             torch.testing.assert_close(o, w.reshape(-1), rtol=1e-6, atol=1e-7)
     assert _adam_triton.plans_built == built + 2
+    # the grid's table (one entry per program) depends on the lengths alone: one for both layouts
+    numels = tuple(x.numel() for x in xs)
+    grids = [k for k in _adam_triton._tables if k[0] == "programs" and k[-1] == numels]
+    assert len(grids) == 1, grids
 
 
 @pytest.mark.parametrize("steps_here", [True, False])

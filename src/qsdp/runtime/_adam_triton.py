@@ -19,10 +19,12 @@ tensors lie relative to each other and on their lengths, which a group keeps fro
 step (its parameters and moments stay where they are; its estimates and its gather's input are
 new buffers each step, laid out alike): it is built once per layout and stream (copied from
 pinned memory at the first step, the host never waiting) and looked up after that;
-:data:`plans_built` counts the builds. Where every tensor starts on a 16-byte boundary and
-every length is a multiple of 16 the offsets are promised to the compiler (``ALIGNED``), so the
-loads stay vectorized as they were with one tensor per launch (``tests/quant/compile_sm90.py``
-counts them).
+:data:`plans_built` counts the builds. The grid's tables (each program's parameter: the larger
+one) depend on the lengths alone and are kept apart, so a group whose buffers do move between
+steps (the estimates of several DDP buckets) rebuilds only its offsets, a few words a tensor.
+Where every tensor starts on a 16-byte boundary and every length is a multiple of 16 the
+offsets are promised to the compiler (``ALIGNED``), so the loads stay vectorized as they were
+with one tensor per launch (``tests/quant/compile_sm90.py`` counts them).
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ __all__ = ["adam_predict_kernel", "plans_built", "predict_into"]
 #: Elements per program.
 _BLOCK = 2048
 _NUM_WARPS = 4
-#: Layouts kept (a model's groups, each with its gather and, for DDP, its in-place move).
+#: Tables kept (a model's groups, each with its gather and, for DDP, its in-place move).
 _MAX_PLANS = 1024
 
 
@@ -129,58 +131,73 @@ def adam_predict_kernel(
     tl.store(_at(out_ptr, tl.load(rel_ptr + 4 * k + i), offs, ALIGNED), out, mask=mask)
 
 
-class _Plan(NamedTuple):
-    """One layout's device tables (see the kernel)."""
+class _Programs(NamedTuple):
+    """What the grid reads of a group's lengths (see the kernel): each program's parameter, each
+    parameter's first program and length."""
 
-    rel: torch.Tensor
     numel: torch.Tensor
     param: torch.Tensor
     first: torch.Tensor
     programs: int
-    aligned: bool
 
 
-_plans: OrderedDict[tuple, _Plan] = OrderedDict()
+_tables: OrderedDict[tuple, torch.Tensor | _Programs] = OrderedDict()
 plans_built = 0
-"""Layouts whose tables were built and copied to the device so far (one per group's layout
-and stream at its first step; a layout that changed every step would show here as a count
-that grows)."""
+"""Offset tables built and copied to the device so far (one per group's layout and stream at
+its first step; a layout that changed every step would show here as a count that grows)."""
 
 
-def _plan(key: tuple, numels: Sequence[int], device: torch.device) -> _Plan:
-    """The tables of ``key``'s layout (``(device, stream, numels, rel, aligned)``), built at
-    its first call: copied from pinned memory without making the host wait, on the current
-    stream, the only one that reads them (the stream is in the key), so a launch on it finds
-    them there, and an evicted plan's memory returns to that stream's pool after its last
-    launch."""
-    global plans_built
-    plan = _plans.get(key)
-    if plan is not None:
-        _plans.move_to_end(key)
-        return plan
-    rel, aligned = key[-2:]
-    counts = [triton.cdiv(n, _BLOCK) for n in numels]
-    first = [0]
-    for c in counts[:-1]:
-        first.append(first[-1] + c)
-    index = torch.arange(len(numels), dtype=torch.int32)
+def _on(device: torch.device, t: torch.Tensor) -> torch.Tensor:
+    """``t`` on ``device``: copied from pinned memory, the host never waiting, on the current
+    stream (the only one that reads it: the stream is in every table's key, so a launch on it
+    finds the table there, and an evicted table's memory returns to that stream's pool after
+    its last launch)."""
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
 
-    def there(t: torch.Tensor) -> torch.Tensor:
-        return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
 
-    plan = _Plan(
-        rel=there(torch.tensor([r for s in rel for r in s], dtype=torch.int64)),
-        numel=there(torch.tensor(numels, dtype=torch.int64)),
-        param=there(torch.repeat_interleave(index, torch.tensor(counts))),
-        first=there(torch.tensor(first, dtype=torch.int32)),
-        programs=sum(counts),
-        aligned=aligned,
-    )
-    _plans[key] = plan
-    plans_built += 1
-    if len(_plans) > _MAX_PLANS:
-        _plans.popitem(last=False)
-    return plan
+def _cached(key: tuple, build):
+    """The table of ``key``, built by ``build()`` at its first use (the least recently used of
+    more than ``_MAX_PLANS`` dropped)."""
+    table = _tables.get(key)
+    if table is None:
+        table = _tables[key] = build()
+        if len(_tables) > _MAX_PLANS:
+            _tables.popitem(last=False)
+    else:
+        _tables.move_to_end(key)
+    return table
+
+
+def _programs(device: torch.device, stream: int, numels: tuple[int, ...]) -> _Programs:
+    """The grid of ``numels``' parameters: by their lengths alone, so a group whose buffers move
+    between steps (its offsets rebuilt) keeps it; the larger table (one entry per program)."""
+
+    def build() -> _Programs:
+        counts = [triton.cdiv(n, _BLOCK) for n in numels]
+        first = [0]
+        for c in counts[:-1]:
+            first.append(first[-1] + c)
+        index = torch.arange(len(numels), dtype=torch.int32)
+        return _Programs(
+            numel=_on(device, torch.tensor(numels, dtype=torch.int64)),
+            param=_on(device, torch.repeat_interleave(index, torch.tensor(counts))),
+            first=_on(device, torch.tensor(first, dtype=torch.int32)),
+            programs=sum(counts),
+        )
+
+    return _cached(("programs", device, stream, numels), build)
+
+
+def _offsets(device: torch.device, stream: int, rel: tuple[tuple[int, ...], ...]) -> torch.Tensor:
+    """The offset table of ``rel`` (each set's tensors' element offsets from its first), built
+    once per layout and stream."""
+
+    def build() -> torch.Tensor:
+        global plans_built
+        plans_built += 1
+        return _on(device, torch.tensor([r for s in rel for r in s], dtype=torch.int64))
+
+    return _cached(("offsets", device, stream, rel), build)
 
 
 def _steps_here(steps: Sequence, device: torch.device) -> bool:
@@ -240,15 +257,16 @@ def predict_into(
         aligned = all(p % 16 == 0 for ps in ptrs[:5] for p in ps)
         aligned = aligned and all(n % 16 == 0 for n in numels)
         stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-        plan = _plan((device, stream, numels, rel, aligned), numels, device)
+        grid = _programs(device, stream, numels)
+        offsets = _offsets(device, stream, rel)
         bias1, bias2_sqrt = (1.0, 1.0) if t is None else (1 - beta1**t, math.sqrt(1 - beta2**t))
         args = (
             *(ts[0] for ts in chosen[:5]),
             chosen[5][0] if here else chosen[0][0],  # (read only with STEPS_HERE)
-            plan.rel,
-            plan.numel,
-            plan.param,
-            plan.first,
+            offsets,
+            grid.numel,
+            grid.param,
+            grid.first,
             len(picked),
             float(group["lr"]),
             beta1,
@@ -262,8 +280,8 @@ def predict_into(
             math.log(beta2),
             decoupled,
             here,
-            plan.aligned,
+            aligned,
             _BLOCK,
         )
         # positional, no kernel[grid]: [Note: a launch's host cost] in qsdp.quant._triton.launch
-        adam_predict_kernel.run(*args, grid=(plan.programs,), warmup=False, num_warps=_NUM_WARPS)
+        adam_predict_kernel.run(*args, grid=(grid.programs,), warmup=False, num_warps=_NUM_WARPS)

@@ -216,3 +216,29 @@ def test_parameters_at_other_steps_or_dtypes_each_take_their_own_step(monkeypatc
         # (bf16: float32 values 1e-6 apart may round one bf16 step apart, 2^-7 at a binade's foot)
         rtol = 2**-7 if o.dtype == torch.bfloat16 else 1e-6
         torch.testing.assert_close(o.float(), w.to(o.dtype).float(), rtol=rtol, atol=1e-7)
+
+
+@pytest.mark.parametrize("steps_here", [True, False])
+def test_a_beta_of_zero_takes_the_reference_step(monkeypatch, steps_here):
+    """Adam without momentum (``betas=(0.0, ...)``): the kernel's bias corrections from the
+    step counts it reads take ``log(0)`` as -inf (``0^t = 0``), and the host's are ``1 - 0``: the
+    reference step either way, and nothing non-finite."""
+    from qsdp.runtime import _adam_triton
+
+    if not steps_here:
+        monkeypatch.setattr(_adam_triton, "_steps_here", lambda steps, device: False)
+    g = torch.Generator().manual_seed(5)
+    params = [torch.nn.Parameter(torch.randn(s, generator=g)) for s in SHAPES]
+    opt = torch.optim.AdamW(params, lr=1e-2, betas=(0.0, 0.99), weight_decay=0.1)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=g)
+    opt.step()
+    xs = [p.detach() for p in params]
+    estimates = [torch.randn(s, generator=g) for s in SHAPES]
+    step = _step(opt, [opt.state[p] for p in params], estimates, 1.0)
+    want = _reference(opt, xs, step.states, estimates, 1.0)
+    got = [torch.empty_like(x) for x in xs]
+    _adam_triton.predict_into(got, xs=xs, step=step)
+    for o, w in zip(got, want, strict=True):
+        assert torch.isfinite(o).all()
+        torch.testing.assert_close(o, w, rtol=1e-6, atol=1e-7)

@@ -200,6 +200,12 @@ def _offsets(device: torch.device, stream: int, rel: tuple[tuple[int, ...], ...]
     return _cached(("offsets", device, stream, rel), build)
 
 
+def _log(beta: float) -> float:
+    """``log(beta)`` for the kernel's ``exp(t * log(beta))``; -inf for ``beta = 0`` (no
+    momentum: ``0^t = 0`` for every step, where ``math.log`` raises)."""
+    return math.log(beta) if beta > 0 else -math.inf
+
+
 def _steps_here(steps: Sequence, device: torch.device) -> bool:
     """Whether every optimizer step count is a tensor on ``device`` (a fused or capturable
     optimizer's): the kernel reads them there ([Note: step counts read where they are])."""
@@ -276,8 +282,8 @@ def predict_into(
             float(step.clip_coef),
             bias1,
             bias2_sqrt,
-            math.log(beta1),
-            math.log(beta2),
+            _log(beta1),
+            _log(beta2),
             decoupled,
             here,
             aligned,

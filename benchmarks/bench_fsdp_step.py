@@ -180,17 +180,18 @@ def build(
     # gradient, on hooks; +local, once the prediction by hand, is that default and kept as a name);
     # NAME+own: its reduce-scatters on their own communicator (Schedule.own_reduce_group; off
     # without it, also for qsdp-w8g8); NAME+pipe (--hsdp): Schedule(pipeline=True); NAME+prop:
-    # nonfinite="propagate"; NAME+gN: gradients in groups of N
+    # nonfinite="propagate"; NAME+gN: gradients in groups of N; NAME+s1+ahead: the next step's
+    # weights gathered in the backward (Schedule(gather_ahead=True))
     name, *options = recipe.split("+")
     group = variants.group_size(options)
     if (
-        set(options) - {"s1", "own", "local", "pipe", "prop", f"g{group}"}
-        or ("local" in options and "s1" not in options)
+        set(options) - {"s1", "own", "local", "pipe", "prop", "ahead", f"g{group}"}
+        or (("local" in options or "ahead" in options) and "s1" not in options)
         or ("pipe" in options and hsdp is None)
     ):
         raise SystemExit(
-            f"variant {recipe!r}: options are +s1 (+local with it), +own, +prop, +gN and, "
-            "with --hsdp, +pipe"
+            f"variant {recipe!r}: options are +s1 (+local, +ahead with it), +own, +prop, +gN "
+            "and, with --hsdp, +pipe"
         )
     if name == "auto":  # measures the regime's groups and picks (qsdp.policy.auto)
         if options:
@@ -204,6 +205,7 @@ def build(
         staleness=int("s1" in options),
         own_reduce_group="own" in options,
         pipeline="pipe" in options,
+        gather_ahead="ahead" in options,
         start=0,  # (a few timed steps: the delayed schedule from the first)
     )
     if group:

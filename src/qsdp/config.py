@@ -374,6 +374,17 @@ class Schedule:
     predict_clip: float | None = None
     """``predict="local"``: clip each rank's estimate as ``clip_grad_norm_(max_norm=...)`` clips
     the gradient (pass the loop's own clipping norm), None: unclipped."""
+    gather_ahead: bool = False
+    """Staleness 1 with weight differences (``sdp4bit``) under FSDP2: gather the next step's
+    weights in this step's backward, beside the gradients' reductions, instead of in the next
+    forward ([Note: the next step's weights in this backward] in ``qsdp.runtime.gathered``):
+    each group's weights for step ``t + 1`` are the optimizer's coming step (with the gradient
+    the backward has just applied) and the prediction from there (with this rank's gradient
+    now in flight), gathered once the group's backward is done; the next forward is served
+    from them. The weights gathered ahead miss what the loop does to the gradients or the
+    learning rate between the backward and ``optimizer.step()`` (clipping, a scheduler's
+    change): the next gather corrects them, as it corrects a prediction. Needs
+    ``predict="local"`` without ``predict_clip``, an Adam or AdamW."""
     pipeline: bool = False
     """Compressed HSDP (``replicate=``) and DDP: the compressed all-reduce's later exchange
     (CGX's phase 2, Global-QSGD's SUM) on a second communicator and the hooks on two
@@ -423,6 +434,21 @@ class Schedule:
                 "Schedule.predict_clip clips the prediction's estimate; with "
                 f"predict={self.predict!r} at staleness={self.staleness} there is none: drop "
                 "predict_clip, or set staleness=1 and predict='local'"
+            )
+        if not isinstance(self.gather_ahead, bool):
+            raise TypeError(f"Schedule.gather_ahead={self.gather_ahead!r} must be a bool")
+        if self.gather_ahead and self.prediction != "local":
+            raise ValueError(
+                "Schedule(gather_ahead=True) gathers the predicted weights of the next step; "
+                f"with staleness={self.staleness} and predict={self.predict!r} there is no "
+                "prediction: set staleness=1 and predict='local' (the default), or drop "
+                "gather_ahead"
+            )
+        if self.gather_ahead and self.predict_clip is not None:
+            raise ValueError(
+                f"Schedule(gather_ahead=True) with predict_clip={self.predict_clip!r}: the "
+                "weights are gathered block by block in the backward, before the estimate's "
+                "whole norm is known; drop predict_clip or gather_ahead"
             )
         if self.own_reduce_group is not None and not isinstance(self.own_reduce_group, bool):
             raise TypeError(

@@ -231,6 +231,43 @@ def test_staleness_1_on_nccl(recipe, predict):
     run_distributed(_stale_vs_by_hand, ws, recipe, predict, backend="nccl", timeout_s=600)
 
 
+def _ahead_vs_shipped(rank: int, ws: int) -> dict:
+    """``sdp4bit`` at staleness 1 as shipped, with and without ``gather_ahead``, a fused AdamW
+    on NCCL: the gathers made ahead run on their own stream beside the delayed reductions,
+    read the applied gradient and the estimates written on other streams, and are served to
+    the next forward; a missed wait shows as other parameters (tests/fsdp/test_gather_ahead.py
+    has the same runs on gloo, bit for bit)."""
+
+    def run(ahead: bool) -> tuple[list[torch.Tensor], list[int]]:
+        schedule = qsdp.Schedule(staleness=1, start=0, gather_ahead=ahead)
+        model, dev = _build("sdp4bit", ws, torch.float32, schedule=schedule)
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3, fused=True)
+        state = qsdp.fsdp.comm_state(model)
+        for batch in list(_batches(rank, ws))[:6]:
+            logits = model(batch[:, :-1].to(dev))
+            nn.functional.cross_entropy(
+                logits.float().reshape(-1, 256), batch[:, 1:].to(dev).reshape(-1)
+            ).backward()
+            if not state.applied_nothing:
+                opt.step()
+            opt.zero_grad()
+        state.drain()
+        opt.step()
+        served = [g.served_ahead for g in state._installed.gathers]
+        return [p.to_local().detach().clone() for p in model.parameters()], served
+
+    want, _ = run(False)
+    got, served = run(True)
+    gap = max(float((a - b).abs().max()) for a, b in zip(want, got, strict=True))
+    return {"gap": gap, "served": min(served)}
+
+
+def test_gather_ahead_on_nccl_is_the_shipped_run():
+    ws = min(torch.cuda.device_count(), 4)
+    for got in run_distributed(_ahead_vs_shipped, ws, backend="nccl", timeout_s=600):
+        assert got == {"gap": 0.0, "served": 3}, got
+
+
 def _delay_streams(rank: int, ws: int, recipe: str) -> dict:
     """Staleness 1 on a 34-group model (more groups than a stream pool holds): which streams
     the delayed reductions ran on, and FSDP2's own streams."""

@@ -48,7 +48,7 @@ def all_gather_diff_wire_bytes(
 
 @checked("all_gather_diff")
 def all_gather_diff(
-    output: torch.Tensor,
+    output: torch.Tensor | None,
     input: torch.Tensor,
     recon: torch.Tensor,
     group: dist.ProcessGroup | None = None,
@@ -69,7 +69,9 @@ def all_gather_diff(
 
     Args:
         output: ``world_size * input.numel()`` elements, the all-gather layout; receives
-            ``recon``. It may share memory with ``input`` (FSDP's in-place layout).
+            ``recon``. It may share memory with ``input`` (FSDP's in-place layout). None:
+            ``recon`` alone is updated (a gather made ahead of its use, served from ``recon``
+            later).
         input: this rank's new shard (float32/bf16/fp16).
         recon: the reconstruction, same shape and dtype as ``output``; identical on all ranks
             (the state of the caller, who keeps it between calls). Read only with ``exact=True``.
@@ -82,16 +84,20 @@ def all_gather_diff(
     """
     C.check_spec(spec)
     for t, name in ((output, "output"), (input, "input"), (recon, "recon")):
-        C.check_float(t, name)
-    C.check_contiguous(output, "output")
+        if t is not None:
+            C.check_float(t, name)
+    if output is not None:
+        C.check_contiguous(output, "output")
     C.check_contiguous(recon, "recon")
     C.check_key(seed, step, bucket)
     pg, n, r = C.group_info(group)
     m = input.numel()
-    if output.numel() != n * m or recon.shape != output.shape or recon.dtype != output.dtype:
+    like = recon if output is None else output
+    if like.numel() != n * m or recon.shape != like.shape or recon.dtype != like.dtype:
         raise ValueError(
             f"all_gather_diff needs output and recon of {n} x {m} elements and one dtype; got "
-            f"{tuple(output.shape)=} {tuple(recon.shape)=} {output.dtype=} {recon.dtype=}"
+            f"output shape {tuple(like.shape)}, recon shape {tuple(recon.shape)}, dtypes "
+            f"{like.dtype} and {recon.dtype}"
         )
     stats = C.resolve_stats(stats)
     stats.count_call(_NAME)
@@ -100,7 +106,8 @@ def all_gather_diff(
     if exact:
         shard = input.reshape(-1).to(recon.dtype).contiguous()
         C.all_gather(recon.view(-1), shard, pg, stats, _NAME, stream="current")
-        output.view(-1).copy_(recon.view(-1))
+        if output is not None:
+            output.view(-1).copy_(recon.view(-1))
         return
     rows = recon.view(n, m)
     nbytes = spec.payload_bytes(m)
@@ -122,4 +129,5 @@ def all_gather_diff(
     C.all_gather(recv, send, pg, stats, _NAME, stream="current")
     # every rank's difference onto its row of recon, one launch
     decode_rows(recv.view(n, nbytes), m, spec, out=rows, accumulate=True, backend=backend)
-    output.view(-1).copy_(recon.view(-1))
+    if output is not None:
+        output.view(-1).copy_(recon.view(-1))

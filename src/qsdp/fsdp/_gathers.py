@@ -3,7 +3,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -14,6 +15,7 @@ from ..quant import decode as qc_decode
 from ..quant import decode_rows as qc_decode_rows
 from ..quant import encode as qc_encode
 from ..runtime.gathered import GatheredPrediction
+from ..runtime.streams import SideStreams
 from ._hooks import StepClock, _Counter, _Gather, _usable
 
 __all__ = [
@@ -91,6 +93,25 @@ class _Versions:
         self._seen = self._now()
 
 
+class _Ahead:
+    """A gather made ahead, in a backward ([Note: the next step's weights in this backward] in
+    ``qsdp.runtime.gathered``): what the next forward's gather checks before it is served
+    from it."""
+
+    __slots__ = ("step", "generation", "event", "stepped")
+
+    def __init__(self, step: int, generation: int, event: torch.cuda.Event | None) -> None:
+        self.step, self.generation, self.event = step, generation, event
+        self.stepped = False
+        """The optimizer's step was taken after it (its post-hook ran)."""
+
+    def wait(self, device: torch.device) -> None:
+        """The reconstruction it wrote, complete for the current stream (the host never
+        waits)."""
+        if self.event is not None:
+            torch.cuda.current_stream(device).wait_event(self.event)
+
+
 class WeightDiffAllGather(_Gather):
     """FSDP2 all-gather of SDP4Bit weight differences (:func:`qsdp.comm.all_gather_diff`).
 
@@ -114,10 +135,12 @@ class WeightDiffAllGather(_Gather):
         module_name: str = "",
         prediction: GatheredPrediction | None = None,
         slots: Sequence = (),
+        streams: SideStreams | None = None,
     ) -> None:
         """``prediction``, ``slots``: as :class:`QuantizedAllGather`'s; the gathers of the rest
         of an armed step are served from the reconstruction, so the estimates are dropped
-        once gathered."""
+        once gathered. ``streams``: where its gathers ahead run on CUDA (``Schedule(
+        gather_ahead=True)``, :meth:`gather_ahead`)."""
         self.spec, self.seed, self.bucket, self.stats = spec.propagating(), seed, bucket, stats
         self.module_name = module_name
         self.prediction, self.slots = prediction, list(slots)
@@ -131,21 +154,42 @@ class WeightDiffAllGather(_Gather):
         self._steps = _Counter()
         self.cached_gathers = 0
         """Gathers served from the reconstruction without communication (FSDP's re-gathers)."""
+        self.streams = streams
+        self._group: dist.ProcessGroup | None = None
+        self._ahead: _Ahead | None = None
+        self.gathered_ahead = 0
+        """Gathers made ahead, in a backward (:meth:`gather_ahead`)."""
+        self.served_ahead = 0
+        """Forward gathers served from a gather made ahead."""
 
     def _call(
         self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup
     ) -> None:
-        fresh = self.recon is None or self.recon.shape != output_tensor.shape
+        self._group = group
         pred = self.prediction
-        same = self.clock.epoch == self._epoch or (
-            pred is not None and pred.armed and pred.step == self._predicted_step
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and self._serves(ahead, output_tensor):
+            ahead.wait(output_tensor.device)
+            output_tensor.copy_(self.recon)
+            self._epoch = self.clock.epoch
+            self._predicted_step = pred.step
+            pred.drop(self.slots)  # (gathered: the rest of the step is served from recon)
+            self.served_ahead += 1
+            return None
+        fresh = self.recon is None or self.recon.shape != output_tensor.shape
+        same = ahead is None and (  # (recon holds weights gathered ahead: gather anew)
+            self.clock.epoch == self._epoch
+            or (pred is not None and pred.armed and pred.step == self._predicted_step)
         )  # (an armed step's gathers all send the same predicted weights)
         if not fresh and same and not self.versions.changed():
             output_tensor.copy_(self.recon)  # weights unchanged since the last gather
             self.cached_gathers += 1
             return None
-        # staleness 1: the predicted weights over FSDP2's copy of the shards
-        predicted = pred is not None and pred.write(self.slots, input_tensor)
+        # staleness 1: the predicted weights over FSDP2's copy of the shards; but a gather made
+        # ahead overwrote those this armed step sent, and its estimates are spent: a forward
+        # again in it (its optimizer.step() skipped) computes at the parameters as they are
+        spent = ahead is not None and pred.armed and pred.step == self._predicted_step
+        predicted = pred is not None and not spent and pred.write(self.slots, input_tensor)
         exact = (
             fresh
             or self._generation != self.clock.generation
@@ -174,6 +218,81 @@ class WeightDiffAllGather(_Gather):
         if self.check_replicas:
             _check_replicas(self.recon, group)
         return None
+
+    def _serves(self, ahead: _Ahead, output: torch.Tensor) -> bool:
+        """Whether this forward gather may be served from the gather made ahead: it is the
+        step it was made for (a training forward, predicted, after one ``optimizer.step()``
+        and no other write of the parameters, no resync requested since)."""
+        pred = self.prediction
+        return (
+            ahead.stepped
+            and pred is not None
+            and pred.armed
+            and pred.step == ahead.step
+            and ahead.generation == self.clock.generation
+            and self.recon is not None
+            and self.recon.shape == output.shape
+            and self.recon.dtype == output.dtype
+            and not self.versions.changed()
+        )
+
+    def gather_ahead(
+        self, *, grads: dict[int, torch.Tensor], estimates: Callable[[], dict[int, torch.Tensor]]
+    ) -> bool:
+        """Gather the group's weights of the next step into the reconstruction now, in the
+        backward that has just applied ``grads`` (by parameter id: the gradients the coming
+        ``optimizer.step()`` applies), with ``estimates()`` (this rank's shares of the
+        gradients now in flight, complete for the current stream) for the prediction from
+        there ([Note: the next step's weights in this backward] in ``qsdp.runtime.gathered``).
+        Whether it did: not before this group's first gather, nor when a resync is due (the
+        forward gathers exactly), nor where the prediction lacks an optimizer's state."""
+        pred, group, recon = self.prediction, self._group, self.recon
+        if pred is None or group is None or recon is None:
+            return False
+        if self._generation != self.clock.generation:
+            return False
+        n = group.size()
+        device = recon.device
+        stream = None
+        if device.type == "cuda" and self.streams is not None:
+            # after what the backward wrote (the applied gradient, the estimates); recon's last
+            # reader (this group's re-gather) ran before the gradient this stream waits for
+            stream = self.streams.get(device, 0)
+            stream.wait_stream(torch.cuda.current_stream(device))
+            for g in grads.values():
+                g.record_stream(stream)
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            flat = torch.zeros(recon.numel() // n, dtype=recon.dtype, device=device)
+            if not pred.next_into(self.slots, flat, grads=grads, estimates=estimates()):
+                return False
+            exact = self.resync_every > 0 and self._diffs >= self.resync_every
+            qc.all_gather_diff(
+                None,
+                flat,
+                recon,
+                group,
+                spec=self.spec,
+                exact=exact,
+                seed=self.seed,
+                step=self._steps.next(),
+                bucket=self.bucket,
+                stats=self.stats,
+            )
+            if self.check_replicas:
+                _check_replicas(recon, group)
+            event = stream.record_event() if stream is not None else None
+        self._diffs = 0 if exact else self._diffs + 1
+        self._ahead = _Ahead(pred.step + 1, self.clock.generation, event)
+        pred.after_step(self._stepped)
+        self.gathered_ahead += 1
+        return True
+
+    def _stepped(self, optimizer: torch.optim.Optimizer) -> None:
+        """The optimizer's step after a gather made ahead: the parameters as it left them are
+        those the gather anticipated; any later write makes the next forward gather anew."""
+        if self._ahead is not None:
+            self._ahead.stepped = True
+            self.versions.record()
 
 
 def _check_replicas(recon: torch.Tensor, group: dist.ProcessGroup) -> None:

@@ -166,26 +166,27 @@ class _Reduction:
 
     def _apply_previous(
         self, output: torch.Tensor, group: dist.ProcessGroup | tuple[dist.ProcessGroup, ...]
-    ) -> None:
+    ) -> bool:
         """Staleness 1: the previous step's result of this hook into ``output`` (zeros when
         there is none), checked for NaN/Inf; the flags are agreed over ``group`` (or each of
-        several in turn)."""
+        several in turn). Whether there was one."""
         self._group = group
         result = self.stale.previous(self.slots, like=output)
         if result is None:
             output.zero_()
-            return
+            return False
         output.copy_(result)
         if self.check is None:
-            return
+            return True
         agreed = self.stale.agreed_flags(self.slots)
         if agreed is not None:  # agreed where it was reduced: acted on when the backward ends
             if agreed.is_cuda:  # (written on a side stream, read on this one)
                 agreed.record_stream(torch.cuda.current_stream(agreed.device))
             self.check.add(self, agreed, params=self.params)
-            return
+            return True
         flags = nonfinite_flags(output, self.layout, sizes=self._sizes)
         self._defer(flags, group)  # agreed, and acted on, when the backward ends
+        return True
 
     def check_applied(self, flat: torch.Tensor) -> None:
         """Zero ``flat`` (a result about to be applied outside a backward: ``drain()``) on
@@ -222,6 +223,11 @@ class QuantizedReduceScatter(_Reduction, _Hook, ReduceScatter):
     """FSDP2 gradient reduce-scatter through ``plan.reduce_scatter`` (quantized, two-level or
     Global-QSGD integers, as the config's gradient sub-config built it)."""
 
+    ahead = None
+    """``Schedule(gather_ahead=True)``: the group's weight-difference all-gather, which gathers
+    the next step's weights once this hook has applied the step's gradient
+    ([Note: the next step's weights in this backward] in ``qsdp.runtime.gathered``)."""
+
     def __call__(
         self,
         output_tensor: torch.Tensor,
@@ -243,7 +249,7 @@ class QuantizedReduceScatter(_Reduction, _Hook, ReduceScatter):
         if self.stale is not None and self.stale.reduce_now:
             self.stale.check_synchronous(self.slots)
         elif self.stale is not None:  # [Note: one staleness core]
-            self._apply_previous(output_tensor, group)
+            applied = self._apply_previous(output_tensor, group)
             step = self._steps.next()
             twin = self._twin(group)
             split = _usable(self.split, input_tensor.numel() // group.size(), self.stats)
@@ -288,6 +294,13 @@ class QuantizedReduceScatter(_Reduction, _Hook, ReduceScatter):
                 reuse=True,  # (its result was copied into FSDP2's output above)
                 local=local,
             )
+            # [Note: the next step's weights in this backward] (qsdp.runtime.gathered): the
+            # step applies what was just written into FSDP2's output (an average under AVG)
+            if self.ahead is not None and applied and op == dist.ReduceOp.AVG:
+                self.ahead.gather_ahead(
+                    grads={id(s.param): s.of(output_tensor) for s in self.slots},
+                    estimates=lambda: self.stale.estimates_of(self.slots),
+                )
             return None
         if self.twins:  # Schedule.own_reduce_group: off FSDP2's communicator
             group = self._twin(group)

@@ -146,11 +146,13 @@ def compress_fsdp(
     for i, group in enumerate(groups):
         if group.replicate_group is not None:  # HSDP: FSDP2's own replicate all-reduce, counted
             group.module.set_all_reduce_hook(ReplicateCounter(shared.stats))
-        for column, hook in (
-            (1, _replicate_hook(shared, model, group, i, len(groups))),
-            (0, _gather_hook(shared, model, group, i)),
-            (1, _reduce_hook(shared, model, group, i)),
-        ):
+        replicate_hook = _replicate_hook(shared, model, group, i, len(groups))
+        gather = _gather_hook(shared, model, group, i)
+        reduce = _reduce_hook(shared, model, group, i)
+        if schedule.gather_ahead:  # [Note: the next step's weights in this backward]
+            _check_ahead(gather, reduce, group)
+            reduce.ahead = gather
+        for column, hook in ((1, replicate_hook), (0, gather), (1, reduce)):
             if hook is not None:
                 hooks.append(hook)
                 slots.append((i, column))
@@ -212,6 +214,8 @@ class _Shared:
     """Staleness 1's prediction where qsdp gathers ([Note: the prediction in the gathers])."""
     gathered: set[int] = dataclasses.field(default_factory=set)
     """The ids of the parameters the gathers predict."""
+    ahead: SideStreams | None = None
+    """``Schedule(gather_ahead=True)``: the stream the gathers made ahead run on."""
 
     def split(self, layout: list) -> qc.Split | None:
         """The policy's split of a group's chunk (None: everything quantized)."""
@@ -269,6 +273,7 @@ def _shared(
     if schedule.staleness and schedule.prediction == "local":
         prediction = GatheredPrediction()
     return _Shared(
+        ahead=SideStreams(1) if schedule.gather_ahead else None,
         prediction=prediction,
         config=config,
         stats=CommStats(),
@@ -365,6 +370,7 @@ def _gather_hook(shared: _Shared, model: nn.Module, group: FSDPGroup, i: int):
             params=list(group.params),
             resync_every=weights.resync_every,
             check_replicas=weights.check_replicas,
+            streams=shared.ahead,
             **_predicting(shared, model, group),
             **key,
         )
@@ -393,6 +399,23 @@ def _predicting(shared: _Shared, model: nn.Module, group: FSDPGroup) -> dict:
         return {}
     shared.gathered.update(id(p) for p, _ in params)
     return {"prediction": shared.prediction, "slots": padded_slots(params)}
+
+
+def _check_ahead(gather: object, reduce: object, group: FSDPGroup) -> None:
+    """``Schedule(gather_ahead=True)`` needs each group's weight differences gathered by qsdp
+    with the prediction, and its gradients reduced by qsdp at staleness 1."""
+    if not isinstance(gather, WeightDiffAllGather):
+        why = "gathers no weight differences (use a WeightDiffs recipe such as 'sdp4bit')"
+    elif gather.prediction is None:
+        why = "has parameters not sharded on dim 0 (predicted by moving them, not in the gather)"
+    elif reduce is None:
+        why = "has no gradients qsdp reduces (compressed HSDP reduces FSDP2's all-reduce)"
+    else:
+        return
+    raise ValueError(
+        "Schedule(gather_ahead=True) gathers the next step's weight differences in the "
+        f"backward; FSDP module '{group.name or '<root>'}' {why}: drop gather_ahead"
+    )
 
 
 def _dim0(p: nn.Parameter) -> bool:

@@ -43,7 +43,15 @@ import torch
 
 from .placement import local_of
 
-__all__ = ["AdamStep", "adam_next", "check_adam", "fp32_copies", "predict_step", "predicted_into"]
+__all__ = [
+    "AdamStep",
+    "adam_next",
+    "check_adam",
+    "fp32_copies",
+    "predict_step",
+    "predicted_into",
+    "stepped",
+]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -134,6 +142,69 @@ def predicted_into(new: Sequence[torch.Tensor], step: AdamStep) -> None:
         eps=group["eps"],
         maximize=False,
     )
+
+
+@torch.no_grad()
+def stepped(xs: Sequence[torch.Tensor], step: AdamStep) -> tuple[list[torch.Tensor], list[dict]]:
+    """Where ``optimizer.step()`` will leave ``xs`` (each parameter's local values) and its
+    state when it applies ``step``'s estimates as the gradients (times its ``clip_coef``):
+    float32 copies of the values and moments moved by torch's fused step, the optimizer's own
+    state read, not written. Returns the new values and, per parameter, the state after the
+    step (``step``, ``exp_avg``, ``exp_avg_sq``), from which :func:`predict_step` predicts the
+    step after it (the gathers ahead: [Note: the next step's weights in this backward] in
+    ``qsdp.runtime.gathered``). A parameter without state yet starts from zero moments, as
+    the optimizer's first step does; its non-finite gradient elements count as 0 ([Note: a
+    non-finite estimate predicts nothing])."""
+    group = step.group
+    decoupled = group.get("decoupled_weight_decay", step.adamw)
+    beta1, beta2 = group["betas"]
+    new = fp32_copies(xs)
+    gs = [
+        torch.nan_to_num(g.to(torch.float32), nan=0.0, posinf=0.0, neginf=0.0)
+        for g in step.estimates
+    ]
+    if step.clip_coef != 1.0:
+        torch._foreach_mul_(gs, step.clip_coef)
+    ms, vs, counts = [], [], []
+    for x, s in zip(new, step.states, strict=True):
+        if s:
+            ms.append(local_of(s["exp_avg"]))
+            vs.append(local_of(s["exp_avg_sq"]))
+            counts.append(s["step"])
+        else:  # (the optimizer's first step for it: zero moments, count 0)
+            ms.append(torch.zeros_like(x))
+            vs.append(torch.zeros_like(x))
+            counts.append(0.0)
+    m, v = fp32_copies(ms), fp32_copies(vs)
+    device = new[0].device
+    on_device = [c for c in counts if isinstance(c, torch.Tensor) and c.device == device]
+    if len(on_device) == len(counts):  # a fused or capturable optimizer's: no host read
+        after = torch._foreach_add([c.to(torch.float32) for c in on_device], 1.0)
+        kept: list = after
+    else:
+        kept = [float(c) + 1 for c in counts]
+        filled = {t: torch.full((), t, dtype=torch.float32, device=device) for t in set(kept)}
+        after = [filled[t] for t in kept]
+    fused = torch._fused_adamw_ if decoupled else torch._fused_adam_
+    fused(
+        new,
+        gs,
+        m,
+        v,
+        [],
+        after,
+        amsgrad=False,
+        lr=group["lr"],
+        beta1=beta1,
+        beta2=beta2,
+        weight_decay=group["weight_decay"],
+        eps=group["eps"],
+        maximize=False,
+    )
+    states = [
+        {"step": c, "exp_avg": mi, "exp_avg_sq": vi} for c, mi, vi in zip(kept, m, v, strict=True)
+    ]
+    return new, states
 
 
 @torch.no_grad()

@@ -89,6 +89,10 @@ class Slot(NamedTuple):
     numel: int
     shape: tuple[int, ...]
 
+    def of(self, flat: torch.Tensor) -> torch.Tensor:
+        """This parameter's piece of ``flat``, shaped as its local tensor."""
+        return flat.view(-1)[self.offset : self.offset + self.numel].view(self.shape)
+
 
 def padded_slots(params: Iterable[tuple[nn.Parameter, int]]) -> list[Slot]:
     """The slots of a chunk whose parameters are padded: ``(parameter, padded elements)`` in
@@ -452,6 +456,23 @@ class DelayedReductions:
             self._local = {}
         return out
 
+    def estimates_of(self, slots: Sequence[Slot]) -> dict[int, torch.Tensor]:
+        """This rank's estimates of ``slots``' parameters kept by this backward, by parameter
+        id, shaped as their local tensors and complete for the current stream; kept here (a
+        gather ahead reads them before the next forward takes them)."""
+        out: dict[int, torch.Tensor] = {}
+        waited: set[int] = set()
+        for slot in slots:
+            held = self._local.get(id(slot.param))
+            if held is None:
+                continue
+            entry, kept = held
+            if id(entry) not in waited:
+                entry.wait()
+                waited.add(id(entry))
+            out[id(slot.param)] = _view(entry.buffer, kept)
+        return out
+
     # --- after the last backward ------------------------------------------------------------
     def drain(self) -> None:
         """Wait for every reduction in flight and put it into the parameters' ``.grad`` (then
@@ -529,7 +550,7 @@ def _ignore(_: torch.Tensor) -> None:
 
 def _view(flat: torch.Tensor, slot: Slot) -> torch.Tensor:
     """``slot``'s piece of ``flat``, shaped as its parameter's local tensor."""
-    return flat.view(-1)[slot.offset : slot.offset + slot.numel].view(slot.shape)
+    return slot.of(flat)
 
 
 def _saved(held: tuple | None, p: nn.Parameter) -> torch.Tensor:

@@ -26,13 +26,13 @@ the step) raises.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
 from torch import nn
 
-from .adam_step import AdamStep, predict_step
+from .adam_step import AdamStep, predict_step, stepped
 from .placement import local_of
 
 __all__ = ["GatheredPrediction"]
@@ -54,6 +54,11 @@ class GatheredPrediction:
     def __init__(self) -> None:
         self._armed: dict[int, _Armed] = {}
         self._dropped: dict[int, torch.optim.Optimizer] = {}
+        self._owners: dict[int, _Armed] = {}
+        """By parameter id: the optimizer (and its group and state) that last armed it: the
+        step a gather ahead takes ([Note: the next step's weights in this backward])."""
+        self._waiting: list[Callable[[torch.optim.Optimizer], None]] = []
+        """Gathers made ahead, told when the optimizer's step has been taken."""
         self.step = 0
         """Armed steps so far: a gather made in step ``step`` may be served again in it."""
         self.armed = False
@@ -68,7 +73,9 @@ class GatheredPrediction:
             for p in group["params"]:
                 state = optimizer.state.get(p)
                 if p in estimates and state:
-                    self._armed[id(p)] = _Armed(estimates[p], group, state, adamw, coef, optimizer)
+                    armed = _Armed(estimates[p], group, state, adamw, coef, optimizer)
+                    self._armed[id(p)] = armed
+                    self._owners[id(p)] = armed._replace(estimate=None)
         if not self.armed:
             self.step += 1
         self.armed = True
@@ -118,6 +125,68 @@ class GatheredPrediction:
                 for _, a in items:
                     a.estimate.record_stream(stream)
         return True
+
+    def next_into(
+        self,
+        slots: Sequence,
+        flat: torch.Tensor,
+        *,
+        grads: dict[int, torch.Tensor],
+        estimates: dict[int, torch.Tensor],
+    ) -> bool:
+        """Write into ``flat`` (a gather's input: ``slots``' places, zeros between) the weights
+        the next step's forward computes at ([Note: the next step's weights in this backward]):
+        each parameter moved by the optimizer's coming step with ``grads[id]`` (the gradient it
+        will apply), then predicted from there with ``estimates[id]`` (this rank's share of
+        the gradient now in flight); a parameter without a gradient as it is. Whether it could:
+        False (``flat`` left incomplete) where a parameter with a gradient has no optimizer
+        that armed it, or no estimate."""
+        by_group: dict[int, list] = defaultdict(list)
+        flat_view = flat.view(-1)
+        as_is = []
+        for s in slots:
+            key = id(s.param)
+            if key not in grads:
+                as_is.append(s)
+                continue
+            owner = self._owners.get(key)
+            if owner is None or key not in estimates:
+                return False
+            by_group[id(owner.group)].append((s, owner))
+        with torch.no_grad():
+            for s in as_is:
+                flat_view[s.offset : s.offset + s.numel].copy_(local_of(s.param).reshape(-1))
+            for items in by_group.values():
+                first = items[0][1]
+                xs = [local_of(s.param) for s, _ in items]
+                taken = AdamStep(
+                    group=first.group,
+                    adamw=first.adamw,
+                    estimates=[grads[id(s.param)] for s, _ in items],
+                    states=[first.optimizer.state.get(s.param, {}) for s, _ in items],
+                    clip_coef=1.0,
+                )
+                new, states = stepped(xs, taken)
+                ahead = AdamStep(
+                    group=first.group,
+                    adamw=first.adamw,
+                    estimates=[estimates[id(s.param)] for s, _ in items],
+                    states=states,
+                    clip_coef=1.0,
+                )
+                outs = [flat_view[s.offset : s.offset + s.numel] for s, _ in items]
+                predict_step(outs, xs=new, step=ahead)
+        return True
+
+    def after_step(self, waiting: Callable[[torch.optim.Optimizer], None]) -> None:
+        """Call ``waiting(optimizer)`` after the next ``optimizer.step()`` (once)."""
+        self._waiting.append(waiting)
+
+    def stepped(self, optimizer: torch.optim.Optimizer) -> None:
+        """``optimizer.step()`` has run (a global post-hook): tell the gathers made ahead."""
+        waiting, self._waiting = self._waiting, []
+        for w in waiting:
+            w(optimizer)
 
     def drop(self, slots: Sequence) -> None:
         """Forget the estimates of ``slots``' parameters for the rest of the step (their gather

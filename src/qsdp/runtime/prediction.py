@@ -64,7 +64,10 @@ from collections.abc import Iterator
 
 import torch
 from torch.distributed.fsdp import FSDPModule
-from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
 
 from .adam_step import adam_next, check_adam
 from .contracts import LocalGradients, StalenessState, check_contract
@@ -394,6 +397,10 @@ class AutoPrediction:
         self.restore()
         self.attach(optimizer)
 
+    def _after_step(self, optimizer: torch.optim.Optimizer) -> None:
+        if self._gathers is not None:  # [Note: the next step's weights in this backward]
+            self._gathers.stepped(optimizer)
+
     def attach(self, optimizer: torch.optim.Optimizer) -> None:
         """Predict ``optimizer``'s next step for the model's parameters it holds (once per
         optimizer; one holding none of them is ignored). The first ``optimizer.step()`` calls
@@ -468,9 +475,10 @@ def predict_with(
 
 
 # [Note: one global optimizer hook]
-# Every AutoPrediction learns of the optimizer steps through one global optimizer pre-hook of
-# the process, registered at the first and never taken off, which calls the live instances
-# (a WeakSet: the model's forward pre-hook holds each alive, so it leaves with its model). A
+# Every AutoPrediction learns of the optimizer steps through one global optimizer pre-hook (and
+# one post-hook) of the process, registered at the first and never taken off, which call the
+# live instances (a WeakSet: the model's forward pre-hook holds each alive, so it leaves with
+# its model). A
 # hook of its own per instance, taken off by the instance from inside its call once its model
 # was gone, mutated torch's ordered dict of global hooks while ``Optimizer.step`` iterated it:
 # "OrderedDict mutated during iteration" at the next step of any optimizer, as soon as a
@@ -485,8 +493,16 @@ def _on_step(optimizer: torch.optim.Optimizer, *_: object) -> None:
         auto._before_step(optimizer)
 
 
+def _on_step_done(optimizer: torch.optim.Optimizer, *_: object) -> None:
+    for auto in list(_live):
+        auto._after_step(optimizer)
+
+
 def _dispatch_steps() -> None:
-    """Register the process's one global optimizer pre-hook, once."""
+    """Register the process's one global optimizer pre-hook and post-hook, once."""
     global _dispatcher
     if _dispatcher is None:
-        _dispatcher = register_optimizer_step_pre_hook(_on_step)
+        _dispatcher = (
+            register_optimizer_step_pre_hook(_on_step),
+            register_optimizer_step_post_hook(_on_step_done),
+        )

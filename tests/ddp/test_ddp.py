@@ -267,6 +267,8 @@ def _refusals(rank: int, world: int) -> None:
         qsdp.ddp.register(ddp, "tlq-hs-only")
     with pytest.raises(ValueError, match="error_feedback=True needs quantized"):
         qsdp.ddp.register(ddp, "global-qsgd", error_feedback=True)
+    with pytest.raises(ValueError, match="DDP gathers no weights: drop gather_ahead"):
+        qsdp.ddp.register(ddp, "cgx", schedule=qsdp.Schedule(staleness=1, gather_ahead=True))
     assert isinstance(qsdp.recipe("cgx").grads.plan(), qc.QuantizedReduce)
 
 

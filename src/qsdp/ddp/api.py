@@ -99,6 +99,11 @@ def register(
             f"{name} compresses weights, which DDP does not gather; use a gradient-only recipe "
             "('cgx', 'qsdp-g8', 'global-qsgd') or CompressionConfig(grads=...)"
         )
+    if schedule.gather_ahead:
+        raise ValueError(
+            "Schedule(gather_ahead=True) gathers FSDP2's weight differences ahead; DDP "
+            "gathers no weights: drop gather_ahead"
+        )
     if schedule.own_reduce_group is not None:
         raise ValueError(
             "Schedule.own_reduce_group is for FSDP2 (its reduce-scatters and weight "

@@ -21,6 +21,38 @@ estimates are dropped once it has gathered (their memory returns before the peak
 all-gather gathers again in the backward: its estimates stay until the step. A gather that
 would need estimates already dropped (a parameter written in place between the forward and
 the step) raises.
+
+[Note: the next step's weights in this backward]
+Under the prediction above, step ``t + 1``'s forward gathers each group's weights as the
+optimizer's step ``t`` will leave them, moved once more by the prediction with this rank's
+gradient of step ``t`` (then in flight). Both are known before step ``t + 1`` begins: once a
+group's reduce-scatter hook in step ``t``'s backward has applied the delayed gradient (step
+``t - 1``'s, the one ``optimizer.step()`` is about to apply) and kept this rank's own
+gradient, its weights of step ``t + 1`` are fixed. ``Schedule(gather_ahead=True)`` gathers
+them there (:meth:`GatheredPrediction.next_into`: the optimizer's step taken on float32 copies
+of the values and moments by torch's fused kernel, ``adam_step.stepped``, then the prediction
+from that state; ``WeightDiffAllGather.gather_ahead``: the difference gathered into the
+reconstruction the backward has just finished reading, on a stream of its own and on FSDP2's
+communicator, which the backward leaves idle while the delayed reductions use their twin). The
+next forward's gathers are served from the reconstruction. Measured on 2x H200 over sockets
+(GPT 1.42 B, ``benchmarks/results/session27_2026-11-28/``): the forward's 25 weight all-gathers
+had run alone on the link before, 125-155 ms a step, the backward's all-to-alls alone after;
+gathered ahead, the two run at once in the backward and the step fell from 0.27 to 0.22-0.23 s
+(the synchronous step 0.33-0.35 s).
+
+The gathered weights are those of the shipped schedule only if the coming step is the one
+anticipated. With a fused AdamW (``fused=True``: the kernel the copies are stepped by) and a
+constant learning rate the run is the shipped one bit for bit (tested on gloo and on NCCL);
+torch's default AdamW rounds its step otherwise; the prediction from there takes step ``t``'s
+learning rate (a scheduler sets step ``t + 1``'s after the step); and a change the loop makes
+between the backward and ``optimizer.step()`` (gradient clipping, a learning rate set by hand)
+is missed for one step: the gathered weights are off by it, and the next gather's difference
+(against the reconstruction) corrects them, as it corrects a prediction's error. A forward that is not the
+anticipated one gathers anew: an evaluation (not predicted), a forward after a parameter was
+written once the step was taken (the step's post-hook records the parameters' versions), a
+forward with no ``optimizer.step()`` since (its estimates spent: it computes at the
+parameters as they are), after a resync request. Off by default until the convergence study
+(issue 34) has run it with clipping.
 """
 
 from __future__ import annotations

@@ -238,33 +238,45 @@ class WeightDiffAllGather(_Gather):
 
     def gather_ahead(
         self, *, grads: dict[int, torch.Tensor], estimates: Callable[[], dict[int, torch.Tensor]]
-    ) -> bool:
+    ) -> torch.cuda.Event | None:
         """Gather the group's weights of the next step into the reconstruction now, in the
         backward that has just applied ``grads`` (by parameter id: the gradients the coming
         ``optimizer.step()`` applies), with ``estimates()`` (this rank's shares of the
         gradients now in flight, complete for the current stream) for the prediction from
         there ([Note: the next step's weights in this backward] in ``qsdp.runtime.gathered``).
-        Whether it did: not before this group's first gather, nor when a resync is due (the
-        forward gathers exactly), nor where the prediction lacks an optimizer's state."""
+        Returns the event at its end on CUDA (None elsewhere, or where it did not gather: not
+        before this group's first gather, nor when a resync is due (the forward gathers
+        exactly), nor where the prediction lacks an optimizer's state)."""
         pred, group, recon = self.prediction, self._group, self.recon
         if pred is None or group is None or recon is None:
-            return False
+            return None
         if self._generation != self.clock.generation:
-            return False
+            return None
         n = group.size()
         device = recon.device
+        # the optimizer's step taken on copies here, on the stream the backward wrote the
+        # gradient on: the optimizer.step() that writes the parameters and moments comes after
+        # it (FSDP2's compute stream waits for its reduce-scatter stream when the backward ends)
+        flat = torch.zeros(recon.numel() // n, dtype=recon.dtype, device=device)
+        taken = pred.take_step(self.slots, flat, grads=grads)
+        if taken is None:
+            return None
         stream = None
         if device.type == "cuda" and self.streams is not None:
-            # after what the backward wrote (the applied gradient, the estimates); recon's last
-            # reader (this group's re-gather) ran before the gradient this stream waits for
+            # the prediction from there and the gather on a stream of their own, after the
+            # step's copies; recon's last reader (this group's re-gather) ran before the
+            # gradient this stream now waits for
             stream = self.streams.get(device, 0)
             stream.wait_stream(torch.cuda.current_stream(device))
-            for g in grads.values():
-                g.record_stream(stream)
+            flat.record_stream(stream)
+            for _, _, new, states in taken:
+                read = [*new, *(t for s in states for t in s.values())]
+                for t in read:
+                    if isinstance(t, torch.Tensor):
+                        t.record_stream(stream)
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            flat = torch.zeros(recon.numel() // n, dtype=recon.dtype, device=device)
-            if not pred.next_into(self.slots, flat, grads=grads, estimates=estimates()):
-                return False
+            if not pred.predict_from(taken, flat, estimates=estimates()):
+                return None
             exact = self.resync_every > 0 and self._diffs >= self.resync_every
             qc.all_gather_diff(
                 None,
@@ -285,7 +297,7 @@ class WeightDiffAllGather(_Gather):
         self._ahead = _Ahead(pred.step + 1, self.clock.generation, event)
         pred.after_step(self._stepped)
         self.gathered_ahead += 1
-        return True
+        return event
 
     def _stepped(self, optimizer: torch.optim.Optimizer) -> None:
         """The optimizer's step after a gather made ahead: the parameters as it left them are

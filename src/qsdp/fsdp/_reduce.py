@@ -294,8 +294,8 @@ class QuantizedReduceScatter(_Reduction, _Hook, ReduceScatter):
                 reuse=True,  # (its result was copied into FSDP2's output above)
                 local=local,
             )
-            # [Note: the next step's weights in this backward] (qsdp.runtime.gathered): the
-            # step applies what was just written into FSDP2's output (an average under AVG)
+            # [Note: the next step's weights in this backward] (qsdp.runtime.gathered): the step
+            # applies what was just written into FSDP2's output (an average under AVG)
             if self.ahead is not None and applied and op == dist.ReduceOp.AVG:
                 self.ahead.gather_ahead(
                     grads={id(s.param): s.of(output_tensor) for s in self.slots},

@@ -29,12 +29,16 @@ gradient of step ``t`` (then in flight). Both are known before step ``t + 1`` be
 group's reduce-scatter hook in step ``t``'s backward has applied the delayed gradient (step
 ``t - 1``'s, the one ``optimizer.step()`` is about to apply) and kept this rank's own
 gradient, its weights of step ``t + 1`` are fixed. ``Schedule(gather_ahead=True)`` gathers
-them there (:meth:`GatheredPrediction.next_into`: the optimizer's step taken on float32 copies
-of the values and moments by torch's fused kernel, ``adam_step.stepped``, then the prediction
-from that state; ``WeightDiffAllGather.gather_ahead``: the difference gathered into the
-reconstruction the backward has just finished reading, on a stream of its own and on FSDP2's
-communicator, which the backward leaves idle while the delayed reductions use their twin). The
-next forward's gathers are served from the reconstruction. Measured on 2x H200 over sockets
+them there: :meth:`GatheredPrediction.take_step` takes the optimizer's step on float32 copies
+of the values and moments (torch's fused kernel, ``adam_step.stepped``) on the reduce-scatter's
+stream, which the optimizer's step follows (taken on the gather's stream, it could read the
+parameters after the step had written them: the GPU test found it);
+:meth:`GatheredPrediction.predict_from` predicts from there and
+``WeightDiffAllGather.gather_ahead`` gathers the difference into the reconstruction the
+backward has just finished reading, on a stream of their own and on FSDP2's communicator,
+which the backward leaves idle while the delayed reductions use their twin (after the
+group's reduction: made to go first, the step was 4-7% slower on 2x H200, whose host bounds
+it). The next forward's gathers are served from the reconstruction. Measured on 2x H200 over sockets
 (GPT 1.42 B, ``benchmarks/results/session27_2026-11-28/``): the forward's 25 weight all-gathers
 had run alone on the link before, 125-155 ms a step, the backward's all-to-alls alone after;
 gathered ahead, the two run at once in the backward and the step fell from 0.27 to 0.22-0.23 s
@@ -47,11 +51,11 @@ torch's default AdamW rounds its step otherwise; the prediction from there takes
 learning rate (a scheduler sets step ``t + 1``'s after the step); and a change the loop makes
 between the backward and ``optimizer.step()`` (gradient clipping, a learning rate set by hand)
 is missed for one step: the gathered weights are off by it, and the next gather's difference
-(against the reconstruction) corrects them, as it corrects a prediction's error. A forward that is not the
-anticipated one gathers anew: an evaluation (not predicted), a forward after a parameter was
-written once the step was taken (the step's post-hook records the parameters' versions), a
-forward with no ``optimizer.step()`` since (its estimates spent: it computes at the
-parameters as they are), after a resync request. Off by default until the convergence study
+(against the reconstruction) corrects them, as it corrects a prediction's error. A forward
+that is not the anticipated one gathers anew: an evaluation (not predicted), a forward after a
+parameter was written once the step was taken (the step's post-hook records the parameters'
+versions), a forward with no ``optimizer.step()`` since (its estimates spent: it computes at
+the parameters as they are), after a resync request. Off by default until the convergence study
 (issue 34) has run it with clipping.
 """
 
@@ -158,21 +162,16 @@ class GatheredPrediction:
                     a.estimate.record_stream(stream)
         return True
 
-    def next_into(
-        self,
-        slots: Sequence,
-        flat: torch.Tensor,
-        *,
-        grads: dict[int, torch.Tensor],
-        estimates: dict[int, torch.Tensor],
-    ) -> bool:
-        """Write into ``flat`` (a gather's input: ``slots``' places, zeros between) the weights
-        the next step's forward computes at ([Note: the next step's weights in this backward]):
-        each parameter moved by the optimizer's coming step with ``grads[id]`` (the gradient it
-        will apply), then predicted from there with ``estimates[id]`` (this rank's share of
-        the gradient now in flight); a parameter without a gradient as it is. Whether it could:
-        False (``flat`` left incomplete) where a parameter with a gradient has no optimizer
-        that armed it, or no estimate."""
+    def take_step(
+        self, slots: Sequence, flat: torch.Tensor, *, grads: dict[int, torch.Tensor]
+    ) -> list | None:
+        """The first half of the next step's weights ([Note: the next step's weights in this
+        backward]): each of ``slots``' parameters with a gradient moved by the optimizer's
+        coming step with ``grads[id]`` (the gradient it will apply), on float32 copies;
+        one without a gradient written into ``flat`` (a gather's input: ``slots``' places,
+        zeros between) as it is. Run where the optimizer's step will come after it (it reads
+        the parameters and the optimizer's state). None where a parameter with a gradient
+        has no optimizer that armed it; else what :meth:`predict_from` completes."""
         by_group: dict[int, list] = defaultdict(list)
         flat_view = flat.view(-1)
         as_is = []
@@ -182,31 +181,45 @@ class GatheredPrediction:
                 as_is.append(s)
                 continue
             owner = self._owners.get(key)
-            if owner is None or key not in estimates:
-                return False
+            if owner is None:
+                return None
             by_group[id(owner.group)].append((s, owner))
+        taken = []
         with torch.no_grad():
             for s in as_is:
                 flat_view[s.offset : s.offset + s.numel].copy_(local_of(s.param).reshape(-1))
             for items in by_group.values():
                 first = items[0][1]
-                xs = [local_of(s.param) for s, _ in items]
-                taken = AdamStep(
+                step = AdamStep(
                     group=first.group,
                     adamw=first.adamw,
                     estimates=[grads[id(s.param)] for s, _ in items],
                     states=[first.optimizer.state.get(s.param, {}) for s, _ in items],
                     clip_coef=1.0,
                 )
-                new, states = stepped(xs, taken)
+                new, states = stepped([local_of(s.param) for s, _ in items], step)
+                taken.append(([s for s, _ in items], first, new, states))
+        return taken
+
+    def predict_from(
+        self, taken: list, flat: torch.Tensor, *, estimates: dict[int, torch.Tensor]
+    ) -> bool:
+        """The second half: from where :meth:`take_step` left them, each parameter predicted
+        with ``estimates[id]`` (this rank's share of the gradient now in flight), written into
+        ``flat``. False (``flat`` incomplete) where an estimate is missing."""
+        flat_view = flat.view(-1)
+        with torch.no_grad():
+            for slots, first, new, states in taken:
+                if any(id(s.param) not in estimates for s in slots):
+                    return False
                 ahead = AdamStep(
                     group=first.group,
                     adamw=first.adamw,
-                    estimates=[estimates[id(s.param)] for s, _ in items],
+                    estimates=[estimates[id(s.param)] for s in slots],
                     states=states,
                     clip_coef=1.0,
                 )
-                outs = [flat_view[s.offset : s.offset + s.numel] for s, _ in items]
+                outs = [flat_view[s.offset : s.offset + s.numel] for s in slots]
                 predict_step(outs, xs=new, step=ahead)
         return True
 

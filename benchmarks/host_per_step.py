@@ -88,11 +88,14 @@ def build(
     device: str = "cpu",
     schedule: qsdp.Schedule | None = None,
 ) -> nn.Module:
-    name, _, option = recipe.partition("+")
-    if option not in ("", "s1"):
-        raise SystemExit(f"recipe {recipe!r}: the one option is +s1 (staleness 1)")
-    if option:  # the delayed schedule from the first step, as bench_fsdp_step.py's +s1
-        schedule = qsdp.Schedule(staleness=1, start=0)
+    name, *options = recipe.split("+")
+    if options not in ([], ["s1"], ["s1", "ahead"]):
+        raise SystemExit(
+            f"recipe {recipe!r}: the options are +s1 (staleness 1) and +s1+ahead (with the "
+            "next step's weights gathered in the backward)"
+        )
+    if options:  # the delayed schedule from the first step, as bench_fsdp_step.py's +s1
+        schedule = qsdp.Schedule(staleness=1, start=0, gather_ahead="ahead" in options)
     torch.manual_seed(0)
     kind = GPTBlock if block == "gpt" else Block
     model = nn.Sequential(*[kind(d) for _ in range(blocks)]).to(device)
@@ -212,7 +215,7 @@ def main() -> None:
         help="each step ends with AdamW's step (needed by NAME+s1, whose prediction runs on it)",
     )
     a = p.parse_args()
-    if any(r.endswith("+s1") for r in a.recipes) and not a.optimizer:
+    if any("+s1" in r for r in a.recipes) and not a.optimizer:
         raise SystemExit("a NAME+s1 recipe predicts at the optimizer's step: pass --optimizer")
     stub = a.device == "cpu" if a.stub is None else a.stub
     if stub:

@@ -9,6 +9,8 @@ step taken) gathers anew and lands where the reference lands."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch import nn
@@ -29,7 +31,7 @@ def _loss(model: nn.Module, rank: int, step: int) -> torch.Tensor:
     return nn.functional.cross_entropy(model(x), y)
 
 
-def _model(kind: str, ahead: bool, *, fused: bool = True) -> tuple:
+def _model(kind: str, ahead: bool, *, fused: bool = True, nonfinite: str = "raise") -> tuple:
     """(model, comm state, AdamW): the classifier under FSDP2 with ``sdp4bit`` at staleness 1
     as shipped (``kind``: ``flat``, ``bf16`` compute, ``2level`` on 2 x 2)."""
     model = classifier()
@@ -42,7 +44,8 @@ def _model(kind: str, ahead: bool, *, fused: bool = True) -> tuple:
     if kind == "2level":
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("inter", "intra"))
     schedule = qsdp.Schedule(staleness=1, start=0, gather_ahead=ahead)
-    qsdp.compress_fsdp(model, "sdp4bit", mesh=mesh, schedule=schedule)
+    config = qsdp.recipe("sdp4bit", nonfinite=nonfinite)
+    qsdp.compress_fsdp(model, config, mesh=mesh, schedule=schedule)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, fused=fused)
     return model, qsdp.fsdp.comm_state(model), opt
 
@@ -211,3 +214,26 @@ def test_gather_ahead_needs_weight_differences_and_a_prediction():
         qsdp.Schedule(staleness=1, predict_clip=1.0, gather_ahead=True)
     with pytest.raises(TypeError, match="must be a bool"):
         qsdp.Schedule(staleness=1, gather_ahead=1)
+
+
+def _nan(rank: int, world: int) -> list[float]:
+    """Rank 1's gradient of step 3 is NaN: its estimate reaches step 3's gather ahead and its
+    reduction step 4's, where the check zeroes it only when the backward ends."""
+    model, state, opt = _model("flat", True, nonfinite="zero")
+    losses = []
+    for step in range(STEPS + 1):
+        loss = _loss(model, rank, step)
+        (loss * (float("nan") if (rank, step) == (1, 3) else 1.0)).backward()
+        if not state.applied_nothing:
+            opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+    assert_same_on_all_ranks(torch.cat([p.full_tensor().reshape(-1) for p in model.parameters()]))
+    assert state.zeroed > 0
+    return losses + [min(g.served_ahead for g in _installed(model).gathers)]
+
+
+def test_a_nan_gradient_never_reaches_the_weights_gathered_ahead():
+    for got in run_distributed(_nan, 3):
+        *losses, served = got
+        assert all(math.isfinite(v) for v in losses) and served == 4, got

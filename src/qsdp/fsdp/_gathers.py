@@ -237,16 +237,21 @@ class WeightDiffAllGather(_Gather):
         )
 
     def gather_ahead(
-        self, *, grads: dict[int, torch.Tensor], estimates: Callable[[], dict[int, torch.Tensor]]
+        self,
+        *,
+        applied: torch.Tensor,
+        slots: Sequence,
+        estimates: Callable[[], dict[int, torch.Tensor]],
     ) -> torch.cuda.Event | None:
         """Gather the group's weights of the next step into the reconstruction now, in the
-        backward that has just applied ``grads`` (by parameter id: the gradients the coming
-        ``optimizer.step()`` applies), with ``estimates()`` (this rank's shares of the
-        gradients now in flight, complete for the current stream) for the prediction from
-        there ([Note: the next step's weights in this backward] in ``qsdp.runtime.gathered``).
-        Returns the event at its end on CUDA (None elsewhere, or where it did not gather: not
-        before this group's first gather, nor when a resync is due (the forward gathers
-        exactly), nor where the prediction lacks an optimizer's state)."""
+        backward that has just applied ``applied`` (a reduce-scatter's output: the gradients
+        the coming ``optimizer.step()`` applies, at ``slots``), with ``estimates()`` (this
+        rank's shares of the gradients now in flight, complete for the current stream) for
+        the prediction from there ([Note: the next step's weights in this backward] in
+        ``qsdp.runtime.gathered``). Returns the event at its end on CUDA (None elsewhere, or
+        where it did not gather: not before this group's first gather, nor when a resync is
+        due (the forward gathers exactly), nor where the prediction lacks an optimizer's
+        state)."""
         pred, group, recon = self.prediction, self._group, self.recon
         if pred is None or group is None or recon is None:
             return None
@@ -258,7 +263,11 @@ class WeightDiffAllGather(_Gather):
         # gradient on: the optimizer.step() that writes the parameters and moments comes after
         # it (FSDP2's compute stream waits for its reduce-scatter stream when the backward ends)
         flat = torch.zeros(recon.numel() // n, dtype=recon.dtype, device=device)
-        taken = pred.take_step(self.slots, flat, grads=grads)
+        # float32 and finite once for the whole buffer ([Note: a non-finite estimate predicts
+        # nothing] in qsdp.runtime.adam_step), not once per parameter
+        clean = torch.nan_to_num(applied.to(torch.float32), nan=0.0, posinf=0.0, neginf=0.0)
+        grads = {id(s.param): s.of(clean) for s in slots}
+        taken = pred.take_step(self.slots, flat, grads=grads, finite=True)
         if taken is None:
             return None
         stream = None

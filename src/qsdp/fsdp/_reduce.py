@@ -298,7 +298,8 @@ class QuantizedReduceScatter(_Reduction, _Hook, ReduceScatter):
             # applies what was just written into FSDP2's output (an average under AVG)
             if self.ahead is not None and applied and op == dist.ReduceOp.AVG:
                 self.ahead.gather_ahead(
-                    grads={id(s.param): s.of(output_tensor) for s in self.slots},
+                    applied=output_tensor,
+                    slots=self.slots,
                     estimates=lambda: self.stale.estimates_of(self.slots),
                 )
             return None

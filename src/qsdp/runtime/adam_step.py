@@ -145,7 +145,9 @@ def predicted_into(new: Sequence[torch.Tensor], step: AdamStep) -> None:
 
 
 @torch.no_grad()
-def stepped(xs: Sequence[torch.Tensor], step: AdamStep) -> tuple[list[torch.Tensor], list[dict]]:
+def stepped(
+    xs: Sequence[torch.Tensor], step: AdamStep, *, finite: bool = False
+) -> tuple[list[torch.Tensor], list[dict]]:
     """Where ``optimizer.step()`` will leave ``xs`` (each parameter's local values) and its
     state when it applies ``step``'s estimates as the gradients (times its ``clip_coef``):
     float32 copies of the values and moments moved by torch's fused step, the optimizer's own
@@ -154,15 +156,15 @@ def stepped(xs: Sequence[torch.Tensor], step: AdamStep) -> tuple[list[torch.Tens
     step after it (the gathers ahead: [Note: the next step's weights in this backward] in
     ``qsdp.runtime.gathered``). A parameter without state yet starts from zero moments, as
     the optimizer's first step does; its non-finite gradient elements count as 0 ([Note: a
-    non-finite estimate predicts nothing])."""
+    non-finite estimate predicts nothing]). ``finite``: the caller made the gradients float32
+    and finite already (once for a whole flat buffer, not once per tensor)."""
     group = step.group
     decoupled = group.get("decoupled_weight_decay", step.adamw)
     beta1, beta2 = group["betas"]
     new = fp32_copies(xs)
-    gs = [
-        torch.nan_to_num(g.to(torch.float32), nan=0.0, posinf=0.0, neginf=0.0)
-        for g in step.estimates
-    ]
+    gs = list(step.estimates)
+    if not finite:
+        gs = [torch.nan_to_num(g.to(torch.float32), nan=0.0, posinf=0.0, neginf=0.0) for g in gs]
     if step.clip_coef != 1.0:
         torch._foreach_mul_(gs, step.clip_coef)
     ms, vs, counts = [], [], []

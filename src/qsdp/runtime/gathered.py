@@ -163,7 +163,12 @@ class GatheredPrediction:
         return True
 
     def take_step(
-        self, slots: Sequence, flat: torch.Tensor, *, grads: dict[int, torch.Tensor]
+        self,
+        slots: Sequence,
+        flat: torch.Tensor,
+        *,
+        grads: dict[int, torch.Tensor],
+        finite: bool = False,
     ) -> list | None:
         """The first half of the next step's weights ([Note: the next step's weights in this
         backward]): each of ``slots``' parameters with a gradient moved by the optimizer's
@@ -171,7 +176,8 @@ class GatheredPrediction:
         one without a gradient written into ``flat`` (a gather's input: ``slots``' places,
         zeros between) as it is. Run where the optimizer's step will come after it (it reads
         the parameters and the optimizer's state). None where a parameter with a gradient
-        has no optimizer that armed it; else what :meth:`predict_from` completes."""
+        has no optimizer that armed it; else what :meth:`predict_from` completes.
+        ``finite``: ``grads`` are float32 and finite already (``adam_step.stepped``)."""
         by_group: dict[int, list] = defaultdict(list)
         flat_view = flat.view(-1)
         as_is = []
@@ -197,7 +203,7 @@ class GatheredPrediction:
                     states=[first.optimizer.state.get(s.param, {}) for s, _ in items],
                     clip_coef=1.0,
                 )
-                new, states = stepped([local_of(s.param) for s, _ in items], step)
+                new, states = stepped([local_of(s.param) for s, _ in items], step, finite=finite)
                 taken.append(([s for s, _ in items], first, new, states))
         return taken
 

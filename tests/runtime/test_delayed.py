@@ -10,7 +10,13 @@ import pytest
 import torch
 from torch import nn
 
-from qsdp.runtime.delayed import DelayedReductions, Slot, packed_slots, padded_slots
+from qsdp.runtime.delayed import (
+    DelayedReductions,
+    Slot,
+    packed_slots,
+    padded_slots,
+    slot_views,
+)
 
 
 def _params(*sizes: int) -> dict[str, nn.Parameter]:
@@ -189,3 +195,26 @@ def test_a_checkpoint_restores_each_hook_s_layout_and_its_estimates():
     empty = build()
     empty.load_state_dict({**state, "pending": torch.tensor([0])})
     assert not empty.in_flight and empty.applied_nothing
+
+
+def test_slot_views_are_the_slots_pieces_from_one_split():
+    """``slot_views``: the same views as slicing each slot (padding between them and after the
+    last skipped), shaped or flat; slots out of order are sliced one by one; slots past the
+    buffer's end are refused."""
+    params = [
+        nn.Parameter(torch.zeros(2, 3)),
+        nn.Parameter(torch.zeros(5)),
+        nn.Parameter(torch.zeros(1, 4)),
+    ]
+    slots = padded_slots([(params[0], 8), (params[1], 5), (params[2], 7)])
+    flat = torch.arange(20.0)
+    for shaped in (True, False):
+        got = slot_views(flat, slots, shaped=shaped)
+        want = [s.of(flat) if shaped else s.of(flat).view(-1) for s in slots]
+        assert all(torch.equal(g, w) and g.shape == w.shape for g, w in zip(got, want, strict=True))
+        assert all(g.data_ptr() == w.data_ptr() for g, w in zip(got, want, strict=True))
+    backwards = list(reversed(slots))
+    got = slot_views(flat, backwards)
+    assert all(torch.equal(g, s.of(flat)) for g, s in zip(got, backwards, strict=True))
+    with pytest.raises(ValueError, match="slots end at element 17 of a buffer of 16"):
+        slot_views(torch.zeros(16), slots)

@@ -14,6 +14,7 @@ from ..quant import QuantSpec
 from ..quant import decode as qc_decode
 from ..quant import decode_rows as qc_decode_rows
 from ..quant import encode as qc_encode
+from ..runtime.delayed import slot_views
 from ..runtime.gathered import GatheredPrediction
 from ..runtime.streams import SideStreams
 from ._hooks import StepClock, _Counter, _Gather, _usable
@@ -266,7 +267,7 @@ class WeightDiffAllGather(_Gather):
         # float32 and finite once for the whole buffer ([Note: a non-finite estimate predicts
         # nothing] in qsdp.runtime.adam_step), not once per parameter
         clean = torch.nan_to_num(applied.to(torch.float32), nan=0.0, posinf=0.0, neginf=0.0)
-        grads = {id(s.param): s.of(clean) for s in slots}
+        grads = {id(s.param): v for s, v in zip(slots, slot_views(clean, slots), strict=True)}
         taken = pred.take_step(self.slots, flat, grads=grads, finite=True)
         if taken is None:
             return None

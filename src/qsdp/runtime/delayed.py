@@ -76,6 +76,7 @@ __all__ = [
     "Slot",
     "packed_slots",
     "padded_slots",
+    "slot_views",
 ]
 
 
@@ -103,6 +104,41 @@ def padded_slots(params: Iterable[tuple[nn.Parameter, int]]) -> list[Slot]:
         slots.append(Slot(p, offset, local.numel(), tuple(local.shape)))
         offset += padded
     return slots
+
+
+_SPLITS: dict[tuple, tuple[list[int], list[int]]] = {}
+
+
+def slot_views(
+    flat: torch.Tensor, slots: Sequence[Slot], *, shaped: bool = True
+) -> list[torch.Tensor]:
+    """Each of ``slots``' pieces of ``flat`` (shaped as its local tensor with ``shaped``), from
+    one ``split`` of ``flat`` where per-slot slicing issued three torch ops a slot (the host's
+    cost on a hot path: a GPT block's 12 parameters). The split's sizes are worked out once per
+    layout; slots out of offset order, or overlapping, are sliced one by one."""
+    total = flat.numel()
+    key = (total, tuple((s.offset, s.numel) for s in slots))
+    plan = _SPLITS.get(key)
+    if plan is None:
+        sizes, picks, at = [], [], 0
+        for offset, numel in key[1]:
+            if offset < at:
+                return [s.of(flat) if shaped else s.of(flat).view(-1) for s in slots]
+            if offset > at:
+                sizes.append(offset - at)
+            picks.append(len(sizes))
+            sizes.append(numel)
+            at = offset + numel
+        if at > total:
+            raise ValueError(f"slots end at element {at} of a buffer of {total}")
+        if at < total:
+            sizes.append(total - at)
+        plan = _SPLITS[key] = (sizes, picks)
+    sizes, picks = plan
+    pieces = flat.view(-1).split(sizes)
+    if not shaped:
+        return [pieces[i] for i in picks]
+    return [pieces[i].view(s.shape) for i, s in zip(picks, slots, strict=True)]
 
 
 def packed_slots(params: Iterable[nn.Parameter]) -> list[Slot]:
@@ -461,16 +497,17 @@ class DelayedReductions:
         id, shaped as their local tensors and complete for the current stream; kept here (a
         gather ahead reads them before the next forward takes them)."""
         out: dict[int, torch.Tensor] = {}
-        waited: set[int] = set()
-        for slot in slots:
-            held = self._local.get(id(slot.param))
-            if held is None:
-                continue
-            entry, kept = held
-            if id(entry) not in waited:
-                entry.wait()
-                waited.add(id(entry))
-            out[id(slot.param)] = _view(entry.buffer, kept)
+        held = [self._local.get(id(slot.param)) for slot in slots]
+        entries = {id(h[0]): h[0] for h in held if h is not None}
+        for entry in entries.values():
+            entry.wait()
+        if len(entries) == 1 and all(h is not None for h in held):  # (one buffer: one split)
+            (entry,) = entries.values()
+            views = slot_views(entry.buffer, [kept for _, kept in held])
+            return {id(s.param): v for s, v in zip(slots, views, strict=True)}
+        for slot, h in zip(slots, held, strict=True):
+            if h is not None:
+                out[id(slot.param)] = _view(h[0].buffer, h[1])
         return out
 
     # --- after the last backward ------------------------------------------------------------

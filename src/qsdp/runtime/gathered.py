@@ -69,6 +69,7 @@ import torch
 from torch import nn
 
 from .adam_step import AdamStep, predict_step, stepped
+from .delayed import slot_views
 from .placement import local_of
 
 __all__ = ["GatheredPrediction"]
@@ -213,7 +214,6 @@ class GatheredPrediction:
         """The second half: from where :meth:`take_step` left them, each parameter predicted
         with ``estimates[id]`` (this rank's share of the gradient now in flight), written into
         ``flat``. False (``flat`` incomplete) where an estimate is missing."""
-        flat_view = flat.view(-1)
         with torch.no_grad():
             for slots, first, new, states in taken:
                 if any(id(s.param) not in estimates for s in slots):
@@ -225,8 +225,7 @@ class GatheredPrediction:
                     states=states,
                     clip_coef=1.0,
                 )
-                outs = [flat_view[s.offset : s.offset + s.numel] for s in slots]
-                predict_step(outs, xs=new, step=ahead)
+                predict_step(slot_views(flat, slots, shaped=False), xs=new, step=ahead)
         return True
 
     def after_step(self, waiting: Callable[[torch.optim.Optimizer], None]) -> None:

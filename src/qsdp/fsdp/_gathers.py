@@ -198,9 +198,27 @@ class WeightDiffAllGather(_Gather):
         )
         if fresh or self.recon.dtype != output_tensor.dtype:
             self.recon = torch.empty_like(output_tensor)
+        self._gather(output_tensor, input_tensor, group, exact=exact)
+        self._epoch, self._generation = self.clock.epoch, self.clock.generation
+        self.versions.record()
+        if predicted:  # later gathers of this step are served from the reconstruction
+            self._predicted_step = pred.step
+            pred.drop(self.slots)
+        return None
+
+    def _gather(
+        self,
+        output: torch.Tensor | None,
+        input: torch.Tensor,
+        group: dist.ProcessGroup,
+        *,
+        exact: bool,
+    ) -> None:
+        """The weight differences of ``input`` gathered into the reconstruction (and into
+        ``output``, unless None), under the next noise key; the replicas checked if asked."""
         qc.all_gather_diff(
-            output_tensor,
-            input_tensor,
+            output,
+            input,
             self.recon,
             group,
             spec=self.spec,
@@ -211,14 +229,8 @@ class WeightDiffAllGather(_Gather):
             stats=self.stats,
         )
         self._diffs = 0 if exact else self._diffs + 1
-        self._epoch, self._generation = self.clock.epoch, self.clock.generation
-        self.versions.record()
-        if predicted:  # later gathers of this step are served from the reconstruction
-            self._predicted_step = pred.step
-            pred.drop(self.slots)
         if self.check_replicas:
             _check_replicas(self.recon, group)
-        return None
 
     def _serves(self, ahead: _Ahead, output: torch.Tensor) -> bool:
         """Whether this forward gather may be served from the gather made ahead: it is the
@@ -288,22 +300,8 @@ class WeightDiffAllGather(_Gather):
             if not pred.predict_from(taken, flat, estimates=estimates()):
                 return None
             exact = self.resync_every > 0 and self._diffs >= self.resync_every
-            qc.all_gather_diff(
-                None,
-                flat,
-                recon,
-                group,
-                spec=self.spec,
-                exact=exact,
-                seed=self.seed,
-                step=self._steps.next(),
-                bucket=self.bucket,
-                stats=self.stats,
-            )
-            if self.check_replicas:
-                _check_replicas(recon, group)
+            self._gather(None, flat, group, exact=exact)
             event = stream.record_event() if stream is not None else None
-        self._diffs = 0 if exact else self._diffs + 1
         self._ahead = _Ahead(pred.step + 1, self.clock.generation, event)
         pred.after_step(self._stepped)
         self.gathered_ahead += 1

@@ -114,10 +114,7 @@ def predicted_into(new: Sequence[torch.Tensor], step: AdamStep) -> None:
     by the step ``optimizer.step()`` would take with ``step``'s estimates as gradients (times
     its ``clip_coef``), the optimizer's states read, not written ([Note: the prediction in one
     fused step]): torch's fused kernel, the reference of the Triton one."""
-    group, estimates, states = step.group, step.estimates, step.states
-    # AdamW, or Adam(decoupled_weight_decay=True) of torch >= 2.6
-    decoupled = group.get("decoupled_weight_decay", step.adamw)
-    beta1, beta2 = group["betas"]
+    estimates, states = step.estimates, step.states
     # [Note: a non-finite estimate predicts nothing]
     gs = [torch.nan_to_num(g.to(torch.float32), nan=0.0, posinf=0.0, neginf=0.0) for g in estimates]
     torch._foreach_mul_(gs, step.clip_coef)
@@ -126,14 +123,32 @@ def predicted_into(new: Sequence[torch.Tensor], step: AdamStep) -> None:
     values = [float(s["step"]) + 1 for s in states]
     device = new[0].device
     filled = {t: torch.full((), t, dtype=torch.float32, device=device) for t in set(values)}
+    _fused_step(step, list(new), gs, m, v, [filled[t] for t in values])
+
+
+def _fused_step(
+    step: AdamStep,
+    new: list[torch.Tensor],
+    gs: list[torch.Tensor],
+    m: list[torch.Tensor],
+    v: list[torch.Tensor],
+    counts: list[torch.Tensor],
+) -> None:
+    """torch's fused Adam / AdamW step of ``step``'s group over float32 ``new``, ``m``, ``v``
+    (moved in place) with gradients ``gs``, at the step ``counts`` (one float32 tensor each on
+    ``new``'s device, the step being taken)."""
+    group = step.group
+    # AdamW, or Adam(decoupled_weight_decay=True) of torch >= 2.6
+    decoupled = group.get("decoupled_weight_decay", step.adamw)
+    beta1, beta2 = group["betas"]
     fused = torch._fused_adamw_ if decoupled else torch._fused_adam_
     fused(
-        list(new),
+        new,
         gs,
         m,
         v,
         [],
-        [filled[t] for t in values],
+        counts,
         amsgrad=False,
         lr=group["lr"],
         beta1=beta1,
@@ -158,9 +173,6 @@ def stepped(
     the optimizer's first step does; its non-finite gradient elements count as 0 ([Note: a
     non-finite estimate predicts nothing]). ``finite``: the caller made the gradients float32
     and finite already (once for a whole flat buffer, not once per tensor)."""
-    group = step.group
-    decoupled = group.get("decoupled_weight_decay", step.adamw)
-    beta1, beta2 = group["betas"]
     new = fp32_copies(xs)
     gs = list(step.estimates)
     if not finite:
@@ -187,22 +199,7 @@ def stepped(
         kept = [float(c) + 1 for c in counts]
         filled = {t: torch.full((), t, dtype=torch.float32, device=device) for t in set(kept)}
         after = [filled[t] for t in kept]
-    fused = torch._fused_adamw_ if decoupled else torch._fused_adam_
-    fused(
-        new,
-        gs,
-        m,
-        v,
-        [],
-        after,
-        amsgrad=False,
-        lr=group["lr"],
-        beta1=beta1,
-        beta2=beta2,
-        weight_decay=group["weight_decay"],
-        eps=group["eps"],
-        maximize=False,
-    )
+    _fused_step(step, new, gs, m, v, after)
     states = [
         {"step": c, "exp_avg": mi, "exp_avg_sq": vi} for c, mi, vi in zip(kept, m, v, strict=True)
     ]

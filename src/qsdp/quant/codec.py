@@ -28,6 +28,7 @@ __all__ = [
     "decode_sum",
     "decode_sum_encode",
     "encode",
+    "cut_runs",
     "encode_diff",
 ]
 
@@ -546,17 +547,19 @@ def _put_runs(out: torch.Tensor, values: torch.Tensor, places: Sequence[tuple[in
     """Copy ``values`` (1-D, the runs' elements in order, any float dtype) to the ``places``
     of ``out`` (``(start, length)`` in order, not overlapping, as :func:`_misfit` checks): one
     cut of ``out`` at every run's ends and one ``_foreach_copy_`` (not a slice per run)."""
-    sizes, picks, lengths = _cut(tuple(places), out.numel())
+    sizes, picks, lengths = cut_runs(tuple(places), out.numel())
     pieces = out.split_with_sizes(sizes)
     torch._foreach_copy_([pieces[i] for i in picks], list(values.split_with_sizes(lengths)))
 
 
 @functools.lru_cache(maxsize=1024)
-def _cut(
+def cut_runs(
     places: tuple[tuple[int, int], ...], total: int
 ) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
-    """A cut of ``total`` elements at every run's start and end (``places`` in order, not
-    overlapping), which of the pieces are the runs, and the runs' lengths."""
+    """A cut of ``total`` elements at every run's start and end (``places``: ``(start,
+    length)`` in order, not overlapping, ending within ``total``), which of the pieces are the
+    runs, and the runs' lengths: ``split_with_sizes`` of the first, picked by the second,
+    gives every run's view in one torch op (cached per layout)."""
     sizes, picks, at = [], [], 0
     for s, n in places:
         if s > at:

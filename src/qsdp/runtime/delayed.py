@@ -64,6 +64,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..quant.codec import cut_runs
 from .nonfinite import agree_together
 from .placement import like_param, local_of
 from .stale_start import StaleStart
@@ -106,35 +107,24 @@ def padded_slots(params: Iterable[tuple[nn.Parameter, int]]) -> list[Slot]:
     return slots
 
 
-_SPLITS: dict[tuple, tuple[list[int], list[int]]] = {}
-
-
 def slot_views(
     flat: torch.Tensor, slots: Sequence[Slot], *, shaped: bool = True
 ) -> list[torch.Tensor]:
     """Each of ``slots``' pieces of ``flat`` (shaped as its local tensor with ``shaped``), from
     one ``split`` of ``flat`` where per-slot slicing issued three torch ops a slot (the host's
-    cost on a hot path: a GPT block's 12 parameters). The split's sizes are worked out once per
-    layout; slots out of offset order, or overlapping, are sliced one by one."""
+    cost on a hot path: a GPT block's 12 parameters); the cut is worked out once per layout
+    (``qsdp.quant.codec.cut_runs``). Slots out of offset order, or overlapping, are sliced one
+    by one."""
     total = flat.numel()
-    key = (total, tuple((s.offset, s.numel) for s in slots))
-    plan = _SPLITS.get(key)
-    if plan is None:
-        sizes, picks, at = [], [], 0
-        for offset, numel in key[1]:
-            if offset < at:
-                return [s.of(flat) if shaped else s.of(flat).view(-1) for s in slots]
-            if offset > at:
-                sizes.append(offset - at)
-            picks.append(len(sizes))
-            sizes.append(numel)
-            at = offset + numel
-        if at > total:
-            raise ValueError(f"slots end at element {at} of a buffer of {total}")
-        if at < total:
-            sizes.append(total - at)
-        plan = _SPLITS[key] = (sizes, picks)
-    sizes, picks = plan
+    places = tuple((s.offset, s.numel) for s in slots)
+    at = 0
+    for offset, numel in places:
+        if offset < at:
+            return [s.of(flat) if shaped else s.of(flat).view(-1) for s in slots]
+        at = offset + numel
+    if at > total:
+        raise ValueError(f"slots end at element {at} of a buffer of {total}")
+    sizes, picks, _ = cut_runs(places, total)
     pieces = flat.view(-1).split(sizes)
     if not shaped:
         return [pieces[i] for i in picks]

@@ -50,13 +50,24 @@ def _model(kind: str, ahead: bool, *, fused: bool = True, nonfinite: str = "rais
     return model, qsdp.fsdp.comm_state(model), opt
 
 
-def _train(rank: int, kind: str, ahead: bool, *, fused: bool = True, between=None) -> dict:
-    """``STEPS`` steps of the README loop; ``between(step, model)`` runs after each step's
-    ``optimizer.step()``. The parameters after the drained last step, and the gathers'
-    counts."""
+def _train(
+    rank: int,
+    kind: str,
+    ahead: bool,
+    *,
+    fused: bool = True,
+    between=None,
+    micro: int = 1,
+) -> dict:
+    """``STEPS`` steps of the README loop (``micro`` micro-batches a step); ``between(step,
+    model)`` runs after each step's ``optimizer.step()``. The parameters after the drained
+    last step, and the gathers' counts."""
     model, state, opt = _model(kind, ahead, fused=fused)
     for step in range(STEPS):
-        _loss(model, rank, step).backward()
+        for k in range(micro):
+            if micro > 1:
+                model.set_requires_gradient_sync(k == micro - 1)
+            _loss(model, rank, step * micro + k).backward()
         if not state.applied_nothing:
             opt.step()
         opt.zero_grad()
@@ -237,3 +248,39 @@ def test_a_nan_gradient_never_reaches_the_weights_gathered_ahead():
     for got in run_distributed(_nan, 3):
         *losses, served = got
         assert all(math.isfinite(v) for v in losses) and served == 4, got
+
+
+def _accumulated(rank: int, world: int) -> dict:
+    """Two micro-batches a step: the first forward of a step is served from the gather made
+    ahead, the second from the reconstruction, as the shipped schedule serves it."""
+    want = _train(rank, "flat", False, micro=2)
+    got = _train(rank, "flat", True, micro=2)
+    return {"same": _same(want, got), "served": got["served"]}
+
+
+def test_gradient_accumulation_gathered_ahead_is_the_shipped_run():
+    for got in run_distributed(_accumulated, 3):
+        assert got == {"same": True, "served": [3, 3, 3]}, got
+
+
+def _another_optimizer_instead(rank: int, world: int) -> list[int]:
+    """At step 3 the model's optimizer.step() is skipped and another optimizer (over a
+    parameter of no model) steps: that is not the step the gather made ahead anticipated, so
+    step 4's forward gathers anew (served: steps 3 and 5 only)."""
+    model, state, opt = _model("flat", True)
+    other = torch.zeros(1, requires_grad=True)
+    sgd = torch.optim.SGD([other], lr=0.1)
+    for step in range(STEPS):
+        _loss(model, rank, step).backward()
+        if step == 3:
+            other.grad = torch.ones(1)
+            sgd.step()
+        elif not state.applied_nothing:
+            opt.step()
+        opt.zero_grad()
+    return [g.served_ahead for g in _installed(model).gathers]
+
+
+def test_another_optimizers_step_is_not_the_one_anticipated():
+    for got in run_distributed(_another_optimizer_instead, 3):
+        assert got == [2, 2, 2], got

@@ -99,12 +99,16 @@ class _Ahead:
     ``qsdp.runtime.gathered``): what the next forward's gather checks before it is served
     from it."""
 
-    __slots__ = ("step", "generation", "event", "stepped")
+    __slots__ = ("step", "generation", "event", "optimizers", "stepped")
 
-    def __init__(self, step: int, generation: int, event: torch.cuda.Event | None) -> None:
+    def __init__(
+        self, step: int, generation: int, event: torch.cuda.Event | None, optimizers: set[int]
+    ) -> None:
         self.step, self.generation, self.event = step, generation, event
+        self.optimizers = optimizers
+        """The ids of the optimizers whose coming step it anticipated."""
         self.stepped = False
-        """The optimizer's step was taken after it (its post-hook ran)."""
+        """The next optimizer step after it was one of those (its post-hook ran)."""
 
     def wait(self, device: torch.device) -> None:
         """The reconstruction it wrote, complete for the current stream (the host never
@@ -302,15 +306,17 @@ class WeightDiffAllGather(_Gather):
             exact = self.resync_every > 0 and self._diffs >= self.resync_every
             self._gather(None, flat, group, exact=exact)
             event = stream.record_event() if stream is not None else None
-        self._ahead = _Ahead(pred.step + 1, self.clock.generation, event)
+        optimizers = {id(first.optimizer) for _, first, _, _ in taken}
+        self._ahead = _Ahead(pred.step + 1, self.clock.generation, event, optimizers)
         pred.after_step(self._stepped)
         self.gathered_ahead += 1
         return event
 
     def _stepped(self, optimizer: torch.optim.Optimizer) -> None:
-        """The optimizer's step after a gather made ahead: the parameters as it left them are
-        those the gather anticipated; any later write makes the next forward gather anew."""
-        if self._ahead is not None:
+        """The first optimizer step after a gather made ahead: if it is the step the gather
+        anticipated, the parameters as it left them are those gathered; any later write (or
+        another optimizer's step first) makes the next forward gather anew."""
+        if self._ahead is not None and id(optimizer) in self._ahead.optimizers:
             self._ahead.stepped = True
             self.versions.record()
 

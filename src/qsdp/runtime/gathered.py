@@ -54,8 +54,9 @@ is missed for one step: the gathered weights are off by it, and the next gather'
 (against the reconstruction) corrects them, as it corrects a prediction's error. A forward
 that is not the anticipated one gathers anew: an evaluation (not predicted), a forward after a
 parameter was written once the step was taken (the step's post-hook records the parameters'
-versions), a forward with no ``optimizer.step()`` since (its estimates spent: it computes at
-the parameters as they are), after a resync request. Off by default until the convergence study
+versions), a forward whose first optimizer step since was not that of the parameters'
+optimizer (a step skipped by a loss scaler: its estimates spent, it computes at the parameters
+as they are), after a resync request. Off by default until the convergence study
 (issue 34) has run it with clipping.
 """
 

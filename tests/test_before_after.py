@@ -1,5 +1,6 @@
 """benchmarks/run_before_after.sh: a commit's code beside the working tree's in one run, on the
-CPU (bench_fsdp_step.py --device cpu --tiny, 2 gloo processes)."""
+CPU (bench_fsdp_step.py --device cpu --tiny, one gloo process a side: the script's alternation,
+code and profiles are what is tested; the benchmark's ranks are tests/test_bench_loop.py's)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ ARGS = ["--regime", "nvlink", "--device", "cpu", "--tiny", "--recipes", "qsdp-w8
 
 def _run(tmp: Path, *args: str, rounds: int = 1) -> subprocess.CompletedProcess:
     path = f"{Path(sys.executable).parent}:{os.environ['PATH']}"  # torchrun, python
-    env = dict(os.environ, RESULTS_DIR=str(tmp), NPROC="2", ROUNDS=str(rounds),
+    env = dict(os.environ, RESULTS_DIR=str(tmp), NPROC="1", ROUNDS=str(rounds),
                OMP_NUM_THREADS="1", PATH=path)  # fmt: skip
     cmd = ["bash", "benchmarks/run_before_after.sh", *args]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)

@@ -81,9 +81,14 @@ RECIPES = (
 )
 
 
+def _train_all(rank: int, world: int) -> dict:
+    return {r: _train(rank, world, r) for r in RECIPES}
+
+
 @pytest.fixture(scope="module")
 def runs() -> dict:
-    return {r: run_distributed(_train, 2, r)[0] for r in RECIPES}
+    # every recipe in one pair of processes (their models one after another): one start-up
+    return run_distributed(_train_all, 2)[0]
 
 
 def _drift(a: bytes, b: bytes) -> float:

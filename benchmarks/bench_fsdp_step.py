@@ -528,7 +528,9 @@ def main() -> None:
         help="default: qsdp-w8g8 global-qsgd sdp4bit sdp4bit+s1 qsdp-w8g8+s1 (with --hsdp: cgx "
         "cgx+pipe global-qsgd cgx+s1); NAME+s1 is the recipe at staleness 1, its step timed to "
         "the end of the compute stream (its reduction runs on into the next step), drained at "
-        "the end; NAME+pipe (--hsdp) pipelines the replicate all-reduce across modules",
+        "the end; NAME+s1+ahead also gathers the next step's weights in the backward "
+        "(Schedule(gather_ahead=True), weight differences); NAME+pipe (--hsdp) pipelines the "
+        "replicate all-reduce across modules",
     )
     p.add_argument("--hsdp", action="store_true", help="HSDP on 2 nodes (see the docstring)")
     p.add_argument(

@@ -284,7 +284,7 @@ class WeightDiffAllGather(_Gather):
         # nothing] in qsdp.runtime.adam_step), not once per parameter
         clean = torch.nan_to_num(applied.to(torch.float32), nan=0.0, posinf=0.0, neginf=0.0)
         grads = {id(s.param): v for s, v in zip(slots, slot_views(clean, slots), strict=True)}
-        taken = pred.take_step(self.slots, flat, grads=grads, finite=True)
+        taken = pred.take_step(self.slots, flat, grads=grads)
         if taken is None:
             return None
         stream = None

@@ -160,9 +160,7 @@ def _fused_step(
 
 
 @torch.no_grad()
-def stepped(
-    xs: Sequence[torch.Tensor], step: AdamStep, *, finite: bool = False
-) -> tuple[list[torch.Tensor], list[dict]]:
+def stepped(xs: Sequence[torch.Tensor], step: AdamStep) -> tuple[list[torch.Tensor], list[dict]]:
     """Where ``optimizer.step()`` will leave ``xs`` (each parameter's local values) and its
     state when it applies ``step``'s estimates as the gradients (times its ``clip_coef``):
     float32 copies of the values and moments moved by torch's fused step, the optimizer's own
@@ -170,13 +168,11 @@ def stepped(
     step (``step``, ``exp_avg``, ``exp_avg_sq``), from which :func:`predict_step` predicts the
     step after it (the gathers ahead: [Note: the next step's weights in this backward] in
     ``qsdp.runtime.gathered``). A parameter without state yet starts from zero moments, as
-    the optimizer's first step does; its non-finite gradient elements count as 0 ([Note: a
-    non-finite estimate predicts nothing]). ``finite``: the caller made the gradients float32
-    and finite already (once for a whole flat buffer, not once per tensor)."""
+    the optimizer's first step does. ``step``'s estimates (the gradients) are float32 and
+    finite: the caller sets non-finite elements to 0 ([Note: a non-finite estimate predicts
+    nothing]), once for a whole flat buffer rather than once per tensor."""
     new = fp32_copies(xs)
     gs = list(step.estimates)
-    if not finite:
-        gs = [torch.nan_to_num(g.to(torch.float32), nan=0.0, posinf=0.0, neginf=0.0) for g in gs]
     if step.clip_coef != 1.0:
         torch._foreach_mul_(gs, step.clip_coef)
     ms, vs, counts = [], [], []

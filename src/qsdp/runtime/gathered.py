@@ -38,11 +38,11 @@ parameters after the step had written them: the GPU test found it);
 backward has just finished reading, on a stream of their own and on FSDP2's communicator,
 which the backward leaves idle while the delayed reductions use their twin (after the
 group's reduction: made to go first, the step was 4-7% slower on 2x H200, whose host bounds
-it). The next forward's gathers are served from the reconstruction. Measured on 2x H200 over sockets
-(GPT 1.42 B, ``benchmarks/results/session27_2026-11-28/``): the forward's 25 weight all-gathers
-had run alone on the link before, 125-155 ms a step, the backward's all-to-alls alone after;
-gathered ahead, the two run at once in the backward and the step fell from 0.27 to 0.22-0.23 s
-(the synchronous step 0.33-0.35 s).
+it). The next forward's gathers are served from the reconstruction. Measured on 2x H200 over
+sockets (GPT 1.42 B, ``benchmarks/results/session27_2026-11-28/``): the forward's 25 weight
+all-gathers had run alone on the link before, 125-155 ms a step, the backward's all-to-alls
+alone after; gathered ahead, the two run at once in the backward, and the step ran x1.42-1.56
+the synchronous one back to back (staleness 1 alone x1.22-1.28 in the same calls).
 
 The gathered weights are those of the shipped schedule only if the coming step is the one
 anticipated. With a fused AdamW (``fused=True``: the kernel the copies are stepped by) and a
@@ -170,7 +170,6 @@ class GatheredPrediction:
         flat: torch.Tensor,
         *,
         grads: dict[int, torch.Tensor],
-        finite: bool = False,
     ) -> list | None:
         """The first half of the next step's weights ([Note: the next step's weights in this
         backward]): each of ``slots``' parameters with a gradient moved by the optimizer's
@@ -178,8 +177,8 @@ class GatheredPrediction:
         one without a gradient written into ``flat`` (a gather's input: ``slots``' places,
         zeros between) as it is. Run where the optimizer's step will come after it (it reads
         the parameters and the optimizer's state). None where a parameter with a gradient
-        has no optimizer that armed it; else what :meth:`predict_from` completes.
-        ``finite``: ``grads`` are float32 and finite already (``adam_step.stepped``)."""
+        has no optimizer that armed it; else what :meth:`predict_from` completes. ``grads``
+        are float32 and finite (``adam_step.stepped``)."""
         by_group: dict[int, list] = defaultdict(list)
         flat_view = flat.view(-1)
         as_is = []
@@ -205,7 +204,7 @@ class GatheredPrediction:
                     states=[first.optimizer.state.get(s.param, {}) for s, _ in items],
                     clip_coef=1.0,
                 )
-                new, states = stepped([local_of(s.param) for s, _ in items], step, finite=finite)
+                new, states = stepped([local_of(s.param) for s, _ in items], step)
                 taken.append(([s for s, _ in items], first, new, states))
         return taken
 
@@ -233,7 +232,7 @@ class GatheredPrediction:
         """Call ``waiting(optimizer)`` after the next ``optimizer.step()`` (once)."""
         self._waiting.append(waiting)
 
-    def stepped(self, optimizer: torch.optim.Optimizer) -> None:
+    def step_taken(self, optimizer: torch.optim.Optimizer) -> None:
         """``optimizer.step()`` has run (a global post-hook): tell the gathers made ahead."""
         waiting, self._waiting = self._waiting, []
         for w in waiting:

@@ -399,7 +399,7 @@ class AutoPrediction:
 
     def _after_step(self, optimizer: torch.optim.Optimizer) -> None:
         if self._gathers is not None:  # [Note: the next step's weights in this backward]
-            self._gathers.stepped(optimizer)
+            self._gathers.step_taken(optimizer)
 
     def attach(self, optimizer: torch.optim.Optimizer) -> None:
         """Predict ``optimizer``'s next step for the model's parameters it holds (once per
@@ -478,12 +478,12 @@ def predict_with(
 # Every AutoPrediction learns of the optimizer steps through one global optimizer pre-hook (and
 # one post-hook) of the process, registered at the first and never taken off, which call the
 # live instances (a WeakSet: the model's forward pre-hook holds each alive, so it leaves with
-# its model). A
-# hook of its own per instance, taken off by the instance from inside its call once its model
-# was gone, mutated torch's ordered dict of global hooks while ``Optimizer.step`` iterated it:
-# "OrderedDict mutated during iteration" at the next step of any optimizer, as soon as a
-# second hook followed it (found on 2x H200, benchmarks/bench_ddp_step.py, whose rounds build
-# one staleness-1 model after another; torch 2.11 and 2.13 alike).
+# its model). A hook of its own per instance, taken off by the instance from inside its call
+# once its model was gone, mutated torch's ordered dict of global hooks while
+# ``Optimizer.step`` iterated it: "OrderedDict mutated during iteration" at the next step of
+# any optimizer, as soon as a second hook followed it (found on 2x H200,
+# benchmarks/bench_ddp_step.py, whose rounds build one staleness-1 model after another; torch
+# 2.11 and 2.13 alike).
 _live: weakref.WeakSet[AutoPrediction] = weakref.WeakSet()
 _dispatcher: object | None = None
 

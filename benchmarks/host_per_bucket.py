@@ -92,9 +92,11 @@ def _stub_kernels() -> None:
     rowsum._resolve = codec._resolve
 
 
-def measure(name: str, calls: int, collective: str = "all_reduce", device: str = "cpu") -> dict:
+def measure(
+    name: str, calls: int, collective: str = "all_reduce", device: str = "cpu", mesh=None
+) -> dict:
     config = qsdp.recipe(name)
-    plan = config.grads.plan()
+    plan = config.grads.plan(mesh=mesh)
     shapes = [(n, k, (k,) if k in (D, 3 * D, 4 * D) else (k // D, D)) for n, k in LAYOUT]
     split = config.policy.split(shapes) if config.policy else None
     chunk = sum(k for _, k in LAYOUT)
@@ -135,6 +137,7 @@ def measure(name: str, calls: int, collective: str = "all_reduce", device: str =
     return {
         "recipe": name,
         "collective": collective,
+        "mesh": "2x2" if mesh is not None else None,
         "us_per_bucket": statistics.median(times) * 1e6,
         "top_level_ops": sum(top.values()),
         "launches": launches,
@@ -155,7 +158,15 @@ def main() -> None:
         default=None,
         help="kernels as no-ops (default: on the CPU yes, on a GPU no)",
     )
+    p.add_argument(
+        "--mesh",
+        choices=["2x2"],
+        help="the reduce-scatter over a 2-D (inter, intra) mesh: the two-level plans "
+        "(sdp4bit's) take their two-level path",
+    )
     a = p.parse_args()
+    if a.mesh and a.collective != "reduce_scatter":
+        raise SystemExit("--mesh 2x2 times --collective reduce_scatter (the two-level path)")
     if a.device == "cuda" and a.collective == "all_reduce":
         raise SystemExit(
             "--device cuda times --collective reduce_scatter: the all-reduce's CUDA future "
@@ -165,11 +176,17 @@ def main() -> None:
     if stub:
         _stub_kernels()
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
-    rows = [measure(name, a.calls, a.collective, a.device) for name in a.recipes]
+    mesh = None
+    if a.mesh:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(a.device, (2, 2), mesh_dim_names=("inter", "intra"))
+    rows = [measure(name, a.calls, a.collective, a.device, mesh) for name in a.recipes]
     for r in rows:
         us, ops = r["us_per_bucket"], r["top_level_ops"]
         print(
-            f"{r['recipe']:12s} {a.collective} {us:7.0f} us per call, {ops} ops, "
+            f"{r['recipe']:12s} {a.collective}{' 2x2' if a.mesh else ''} {us:7.0f} us per "
+            f"call, {ops} ops, "
             f"{r['launches']} launches ({a.device}, kernels {'stubbed' if stub else 'real'})"
         )
     a.out.parent.mkdir(parents=True, exist_ok=True)

@@ -1,4 +1,5 @@
-"""benchmarks/host_sampled.py and host_primitives.py: the host-time tools of issue 32. Their
+"""benchmarks/host_sampled.py, host_primitives.py and host_per_bucket.py: the host-time tools of
+issue 32. Their
 timings are not asserted (benchmarks measure, tests check); what they report is."""
 
 from __future__ import annotations
@@ -55,6 +56,28 @@ def test_primitives_price_each_piece_on_the_cpu(tmp_path):
     for name in ("tensor.view(-1)", "torch.empty (256 KiB)", "qsdp.quant.encode (64 Ki elements)"):
         assert rows[name] > 0, name
     assert not any(k.startswith("triton launch") or "stream" in k for k in rows)  # GPU only
+
+
+def test_per_bucket_over_a_mesh_takes_the_two_level_path(tmp_path):
+    """``--mesh 2x2``: sdp4bit's reduce-scatter runs its two hops (two all-to-alls and the raw
+    part's reduce-scatter, more ops than its one level over the same fake group); a one-level
+    recipe's is the same with or without the mesh."""
+    rows = {}
+    for mesh in ([], ["--mesh", "2x2"]):
+        out = tmp_path / f"b{len(mesh)}.json"
+        cmd = [sys.executable, "benchmarks/host_per_bucket.py", "--collective",
+               "reduce_scatter", "--recipes", "sdp4bit", "qsdp-w8g8", "--calls", "3",
+               "--out", str(out), *mesh]  # fmt: skip
+        subprocess.run(cmd, cwd=ROOT, env=ENV, check=True, capture_output=True, timeout=300)
+        d = json.loads(out.read_text())
+        rows[bool(mesh)] = {r["recipe"]: r for r in d["rows"]}
+        assert all(r["mesh"] == ("2x2" if mesh else None) for r in d["rows"])
+    flat, two = rows[False], rows[True]
+    assert two["sdp4bit"]["top_level_ops"] > flat["sdp4bit"]["top_level_ops"]
+    assert two["qsdp-w8g8"]["top_level_ops"] == flat["qsdp-w8g8"]["top_level_ops"]
+    bad = [sys.executable, "benchmarks/host_per_bucket.py", "--mesh", "2x2", "--out", "x.json"]
+    res = subprocess.run(bad, cwd=ROOT, env=ENV, capture_output=True, timeout=120)
+    assert res.returncode != 0 and b"--mesh 2x2 times --collective reduce_scatter" in res.stderr
 
 
 def _fr(path: str, line: int, name: str) -> dict:

@@ -9,7 +9,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from qsdp.comm import CommStats, hierarchical_reduce_scatter, hierarchical_reduce_scatter_wire_bytes
 from qsdp.comm._common import noise_stream
-from qsdp.comm._hierarchical import _pieces
+from qsdp.comm._hierarchical import _mesh_layout, _pieces
 from qsdp.quant import QuantSpec, decode_sum, decode_sum_encode, encode
 from qsdp.quant.reference import decode_sum_flat
 from qsdp.testing import (
@@ -274,8 +274,14 @@ def _permuted_worker(rank: int, ws: int) -> dict:
     # chunk's max (8-bit absmax: max / 127), the owner's own by nothing
     bound = 2 * sum(x[rank * m : (rank + 1) * m].abs().max().double() for x in xs) / 127
     errors = {}
+    layouts = []
     for rows in PERMUTED[ws]:
         mesh = DeviceMesh("cpu", rows, mesh_dim_names=("inter", "intra"))
+        # worked out once per mesh ([Note: a mesh's layout, once]), each mesh its own
+        layout = _mesh_layout(mesh, None)
+        assert _mesh_layout(mesh, None) is layout
+        assert layout.coord == tuple(mesh.get_coordinate())
+        layouts.append(layout)
         for pipeline in (1, 2):
             out = torch.empty(m)
             hierarchical_reduce_scatter(
@@ -288,7 +294,9 @@ def _permuted_worker(rank: int, ws: int) -> dict:
                 pipeline=pipeline,
             )
             errors[f"{rows} pipeline={pipeline}"] = float((out.double() - exact).abs().max())
+    assert len({id(x) for x in layouts}) == len(layouts)
     # a flat group that does not hold the mesh's ranks is refused before any communication
+    # (the mesh's layout without a group, kept above, does not stand in for it)
     sub = dist.new_group([0, 1])
     if rank < 2:
         with pytest.raises(ValueError, match="the mesh covers ranks"):

@@ -132,6 +132,9 @@ def measure(
     with torch.profiler.profile() as prof:
         call(0)
         sync()
+    stats.reset()
+    call(0)  # (which qsdp collectives one call runs, and their torch.distributed calls)
+    ran = {k: {"calls": c.calls, "dist_calls": c.dist_calls} for k, c in stats.snapshot().items()}
     top = collections.Counter(e.name for e in prof.events() if e.cpu_parent is None)
     launches = sum(n for k, n in top.items() if "LaunchKernel" in k)
     return {
@@ -140,6 +143,7 @@ def measure(
         "mesh": "2x2" if mesh is not None else None,
         "us_per_bucket": statistics.median(times) * 1e6,
         "top_level_ops": sum(top.values()),
+        "collectives": ran,
         "launches": launches,
     }
 

@@ -12,6 +12,12 @@ if not torch.cuda.is_available():
     # ranks of qsdp.testing.run_distributed have one already) keeps them from fighting
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+# MKL's matrix products may round differently with the operands' memory alignment (a tensor
+# loaded from a checkpoint sits elsewhere than the one it was saved from): on an AVX-512 CPU a
+# resumed run ended 5e-7 off its uninterrupted twin (test_ddp_and_hsdp_train_count_and_resume,
+# every run, on 2026-11-28's development machine). MKL's conditional numerical reproducibility
+# makes them depend on the values alone; the ranks the tests start inherit it.
+os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -129,11 +129,10 @@ def measure(
         call(i)
         times.append(time.perf_counter() - t0)
     sync()
+    stats.reset()  # (the profiled call's counts: which qsdp collectives one call runs)
     with torch.profiler.profile() as prof:
         call(0)
         sync()
-    stats.reset()
-    call(0)  # (which qsdp collectives one call runs, and their torch.distributed calls)
     ran = {k: {"calls": c.calls, "dist_calls": c.dist_calls} for k, c in stats.snapshot().items()}
     top = collections.Counter(e.name for e in prof.events() if e.cpu_parent is None)
     launches = sum(n for k, n in top.items() if "LaunchKernel" in k)

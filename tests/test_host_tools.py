@@ -1,6 +1,6 @@
 """benchmarks/host_sampled.py, host_primitives.py and host_per_bucket.py: the host-time tools of
-issue 32. Their
-timings are not asserted (benchmarks measure, tests check); what they report is."""
+issue 32. Their timings are not asserted (benchmarks measure, tests check); what they report
+is."""
 
 from __future__ import annotations
 

@@ -98,8 +98,8 @@ def _both(rank: int, world: int, kind: str) -> dict:
 def test_gathered_ahead_the_run_is_the_shipped_one_bit_for_bit(kind, world):
     """Step 0 applies nothing; step 1 predicts nothing yet (the optimizer is learned at its
     first step); from step 2 on each backward gathers ahead (4 per group in 6 steps), and
-    the forwards of steps 3-5 are served from it (3 per group). On one rank FSDP2 exchanges
-    nothing: the same run, nothing gathered ahead or served."""
+    the forwards of steps 3-5 are served from it (3 per group). On one rank, with no peer to
+    gather from: the same run, nothing gathered ahead or served."""
     n_ahead, n_served = (4, 3) if world > 1 else (0, 0)
     for got in run_distributed(_both, world, kind):
         want = {"same": True, "ahead": [n_ahead] * 3, "served": [n_served] * 3}

@@ -160,7 +160,7 @@ def _mesh_layout(mesh: DeviceMesh, group: dist.ProcessGroup | None) -> _MeshLayo
     """:func:`_new_layout`, once per (mesh, group) ([Note: a mesh's layout, once])."""
     key = (id(mesh), id(group))
     hit = _LAYOUTS.get(key)
-    if hit is not None and hit[0] is mesh and hit[1] is group:
+    if hit is not None:  # (the entry holds mesh and group: their ids are theirs alone)
         return hit[2]
     layout = _new_layout(mesh, group)
     while len(_LAYOUTS) >= _LAYOUTS_KEPT:

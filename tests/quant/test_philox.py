@@ -1,6 +1,6 @@
 import torch
 
-from qsdp.quant.philox import philox4x32, philox_rounds, random_signs, uniform
+from qsdp.quant.philox import _M0, _M1, _mulhilo, philox4x32, philox_rounds, random_signs, uniform
 
 
 def _t(v):
@@ -18,6 +18,20 @@ def test_known_answers_of_random123():
         _t(0x243F6A88), _t(0x85A308D3), _t(0x13198A2E), _t(0x03707344), 0xA4093822, 0x299F31D0
     )
     assert [int(w) for w in out] == [0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1]
+
+
+def test_mulhilo_is_the_exact_64_bit_product():
+    # the words where an int64 product of two 32-bit words would overflow, and random ones
+    edge = [0, 1, 2, 0xFFFF, 0x10000, 2**31 - 1, 2**31, 2**32 - 2, 2**32 - 1]
+    rand = torch.randint(
+        0, 2**32, (4096,), dtype=torch.int64, generator=torch.Generator().manual_seed(0)
+    )
+    x = torch.cat((torch.tensor(edge, dtype=torch.int64), rand))
+    for m in (_M0, _M1, 2**32 - 1, 2**31, 2**31 - 1, 12345, 0):
+        hi, lo = _mulhilo(m, x)
+        want = [v * m for v in x.tolist()]
+        assert hi.tolist() == [w >> 32 for w in want], m
+        assert lo.tolist() == [w & 0xFFFFFFFF for w in want], m
 
 
 def test_counter_words_layout():

@@ -129,6 +129,14 @@ def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     ``(i * bits) % 8`` of byte ``i * bits // 8``)."""
     per, nbytes = _word(bits)
     n = codes.numel()
+    if nbytes == 1:  # 2, 4 and 8 bits: ``per`` whole codes a byte, shifted in byte arithmetic
+        lanes = torch.zeros(-(-n // per) * per, dtype=torch.uint8, device=codes.device)
+        lanes[:n] = codes.reshape(-1)  # codes < 2^bits fit a byte
+        lanes = lanes.reshape(-1, per)
+        out = lanes[:, 0].clone()
+        for j in range(1, per):
+            out |= lanes[:, j] << (bits * j)
+        return out
     padded = torch.zeros(-(-n // per) * per, dtype=torch.int64, device=codes.device)
     padded[:n] = codes.reshape(-1)
     lanes = padded.reshape(-1, per)
@@ -143,6 +151,10 @@ def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
 def unpack_codes(raw: torch.Tensor, numel: int, bits: int) -> torch.Tensor:
     """Inverse of :func:`pack_codes`: int32 codes of the first ``numel`` elements."""
     per, nbytes = _word(bits)
+    if nbytes == 1:  # 2, 4 and 8 bits: ``per`` whole codes a byte
+        shifts = torch.arange(per, device=raw.device, dtype=torch.uint8) * bits
+        lanes = (raw.reshape(-1, 1) >> shifts) & ((1 << bits) - 1)
+        return lanes.reshape(-1)[:numel].to(torch.int32)
     b = torch.zeros(-(-raw.numel() // nbytes) * nbytes, dtype=torch.int64, device=raw.device)
     b[: raw.numel()] = raw.reshape(-1)
     shifts = torch.arange(nbytes, device=raw.device, dtype=torch.int64) * 8

@@ -11,6 +11,18 @@ same, so the parent names the first report as the cause (a worker that died with
 killed or crashed, comes first: it is the cause of its peers' errors) and raises one
 :class:`TrainError`, ``qsdp train: <message> (rank r)``. Every rank's traceback stays on the error
 (``TrainError.tracebacks``); the CLI prints them when ``QSDP_TRAIN_TRACEBACK=1``.
+
+[Note: the workers fork from a server]
+The local workers start from ``multiprocessing``'s ``forkserver``: a single-threaded server,
+started at the first launch of a process, imports torch, ``torch._dynamo`` (which torch imports
+lazily at a training step's first optimizer step or FSDP2 hook) and the trainer once, and every
+worker forks from it. With ``spawn`` each worker imported them anew: ~3 s of CPU a worker (on a
+2-core machine, the bulk of a short run), paid again at every launch of a process that launches
+several times (the demo's runs, notebooks, tests). What ``spawn`` gave for free is kept by hand:
+each worker takes the launching process's environment as it is at the launch (the server's is
+the one at its start) and its own signal handlers (the server ignores SIGINT; its children do
+not: a terminal's Ctrl-C reaches them as before). A worker writes to the server's stdout and
+stderr, those of the process at the server's start.
 """
 
 from __future__ import annotations
@@ -32,6 +44,8 @@ from .trainer import COLUMNS, Interrupted, TrainConfig, _StopRequest, raise_toge
 
 __all__ = ["Interrupted", "TrainError", "launch", "under_torchrun"]
 
+#: What the workers' server imports once ([Note: the workers fork from a server]).
+_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "qsdp_train.trainer"]
 _GRACE_S = 10.0  # after the first failure, how long the peers get to report and exit
 _USER_ERRORS = (ValueError, OSError, FloatingPointError, ImportError)
 
@@ -77,14 +91,18 @@ def launch(cfg: TrainConfig, *, nproc: int = 2) -> dict:
         raise ValueError(f"--nproc must be >= 1, got {nproc}")
     path = prepare_data(cfg.data, cfg.tokenizer)
     validate(cfg, open_data(path), world_size=nproc, columns=COLUMNS)
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)  # heeded when this process starts its server
     results = ctx.SimpleQueue()
     # rendezvous through a file, not a TCP store owned by rank 0: no rank's exit can pull the
     # store from under a peer that is still shutting down
     with tempfile.TemporaryDirectory(prefix="qsdp-train-") as tmp:
         store = f"file://{Path(tmp) / 'store'}"
         procs = [
-            ctx.Process(target=_local_worker, args=(r, nproc, store, cfg, str(path), results))
+            ctx.Process(
+                target=_local_worker,
+                args=(r, nproc, store, cfg, str(path), results, dict(os.environ)),
+            )
             for r in range(nproc)
         ]
         try:
@@ -226,7 +244,11 @@ def _describe(e: BaseException) -> str:
     return lines[0] + more
 
 
-def _local_worker(rank: int, world: int, store: str, cfg: TrainConfig, path: str, results) -> None:
+def _local_worker(
+    rank: int, world: int, store: str, cfg: TrainConfig, path: str, results, env: dict[str, str]
+) -> None:
+    os.environ.clear()  # the launching process's, as at the launch (not the server's start)
+    os.environ.update(env)
     os.environ.update(
         RANK=str(rank),
         WORLD_SIZE=str(world),

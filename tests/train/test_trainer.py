@@ -455,6 +455,33 @@ def test_stale_after_runs_the_first_steps_synchronously(data_dir, tmp_path):
         assert late[:4] == sync[:4] and late[4] != sync[4], (parallel, sync, late)
 
 
+def _auto_start(rank: int, world: int, data: str, root: str) -> None:
+    d = open_data(Path(data))
+    for name, kw in (("sync", {}), ("auto", {"staleness": 1, "stale_after": "auto"})):
+        cfg = _cfg(
+            Path(root) / name, "bf16", parallel="ddp", steps=30, warmup=25, eval_every=0, **kw
+        )
+        train_rank(cfg, d, torch.device("cpu"))
+
+
+def test_the_automatic_start_is_the_synchronous_run_until_it_starts(data_dir, tmp_path):
+    # Schedule(start="auto"), the default: the steps before the gradient norm settles reduce
+    # and apply their own gradients, so they are the synchronous run's, bit for bit, learning
+    # rate included ([Note: the delayed gradient's learning rate]); until 2026-11-29 they took
+    # the previous step's rate, a warm-up one step behind
+    run_distributed(_auto_start, 2, str(data_dir), str(tmp_path), timeout_s=600)
+    rows = {n: _rows(tmp_path / n) for n in ("sync", "auto")}
+    loss = {n: [float(r["loss"]) for r in rows[n]] for n in rows}
+    lr = {n: [float(r["lr"]) for r in rows[n]] for n in rows}
+    # the first delayed step applies nothing: the step after it is the first to differ
+    first = next(t for t in range(30) if loss["auto"][t] != loss["sync"][t]) - 1
+    assert 20 <= first < 29, (first, loss)  # (it needs two windows of 10 norms)
+    assert lr["auto"][:first] == lr["sync"][:first], lr
+    # from there each step applies the step before's gradient at that step's rate
+    assert lr["auto"][first + 1 :] == lr["sync"][first:-1], lr
+    assert len(set(lr["sync"][first:])) > 2, lr  # (a schedule that moves)
+
+
 def test_nodes_emulate_two_levels_for_fsdp(data_dir, tmp_path):
     run_distributed(_emulated_nodes, 4, str(data_dir), str(tmp_path), timeout_s=600)
     rs = {

@@ -88,6 +88,7 @@ RESUME_MUST_MATCH = (
     "staleness",
     "stale_after",
     "stale_bound",
+    "gather_ahead",
     "predict",
     "adaptive_every",
     "adaptive_per_parameter",

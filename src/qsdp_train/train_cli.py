@@ -132,6 +132,12 @@ def parser() -> argparse.ArgumentParser:
         "parameters plus the last update (last), or as they are (none)",
     )
     p.add_argument(
+        "--gather-ahead",
+        action="store_true",
+        help="--staleness 1 with sdp4bit under FSDP2: gather the next step's weights in this "
+        "step's backward, beside the delayed reductions (the schedule's own prediction)",
+    )
+    p.add_argument(
         "--stale-bound",
         type=float,
         help="--staleness 1: force a synchronous step when lr * (clipped) gradient norm of the "
@@ -227,6 +233,7 @@ def config_from(args: argparse.Namespace) -> TrainConfig:
         staleness=args.staleness,
         stale_after=args.stale_after,
         stale_bound=args.stale_bound,
+        gather_ahead=args.gather_ahead,
         predict=args.predict,
         adaptive_every=args.adaptive_every,
         adaptive_per_parameter=args.adaptive_per_parameter,

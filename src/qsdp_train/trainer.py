@@ -153,6 +153,12 @@ class TrainConfig:
     gradient as is: +29%). None (the default) takes ``local`` at staleness 1 (``last``
     otherwise, where nothing is predicted); the resolved value is what ``config.json``
     records."""
+    gather_ahead: bool = False
+    """Staleness 1, FSDP2, a weight-difference recipe (``sdp4bit``): gather the next step's
+    weights in this step's backward (``Schedule(gather_ahead=True)``, [Note: the next step's
+    weights in this backward] in ``qsdp.runtime.gathered``); the schedule's own prediction,
+    unclipped, replaces this loop's (``--predict local``). Not with ``--stale-bound`` or a
+    ``--stale-after`` step (``auto`` or 0)."""
     stale_bound: float | None = None
     """Staleness 1: force a synchronous step when ``lr * ||g||`` (clipped) of the applied
     gradient exceeds it (``qsdp.StalenessGate``, [Note: the staleness gate]); None never forces
@@ -247,6 +253,20 @@ class TrainConfig:
                 f"--predict {self.predict} is for --staleness 1 (a synchronous step predicts "
                 "nothing)"
             )
+        if self.gather_ahead and not (
+            self.staleness
+            and self.parallel == "fsdp"
+            and self.predict == "local"
+            and self.stale_bound is None
+            and self.stale_after in ("auto", 0)
+        ):
+            raise ValueError(
+                "--gather-ahead is for --staleness 1 under FSDP2 with --predict local, the "
+                "automatic start or --stale-after 0, and no --stale-bound (the schedule predicts "
+                f"and starts itself); got staleness={self.staleness}, parallel={self.parallel}, "
+                f"predict={self.predict}, stale_after={self.stale_after}, "
+                f"stale_bound={self.stale_bound}"
+            )
         if self.stale_bound is not None and (not self.staleness or not self.stale_bound > 0):
             raise ValueError(
                 f"--stale-bound={self.stale_bound} needs --staleness 1 and a positive bound "
@@ -339,6 +359,8 @@ class TrainConfig:
             return Schedule(pipeline=self.pipeline)
         # an explicit --stale-after: this loop runs the steps before it synchronous()
         start = "auto" if self.stale_after == "auto" else 0
+        if self.gather_ahead:  # the schedule's own prediction, which the gathers ahead take
+            return Schedule(staleness=1, start=start, predict="local", gather_ahead=True)
         # this loop predicts by hand (--predict, aware of its gate's synchronous steps), so
         # the schedule's own prediction stays off
         return Schedule(
@@ -678,9 +700,10 @@ def _train_rank(
         weight_decay=0.0,
     )
     # staleness 1: gradients computed at the predicted parameters ([Note: weight prediction])
+    # (--gather-ahead: the schedule predicts, told the optimizer below)
     predict = (
         WeightPrediction(opt, local=par.state if cfg.predict == "local" else None)
-        if cfg.staleness and cfg.predict != "none"
+        if cfg.staleness and cfg.predict != "none" and not cfg.gather_ahead
         else None
     )
     start, (forced, sync_next) = (
@@ -688,6 +711,8 @@ def _train_rank(
         if cfg.resume
         else (0, (0, 0))
     )
+    if cfg.gather_ahead:  # (a resumed reduction in flight is predicted from the first step)
+        par.state.predict_with(opt)
     if cfg.redecide:
         chosen = dict(chosen, redecided_at=start, previous=saved)
         if rank == 0:

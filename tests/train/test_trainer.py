@@ -482,6 +482,49 @@ def test_the_automatic_start_is_the_synchronous_run_until_it_starts(data_dir, tm
     assert len(set(lr["sync"][first:])) > 2, lr  # (a schedule that moves)
 
 
+def _ahead(rank: int, world: int, data: str, root: str) -> None:
+    d, cpu = open_data(Path(data)), torch.device("cpu")
+    # a constant rate and no clipping: the gathers ahead anticipate the coming step exactly,
+    # up to how torch's AdamW rounds its step (the copies take the fused kernel), a last-bit
+    # difference that 4-bit weight differences may round to a quantization step
+    base = dict(steps=6, warmup=0, min_lr_ratio=1.0, grad_clip=1e9, staleness=1, ckpt_every=0)
+    for name, kw in (
+        ("loop", {}),
+        ("ahead", {"gather_ahead": True}),
+        ("ahead-resumed", {"gather_ahead": True, "stop_at": 3}),
+        ("ahead-resumed", {"gather_ahead": True, "resume": True}),
+    ):
+        cfg = _cfg(Path(root) / name, "sdp4bit", seed=3, **base, **kw)
+        train_rank(cfg, d, cpu)
+    try:
+        train_rank(
+            _cfg(Path(root) / "ahead-resumed", "sdp4bit", seed=3, **base, resume=True), d, cpu
+        )
+    except ValueError as e:  # the saved run gathered ahead: a resume must too
+        return str(e)
+    return "accepted"
+
+
+def test_gather_ahead_trains_as_the_loops_prediction_and_resumes(data_dir, tmp_path):
+    refused = run_distributed(_ahead, 2, str(data_dir), str(tmp_path), timeout_s=600)
+    loss = {
+        n: [float(r["loss"]) for r in _rows(tmp_path / n)]
+        for n in ("loop", "ahead", "ahead-resumed")
+    }
+    # step 0 applies nothing, step 1 applies step 0's gradient; step 2 is the first forward
+    # served from weights gathered in the backward before
+    assert loss["ahead"][:2] == loss["loop"][:2], loss
+    close = [abs(a - b) / b for a, b in zip(loss["ahead"], loss["loop"], strict=True)]
+    assert max(close) < 1e-3, (close, loss)
+    assert loss["ahead"][2:] != loss["loop"][2:], loss  # gathered ahead (rounded otherwise)
+    # a resumed run gathers its first forward anew, then ahead again
+    assert loss["ahead-resumed"][:3] == loss["ahead"][:3], loss
+    back = [abs(a - b) / b for a, b in zip(loss["ahead-resumed"], loss["ahead"], strict=True)]
+    assert max(back) < 1e-3, (back, loss)
+    assert all(r == refused[0] for r in refused)  # every rank the same outcome
+    assert "gather_ahead" in refused[0], refused[0]
+
+
 def test_nodes_emulate_two_levels_for_fsdp(data_dir, tmp_path):
     run_distributed(_emulated_nodes, 4, str(data_dir), str(tmp_path), timeout_s=600)
     rs = {
@@ -529,6 +572,13 @@ def test_schedule_warms_up_then_decays_to_the_floor():
         ({"stale_after": 5}, "--stale-after=5 must be 'auto', 0 (from the first step) or, with"),
         ({"staleness": 1, "stale_after": "soon"}, "--stale-after=soon must be 'auto'"),
         ({"predict": "none"}, "--predict none is for --staleness 1"),
+        ({"gather_ahead": True}, "--gather-ahead is for --staleness 1 under FSDP2"),
+        (
+            {"gather_ahead": True, "staleness": 1, "stale_bound": 0.1},
+            "and no --stale-bound (the schedule predicts and starts itself); got",
+        ),
+        ({"gather_ahead": True, "staleness": 1, "stale_after": 2, "steps": 5}, "stale_after=2"),
+        ({"gather_ahead": True, "staleness": 1, "predict": "last"}, "predict=last"),
         ({"predict": "ahead"}, "--predict must be one of"),
         ({"staleness": 1, "stale_after": 200}, "a step in (0, --steps)"),
         ({"staleness": 2, "parallel": "ddp", "recipe": "cgx"}, "--staleness must be 0 or 1"),

@@ -42,6 +42,7 @@ from qsdp import (
     QuantizedGrads,
     Schedule,
     TwoLevelGrads,
+    WeightDiffs,
     decode,
     encode,
     recipe,
@@ -342,6 +343,11 @@ class TrainConfig:
             return
         self.compression()  # refuses adaptive widths for a recipe without quantized gradients
         config = recipe(self.recipe)
+        if self.gather_ahead and not isinstance(config.weights, WeightDiffs):
+            raise ValueError(
+                f"--gather-ahead gathers weight differences; --recipe {self.recipe} gathers "
+                "none: use sdp4bit (or another recipe with weight differences), or drop it"
+            )
         if self.parallel != "fsdp" and config.two_level:
             raise ValueError(
                 f"--recipe {self.recipe} has two-level gradients (a reduce-scatter); --"

@@ -579,6 +579,10 @@ def test_schedule_warms_up_then_decays_to_the_floor():
         ),
         ({"gather_ahead": True, "staleness": 1, "stale_after": 2, "steps": 5}, "stale_after=2"),
         ({"gather_ahead": True, "staleness": 1, "predict": "last"}, "predict=last"),
+        (
+            {"gather_ahead": True, "staleness": 1, "recipe": "qsdp-w8g8"},
+            "--recipe qsdp-w8g8 gathers none: use sdp4bit",
+        ),
         ({"predict": "ahead"}, "--predict must be one of"),
         ({"staleness": 1, "stale_after": 200}, "a step in (0, --steps)"),
         ({"staleness": 2, "parallel": "ddp", "recipe": "cgx"}, "--staleness must be 0 or 1"),

@@ -9,8 +9,9 @@ that check as a user would, the README's loop and nothing else: the trainer's GP
 4 blocks of 128, byte-level) on the built-in Shakespeare corpus, every block and the root
 ``fully_shard``-ed, 2 gloo processes (``--world``), AdamW (betas 0.9/0.95) at a constant
 ``--lr`` with no warm-up and no clipping (the README's loop has neither), ``--batch`` windows
-of 64 bytes a rank a step. Variants, each over every seed (the seed sets the initial weights and
-the windows, the same for every variant of a seed):
+of 64 bytes a rank a step, drawn as ``qsdp train`` draws them (``qsdp_train.batches``).
+Variants, each over every seed (the seed sets the initial weights and the windows, the same for
+every variant of a seed):
 
 - ``plain``: FSDP2 without qsdp (the baseline);
 - ``sdp4bit``: ``compress_fsdp(model, "sdp4bit")``;
@@ -35,23 +36,18 @@ import statistics
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 
 import qsdp
 from qsdp.testing import run_distributed
+from qsdp_train.batches import Batches
 from qsdp_train.data import open_data, prepare_data
 from qsdp_train.model import GPT, PRESETS
 
 CTX = 64
 VARIANTS = ("plain", "sdp4bit", "sdp4bit-stale", "sdp4bit-stale-0")
-
-
-def _windows(tokens: np.ndarray, g: torch.Generator, n: int) -> torch.Tensor:
-    starts = torch.randint(0, len(tokens) - CTX - 1, (n,), generator=g).tolist()
-    return torch.stack([torch.from_numpy(tokens[s : s + CTX + 1].astype(np.int64)) for s in starts])
 
 
 def _run(rank: int, world: int, variant: str, seed: int, a: argparse.Namespace, data: str) -> dict:
@@ -71,12 +67,13 @@ def _run(rank: int, world: int, variant: str, seed: int, a: argparse.Namespace, 
         qsdp.compress_fsdp(model, "sdp4bit", schedule=schedule)
         state = qsdp.fsdp.comm_state(model)
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=(0.9, 0.95))
-    g = torch.Generator().manual_seed(1000 + seed)  # the same windows for every variant
+    batches = Batches(d)  # the trainer's windows: the same for every variant of a seed
+    shape = dict(micro_batch=a.batch, block_size=CTX)
     losses = []
     t0 = time.perf_counter()
-    for _ in range(a.steps):
-        batch = _windows(d.train, g, world * a.batch)[rank * a.batch : (rank + 1) * a.batch]
-        _, loss = model(batch[:, :-1], batch[:, 1:])
+    for step in range(a.steps):
+        x, y = batches.train_batch(step, 0, rank=rank, world_size=world, seed=seed, **shape)
+        _, loss = model(x, y)
         loss.backward()
         if state is None or not state.applied_nothing:
             opt.step()
@@ -89,12 +86,10 @@ def _run(rank: int, world: int, variant: str, seed: int, a: argparse.Namespace, 
         opt.step()
         opt.zero_grad()
     seconds = time.perf_counter() - t0
-    gv = torch.Generator().manual_seed(7)  # the same validation batches everywhere
     val = 0.0
-    with torch.no_grad():
-        for _ in range(a.val_batches):
-            batch = _windows(d.val, gv, a.batch)
-            val += float(model(batch[:, :-1], batch[:, 1:])[1]) / a.val_batches
+    with torch.no_grad():  # the same validation batches on every rank
+        for x, y in batches.val_batches(a.val_batches, rank=0, world_size=1, **shape):
+            val += float(model(x, y)[1]) / a.val_batches
     delayed = getattr(state, "delayed_since", None) if state is not None else None
     return {"losses": losses, "val": val, "delayed_since": delayed, "seconds": seconds}
 

@@ -776,7 +776,8 @@ def _train_rank(
             sync_next = False
             # [Note: the delayed gradient's learning rate]: this step applies the previous
             # step's gradient exactly when one is in flight as it starts
-            delayed = bool(cfg.staleness) and not sync_step and par.state.in_flight
+            # (a synchronous step never has one: the gate drained, or none was made yet)
+            delayed = bool(cfg.staleness) and par.state.in_flight
             lr = _set_lr(opt, cfg, step - 1 if delayed else step)
             before = {k: v.bytes for k, v in stats.snapshot().items()}
             if device.type == "cuda":

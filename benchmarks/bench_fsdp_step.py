@@ -181,17 +181,20 @@ def build(
     # NAME+own: its reduce-scatters on their own communicator (Schedule.own_reduce_group; off
     # without it, also for qsdp-w8g8); NAME+pipe (--hsdp): Schedule(pipeline=True); NAME+prop:
     # nonfinite="propagate"; NAME+gN: gradients in groups of N; NAME+s1+ahead: the next step's
-    # weights gathered in the backward (Schedule(gather_ahead=True))
+    # weights gathered in the backward (Schedule(gather_ahead=True)); NAME+graphs: the
+    # reduce-scatter's codec replayed from CUDA graphs (Schedule(graphs=True); one level: a
+    # two-level recipe runs without its node mesh)
     name, *options = recipe.split("+")
     group = variants.group_size(options)
     if (
-        set(options) - {"s1", "own", "local", "pipe", "prop", "ahead", f"g{group}"}
+        set(options) - {"s1", "own", "local", "pipe", "prop", "ahead", "graphs", f"g{group}"}
         or (("local" in options or "ahead" in options) and "s1" not in options)
         or ("pipe" in options and hsdp is None)
+        or ("graphs" in options and ("s1" in options or hsdp is not None))
     ):
         raise SystemExit(
-            f"variant {recipe!r}: options are +s1 (+local, +ahead with it), +own, +prop, +gN "
-            "and, with --hsdp, +pipe"
+            f"variant {recipe!r}: options are +s1 (+local, +ahead with it), +own, +prop, +gN, "
+            "+graphs (synchronous, FSDP2 alone) and, with --hsdp, +pipe"
         )
     if name == "auto":  # measures the regime's groups and picks (qsdp.policy.auto)
         if options:
@@ -206,6 +209,7 @@ def build(
         own_reduce_group="own" in options,
         pipeline="pipe" in options,
         gather_ahead="ahead" in options,
+        graphs="graphs" in options,
         start=0,  # (a few timed steps: the delayed schedule from the first)
     )
     if group:
@@ -213,7 +217,7 @@ def build(
     if hsdp is not None:
         qsdp.compress_fsdp(model, config, replicate=hsdp["replicate"], schedule=schedule)
     else:
-        two_level = mesh if config.two_level else None
+        two_level = mesh if config.two_level and "graphs" not in options else None
         qsdp.compress_fsdp(model, config, mesh=two_level, schedule=schedule)
     return model
 
@@ -530,7 +534,8 @@ def main() -> None:
         "the end of the compute stream (its reduction runs on into the next step), drained at "
         "the end; NAME+s1+ahead also gathers the next step's weights in the backward "
         "(Schedule(gather_ahead=True), weight differences); NAME+pipe (--hsdp) pipelines the "
-        "replicate all-reduce across modules",
+        "replicate all-reduce across modules; NAME+graphs replays the reduce-scatter's codec "
+        "from CUDA graphs (Schedule(graphs=True), one level)",
     )
     p.add_argument("--hsdp", action="store_true", help="HSDP on 2 nodes (see the docstring)")
     p.add_argument(

@@ -14,7 +14,11 @@ is not timed), with the real Triton kernels, three ways:
 - ``graph``: the same call captured once in a ``torch.cuda.CUDAGraph`` and replayed (its
   buffers, its input's address and its stochastic-rounding key fixed at the capture);
 - ``graph + copy-in``: the replay after copying the new gradient into the captured input
-  (FSDP2 allocates its reduce-scatter input anew each step: a graph must read a fixed address).
+  (FSDP2 allocates its reduce-scatter input anew each step: a graph must read a fixed address);
+- ``replayed``: the library's own replay (``reduce_scatter(graphs=qsdp.comm.CodecGraphs())``,
+  what ``Schedule(graphs=True)`` runs): the input copied in, the step written to device
+  memory (each call a new step), the encode replayed, the exchange, the decode replayed, the
+  output copied out.
 
 Per row: the host's microseconds a call (``--calls`` calls issued back to back, no
 synchronisation) and the device's milliseconds a call (CUDA events around them). What a graph
@@ -26,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import json
 from pathlib import Path
 
@@ -107,8 +112,27 @@ def main() -> None:
                 graph.replay()
 
             row["graph + copy-in"] = profiling.host_and_device(copied, a.calls, a.rounds)
+        graphs, steps = qc.CodecGraphs(), itertools.count()
+
+        def replayed(
+            rows=rows, out=out, plan=plan, split=split, stats=stats, graphs=graphs, steps=steps
+        ) -> None:
+            plan.reduce_scatter(
+                out,
+                rows,
+                None,
+                op="avg",
+                split=split,
+                seed=0,
+                step=next(steps),
+                bucket=0,
+                stats=stats,
+                graphs=graphs,
+            )
+
+        row["replayed"] = profiling.host_and_device(replayed, a.calls, a.rounds)
         results.append(row)
-        for kind in ("eager", "graph", "graph + copy-in"):
+        for kind in ("eager", "graph", "graph + copy-in", "replayed"):
             r = row[kind]
             text = r.get("error") or f"host {r['host_us']:7.1f} us  device {r['device_ms']:.3f} ms"
             print(f"{name:10s} {kind:16s} {text}")

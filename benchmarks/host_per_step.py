@@ -89,12 +89,15 @@ def build(
     schedule: qsdp.Schedule | None = None,
 ) -> nn.Module:
     name, *options = recipe.split("+")
-    if options not in ([], ["s1"], ["s1", "ahead"]):
+    if options not in ([], ["s1"], ["s1", "ahead"], ["graphs"]):
         raise SystemExit(
-            f"recipe {recipe!r}: the options are +s1 (staleness 1) and +s1+ahead (with the "
-            "next step's weights gathered in the backward)"
+            f"recipe {recipe!r}: the options are +s1 (staleness 1), +s1+ahead (with the "
+            "next step's weights gathered in the backward) and +graphs (the reduce-scatter's "
+            "codec replayed from CUDA graphs, --device cuda)"
         )
-    if options:  # the delayed schedule from the first step, as bench_fsdp_step.py's +s1
+    if options == ["graphs"]:  # Schedule(graphs=True): [Note: codec segments replayed]
+        schedule = qsdp.Schedule(graphs=True)
+    elif options:  # the delayed schedule from the first step, as bench_fsdp_step.py's +s1
         schedule = qsdp.Schedule(staleness=1, start=0, gather_ahead="ahead" in options)
     torch.manual_seed(0)
     kind = GPTBlock if block == "gpt" else Block

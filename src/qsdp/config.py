@@ -390,6 +390,15 @@ class Schedule:
     (CGX's phase 2, Global-QSGD's SUM) on a second communicator and the hooks on two
     alternating streams, so one module's (bucket's) exchange overlaps the next one's; the same
     bits. Not with staleness 1 under FSDP2 (its reductions overlap already)."""
+    graphs: bool = False
+    """FSDP2 on CUDA: replay each group's gradient reduce-scatter codec (the encode before the
+    exchange, the decode after it) from CUDA graphs captured at its first call, the same bits
+    with a few host operations a call instead of some 40 ([Note: codec segments replayed] in
+    ``qsdp.comm._graphs``): for a step bound by the host (a fast link). Needs a single-level
+    quantized reduce-scatter (``qsdp-w8g8``, ``cgx``, ``sdp4bit`` without a node mesh) and
+    ``staleness=0``; costs about two of a group's gradients of device memory (buffers shared by
+    the groups of one shape). A group whose parameters hold several adaptive widths reduces
+    eagerly."""
 
     def __post_init__(self) -> None:
         if self.staleness not in (0, 1) or isinstance(self.staleness, bool):
@@ -456,6 +465,14 @@ class Schedule:
             )
         if not isinstance(self.pipeline, bool):
             raise TypeError(f"Schedule.pipeline={self.pipeline!r} must be a bool")
+        if not isinstance(self.graphs, bool):
+            raise TypeError(f"Schedule.graphs={self.graphs!r} must be a bool")
+        if self.graphs and self.staleness:
+            raise ValueError(
+                "Schedule(graphs=True) replays the synchronous reduce-scatter's codec; at "
+                "staleness=1 the reductions run late on a side stream, eagerly: drop graphs, or "
+                "set staleness=0"
+            )
 
     @property
     def prediction(self) -> str:

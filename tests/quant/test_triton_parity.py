@@ -287,6 +287,33 @@ def test_encode_rows_one_launch_matches_encode_per_row(had, k, skip):
     _rows_case(spec, 333, k, skip, dtype=torch.bfloat16, row_bytes=spec.payload_bytes(333) + 19)
 
 
+@pytest.mark.parametrize("scheme", ["minmax", "shift-lattice"])
+def test_encode_rows_reads_a_step_from_device_memory_as_the_argument(scheme):
+    """The kernel that reads its step from memory (what a CUDA graph replays) writes the
+    argument's bytes, and another step's noise when the memory changes."""
+    spec = _spec(4, scheme, "stochastic", (16, None)).propagating()
+    rows = torch.stack([heavy_tailed(1000, seed=20 + i) for i in range(3)])
+    out = {}
+    for key, step in [("int9", 9), ("mem9", torch.tensor([9])), ("int10", 10)]:
+        out[key] = torch.empty(2, spec.payload_bytes(1000), dtype=torch.uint8)
+        encode_rows(
+            rows, spec, out=out[key], streams=[3, 4], skip=1, seed=5, step=step, backend="triton"
+        )
+    _same(out["int9"], out["mem9"])
+    assert bool((out["int9"] != out["int10"]).any())
+    step = torch.tensor([9])
+    step.fill_(10)
+    mem = torch.empty_like(out["int10"])
+    encode_rows(rows, spec, out=mem, streams=[3, 4], skip=1, seed=5, step=step, backend="triton")
+    _same(mem, out["int10"])
+    with pytest.raises(ValueError, match="one int64"):
+        encode_rows(
+            rows, spec, out=mem, streams=[3, 4], skip=1, step=torch.tensor([9.0]), backend="triton"
+        )
+    with pytest.raises(ValueError, match="pass the step as an int"):
+        encode_rows(rows, spec, out=mem, streams=[3, 4], skip=1, step=step, backend="reference")
+
+
 def test_encode_rows_checks_its_arguments():
     spec = _spec(8, "absmax", "nearest")
     rows = torch.randn(3, 100)

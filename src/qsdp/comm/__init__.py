@@ -8,6 +8,7 @@ world size and tensor length, and returns a :class:`CommWork` for ``async_op=Tru
 from ._all_gather import all_gather, all_gather_payloads, all_gather_wire_bytes
 from ._common import CommWork, noise_rank, noise_stream, replica_seed
 from ._dist import dist_all_gather, group_device
+from ._graphs import CodecGraphs
 from ._hierarchical import hierarchical_reduce_scatter, hierarchical_reduce_scatter_wire_bytes
 from ._integer import (
     integer_all_reduce,
@@ -23,6 +24,7 @@ from ._two_phase import two_phase_all_reduce, two_phase_all_reduce_wire_bytes
 from ._weight_diff import all_gather_diff, all_gather_diff_wire_bytes
 
 __all__ = [
+    "CodecGraphs",
     "CollectiveCounts",
     "CommStats",
     "CommWork",

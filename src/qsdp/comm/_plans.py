@@ -74,6 +74,12 @@ class ReducePlan:
         return None
 
     @property
+    def replayable(self) -> bool:
+        """Whether :meth:`reduce_scatter` takes ``graphs=`` (a :class:`~qsdp.comm.CodecGraphs`
+        to replay its codec from: the single-level quantized reduce-scatter)."""
+        return False
+
+    @property
     def node_level(self) -> bool:
         """Whether :meth:`reduce_scatter` reduces inside the node first (two levels over a
         mesh): then it takes ``node_average=`` (see :func:`hierarchical_reduce_scatter`)."""
@@ -153,6 +159,10 @@ class QuantizedReduce(ReducePlan):
     def width_spec(self) -> QuantSpec:
         return self.spec
 
+    @property
+    def replayable(self) -> bool:
+        return True
+
     def with_bits(self, bits: int) -> QuantizedReduce:
         return self if bits == self.spec.bits else replace(self, spec=replace(self.spec, bits=bits))
 
@@ -199,6 +209,10 @@ class TwoLevelReduce(ReducePlan):
     @property
     def node_level(self) -> bool:
         return self.mesh is not None
+
+    @property
+    def replayable(self) -> bool:
+        return self.mesh is None  # (one level: the single-level reduce-scatter)
 
     def reduce_scatter(self, output, input, group, **kw):
         if self.mesh is None:  # one level: every peer counts as remote

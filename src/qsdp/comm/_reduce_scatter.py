@@ -25,6 +25,7 @@ from ..quant import (
 )
 from . import _common as C
 from ._calls import checked
+from ._graphs import CodecGraphs
 from ._split import Split, check_split, fused_parts, fused_row
 from ._stats import CommStats
 
@@ -75,6 +76,7 @@ def reduce_scatter(
     bucket: int = 0,
     backend: Backend = "auto",
     stats: CommStats | None = None,
+    graphs: CodecGraphs | None = None,
 ) -> C.CommWork | None:
     """Quantized ``dist.reduce_scatter_tensor``: rank ``r`` gets the sum (or mean) of chunk ``r``.
 
@@ -102,10 +104,32 @@ def reduce_scatter(
         bucket: separates buffers reduced in the same step.
         backend: the quantizer backend (``"auto"``: Triton on CUDA, reference on CPU).
         stats: the byte counter to record into (default :data:`qsdp.comm.comm_stats`).
+        graphs: replay the encode and the decode from CUDA graphs captured in it at the first
+            call of each shape and noise key, the same bits ([Note: codec segments replayed]
+            in ``qsdp.comm._graphs``): CUDA tensors, a synchronous call (no ``async_op``), a
+            ``spec`` with ``nonfinite="propagate"`` (the caller checks NaN/Inf) and the Triton
+            backend.
 
     Returns:
         A :class:`CommWork` when ``async_op``, else None.
     """
+    if graphs is not None:
+        _replayed(
+            graphs,
+            output,
+            input,
+            group,
+            spec=spec,
+            split=split,
+            op=op,
+            async_op=async_op,
+            seed=seed,
+            step=step,
+            bucket=bucket,
+            backend=backend,
+            stats=C.resolve_stats(stats),
+        )
+        return None
     stages = _reduce_scatter_stages(
         output,
         input,
@@ -123,6 +147,138 @@ def reduce_scatter(
         keep_own=async_op,
     )
     return C.run_stages(stages, async_op, result=output)
+
+
+class _Buffers(NamedTuple):
+    """What the captured segments of one reduce-scatter shape read and write
+    ([Note: codec segments replayed] in ``_graphs.py``)."""
+
+    rows: torch.Tensor  # [n, m], the input's dtype: each call's input copied in
+    comp: torch.Tensor | None  # [n, n_comp], [n, n_raw]: a split's parts (several runs each)
+    raw: torch.Tensor | None
+    send: torch.Tensor  # [n - 1, row] uint8
+    recv: torch.Tensor
+    out: torch.Tensor  # [m], the output's dtype: copied out to each call's output
+    step: torch.Tensor  # one int64: the noise's step, read by the encode kernel
+    parts: tuple[int, ...] | None  # a split's [codes | raw] row, cut
+
+    @classmethod
+    def make(cls, input, output, n, m, spec, split) -> _Buffers:
+        device = input.device
+        rows = torch.empty(n, m, dtype=input.dtype, device=device)
+        comp = raw = parts = None
+        if split is None:
+            row = spec.payload_bytes(m)
+        else:
+            _, row, parts = fused_parts(spec, split.n_comp, split.n_raw * input.element_size())
+            if not split.one_run_each:
+                comp = rows.new_empty(n, split.n_comp)
+                raw = rows.new_empty(n, split.n_raw)
+        send = torch.empty(max(n - 1, 0), row, dtype=torch.uint8, device=device)
+        return cls(
+            rows=rows,
+            comp=comp,
+            raw=raw,
+            send=send,
+            recv=torch.empty_like(send),
+            out=torch.empty(m, dtype=output.dtype, device=device),
+            step=torch.zeros(1, dtype=torch.int64, device=device),
+            parts=parts,
+        )
+
+    def split_parts(self, split: Split) -> tuple[torch.Tensor, torch.Tensor]:
+        """The captured input's compressed and raw parts (views, or the parts' buffers)."""
+        if self.comp is None:
+            return split.views(self.rows)
+        return split.take(self.rows, comp_out=self.comp, raw_out=self.raw)
+
+
+def _replayed(
+    graphs: CodecGraphs,
+    output: torch.Tensor,
+    input: torch.Tensor,
+    group: dist.ProcessGroup | None,
+    *,
+    spec: QuantSpec,
+    split: Split | None,
+    op: str | dist.ReduceOp,
+    async_op: bool,
+    seed: int,
+    step: int,
+    bucket: int,
+    backend: Backend,
+    stats: CommStats,
+) -> None:
+    """:func:`reduce_scatter` with its encode and decode replayed from ``graphs``: the input
+    copied into the captured buffer, the step written, the encode replayed, the exchange, the
+    decode replayed, the output copied out ([Note: codec segments replayed])."""
+    capturable = input.is_cuda or not graphs.capture
+    if async_op or not capturable or spec.propagating() is not spec or backend == "reference":
+        raise ValueError(
+            "reduce_scatter(graphs=...) replays CUDA graphs of the Triton kernels: it needs CUDA "
+            "tensors, a synchronous call and a spec with nonfinite='propagate' (the caller "
+            f"checks NaN/Inf); got async_op={async_op}, input on {input.device}, "
+            f"spec.nonfinite={spec.nonfinite.value!r}, backend={backend!r}: pass graphs=None"
+        )
+    op = C.parse_op(op)
+    pg, n, r = C.group_info(group)
+    stream = torch.cuda.current_stream(input.device).stream_id if input.is_cuda else 0
+    shape = (input.device, stream, n, r, input.numel(), input.dtype, output.dtype, spec, split, op)
+
+    def first() -> _Buffers:  # the first call of this shape: checked once, its buffers made
+        m = check_chunks(output, input, n, "reduce_scatter")
+        if split is not None:
+            check_split(split, m, "each chunk")
+        return _Buffers.make(input, output, n, m, spec, split)
+
+    b = graphs.buffers(("reduce_scatter", *shape), first)
+    C.check_key(seed, step, bucket)
+    m = b.out.numel()
+    stats.count_call(_NAME)
+    streams = C.peer_streams(r, n, bucket=bucket)
+    divisor = n if op == "avg" else None
+    if split is None:
+
+        def encode() -> None:
+            _encode_chunks(
+                b.rows, b.send, r, spec, streams, seed=seed, step=b.step, backend=backend
+            )
+
+        def decode() -> None:
+            _decode_chunks(b.recv, b.rows[r], b.out, m, spec, divisor, backend)
+
+    else:
+
+        def encode() -> None:
+            comp, raw = b.split_parts(split)
+            _encode_fused(
+                comp,
+                raw,
+                b.send,
+                b.parts,
+                r,
+                spec,
+                streams,
+                seed=seed,
+                step=b.step,
+                backend=backend,
+            )
+
+        def decode() -> None:
+            comp, raw = split.views(b.rows) if b.comp is None else (b.comp, b.raw)
+            _decode_fused(b.recv, b.parts, comp[r], raw[r], b.out, split, spec, divisor, backend)
+
+    b.rows.copy_(input.reshape(n, m))
+    b.step.fill_(step)
+    graphs.run(("reduce_scatter encode", *shape, seed, bucket), encode)
+    if n > 1 and m > 0:  # on the current stream, after the encode ([Note: which stream ...])
+        row = b.send.shape[1]
+        splits = [0 if j == r else row for j in range(n)]
+        C.all_to_all(
+            b.recv.view(-1), b.send.view(-1), splits, splits, pg, stats, _NAME, stream="current"
+        )
+    graphs.run(("reduce_scatter decode", *shape), decode)
+    output.view(-1).copy_(b.out)
 
 
 def check_chunks(output: torch.Tensor, input: torch.Tensor, n: int, what: str) -> int:
@@ -189,16 +345,8 @@ def _reduce_scatter_stages(
     peers = [j for j in range(n) if j != r]
     enc_spec = spec.propagating()
     # the noise identity: the place in the group ([Note: noise per place in the group])
-    encode_rows(
-        chunks,
-        enc_spec,
-        out=send.view(n - 1, nbytes),
-        streams=C.peer_streams(r, n, bucket=bucket, hop=hop),
-        skip=r,
-        seed=seed,
-        step=step,
-        backend=backend,
-    )
+    streams = C.peer_streams(r, n, bucket=bucket, hop=hop)
+    _encode_chunks(chunks, send, r, enc_spec, streams, seed=seed, step=step, backend=backend)
     if lost is not None:
         rows = lost.view(n, m)
         rows.copy_(chunks)
@@ -219,15 +367,35 @@ def _exchange_decode(output, own, send, pg, n, r, m, spec, op, backend, stats, n
         splits = [0 if j == r else nbytes for j in range(n)]
         yield [C.all_to_all(recv, send, splits, splits, pg, stats, name)], True
         recv = recv.view(n - 1, nbytes)
-    # own chunk + the decoded peers, divided, into the output: one launch ([Note: the
-    # receive side in one launch])
+    _decode_chunks(recv, own, output, m, spec, n if op == "avg" else None, backend)
+
+
+def _encode_chunks(chunks, send, r, spec, streams, *, seed, step, backend) -> None:
+    """The ``n - 1`` peers' chunks of ``chunks`` (``[n, m]``) into ``send``, one launch."""
+    n, m = chunks.shape
+    nbytes = spec.payload_bytes(m)
+    encode_rows(
+        chunks,
+        spec,
+        out=send.view(n - 1, nbytes),
+        streams=streams,
+        skip=r,
+        seed=seed,
+        step=step,
+        backend=backend,
+    )
+
+
+def _decode_chunks(recv, own, output, m, spec, divisor, backend) -> None:
+    """Own chunk + the decoded peers' payloads (``recv``), divided, into ``output``: one
+    launch ([Note: the receive side in one launch])."""
     decode_sum_finish(
-        recv,
+        recv.view(-1, spec.payload_bytes(m)),
         m,
         spec,
         base=own,
         out=output.view(-1),
-        divisor=n if op == "avg" else None,
+        divisor=divisor,
         backend=backend,
     )
 
@@ -272,25 +440,11 @@ def _fused_stages(output, input, split, call: _Call, *, lost=None, keep_own=True
     nbytes, row, parts = fused_parts(spec, split.n_comp, raw_bytes)
     # (the parts' padding is never read: no zeroing)
     send = torch.empty(n - 1, row, dtype=torch.uint8, device=input.device)
-    # each row's parts as views, cut once per call ([Note: a split's plan] in _split.py)
-    codes, _, raw_slots, _ = send.split_with_sizes(parts, dim=1)
     enc_spec = spec.propagating()
-    if split.n_comp:  # the n - 1 peers' codes, one launch; noise per place in the group
-        encode_rows(
-            comp,
-            enc_spec,
-            out=codes,
-            streams=C.peer_streams(r, n, bucket=bucket, hop=hop),
-            skip=r,
-            seed=seed,
-            step=step,
-            backend=backend,
-        )
-    raw_rows = raw.view(torch.uint8)  # the peers' rows: those before r, then those after
-    if r > 0:
-        raw_slots[:r].copy_(raw_rows[:r])
-    if r < n - 1:
-        raw_slots[r:].copy_(raw_rows[r + 1 :])
+    streams = C.peer_streams(r, n, bucket=bucket, hop=hop)
+    codes, _ = _encode_fused(
+        comp, raw, send, parts, r, enc_spec, streams, seed=seed, step=step, backend=backend
+    )
     if lost is not None:  # the codes' losses; the own row and the raw elements travel exact
         err = comp.to(torch.float32, copy=True)
         err[r].zero_()
@@ -301,13 +455,44 @@ def _fused_stages(output, input, split, call: _Call, *, lost=None, keep_own=True
         bad = flagged_groups(codes, split.n_comp, spec) + (~torch.isfinite(raw)).sum()
         bad = bad + (~torch.isfinite(own_comp)).sum()
         C.agree_finite(bad, [pg], stats, name)
-    got_codes, got_raw = codes, raw_slots  # (no peers: no rows)
+    recv = send  # (no peers: no rows)
     if n > 1 and m > 0:
         recv = torch.empty_like(send)
         splits = [0 if j == r else row for j in range(n)]
         yield [C.all_to_all(recv.view(-1), send.view(-1), splits, splits, pg, stats, name)], True
-        got_codes, _, got_raw, _ = recv.split_with_sizes(parts, dim=1)
     divisor = n if op == "avg" else None
+    _decode_fused(recv, parts, own_comp, own_raw, output, split, spec, divisor, backend)
+
+
+def _encode_fused(comp, raw, send, parts, r, spec, streams, *, seed, step, backend):
+    """The peers' ``[codes | raw]`` rows of ``comp`` and ``raw`` (``[n, ...]``) into ``send``
+    (``[n - 1, row]`` uint8, cut by ``parts``); returns ``send``'s codes and raw parts."""
+    n = comp.shape[0]
+    # each row's parts as views, cut once per call ([Note: a split's plan] in _split.py)
+    codes, _, raw_slots, _ = send.split_with_sizes(parts, dim=1)
+    if comp.shape[1]:  # the n - 1 peers' codes, one launch; noise per place in the group
+        encode_rows(
+            comp,
+            spec,
+            out=codes,
+            streams=streams,
+            skip=r,
+            seed=seed,
+            step=step,
+            backend=backend,
+        )
+    raw_rows = raw.view(torch.uint8)  # the peers' rows: those before r, then those after
+    if r > 0:
+        raw_slots[:r].copy_(raw_rows[:r])
+    if r < n - 1:
+        raw_slots[r:].copy_(raw_rows[r + 1 :])
+    return codes, raw_slots
+
+
+def _decode_fused(recv, parts, own_comp, own_raw, output, split, spec, divisor, backend) -> None:
+    """The peers' ``[codes | raw]`` rows (``recv``) summed onto the own chunk's parts, divided,
+    into their runs of ``output``."""
+    got_codes, _, got_raw, _ = recv.split_with_sizes(parts, dim=1)
     # [Note: the receive side in one launch]
     # The compressed part goes from the payloads to the output in one kernel (decode, the sum
     # onto the own chunk, the division, the cast), then to its runs in one copy when there are
@@ -330,7 +515,7 @@ def _fused_stages(output, input, split, call: _Call, *, lost=None, keep_own=True
     )
     if split.n_raw:
         sum_rows_finish(
-            got_raw.view(raw.dtype),  # (each row's part starts on a 16-byte boundary: a view)
+            got_raw.view(own_raw.dtype),  # (each row's part starts on a 16-byte boundary: a view)
             base=own_raw,
             out=output.view(-1),
             places=split.places(compressed=False),

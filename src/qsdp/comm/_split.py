@@ -109,11 +109,15 @@ class Split:
         return [lengths[i] for i in comp], [lengths[i] for i in raw]
 
     def take(
-        self, rows: torch.Tensor, *, raw_out: torch.Tensor | None = None
+        self,
+        rows: torch.Tensor,
+        *,
+        comp_out: torch.Tensor | None = None,
+        raw_out: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``rows`` (``[k, chunk]``) as contiguous ``[k, n_comp]`` and ``[k, n_raw]`` copies,
-        the raw part written into ``raw_out`` when given (a slot of a send buffer: no
-        temporary and no second copy).
+        written into ``comp_out`` and ``raw_out`` when given (a slot of a send buffer, a
+        captured segment's buffer: no temporary and no second copy).
 
         [Note: a split's plan]
         A split is applied on every call of a collective, so the host work per call counts
@@ -122,7 +126,7 @@ class Split:
         ``split_with_sizes`` (one op for all the views), not by a slice per run."""
         lengths, comp, raw = self._plan
         pieces = rows.split_with_sizes(lengths, dim=1)
-        return _cat(rows, pieces, comp), _cat(rows, pieces, raw, raw_out)
+        return _cat(rows, pieces, comp, comp_out), _cat(rows, pieces, raw, raw_out)
 
     @cached_property
     def one_run_each(self) -> bool:

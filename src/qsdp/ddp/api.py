@@ -104,6 +104,11 @@ def register(
             "Schedule(gather_ahead=True) gathers FSDP2's weight differences ahead; DDP "
             "gathers no weights: drop gather_ahead"
         )
+    if schedule.graphs:
+        raise ValueError(
+            "Schedule(graphs=True) replays FSDP2's reduce-scatter codec from CUDA graphs; "
+            "DDP's all-reduce hook does not replay one yet: drop graphs"
+        )
     if schedule.own_reduce_group is not None:
         raise ValueError(
             "Schedule.own_reduce_group is for FSDP2 (its reduce-scatters and weight "

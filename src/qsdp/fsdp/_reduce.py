@@ -64,6 +64,7 @@ class _Reduction:
         stale: DelayedReductions | None = None,
         chunk: Sequence[tuple[torch.Tensor, int]] = (),
         twins: Mapping[str, dist.ProcessGroup] | None = None,
+        graphs: qc.CodecGraphs | None = None,
     ) -> None:
         """Args, beyond the plan's noise key, counter, check, layout and split: ``params``, the
         parameters whose gradients it makes; ``widths`` and ``width_key``, its adaptive width
@@ -72,7 +73,8 @@ class _Reduction:
         ``chunk``, (parameter, padded elements) of the flat shard it reduces, where it finds
         its parameters' results ([Note: one staleness core] in ``qsdp.runtime.delayed``);
         ``twins``, the reductions' own communicators by group name (``own_reduce_group``,
-        staleness 1)."""
+        staleness 1); ``graphs``, the model's captured codec segments (``Schedule.graphs``:
+        the synchronous reduce-scatter replays them)."""
         if not isinstance(plan, qc.ReducePlan):
             raise TypeError(f"plan must be a qsdp.comm.ReducePlan, got {type(plan).__name__}")
         self.plan, self.check, self.layout, self.split = plan, check, layout, split
@@ -91,6 +93,7 @@ class _Reduction:
         if stale is not None:
             stale.register(self, self.slots, size=sum(n for _, n in chunk))
         self.twins: Mapping[str, dist.ProcessGroup] = twins or {}
+        self.graphs = graphs
         self._group: dist.ProcessGroup | tuple[dist.ProcessGroup, ...] | None = None
         """The group (or groups, in turn) the applied result's NaN/Inf flags are agreed over."""
         self.params = list(params)
@@ -322,8 +325,11 @@ class QuantizedReduceScatter(_Reduction, _Hook, ReduceScatter):
                 else torch.cat([rows[:, s : s + n] for s, n in runs], 1)
             )
             part_out = output_tensor
+            replay = {}
             if runs is not None:
                 part_out = output_tensor.new_empty(part_in.shape[1])
+            elif self.graphs is not None and plan.replayable:
+                replay = {"graphs": self.graphs}  # [Note: codec segments replayed]
             plan.reduce_scatter(
                 part_out,
                 part_in,
@@ -334,6 +340,7 @@ class QuantizedReduceScatter(_Reduction, _Hook, ReduceScatter):
                 step=step,
                 bucket=bucket,
                 stats=self.stats,
+                **replay,
             )
             if runs is not None:
                 torch._foreach_copy_(

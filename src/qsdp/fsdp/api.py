@@ -130,6 +130,11 @@ def compress_fsdp(
     # model's groups] in qsdp.runtime.agreement)
     _check_agreed(groups, arguments, replicate_pg, mesh)
     decision = None
+    if config == "auto" and schedule.graphs:
+        raise ValueError(
+            "Schedule(graphs=True) with config='auto': 'auto' may keep the gradients "
+            "uncompressed, where there is no codec to replay; pass the recipe it reports"
+        )
     if config == "auto":  # measure, predict, pick: see qsdp.policy.auto
         decision = _auto(
             model, groups, mesh=mesh, replicate=replicate_pg, pipeline=schedule.pipeline
@@ -141,6 +146,7 @@ def compress_fsdp(
     _check_replicate_grads(replicate_pg, config)
     _check_pipeline(schedule, replicate_pg, config)
     shared = _shared(model, config, schedule, groups, mesh=mesh, replicate=replicate_pg)
+    _check_graphs(schedule, shared, groups)
     hooks: list[object] = []
     slots: list[tuple[int, int]] = []  # (group, 0: all-gather / 1: reduction) of each hook
     for i, group in enumerate(groups):
@@ -216,6 +222,9 @@ class _Shared:
     """The ids of the parameters the gathers predict."""
     ahead: SideStreams | None = None
     """``Schedule(gather_ahead=True)``: the stream the gathers made ahead run on."""
+    graphs: qc.CodecGraphs | None = None
+    """``Schedule(graphs=True)``: the reduce-scatters' captured codec segments
+    ([Note: codec segments replayed] in ``qsdp.comm._graphs``)."""
 
     def split(self, layout: list) -> qc.Split | None:
         """The policy's split of a group's chunk (None: everything quantized)."""
@@ -273,6 +282,7 @@ def _shared(
     if schedule.staleness and schedule.prediction == "local":
         prediction = GatheredPrediction()
     return _Shared(
+        graphs=qc.CodecGraphs() if schedule.graphs else None,
         ahead=SideStreams(1) if schedule.gather_ahead else None,
         prediction=prediction,
         config=config,
@@ -448,6 +458,7 @@ def _reduce_hook(
         stale=stale,
         chunk=_grad_params(model, layout) if stale else (),
         twins=shared.twins,
+        graphs=shared.graphs,
         **key,
     )
     group.module.set_custom_reduce_scatter(reduce)
@@ -510,6 +521,28 @@ def _auto(
     if dist.get_rank() == 0:
         print(decision.report(), flush=True)
     return decision
+
+
+def _check_graphs(schedule: Schedule, shared: _Shared, groups: list[FSDPGroup]) -> None:
+    """``Schedule(graphs=True)``'s conditions (the same on every rank: checked after the
+    agreement): a single-level quantized reduce-scatter of CUDA parameters."""
+    if not schedule.graphs:
+        return
+    plan = shared.reduce
+    if plan is None or not plan.replayable:
+        what = type(plan).__name__ if plan is not None else "FSDP2's own"
+        raise ValueError(
+            f"Schedule(graphs=True) replays a single-level quantized reduce-scatter's codec; "
+            f"this config reduces with {what} (compressed HSDP's all-reduce, Global-QSGD "
+            "integers, two levels over a node mesh or uncompressed gradients have none): drop "
+            "graphs, or use 'qsdp-w8g8', 'cgx' or 'sdp4bit' without a mesh"
+        )
+    devices = {p.device.type for g in groups for p in g.params}
+    if devices != {"cuda"}:
+        raise ValueError(
+            f"Schedule(graphs=True) replays CUDA graphs; the model's parameters are on "
+            f"{sorted(devices)}: drop graphs off CUDA"
+        )
 
 
 def _check_pipeline(

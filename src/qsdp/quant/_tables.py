@@ -8,7 +8,10 @@ its buckets after the first step, a new split comes with them), and one such wai
 overlap of that step (the no-host-wait GPU tests caught it). The values go through pinned
 memory instead, copied asynchronously on the current stream; the caching host allocator keeps
 the pinned block until the copy has run. A table is made once per (values, dtype, device) and
-shared by every caller, which only reads it.
+shared by every caller, which only reads it, and kept for the life of the process (the cache
+is unbounded: a model has a few dozen tables of a few bytes each), so a kernel launch a CUDA
+graph captured may read it at every replay ([Note: codec segments replayed] in
+``qsdp.comm._graphs``).
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import torch
 __all__ = ["on_device"]
 
 
-@functools.lru_cache(maxsize=4096)
+@functools.cache
 def on_device(
     values: tuple[int | float, ...] | float, *, dtype: torch.dtype, device: torch.device
 ) -> torch.Tensor:

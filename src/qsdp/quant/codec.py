@@ -89,6 +89,17 @@ def _check_rng(seed: int, step: int, stream: int) -> None:
     _check_counter("stream", stream, 32)
 
 
+def _check_device_step(step: torch.Tensor, device: torch.device, kernel: bool) -> None:
+    """A step the kernel reads from memory: one int64 beside the rows, on the Triton path."""
+    if step.dtype != torch.int64 or step.numel() != 1 or step.device != device or not kernel:
+        raise ValueError(
+            f"encode_rows: a step in device memory must be one int64 on the rows' device "
+            f"({device}) read by the Triton kernel with nonfinite='propagate'; got "
+            f"{step.dtype} of {step.numel()} elements on {step.device}"
+            + ("" if kernel else ", on a path without that kernel: pass the step as an int")
+        )
+
+
 @functools.lru_cache(maxsize=4096)
 def _check_streams(streams: tuple[int, ...]) -> None:
     """Each of ``streams`` a valid noise stream (checked once per tuple: a reduce-scatter
@@ -303,7 +314,7 @@ def encode_rows(
     streams: Sequence[int],
     skip: int | None = None,
     seed: int = 0,
-    step: int = 0,
+    step: int | torch.Tensor = 0,
     backend: Backend = "auto",
 ) -> None:
     """Quantize every row of ``rows`` but row ``skip`` into the rows of ``out``, in order: row
@@ -318,7 +329,9 @@ def encode_rows(
             unit column stride: each row's payload starts at the row's first byte.
         streams: the noise stream of each written row, in ``out``'s row order.
         skip: the row not encoded (a rank's own chunk), or None.
-        seed, step, backend: as for :func:`encode`.
+        seed, step, backend: as for :func:`encode`; ``step`` may also be one int64 on
+            ``rows``' device, which the Triton kernel reads when it runs (a launch a CUDA graph
+            replays draws each replay's noise; ``nonfinite="propagate"`` only).
 
     Raises:
         ValueError: shapes that do not match; as :func:`encode` for values it cannot quantize
@@ -348,9 +361,14 @@ def encode_rows(
             f"rows must be 2-D with unit column stride, out uint8 [{slots}, >= {nbytes}] on "
             f"{rows.device} with unit column stride, one stream per row of out"
         )
-    _check_rng(seed, step, 0)
+    triton = _resolve(backend, rows.device) == "triton"
+    if isinstance(step, torch.Tensor):
+        _check_device_step(step, rows.device, triton and spec.nonfinite is NonFinite.PROPAGATE)
+        _check_rng(seed, 0, 0)
+    else:
+        _check_rng(seed, step, 0)
     _check_streams(tuple(streams))
-    if _resolve(backend, rows.device) == "triton" and spec.nonfinite is NonFinite.PROPAGATE:
+    if triton and spec.nonfinite is NonFinite.PROPAGATE:
         table = on_device(tuple(streams), dtype=torch.int64, device=rows.device)
         _launch().encode_rows(
             rows,

@@ -632,6 +632,7 @@ def encode_kernel(
     out_row_stride,
     skip_row,
     streams_ptr,
+    step_ptr,
     BITS: tl.constexpr,
     ROWS: tl.constexpr,
     GPB: tl.constexpr,
@@ -648,12 +649,18 @@ def encode_kernel(
     BIG: tl.constexpr,
     ALIGNED: tl.constexpr,
     MULTI: tl.constexpr,
+    STEP_PTR: tl.constexpr,
     TAIL: tl.constexpr,
 ):
     """One payload of ``numel`` elements per grid row. ``MULTI``: grid row ``s`` encodes input
     row ``s + (s >= skip_row)`` (rows ``x_row_stride`` apart: every row but ``skip_row``) into
     the payload at ``out_ptr + s * out_row_stride`` with noise stream ``streams_ptr[s]``; else
-    the one row at ``x_ptr`` with ``rng_stream``."""
+    the one row at ``x_ptr`` with ``rng_stream``. ``STEP_PTR``: the noise's step is read from
+    device memory (``step_ptr``, one int64), not the launch argument ``step``: a launch
+    captured in a CUDA graph draws each replay's noise ([Note: codec segments replayed] in
+    ``qsdp.comm._graphs``)."""
+    if STEP_PTR:
+        step = tl.load(step_ptr)
     gidx, offs = _tile(tl.program_id(0) + pid_base, ROWS=ROWS, GPB=GPB, HB=HB, BIG=BIG)
     if MULTI:
         slot = tl.program_id(1)

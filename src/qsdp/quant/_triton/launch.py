@@ -209,6 +209,8 @@ def encode(
         out_row_stride=0,
         skip_row=0,
         streams_ptr=src,
+        step_ptr=src,
+        STEP_PTR=False,
         HAS_REF=ref is not None,
         BIG=_big(numel, out.numel()),
         ALIGNED=_aligned(out, spec),
@@ -224,22 +226,26 @@ def encode_rows(
     skip: int,
     streams: torch.Tensor,
     seed: int,
-    step: int,
+    step: int | torch.Tensor,
 ) -> None:
     """One launch: the payload of every row of ``rows`` (``[k, numel]``, unit column stride)
     but row ``skip`` (``k`` or more: none skipped), in order, into the rows of ``out``
     (``[k or k - 1, >= payload]`` uint8, unit column stride), row ``s`` with the noise stream
-    ``streams[s]`` (int64 on the device)."""
+    ``streams[s]`` (int64 on the device); ``step`` an int or one int64 on the device, read by
+    the kernel (a launch a CUDA graph replays)."""
     numel, slots = rows.shape[1], out.shape[0]
     if numel == 0 or slots == 0:
         return
+    on_device = isinstance(step, torch.Tensor)
     _encode_launch(
         rows,
         spec=spec,
         out=out,
         numel=numel,
         seed=seed,
-        step=step,
+        step=0 if on_device else step,
+        step_ptr=step if on_device else streams,
+        STEP_PTR=on_device,
         rotate=True,
         grid_rows=slots,
         rng_stream=0,

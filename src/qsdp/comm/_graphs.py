@@ -1,0 +1,108 @@
+"""A collective's codec kernels captured once in CUDA graphs and replayed: constant host work.
+
+[Note: codec segments replayed]
+On a fast link the compressed FSDP2 step is bound by the host (issue 32): a quantized
+reduce-scatter issues some 40 torch ops and Triton launches (the split's copies, the encode,
+the raw bytes, the decode, the sum, the division), each a few microseconds of Python and
+driver work, ~0.5 ms a call on an H200 host against ~0.25 ms of kernels. The kernels of one
+call depend only on its shapes, quantizer and noise key, so :class:`CodecGraphs` captures
+them: the encode segment (input buffer -> send buffer) and the decode segment (receive
+buffer -> output buffer) of each (shape, noise key) are run eagerly at their first call (that
+compiles the kernels and makes the constant tables they read), then captured in a
+``torch.cuda.CUDAGraph`` each; every later call replays them. The exchange between them stays
+an eager ``torch.distributed`` call on the same buffers: NCCL and the process group are used as
+ever, and nothing is captured across ranks. What a call does besides: copy its input into the
+captured input buffer, write its step into the captured step word, replay, exchange, replay,
+copy the captured output to its output. Five host operations and two graph launches.
+
+What makes a replay the eager call's bits:
+
+- **the noise key**: the stochastic rounding's step is read by the encode kernel from one int64
+  in device memory (``encode_rows(step=<tensor>)``), which each call fills; the seed and the
+  noise streams (the rank's place, the bucket) are fixed per segment, part of its key;
+- **fixed addresses**: the buffers (input, split parts, send, receive, output, step) are
+  allocated once per shape and shared by every segment of that shape: FSDP2 reduces its groups
+  one after another on one stream, so the groups of a model with equal blocks share one set
+  (the key holds the stream, so two streams never share one); the constant tables the kernels
+  read (noise streams, run ends) are made once per process and never freed
+  (``qsdp.quant._tables``);
+- **nothing else read from the host**: the segments are launches of kernels on device buffers;
+  the first, eager call is where a table is first copied to the device.
+
+The cost: one capture per (shape, key) segment (milliseconds, at the first step), the buffers
+(per shape: the input and its split parts, the payloads, the output: about twice one group's
+gradient), and two copies per call (the input in, the output out: 3 bytes per element of
+device memory traffic for bf16 in and out, ~0.05 ms for a 50 M-element GPT block's
+reduce-scatter on an H200).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+from typing import Any
+
+import torch
+
+__all__ = ["CodecGraphs"]
+
+
+class CodecGraphs:
+    """One model's captured codec segments and the buffers they read and write.
+
+    A hook passes one to a collective (``reduce_scatter(graphs=...)``) to have its encode and
+    decode replayed ([Note: codec segments replayed]). Not thread-safe; one per model.
+
+    Args:
+        capture: False runs every segment eagerly on the same buffers, captures nothing (any
+            device: what the CPU tests check of the buffers and keys; no host work saved).
+    """
+
+    def __init__(self, *, capture: bool = True) -> None:
+        self.capture = capture
+        self._buffers: dict[Hashable, Any] = {}
+        self._graphs: dict[Hashable, torch.cuda.CUDAGraph] = {}
+        self._side: dict[torch.device, torch.cuda.Stream] = {}
+        self.captured = 0
+        """Segments captured so far (one per (shape, key) and side: encode or decode)."""
+        self.replayed = 0
+        """Segment replays so far."""
+
+    def buffers(self, key: Hashable, make: Callable[[], Any]) -> Any:
+        """The buffers of shape ``key`` (made by ``make()`` the first time): the same objects on
+        every call, so a captured segment finds them where it was captured."""
+        found = self._buffers.get(key)
+        if found is None:
+            found = self._buffers[key] = make()
+        return found
+
+    def run(self, key: Hashable, body: Callable[[], None]) -> None:
+        """The kernels ``body()`` launches, on the current stream: at the first call with
+        ``key`` run eagerly, then captured (not run again); replayed at every later call.
+        ``body`` must launch the same kernels on the same buffers every time it is called with
+        ``key`` and read nothing from the host (a table it reads is made by its eager run)."""
+        if not self.capture:
+            body()
+            return
+        graph = self._graphs.get(key)
+        if graph is not None:
+            graph.replay()
+            self.replayed += 1
+            return
+        body()
+        graph = torch.cuda.CUDAGraph()
+        current = torch.cuda.current_stream()
+        side = self._side.get(current.device)
+        if side is None:  # a capture needs a stream other than the legacy default one
+            side = self._side[current.device] = torch.cuda.Stream(current.device)
+        side.wait_stream(current)
+        with torch.cuda.stream(side):
+            # thread_local: a capture on this thread does not forbid the CUDA work of others
+            # (an optimizer thread, a data loader's pinned copies)
+            graph.capture_begin(capture_error_mode="thread_local")
+            try:
+                body()
+            finally:
+                graph.capture_end()
+        current.wait_stream(side)
+        self._graphs[key] = graph
+        self.captured += 1

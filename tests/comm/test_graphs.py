@@ -1,0 +1,134 @@
+"""reduce_scatter(graphs=...): the captured segments' buffers and keys give the eager call's
+bits ([Note: codec segments replayed]). On CPU the segments run eagerly on their persistent
+buffers (``CodecGraphs(capture=False)``, the Triton kernels interpreted); the capture and
+replay themselves are the GPU tier's (``test_graphs_gpu.py``)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from qsdp.comm import CodecGraphs, CommStats, Split, reduce_scatter
+from qsdp.quant import QuantSpec
+from qsdp.testing import assert_same_on_all_ranks, rank_tensor, run_distributed
+
+SPEC = QuantSpec(
+    bits=4,
+    group_size=64,
+    scheme="absmax",
+    rounding="stochastic",
+    hadamard_block=32,
+    hadamard_seed=5,
+    nonfinite="propagate",
+)
+M = 97  # elements per destination chunk: not a multiple of the group size
+SPLITS = {
+    "whole": None,
+    "one run each": Split.of([(60, True), (37, False)]),
+    "several runs": Split(
+        chunk=M, runs=((0, 10, False), (10, 60, True), (70, 3, False), (73, 24, True))
+    ),
+}
+
+
+def replay_matches_eager(rank, ws, *, device="cpu", capture=False):
+    """Three steps of two buckets (groups of one shape) per split: the replayed call's output
+    and bytes are the eager call's; the buckets share one set of buffers."""
+    graphs = CodecGraphs(capture=capture)
+    backend = "triton" if device == "cpu" else "auto"
+    for name, split in SPLITS.items():
+        for step in range(3):
+            for bucket in (1, 2):
+                x = rank_tensor(rank, ws * M, seed=step + 10 * bucket).to(device, torch.bfloat16)
+                outs, sent = {}, {}
+                for way in ("eager", "replayed"):
+                    outs[way] = torch.full((M,), float("nan"), device=device)
+                    sent[way] = CommStats()
+                    reduce_scatter(
+                        outs[way],
+                        x,
+                        spec=SPEC,
+                        split=split,
+                        seed=3,
+                        step=step,
+                        bucket=bucket,
+                        backend=backend,
+                        stats=sent[way],
+                        graphs=graphs if way == "replayed" else None,
+                    )
+                assert torch.equal(outs["eager"], outs["replayed"]), (name, step, bucket)
+                assert sent["eager"].snapshot() == sent["replayed"].snapshot(), name
+                assert ws == 1 or sent["replayed"].total_bytes > 0
+                assert_same_on_all_ranks(torch.tensor([step, bucket]))
+    assert len(graphs._buffers) == len(SPLITS)  # one set per shape, shared by the buckets
+    return graphs.captured, graphs.replayed
+
+
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_replayed_buffers_give_the_eager_bits(world_size):
+    run_distributed(replay_matches_eager, world_size)
+
+
+def _refusals(rank, ws):
+    graphs = CodecGraphs(capture=False)
+    x, out = torch.randn(ws * 8), torch.empty(8)
+    with pytest.raises(ValueError, match="a synchronous call"):
+        reduce_scatter(out, x, spec=SPEC, async_op=True, graphs=graphs, backend="triton")
+    with pytest.raises(ValueError, match="nonfinite='propagate'"):
+        reduce_scatter(
+            out,
+            x,
+            spec=dataclasses.replace(SPEC, nonfinite="raise"),
+            graphs=graphs,
+            backend="triton",
+        )
+    with pytest.raises(ValueError, match="CUDA tensors"):
+        reduce_scatter(out, x, spec=SPEC, graphs=CodecGraphs(), backend="triton")
+    with pytest.raises(ValueError, match="not divisible"):
+        reduce_scatter(out, torch.randn(ws * 8 + 1), spec=SPEC, graphs=graphs, backend="triton")
+    return True
+
+
+def test_replay_refuses_what_it_cannot_capture():
+    assert all(run_distributed(_refusals, 2))
+
+
+def _installs(rank, ws):
+    """What ``compress_fsdp(schedule=Schedule(graphs=True))`` refuses, on every rank."""
+    from torch.distributed.fsdp import fully_shard
+
+    import qsdp
+    from tests.models import classifier
+
+    got = {}
+    for name, config in (("cpu", "qsdp-w8g8"), ("integer", "global-qsgd"), ("auto", "auto")):
+        model = classifier()
+        fully_shard(model)
+        try:
+            qsdp.compress_fsdp(model, config, schedule=qsdp.Schedule(graphs=True))
+            got[name] = "accepted"
+        except ValueError as e:
+            got[name] = str(e)
+    ddp = torch.nn.parallel.DistributedDataParallel(classifier())
+    try:
+        qsdp.ddp.register(ddp, "cgx", schedule=qsdp.Schedule(graphs=True))
+        got["ddp"] = "accepted"
+    except ValueError as e:
+        got["ddp"] = str(e)
+    return got
+
+
+def test_graphs_are_refused_where_there_is_nothing_to_replay():
+    import qsdp
+
+    for got in run_distributed(_installs, 2):
+        assert "parameters are on ['cpu']: drop graphs off CUDA" in got["cpu"], got
+        assert "reduces with IntegerReduce" in got["integer"], got
+        assert "pass the recipe it reports" in got["auto"], got
+        assert "DDP's all-reduce hook does not replay one yet" in got["ddp"], got
+    with pytest.raises(ValueError, match="at staleness=1 the reductions run late"):
+        qsdp.Schedule(graphs=True, staleness=1)
+    with pytest.raises(TypeError, match="must be a bool"):
+        qsdp.Schedule(graphs=1)

@@ -71,3 +71,37 @@ def test_one_name_for_an_encode_that_never_raises():
         assert quiet == QuantSpec(
             bits=4, group_size=128, scheme="minmax", rounding="stochastic", nonfinite="propagate"
         )
+
+
+def test_a_spec_and_a_split_hash_anew_in_another_process():
+    """Both cache their hash (a collective looks them up on every call); a pickled one must not
+    carry it to a process whose string hashes differ, where it would miss every lookup."""
+    import pickle
+    import subprocess
+    import sys
+
+    from qsdp.comm import Split
+
+    spec = QuantSpec(8, 128, "absmax", "nearest", nonfinite="propagate")
+    split = Split.of([(3, True), (2, False)], raw_names=("ln.weight",))
+    assert {spec: 1}[QuantSpec(8, 128, "absmax", "nearest", nonfinite="propagate")] == 1
+    assert {split: 1}[Split.of([(3, True), (2, False)], raw_names=("ln.weight",))] == 1
+    code = (
+        "import pickle, sys\n"
+        "from qsdp.comm import Split\n"
+        "from qsdp.quant import QuantSpec\n"
+        "spec, split = pickle.loads(sys.stdin.buffer.read())\n"
+        "print({spec: 1}.get(QuantSpec(8, 128, 'absmax', 'nearest', nonfinite='propagate')),\n"
+        "      {split: 1}.get(Split.of([(3, True), (2, False)], raw_names=('ln.weight',))))\n"
+    )
+    env = {"PYTHONHASHSEED": "12345"}  # another process, other string hashes
+    import os
+
+    got = subprocess.run(
+        [sys.executable, "-c", code],
+        input=pickle.dumps((spec, split)),
+        capture_output=True,
+        env={**os.environ, **env},
+        check=True,
+    )
+    assert got.stdout.split() == [b"1", b"1"], got.stderr

@@ -290,28 +290,27 @@ def test_encode_rows_one_launch_matches_encode_per_row(had, k, skip):
 @pytest.mark.parametrize("scheme", ["minmax", "shift-lattice"])
 def test_encode_rows_reads_a_step_from_device_memory_as_the_argument(scheme):
     """The kernel that reads its step from memory (what a CUDA graph replays) writes the
-    argument's bytes, and another step's noise when the memory changes."""
+    argument's bytes, and another step's noise when the memory changes (on CPU: the kernel in
+    Triton's interpreter)."""
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
     spec = _spec(4, scheme, "stochastic", (16, None)).propagating()
-    rows = torch.stack([heavy_tailed(1000, seed=20 + i) for i in range(3)])
+    rows = torch.stack([heavy_tailed(1000, seed=20 + i) for i in range(3)]).to(dev)
+    kw = dict(streams=[3, 4], skip=1, seed=5, backend="triton")
     out = {}
-    for key, step in [("int9", 9), ("mem9", torch.tensor([9])), ("int10", 10)]:
-        out[key] = torch.empty(2, spec.payload_bytes(1000), dtype=torch.uint8)
-        encode_rows(
-            rows, spec, out=out[key], streams=[3, 4], skip=1, seed=5, step=step, backend="triton"
-        )
+    for key, step in [("int9", 9), ("mem9", torch.tensor([9], device=dev)), ("int10", 10)]:
+        out[key] = torch.empty(2, spec.payload_bytes(1000), dtype=torch.uint8, device=dev)
+        encode_rows(rows, spec, out=out[key], step=step, **kw)
     _same(out["int9"], out["mem9"])
     assert bool((out["int9"] != out["int10"]).any())
-    step = torch.tensor([9])
+    step = torch.tensor([9], device=dev)
     step.fill_(10)
     mem = torch.empty_like(out["int10"])
-    encode_rows(rows, spec, out=mem, streams=[3, 4], skip=1, seed=5, step=step, backend="triton")
+    encode_rows(rows, spec, out=mem, step=step, **kw)
     _same(mem, out["int10"])
     with pytest.raises(ValueError, match="one int64"):
-        encode_rows(
-            rows, spec, out=mem, streams=[3, 4], skip=1, step=torch.tensor([9.0]), backend="triton"
-        )
+        encode_rows(rows, spec, out=mem, step=torch.tensor([9.0], device=dev), **kw)
     with pytest.raises(ValueError, match="pass the step as an int"):
-        encode_rows(rows, spec, out=mem, streams=[3, 4], skip=1, step=step, backend="reference")
+        encode_rows(rows, spec, out=mem, step=step, **{**kw, "backend": "reference"})
 
 
 def test_encode_rows_checks_its_arguments():

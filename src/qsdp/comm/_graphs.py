@@ -60,6 +60,8 @@ class CodecGraphs:
     def __init__(self, *, capture: bool = True) -> None:
         self.capture = capture
         self._buffers: dict[Hashable, Any] = {}
+        self.sites: dict[Hashable, Any] = {}
+        """A collective's call sites, worked out at their first call (its own key and type)."""
         self._graphs: dict[Hashable, torch.cuda.CUDAGraph] = {}
         self._side: dict[torch.device, torch.cuda.Stream] = {}
         self.captured = 0

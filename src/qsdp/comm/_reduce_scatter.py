@@ -209,76 +209,104 @@ def _replayed(
     backend: Backend,
     stats: CommStats,
 ) -> None:
-    """:func:`reduce_scatter` with its encode and decode replayed from ``graphs``: the input
-    copied into the captured buffer, the step written, the encode replayed, the exchange, the
-    decode replayed, the output copied out ([Note: codec segments replayed])."""
-    capturable = input.is_cuda or not graphs.capture
-    if async_op or not capturable or spec.propagating() is not spec or backend == "reference":
+    """:func:`reduce_scatter` with its encode and decode replayed from ``graphs``
+    ([Note: codec segments replayed]): the call's site (group, shapes, quantizer, split, noise
+    key) is worked out at its first call into a :class:`_Site`, which each later call only runs."""
+    if async_op or spec.propagating() is not spec or backend == "reference":
         raise ValueError(
-            "reduce_scatter(graphs=...) replays CUDA graphs of the Triton kernels: it needs CUDA "
-            "tensors, a synchronous call and a spec with nonfinite='propagate' (the caller "
-            f"checks NaN/Inf); got async_op={async_op}, input on {input.device}, "
-            f"spec.nonfinite={spec.nonfinite.value!r}, backend={backend!r}: pass graphs=None"
+            "reduce_scatter(graphs=...) replays CUDA graphs of the Triton kernels: it needs a "
+            "synchronous call and a spec with nonfinite='propagate' (the caller checks "
+            f"NaN/Inf); got async_op={async_op}, spec.nonfinite={spec.nonfinite.value!r}, "
+            f"backend={backend!r}: pass graphs=None"
         )
-    op = C.parse_op(op)
-    pg, n, r = C.group_info(group)
     stream = torch.cuda.current_stream(input.device).stream_id if input.is_cuda else 0
-    shape = (input.device, stream, n, r, input.numel(), input.dtype, output.dtype, spec, split, op)
+    key = (group, input.device, stream, input.numel(), input.dtype, output.dtype, spec, split, op)
+    site = graphs.sites.get((key, seed, bucket))
+    if site is None:
+        site = graphs.sites[key, seed, bucket] = _Site(
+            graphs, output, input, group, key, spec, split, op, seed, bucket, backend
+        )
+    C.check_key(seed, step, bucket)
+    site.run(output, input, step, stats)
 
-    def first() -> _Buffers:  # the first call of this shape: checked once, its buffers made
+
+class _Site:
+    """One call site of a replayed reduce-scatter (a group's hook at one width): its buffers
+    (shared by the sites of its shape), its exchange's splits and its two segments."""
+
+    def __init__(self, graphs, output, input, group, key, spec, split, op, seed, bucket, backend):
+        if input.is_cuda != graphs.capture:
+            raise ValueError(
+                f"reduce_scatter(graphs=...): input on {input.device} with "
+                f"CodecGraphs(capture={graphs.capture}); a capture needs CUDA tensors: pass "
+                "graphs=None off CUDA"
+            )
+        op = C.parse_op(op)
+        pg, n, r = C.group_info(group)
         m = check_chunks(output, input, n, "reduce_scatter")
         if split is not None:
             check_split(split, m, "each chunk")
-        return _Buffers.make(input, output, n, m, spec, split)
-
-    b = graphs.buffers(("reduce_scatter", *shape), first)
-    C.check_key(seed, step, bucket)
-    m = b.out.numel()
-    stats.count_call(_NAME)
-    streams = C.peer_streams(r, n, bucket=bucket)
-    divisor = n if op == "avg" else None
-    if split is None:
-
-        def encode() -> None:
-            _encode_chunks(
+        b = graphs.buffers(key, lambda: _Buffers.make(input, output, n, m, spec, split))
+        self.graphs, self.b, self.pg, self.n, self.m = graphs, b, pg, n, m
+        self.splits = [0 if j == r else b.send.shape[1] for j in range(n)]
+        self.exchange = n > 1 and m > 0
+        self.encode_key, self.decode_key = (key, seed, bucket, "encode"), (key, "decode")
+        streams = C.peer_streams(r, n, bucket=bucket)
+        divisor = n if op == "avg" else None
+        if split is None:
+            self.encode = lambda: _encode_chunks(
                 b.rows, b.send, r, spec, streams, seed=seed, step=b.step, backend=backend
             )
-
-        def decode() -> None:
-            _decode_chunks(b.recv, b.rows[r], b.out, m, spec, divisor, backend)
-
-    else:
-
-        def encode() -> None:
-            comp, raw = b.split_parts(split)
-            _encode_fused(
-                comp,
-                raw,
-                b.send,
-                b.parts,
-                r,
-                spec,
-                streams,
-                seed=seed,
-                step=b.step,
-                backend=backend,
+            self.decode = lambda: _decode_chunks(
+                b.recv, b.rows[r], b.out, m, spec, divisor, backend
             )
+        else:
 
-        def decode() -> None:
-            comp, raw = split.views(b.rows) if b.comp is None else (b.comp, b.raw)
-            _decode_fused(b.recv, b.parts, comp[r], raw[r], b.out, split, spec, divisor, backend)
+            def encode() -> None:
+                comp, raw = b.split_parts(split)
+                _encode_fused(
+                    comp,
+                    raw,
+                    b.send,
+                    b.parts,
+                    r,
+                    spec,
+                    streams,
+                    seed=seed,
+                    step=b.step,
+                    backend=backend,
+                )
 
-    b.rows.copy_(input.reshape(n, m))
-    b.step.fill_(step)
-    graphs.run(("reduce_scatter encode", *shape, seed, bucket), encode)
-    if n > 1 and m > 0:  # on the current stream, after the encode ([Note: which stream ...])
-        row = b.send.shape[1]
-        splits = [0 if j == r else row for j in range(n)]
-        C.all_to_all(
-            b.recv.view(-1), b.send.view(-1), splits, splits, pg, stats, _NAME, stream="current"
-        )
-    graphs.run(("reduce_scatter decode", *shape), decode)
-    output.view(-1).copy_(b.out)
+            def decode() -> None:
+                comp, raw = split.views(b.rows) if b.comp is None else (b.comp, b.raw)
+                own_comp, own_raw = comp[r], raw[r]
+                _decode_fused(
+                    b.recv, b.parts, own_comp, own_raw, b.out, split, spec, divisor, backend
+                )
+
+            self.encode, self.decode = encode, decode
+
+    def run(self, output: torch.Tensor, input: torch.Tensor, step: int, stats: CommStats) -> None:
+        """Input in, step written, encode, exchange (on the current stream, after the encode:
+        [Note: which stream an exchange runs on]), decode, output out."""
+        b = self.b
+        stats.count_call(_NAME)
+        b.rows.view(-1).copy_(input.reshape(-1))
+        b.step.fill_(step)
+        self.graphs.run(self.encode_key, self.encode)
+        if self.exchange:
+            C.all_to_all(
+                b.recv.view(-1),
+                b.send.view(-1),
+                self.splits,
+                self.splits,
+                self.pg,
+                stats,
+                _NAME,
+                stream="current",
+            )
+        self.graphs.run(self.decode_key, self.decode)
+        output.view(-1).copy_(b.out)
 
 
 def check_chunks(output: torch.Tensor, input: torch.Tensor, n: int, what: str) -> int:

@@ -85,6 +85,10 @@ class Split:
     def _hash(self) -> int:
         return hash((self.chunk, self.runs, self.raw_names))
 
+    def __getstate__(self) -> dict:
+        # (a string's hash differs between processes: another process hashes anew)
+        return {k: v for k, v in self.__dict__.items() if k != "_hash"}
+
     def positions(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(compressed, raw) int64 positions on the CPU (for tests and reports)."""
         empty = torch.empty(0, dtype=torch.int64)

@@ -14,7 +14,9 @@ counted: plain FSDP2's own Python and dispatch, and each recipe's on top. Recipe
 on the device counted like the rest). Rows: median milliseconds per step over ``--steps``;
 the torch ops the Python issued in one profiled step (not those inside other ops); qsdp's hook
 calls and microseconds per call of each hook kind (the ``qsdp::`` profiler scopes; profiled,
-so slower than the timed steps).
+so slower than the timed steps). ``--rounds R`` times the steps in R rounds that interleave the
+variants (each round in another order; every model is built first), so a host that drifts
+during a run reaches every variant alike; each row keeps its rounds' medians.
 Runs on any machine; compare rows of one run.
 
 ``--device cuda`` runs the same on a GPU with the real Triton kernels (``--stub`` keeps them
@@ -120,63 +122,71 @@ def _in_aten(event) -> bool:
     return False
 
 
-def measure(
-    recipe: str,
-    *,
-    blocks: int,
-    d: int,
-    steps: int,
-    block: str = "mlp",
-    device: str = "cpu",
-    cprofile: list[str] | None = None,
-    optimizer: bool = False,
-) -> dict:
-    model = build(recipe, blocks, d, block=block, device=device)
-    x = torch.randn(4, d, device=device)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4) if optimizer else None
+class Variant:
+    """One recipe's model, built and warmed up, whose steps are timed in rounds."""
 
-    def step() -> None:
-        model(x).pow(2).mean().backward()
-        if opt is not None:
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+    def __init__(
+        self, recipe: str, *, blocks: int, d: int, block: str, device: str, optimizer: bool
+    ) -> None:
+        self.recipe, self.device = recipe, device
+        model = build(recipe, blocks, d, block=block, device=device)
+        x = torch.randn(4, d, device=device)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4) if optimizer else None
 
-    def sync() -> None:
-        if device == "cuda":
+        def step() -> None:
+            model(x).pow(2).mean().backward()
+            if opt is not None:
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+
+        self.step = step
+        self.times: list[float] = []
+        self.round_medians: list[float] = []
+        for _ in range(5):  # first-call work (plans, caches, captures) out of the timing
+            step()
+
+    def sync(self) -> None:
+        if self.device == "cuda":
             torch.cuda.synchronize()
 
-    for _ in range(5):  # first-call work (plans, caches) out of the timing
-        step()
-    times = []
-    for _ in range(steps):
-        sync()
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
-    sync()
-    if cprofile is not None:
-        cprofile.append(_cprofile(recipe, step, steps))
-        sync()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        step()
-        sync()
-    events = prof.events()
-    ops = sum(1 for e in events if e.name.startswith("aten::") and not _in_aten(e))
-    hooks: dict[str, list[float]] = collections.defaultdict(list)
-    for e in events:
-        if e.name.startswith("qsdp::"):
-            kind = e.name.split(" (")[0]
-            hooks[kind].append(e.cpu_time_total)
-    return {
-        "recipe": recipe,
-        "ms_per_step": round(statistics.median(times) * 1e3, 3),
-        "issued_ops": ops,
-        "hook_calls": sum(len(v) for v in hooks.values()),
-        "hooks": {
-            k: {"calls": len(v), "us_per_call": round(statistics.mean(v), 1)}
-            for k, v in sorted(hooks.items())
-        },
-    }
+    def time(self, steps: int) -> None:
+        """``steps`` steps, each from an empty device queue, the host's time of each."""
+        times = []
+        for _ in range(steps):
+            self.sync()
+            t0 = time.perf_counter()
+            self.step()
+            times.append(time.perf_counter() - t0)
+        self.sync()
+        self.times += times
+        self.round_medians.append(round(statistics.median(times) * 1e3, 3))
+
+    def profile(self, cprofile: list[str] | None, steps: int) -> dict:
+        """The row: the median step, the torch ops one profiled step issued, the hooks."""
+        if cprofile is not None:
+            cprofile.append(_cprofile(self.recipe, self.step, steps))
+            self.sync()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            self.step()
+            self.sync()
+        events = prof.events()
+        ops = sum(1 for e in events if e.name.startswith("aten::") and not _in_aten(e))
+        hooks: dict[str, list[float]] = collections.defaultdict(list)
+        for e in events:
+            if e.name.startswith("qsdp::"):
+                kind = e.name.split(" (")[0]
+                hooks[kind].append(e.cpu_time_total)
+        return {
+            "recipe": self.recipe,
+            "ms_per_step": round(statistics.median(self.times) * 1e3, 3),
+            "round_medians_ms": self.round_medians,
+            "issued_ops": ops,
+            "hook_calls": sum(len(v) for v in hooks.values()),
+            "hooks": {
+                k: {"calls": len(v), "us_per_call": round(statistics.mean(v), 1)}
+                for k, v in sorted(hooks.items())
+            },
+        }
 
 
 def _cprofile(recipe: str, step, steps: int) -> str:
@@ -201,7 +211,13 @@ def main() -> None:
     p.add_argument("--recipes", nargs="*", default=["qsdp-w8g8", "sdp4bit", "cgx"])
     p.add_argument("--blocks", type=int, default=8)
     p.add_argument("--d", type=int, default=64)
-    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--steps", type=int, default=40, help="timed steps of each variant")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="split the steps into this many rounds, the variants interleaved",
+    )
     p.add_argument("--label", default="", help="a name for this code version in the JSON")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--block", choices=["mlp", "gpt"], default="mlp")
@@ -225,19 +241,17 @@ def main() -> None:
         host_per_bucket._stub_kernels()
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
     profiles: list[str] | None = [] if a.cprofile else None
-    rows = [
-        measure(
-            r,
-            blocks=a.blocks,
-            d=a.d,
-            steps=a.steps,
-            block=a.block,
-            device=a.device,
-            cprofile=profiles,
-            optimizer=a.optimizer,
-        )
+    variants = [
+        Variant(r, blocks=a.blocks, d=a.d, block=a.block, device=a.device, optimizer=a.optimizer)
         for r in ["plain", *a.recipes]
     ]
+    # the rounds interleave the variants, each round in another order: the host's drift over
+    # a run (on the GPU machine more than the recipes differ) reaches every variant alike
+    per_round = max(1, a.steps // a.rounds)
+    for k in range(a.rounds):
+        for v in variants[k % len(variants) :] + variants[: k % len(variants)]:
+            v.time(per_round)
+    rows = [v.profile(profiles, per_round) for v in variants]
     if a.cprofile:
         a.cprofile.parent.mkdir(parents=True, exist_ok=True)
         a.cprofile.write_text("\n".join(profiles))
@@ -267,6 +281,7 @@ def main() -> None:
                 "blocks": a.blocks,
                 "d": a.d,
                 "optimizer": a.optimizer,
+                "rounds": a.rounds,
                 "rows": rows,
             },
             indent=2,

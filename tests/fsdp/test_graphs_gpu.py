@@ -1,0 +1,55 @@
+"""``Schedule(graphs=True)`` trains bit for bit as the eager hooks do ([Note: codec segments
+replayed] in ``qsdp.comm._graphs``). Two or more GPUs: NCCL, a rank per GPU; one GPU: three
+gloo processes share it (gloo moves the CUDA tensors through the host)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import qsdp
+from qsdp.fsdp._state import _installed
+from qsdp.testing import run_distributed
+
+from .test_compress_fsdp import _batches
+from .test_gpu import _build, _train_step
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+
+def _replayed_vs_eager(rank: int, ws: int, recipe: str) -> tuple[list[float], int]:
+    """Five steps of ``recipe`` (one level) with and without ``Schedule(graphs=True)``: the
+    same losses and weights; the losses and the segments the replayed run replayed."""
+    runs = {}
+    for graphs in (False, True):
+        model, dev = _build(
+            None,
+            ws,
+            torch.bfloat16,
+            config=qsdp.recipe(recipe),
+            schedule=qsdp.Schedule(graphs=graphs),
+        )
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        batches = _batches(rank, ws)
+        losses = [float(_train_step(model, opt, dev, next(batches))) for _ in range(5)]
+        weights = torch.cat([p.to_local().detach().float().reshape(-1) for p in model.parameters()])
+        shared = {id(g): g for h in _installed(model).hooks if (g := getattr(h, "graphs", None))}
+        runs[graphs] = (losses, weights, sum(g.replayed for g in shared.values()))
+    assert runs[False][0] == runs[True][0], (runs[False][0], runs[True][0])
+    assert torch.equal(runs[False][1], runs[True][1])
+    assert runs[False][2] == 0
+    return runs[True][0], runs[True][2]
+
+
+@pytest.mark.parametrize("recipe", ["qsdp-w8g8", "cgx", "sdp4bit"])
+def test_replayed_reduce_scatters_train_bit_for_bit(recipe):
+    many = torch.cuda.device_count() >= 2
+    ws = min(torch.cuda.device_count(), 4) if many else 3
+    backend = "nccl" if many else "gloo"
+    got = run_distributed(_replayed_vs_eager, ws, recipe, backend=backend, timeout_s=600)
+    losses, replayed = got[0]
+    assert replayed > 0 and all(g == got[0] for g in got), got
+    assert losses[-1] < losses[0]

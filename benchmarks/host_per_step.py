@@ -141,6 +141,7 @@ class Variant:
 
         self.step = step
         self.times: list[float] = []
+        self.cpu_times: list[float] = []
         self.round_medians: list[float] = []
         for _ in range(5):  # first-call work (plans, caches, captures) out of the timing
             step()
@@ -154,9 +155,10 @@ class Variant:
         times = []
         for _ in range(steps):
             self.sync()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             self.step()
             times.append(time.perf_counter() - t0)
+            self.cpu_times.append(time.process_time() - c0)
         self.sync()
         self.times += times
         self.round_medians.append(round(statistics.median(times) * 1e3, 3))
@@ -180,6 +182,10 @@ class Variant:
             "recipe": self.recipe,
             "ms_per_step": round(statistics.median(self.times) * 1e3, 3),
             "round_medians_ms": self.round_medians,
+            # the CPU time of the process (all its threads: the backward's too), which a host
+            # shared with other work (CPU time taken from this VM) does not inflate as it
+            # inflates the wall time
+            "cpu_ms_per_step": round(statistics.median(self.cpu_times) * 1e3, 3),
             "issued_ops": ops,
             "hook_calls": sum(len(v) for v in hooks.values()),
             "hooks": {
@@ -262,7 +268,8 @@ def main() -> None:
             f"{k} {v['calls']} x {v['us_per_call']:.0f} us" for k, v in r["hooks"].items()
         )
         print(
-            f"{r['recipe']:10s} {r['ms_per_step']:7.2f} ms a step (+{r['extra_ms_vs_plain']:.2f}), "
+            f"{r['recipe']:10s} {r['ms_per_step']:7.2f} ms a step (+{r['extra_ms_vs_plain']:.2f}, "
+            f"CPU {r['cpu_ms_per_step']:.2f} ms), "
             f"{r['issued_ops']} ops; {kinds or 'no qsdp hooks'}"
         )
     a.out.parent.mkdir(parents=True, exist_ok=True)

@@ -50,6 +50,6 @@ def test_replayed_reduce_scatters_train_bit_for_bit(recipe):
     ws = min(torch.cuda.device_count(), 4) if many else 3
     backend = "nccl" if many else "gloo"
     got = run_distributed(_replayed_vs_eager, ws, recipe, backend=backend, timeout_s=600)
-    losses, replayed = got[0]
-    assert replayed > 0 and all(g == got[0] for g in got), got
-    assert losses[-1] < losses[0]
+    # (each rank asserted its two runs the same bits; the losses are each rank's own batches)
+    assert all(replayed > 0 and replayed == got[0][1] for _, replayed in got), got
+    assert all(losses[-1] < losses[0] for losses, _ in got), got

@@ -126,9 +126,17 @@ class Variant:
     """One recipe's model, built and warmed up, whose steps are timed in rounds."""
 
     def __init__(
-        self, recipe: str, *, blocks: int, d: int, block: str, device: str, optimizer: bool
+        self,
+        recipe: str,
+        *,
+        blocks: int,
+        d: int,
+        block: str,
+        device: str,
+        optimizer: bool,
+        single_thread: bool = False,
     ) -> None:
-        self.recipe, self.device = recipe, device
+        self.recipe, self.device, self.single_thread = recipe, device, single_thread
         model = build(recipe, blocks, d, block=block, device=device)
         x = torch.randn(4, d, device=device)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4) if optimizer else None
@@ -152,6 +160,10 @@ class Variant:
 
     def time(self, steps: int) -> None:
         """``steps`` steps, each from an empty device queue, the host's time of each."""
+        with torch.autograd.set_multithreading_enabled(not self.single_thread):
+            self._time(steps)
+
+    def _time(self, steps: int) -> None:
         times = []
         for _ in range(steps):
             self.sync()
@@ -233,6 +245,13 @@ def main() -> None:
         default=None,
         help="the quantizer kernels as no-ops (default: on the CPU only)",
     )
+    p.add_argument(
+        "--single-thread",
+        action="store_true",
+        help="time the backward on the calling thread (torch.autograd."
+        "set_multithreading_enabled(False)), as --cprofile runs it; by default on a GPU it runs "
+        "on autograd's device thread",
+    )
     p.add_argument("--cprofile", type=Path, help="write cProfile's functions per recipe here")
     p.add_argument(
         "--optimizer",
@@ -248,7 +267,15 @@ def main() -> None:
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
     profiles: list[str] | None = [] if a.cprofile else None
     variants = [
-        Variant(r, blocks=a.blocks, d=a.d, block=a.block, device=a.device, optimizer=a.optimizer)
+        Variant(
+            r,
+            blocks=a.blocks,
+            d=a.d,
+            block=a.block,
+            device=a.device,
+            optimizer=a.optimizer,
+            single_thread=a.single_thread,
+        )
         for r in ["plain", *a.recipes]
     ]
     # the rounds interleave the variants, each round in another order: the host's drift over
@@ -289,6 +316,7 @@ def main() -> None:
                 "d": a.d,
                 "optimizer": a.optimizer,
                 "rounds": a.rounds,
+                "single_thread": a.single_thread,
                 "rows": rows,
             },
             indent=2,

@@ -391,14 +391,17 @@ class Schedule:
     alternating streams, so one module's (bucket's) exchange overlaps the next one's; the same
     bits. Not with staleness 1 under FSDP2 (its reductions overlap already)."""
     graphs: bool = False
-    """FSDP2 on CUDA: replay each group's gradient reduce-scatter codec (the encode before the
-    exchange, the decode after it) from CUDA graphs captured at its first call, the same bits
-    with a few host operations a call instead of some 40 ([Note: codec segments replayed] in
-    ``qsdp.comm._graphs``): for a step bound by the host (a fast link). Needs a single-level
-    quantized reduce-scatter (``qsdp-w8g8``, ``cgx``, ``sdp4bit`` without a node mesh) and
-    ``staleness=0``; costs about two of a group's gradients of device memory (buffers shared by
-    the groups of one shape). A group whose parameters hold several adaptive widths reduces
-    eagerly."""
+    """FSDP2 on CUDA: replay the codec of each group's gradient reduce-scatter and quantized
+    weight all-gather (the encode before the exchange, the decode after it) from CUDA graphs
+    captured at its first call: the same bits, a few host operations a call where the eager
+    codec issues 10-40 ([Note: codec segments replayed] in ``qsdp.comm._graphs``). For a step
+    bound by the host (a fast link). Replays a single-level quantized reduce-scatter
+    (``qsdp-w8g8``, ``cgx``, ``sdp4bit`` without a node mesh) and ``QuantizedWeights`` gathers
+    (``qsdp-w8g8``); weight differences, integer codes, two levels and HSDP's all-reduce run
+    eagerly, as does a group whose parameters hold several adaptive widths. Needs
+    ``staleness=0``; costs about two of a group's gradients (and one gathered group) of device
+    memory, the buffers shared by the groups of one shape, and two copies a call on the
+    device."""
 
     def __post_init__(self) -> None:
         if self.staleness not in (0, 1) or isinstance(self.staleness, bool):

@@ -10,7 +10,7 @@ import dataclasses
 import pytest
 import torch
 
-from qsdp.comm import CodecGraphs, CommStats, Split, reduce_scatter
+from qsdp.comm import CodecGraphs, CommStats, Split, all_gather, reduce_scatter
 from qsdp.quant import QuantSpec
 from qsdp.testing import assert_same_on_all_ranks, rank_tensor, run_distributed
 
@@ -66,9 +66,47 @@ def replay_matches_eager(rank, ws, *, device="cpu", capture=False):
     return graphs.captured, graphs.replayed
 
 
+def gather_replay_matches_eager(rank, ws, *, device="cpu", capture=False):
+    """The all-gather's replays: three steps of two buckets per split, the eager bits and
+    bytes; FSDP2's in-place layout (the input a view of the output) included."""
+    graphs = CodecGraphs(capture=capture)
+    backend = "triton" if device == "cpu" else "auto"
+    for name, split in SPLITS.items():
+        for step in range(3):
+            for bucket in (1, 2):
+                x = rank_tensor(rank, M, seed=step + 10 * bucket).to(device, torch.bfloat16)
+                outs, sent = {}, {}
+                for way in ("eager", "replayed"):
+                    # bucket 2: FSDP2's in-place layout, the input a view of the output's row
+                    dtype = torch.bfloat16 if bucket == 2 else torch.float32
+                    outs[way] = torch.full((ws * M,), float("nan"), device=device, dtype=dtype)
+                    inp = x
+                    if bucket == 2:
+                        inp = outs[way].view(ws, M)[rank]
+                        inp.copy_(x)
+                    sent[way] = CommStats()
+                    all_gather(
+                        outs[way],
+                        inp,
+                        spec=SPEC,
+                        split=split,
+                        seed=3,
+                        step=step,
+                        bucket=bucket,
+                        backend=backend,
+                        stats=sent[way],
+                        graphs=graphs if way == "replayed" else None,
+                    )
+                assert torch.equal(outs["eager"], outs["replayed"]), (name, step, bucket)
+                assert sent["eager"].snapshot() == sent["replayed"].snapshot(), name
+                assert_same_on_all_ranks(outs["replayed"])
+    return graphs.captured, graphs.replayed
+
+
 @pytest.mark.parametrize("world_size", [1, 3])
 def test_replayed_buffers_give_the_eager_bits(world_size):
     run_distributed(replay_matches_eager, world_size)
+    run_distributed(gather_replay_matches_eager, world_size)
 
 
 def _refusals(rank, ws):

@@ -9,7 +9,7 @@ import torch
 
 from qsdp.testing import run_distributed
 
-from .test_graphs import SPLITS, replay_matches_eager
+from .test_graphs import SPLITS, gather_replay_matches_eager, replay_matches_eager
 
 pytestmark = [
     pytest.mark.gpu,
@@ -31,3 +31,19 @@ def test_captured_segments_replay_the_eager_bits():
     # per split: the encode captured per bucket (2), the decode once per shape; every later
     # run replayed: 3 steps x 2 buckets x 2 segments, less the 3 first runs
     assert all(g == (3 * len(SPLITS), 9 * len(SPLITS)) for g in got), got
+
+
+def test_captured_gathers_replay_the_eager_bits():
+    many = torch.cuda.device_count() >= 2
+    ws = min(torch.cuda.device_count(), 4) if many else 3
+    got = run_distributed(
+        gather_replay_matches_eager,
+        ws,
+        device="cuda",
+        capture=True,
+        backend="nccl" if many else "gloo",
+        timeout_s=600,
+    )
+    # per split: two shapes (a float32 and an in-place bf16 output), an encode and a decode
+    # captured for each; 3 steps x 2 buckets x 2 segments, less the 4 first runs, replayed
+    assert all(g == (4 * len(SPLITS), 8 * len(SPLITS)) for g in got), got

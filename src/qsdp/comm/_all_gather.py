@@ -11,9 +11,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..quant import Backend, QuantSpec, decode_rows, encode, flagged_groups
+from ..quant import Backend, QuantSpec, decode_rows, encode, encode_rows, flagged_groups
 from . import _common as C
 from ._calls import checked
+from ._graphs import CodecGraphs
 from ._split import Split, check_split, fused_parts, fused_row
 from ._stats import CommStats
 
@@ -57,6 +58,7 @@ def all_gather(
     bucket: int = 0,
     backend: Backend = "auto",
     stats: CommStats | None = None,
+    graphs: CodecGraphs | None = None,
 ) -> C.CommWork | None:
     """Quantized ``dist.all_gather_into_tensor``: ``output`` holds every rank's decoded shard.
 
@@ -84,10 +86,32 @@ def all_gather(
         bucket: separates buffers gathered in the same step (e.g. FSDP parameter groups).
         backend: the quantizer backend (``"auto"``: Triton on CUDA, reference on CPU).
         stats: the byte counter to record into (default :data:`qsdp.comm.comm_stats`).
+        graphs: replay the encode and the decode from CUDA graphs captured in it at the first
+            call of each shape and noise key, the same bits ([Note: codec segments replayed]
+            in ``qsdp.comm._graphs``): a synchronous call, a ``spec`` with
+            ``nonfinite="propagate"``, the Triton backend.
 
     Returns:
         A :class:`CommWork` when ``async_op``, else None.
     """
+    if graphs is not None:
+        if async_op or spec.propagating() is not spec or backend == "reference":
+            raise ValueError(
+                "all_gather(graphs=...) replays CUDA graphs of the Triton kernels: it needs a "
+                "synchronous call and a spec with nonfinite='propagate' (the caller checks "
+                f"NaN/Inf); got async_op={async_op}, spec.nonfinite={spec.nonfinite.value!r}, "
+                f"backend={backend!r}: pass graphs=None"
+            )
+        stream = torch.cuda.current_stream(input.device).stream_id if input.is_cuda else 0
+        key = (group, input.device, stream, input.numel(), input.dtype, output.dtype, spec, split)
+        site = graphs.sites.get((_NAME, key, seed, bucket))
+        if site is None:
+            site = graphs.sites[_NAME, key, seed, bucket] = _Site(
+                graphs, output, input, group, key, spec, split, seed, bucket, backend
+            )
+        C.check_key(seed, step, bucket)
+        site.run(output, input, step, C.resolve_stats(stats))
+        return None
     stages = _all_gather_stages(
         output,
         input,
@@ -175,11 +199,47 @@ def _fused_stages(
     """A policy split's all-gather: ``[codes | raw bytes]`` rows in one ``torch.distributed``
     call, decoded and put back in place (``input`` may alias ``output``: it is read into the send
     buffer before anything is written)."""
-    rows = input.reshape(1, -1)  # read before the exchange, never written
     raw_bytes = split.n_raw * input.element_size()
     _, row, parts = fused_parts(spec, split.n_comp, raw_bytes)
     # (the parts' padding is never read: no zeroing)
     send = torch.empty(row, dtype=torch.uint8, device=input.device)
+    enc_spec = spec.propagating()
+    stream = C.noise_stream(C.noise_rank(pg), 0, bucket=bucket, hop=hop)
+    comp, raw = _encode_fused(
+        input, send, split, parts, enc_spec, seed=seed, step=step, stream=stream, backend=backend
+    )
+    codes = send.split_with_sizes(parts)[0]
+    if enc_spec is not spec:  # every rank agrees before anything is exchanged
+        bad = flagged_groups(codes, comp.numel(), spec) + (~torch.isfinite(raw)).sum()
+        C.agree_finite(bad, [pg], stats, name)
+    if split.chunk == 0:
+        return
+    recv = torch.empty(n * row, dtype=torch.uint8, device=send.device)
+    yield [C.all_gather(recv, send, pg, stats, name)], True
+    _decode_fused(recv, output, n, split, parts, spec, input.dtype, backend)
+
+
+def _encode_into(flat, out, spec, *, seed, step, stream, backend) -> None:
+    """The payload of the 1-D ``flat`` into ``out``: :func:`~qsdp.quant.encode`, or, with a step
+    in device memory (a replayed segment), ``encode_rows``' one-row launch (the same bytes)."""
+    if isinstance(step, torch.Tensor):
+        encode_rows(
+            flat.view(1, -1),
+            spec,
+            out=out.view(1, -1),
+            streams=(stream,),
+            seed=seed,
+            step=step,
+            backend=backend,
+        )
+    else:
+        encode(flat, spec, seed=seed, step=step, out=out, backend=backend, stream=stream)
+
+
+def _encode_fused(input, send, split, parts, spec, *, seed, step, stream, backend):
+    """The shard's ``[codes | raw]`` row into ``send`` (cut by ``parts``); returns the
+    compressed part it encoded and the raw part it sent."""
+    rows = input.reshape(1, -1)  # read before the exchange, never written
     # the row's parts as views, cut once per call ([Note: a split's plan] in _split.py)
     codes, _, raw_slot, _ = send.split_with_sizes(parts)
     if split.one_run_each:  # views of the input: the raw run copied into its slot
@@ -188,39 +248,116 @@ def _fused_stages(
     else:  # the raw runs gathered straight into their slot (16-byte aligned: a float view)
         raw = raw_slot.view(input.dtype)
         comp = split.take(rows, raw_out=raw.view(1, -1))[0].view(-1)
-    enc_spec = spec.propagating()
     if comp.numel():
-        encode(
-            comp,
-            enc_spec,
-            seed=seed,
-            step=step,
-            out=codes,
-            backend=backend,
-            stream=C.noise_stream(C.noise_rank(pg), 0, bucket=bucket, hop=hop),
-        )
-    if enc_spec is not spec:  # every rank agrees before anything is exchanged
-        bad = flagged_groups(codes, comp.numel(), spec) + (~torch.isfinite(raw)).sum()
-        C.agree_finite(bad, [pg], stats, name)
-    if split.chunk == 0:
-        return
-    recv = torch.empty(n * row, dtype=torch.uint8, device=send.device)
-    yield [C.all_gather(recv, send, pg, stats, name)], True
-    got_codes, _, got_raw, _ = recv.view(n, row).split_with_sizes(parts, dim=1)
-    raw_out = got_raw.view(raw.dtype)  # (16-byte aligned rows: a view)
-    if split.one_run_each and output.dtype == input.dtype:
+        _encode_into(comp, codes, spec, seed=seed, step=step, stream=stream, backend=backend)
+    return comp, raw
+
+
+def _decode_fused(recv, output, n, split, parts, spec, dtype, backend) -> None:
+    """Every rank's ``[codes | raw]`` row of ``recv`` decoded into its place in ``output``
+    (the shards' dtype: ``dtype``)."""
+    got_codes, _, got_raw, _ = recv.view(n, -1).split_with_sizes(parts, dim=1)
+    raw_out = got_raw.view(dtype)  # (16-byte aligned rows: a view)
+    if split.one_run_each and output.dtype == dtype:
         # each part one run of every row: decoded straight into the output's rows (strided),
         # the raw values copied into theirs (the bits of the temporary and the put below)
         comp_dst, raw_dst = split.views(output.view(n, -1))
-        if comp.numel():
-            decode_rows(got_codes, comp.numel(), spec, out=comp_dst, backend=backend)
+        if split.n_comp:
+            decode_rows(got_codes, split.n_comp, spec, out=comp_dst, backend=backend)
         if split.n_raw:
             raw_dst.copy_(raw_out)
         return
-    comp_out = torch.empty(n, comp.numel(), dtype=comp.dtype, device=comp.device)
-    if comp.numel():
-        decode_rows(got_codes, comp.numel(), spec, out=comp_out, backend=backend)
+    comp_out = torch.empty(n, split.n_comp, dtype=dtype, device=recv.device)
+    if split.n_comp:
+        decode_rows(got_codes, split.n_comp, spec, out=comp_out, backend=backend)
     split.put(output.view(n, -1), comp_out, raw_out)
+
+
+class _Site:
+    """One call site of a replayed all-gather (a group's hook): the buffers its segments read
+    and write (shared by the sites of its shape) and its exchange
+    ([Note: codec segments replayed] in ``_graphs.py``)."""
+
+    def __init__(self, graphs, output, input, group, key, spec, split, seed, bucket, backend):
+        if input.is_cuda != graphs.capture:
+            raise ValueError(
+                f"all_gather(graphs=...): input on {input.device} with "
+                f"CodecGraphs(capture={graphs.capture}); a capture needs CUDA tensors: pass "
+                "graphs=None off CUDA"
+            )
+        C.check_float(input, "input")
+        C.check_float(output, "output")
+        C.check_contiguous(output, "output")
+        C.check_same_device(output, input, "output and input")
+        pg, n, r = C.group_info(group)
+        m = input.numel()
+        if output.numel() != n * m:
+            raise ValueError(
+                f"output has {output.numel()} elements; all_gather of {m} elements over {n} "
+                f"ranks needs world_size * input.numel() = {n * m}"
+            )
+        if split is not None:
+            check_split(split, m, "the input")
+            _, row, parts = fused_parts(spec, split.n_comp, split.n_raw * input.element_size())
+        else:
+            row, parts = spec.payload_bytes(m), None
+        device = input.device
+
+        def make() -> dict[str, torch.Tensor]:
+            return {
+                "inp": torch.empty(m, dtype=input.dtype, device=device),
+                "send": torch.empty(row, dtype=torch.uint8, device=device),
+                "recv": torch.empty(n * row, dtype=torch.uint8, device=device),
+                "out": torch.empty(n * m, dtype=output.dtype, device=device),
+                "step": torch.zeros(1, dtype=torch.int64, device=device),
+            }
+
+        b = graphs.buffers((_NAME, *key), make)
+        self.graphs, self.b, self.pg, self.m = graphs, b, pg, m
+        self.encode_key, self.decode_key = (_NAME, key, seed, bucket, "encode"), (_NAME, key)
+        stream = C.noise_stream(C.noise_rank(pg), 0, bucket=bucket)
+        if split is None:
+            self.encode = lambda: _encode_into(
+                b["inp"],
+                b["send"],
+                spec,
+                seed=seed,
+                step=b["step"],
+                stream=stream,
+                backend=backend,
+            )
+            self.decode = lambda: decode_rows(
+                b["recv"].view(n, row), m, spec, out=b["out"].view(n, m), backend=backend
+            )
+        else:
+            self.encode = lambda: _encode_fused(
+                b["inp"],
+                b["send"],
+                split,
+                parts,
+                spec,
+                seed=seed,
+                step=b["step"],
+                stream=stream,
+                backend=backend,
+            )
+            self.decode = lambda: _decode_fused(
+                b["recv"], b["out"], n, split, parts, spec, input.dtype, backend
+            )
+
+    def run(self, output: torch.Tensor, input: torch.Tensor, step: int, stats: CommStats) -> None:
+        """Input in, step written, encode, the all-gather (on the current stream, after the
+        encode), decode, output out (``input`` may alias ``output``: read first)."""
+        b = self.b
+        stats.count_call(_NAME)
+        if self.m == 0:
+            return
+        b["inp"].copy_(input.reshape(-1))
+        b["step"].fill_(step)
+        self.graphs.run(self.encode_key, self.encode)
+        C.all_gather(b["recv"], b["send"], self.pg, stats, _NAME, stream="current")
+        self.graphs.run(self.decode_key, self.decode)
+        output.view(-1).copy_(b["out"])
 
 
 @checked("all_gather_payloads")

@@ -40,12 +40,15 @@ class QuantizedAllGather(_Gather):
         module_name: str = "",
         prediction: GatheredPrediction | None = None,
         slots: Sequence = (),
+        graphs: qc.CodecGraphs | None = None,
     ) -> None:
         """``prediction``, ``slots``: staleness 1's prediction of the group's parameters at
         ``slots`` of the input ([Note: the prediction in the gathers] in
-        ``qsdp.runtime.gathered``), written there before each gather."""
+        ``qsdp.runtime.gathered``), written there before each gather. ``graphs``: the model's
+        captured codec segments (``Schedule.graphs``: each gather replays them)."""
         self.spec, self.seed, self.bucket, self.stats = spec.propagating(), seed, bucket, stats
         self.split, self.module_name = split, module_name
+        self.graphs = graphs
         self.prediction, self.slots = prediction, list(slots)
         self._steps = _Counter()
 
@@ -66,6 +69,7 @@ class QuantizedAllGather(_Gather):
             step=self._steps.next(),
             bucket=self.bucket,
             stats=self.stats,
+            graphs=self.graphs,
         )
         return None
 

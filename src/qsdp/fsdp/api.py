@@ -390,7 +390,11 @@ def _gather_hook(shared: _Shared, model: nn.Module, group: FSDPGroup, i: int):
     elif isinstance(weights, QuantizedWeights):
         layout = group.layout(grads_only=False)
         gather = QuantizedAllGather(
-            weights.spec, split=shared.split(layout), **_predicting(shared, model, group), **key
+            weights.spec,
+            split=shared.split(layout),
+            graphs=shared.graphs,
+            **_predicting(shared, model, group),
+            **key,
         )
     else:
         return None
@@ -529,13 +533,15 @@ def _check_graphs(schedule: Schedule, shared: _Shared, groups: list[FSDPGroup]) 
     if not schedule.graphs:
         return
     plan = shared.reduce
-    if plan is None or not plan.replayable:
+    gathers = isinstance(shared.config.weights, QuantizedWeights)
+    if not gathers and (plan is None or not plan.replayable):
         what = type(plan).__name__ if plan is not None else "FSDP2's own"
         raise ValueError(
-            f"Schedule(graphs=True) replays a single-level quantized reduce-scatter's codec; "
-            f"this config reduces with {what} (compressed HSDP's all-reduce, Global-QSGD "
-            "integers, two levels over a node mesh or uncompressed gradients have none): drop "
-            "graphs, or use 'qsdp-w8g8', 'cgx' or 'sdp4bit' without a mesh"
+            "Schedule(graphs=True) replays the codec of a single-level quantized reduce-scatter "
+            f"or of a quantized weight all-gather; this config reduces with {what} (compressed "
+            "HSDP's all-reduce, Global-QSGD integers, two levels over a node mesh or "
+            "uncompressed gradients have none) and gathers no quantized weights: drop graphs, "
+            "or use 'qsdp-w8g8', 'cgx' or 'sdp4bit' without a mesh"
         )
     devices = {p.device.type for g in groups for p in g.params}
     if devices != {"cuda"}:

@@ -205,10 +205,9 @@ def _fused_stages(
     send = torch.empty(row, dtype=torch.uint8, device=input.device)
     enc_spec = spec.propagating()
     stream = C.noise_stream(C.noise_rank(pg), 0, bucket=bucket, hop=hop)
-    comp, raw = _encode_fused(
+    comp, raw, codes = _encode_fused(
         input, send, split, parts, enc_spec, seed=seed, step=step, stream=stream, backend=backend
     )
-    codes = send.split_with_sizes(parts)[0]
     if enc_spec is not spec:  # every rank agrees before anything is exchanged
         bad = flagged_groups(codes, comp.numel(), spec) + (~torch.isfinite(raw)).sum()
         C.agree_finite(bad, [pg], stats, name)
@@ -238,7 +237,7 @@ def _encode_into(flat, out, spec, *, seed, step, stream, backend) -> None:
 
 def _encode_fused(input, send, split, parts, spec, *, seed, step, stream, backend):
     """The shard's ``[codes | raw]`` row into ``send`` (cut by ``parts``); returns the
-    compressed part it encoded and the raw part it sent."""
+    compressed part it encoded, the raw part it sent and the codes' part of ``send``."""
     rows = input.reshape(1, -1)  # read before the exchange, never written
     # the row's parts as views, cut once per call ([Note: a split's plan] in _split.py)
     codes, _, raw_slot, _ = send.split_with_sizes(parts)
@@ -250,7 +249,7 @@ def _encode_fused(input, send, split, parts, spec, *, seed, step, stream, backen
         comp = split.take(rows, raw_out=raw.view(1, -1))[0].view(-1)
     if comp.numel():
         _encode_into(comp, codes, spec, seed=seed, step=step, stream=stream, backend=backend)
-    return comp, raw
+    return comp, raw, codes
 
 
 def _decode_fused(recv, output, n, split, parts, spec, dtype, backend) -> None:

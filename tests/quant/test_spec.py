@@ -74,8 +74,9 @@ def test_one_name_for_an_encode_that_never_raises():
 
 
 def test_a_spec_and_a_split_hash_anew_in_another_process():
-    """Both cache their hash (a collective looks them up on every call); a pickled one must not
-    carry it to a process whose string hashes differ, where it would miss every lookup."""
+    """A split caches its hash (a collective looks it up on every call); a pickled one must not
+    carry it to a process whose string hashes differ, where it would miss every lookup. A spec
+    (its hash from its fields) and a split both work as keys there."""
     import pickle
     import subprocess
     import sys

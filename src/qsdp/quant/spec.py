@@ -151,30 +151,6 @@ class QuantSpec:
                 f"{self.scheme.value!r}): a bf16 offset would move the grid; use torch.float32"
             )
 
-    def __hash__(self) -> int:
-        # a spec keys the caches of every collective call (its kernels' constants, payload
-        # sizes, a replayed segment's buffers): its fields are hashed once, not per lookup
-        found = self.__dict__.get("_hash")
-        if found is None:
-            found = hash(
-                (
-                    self.bits,
-                    self.group_size,
-                    self.scheme,
-                    self.rounding,
-                    self.hadamard_block,
-                    self.scale_dtype,
-                    self.hadamard_seed,
-                    self.nonfinite,
-                )
-            )
-            object.__setattr__(self, "_hash", found)
-        return found
-
-    def __getstate__(self) -> dict:
-        # (a string's hash differs between processes: another process hashes anew)
-        return {k: v for k, v in self.__dict__.items() if k != "_hash"}
-
     # --- derived layout -------------------------------------------------------------------
     @property
     def qmax(self) -> int:

@@ -291,11 +291,19 @@ def main() -> None:
     plain = rows[0]["ms_per_step"]
     for r in rows:
         r["extra_ms_vs_plain"] = round(r["ms_per_step"] - plain, 3)
+        # each round's median over plain's in the same round, then their median: what a
+        # drifting host changes least (both sides of a ratio ran seconds apart)
+        paired = [
+            v / p for v, p in zip(r["round_medians_ms"], rows[0]["round_medians_ms"], strict=True)
+        ]
+        r["x_plain_by_round"] = [round(x, 3) for x in paired]
+        r["x_plain"] = round(statistics.median(paired), 3)
         kinds = ", ".join(
             f"{k} {v['calls']} x {v['us_per_call']:.0f} us" for k, v in r["hooks"].items()
         )
         print(
-            f"{r['recipe']:10s} {r['ms_per_step']:7.2f} ms a step (+{r['extra_ms_vs_plain']:.2f}, "
+            f"{r['recipe']:10s} {r['ms_per_step']:7.2f} ms a step (x{r['x_plain']:.2f} plain by "
+            f"round, +{r['extra_ms_vs_plain']:.2f}, "
             f"CPU {r['cpu_ms_per_step']:.2f} ms), "
             f"{r['issued_ops']} ops; {kinds or 'no qsdp hooks'}"
         )

@@ -22,6 +22,7 @@ def test_counts_every_hook_of_a_step(tmp_path):
     rows = {r["recipe"]: r for r in d["rows"]}
     assert list(rows) == ["plain", "qsdp-w8g8", "cgx"]
     assert rows["plain"]["hook_calls"] == 0 and rows["plain"]["extra_ms_vs_plain"] == 0
+    assert rows["plain"]["x_plain"] == 1.0 and len(rows["cgx"]["x_plain_by_round"]) == 1
     w8 = rows["qsdp-w8g8"]["hooks"]
     # each block gathered for the forward and again for the backward, reduced once, one verdict
     assert w8["qsdp::all-gather"]["calls"] == 6

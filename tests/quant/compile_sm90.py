@@ -86,9 +86,10 @@ def main() -> None:
         flags = {"BIG": False, "ALIGNED": True}
         for tail in (False, True):
             enc = {**c.tile, **c.codes, **c.quantize, **c.rotation, **flags, "TAIL": tail}
-            enc |= {"HAS_REF": True, "MULTI": True}
+            # (the step read from device memory: the launch a replayed CUDA graph holds)
+            enc |= {"HAS_REF": True, "MULTI": True, "STEP_PTR": True}
             ptrs = {"x_ptr": "*bf16", "ref_ptr": "*bf16", "out_ptr": "*u8", "signs_ptr": "*fp32",
-                    "streams_ptr": "*i64"}  # fmt: skip
+                    "streams_ptr": "*i64", "step_ptr": "*i64"}  # fmt: skip
             results[f"encode {name} tail={tail}"] = _compile(K.encode_kernel, ptrs, enc)
             dec = {**c.tile, **c.codes, **c.rotation, **flags, "TAIL": tail, "K": 3}
             dec |= {"ACCUMULATE": False, "INTERPRET": False, "HAS_BASE": True, "DIVIDE": True}

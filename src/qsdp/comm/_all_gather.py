@@ -235,9 +235,10 @@ def _encode_into(flat, out, spec, *, seed, step, stream, backend) -> None:
         encode(flat, spec, seed=seed, step=step, out=out, backend=backend, stream=stream)
 
 
-def _encode_fused(input, send, split, parts, spec, *, seed, step, stream, backend):
+def _encode_fused(input, send, split, parts, spec, *, seed, step, stream, backend, comp_out=None):
     """The shard's ``[codes | raw]`` row into ``send`` (cut by ``parts``); returns the
-    compressed part it encoded, the raw part it sent and the codes' part of ``send``."""
+    compressed part it encoded (taken into ``comp_out`` when given, ``[1, n_comp]``, where the
+    split has several runs), the raw part it sent and the codes' part of ``send``."""
     rows = input.reshape(1, -1)  # read before the exchange, never written
     # the row's parts as views, cut once per call ([Note: a split's plan] in _split.py)
     codes, _, raw_slot, _ = send.split_with_sizes(parts)
@@ -246,7 +247,7 @@ def _encode_fused(input, send, split, parts, spec, *, seed, step, stream, backen
         raw_slot.copy_(raw.view(torch.uint8))
     else:  # the raw runs gathered straight into their slot (16-byte aligned: a float view)
         raw = raw_slot.view(input.dtype)
-        comp = split.take(rows, raw_out=raw.view(1, -1))[0].view(-1)
+        comp = split.take(rows, comp_out=comp_out, raw_out=raw.view(1, -1))[0].view(-1)
     if comp.numel():
         _encode_into(comp, codes, spec, seed=seed, step=step, stream=stream, backend=backend)
     return comp, raw, codes
@@ -309,6 +310,10 @@ class _Site:
                 "recv": torch.empty(n * row, dtype=torch.uint8, device=device),
                 "out": torch.empty(n * m, dtype=output.dtype, device=device),
                 "step": torch.zeros(1, dtype=torch.int64, device=device),
+                # a split's compressed runs side by side (not in each segment's own pool)
+                "comp": torch.empty(
+                    1, split.n_comp if split else 0, dtype=input.dtype, device=device
+                ),
             }
 
         b = graphs.buffers((_NAME, *key), make)
@@ -339,6 +344,7 @@ class _Site:
                 step=b["step"],
                 stream=stream,
                 backend=backend,
+                comp_out=b["comp"],
             )
             self.decode = lambda: _decode_fused(
                 b["recv"], b["out"], n, split, parts, spec, input.dtype, backend

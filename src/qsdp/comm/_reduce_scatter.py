@@ -418,7 +418,7 @@ def _decode_chunks(recv, own, output, m, spec, divisor, backend) -> None:
     """Own chunk + the decoded peers' payloads (``recv``), divided, into ``output``: one
     launch ([Note: the receive side in one launch])."""
     decode_sum_finish(
-        recv.view(-1, spec.payload_bytes(m)),
+        recv,  # ([n - 1, payload bytes])
         m,
         spec,
         base=own,

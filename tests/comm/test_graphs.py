@@ -33,75 +33,76 @@ SPLITS = {
 }
 
 
-def replay_matches_eager(rank, ws, *, device="cpu", capture=False):
-    """Two steps of two buckets (groups of one shape) per split: the replayed call's output
-    and bytes are the eager call's (another step, another noise); the buckets share one set of
-    buffers."""
+def _reduce(rank, ws, split, step, bucket, graphs, device, backend):
+    """One reduce-scatter of this step's and bucket's input: its output and bytes."""
+    x = rank_tensor(rank, ws * M, seed=step + 10 * bucket).to(device, torch.bfloat16)
+    out, sent = torch.full((M,), float("nan"), device=device), CommStats()
+    reduce_scatter(
+        out,
+        x,
+        spec=SPEC,
+        split=split,
+        seed=3,
+        step=step,
+        bucket=bucket,
+        backend=backend,
+        stats=sent,
+        graphs=graphs,
+    )
+    return out, sent
+
+
+def _gather(rank, ws, split, step, bucket, graphs, device, backend):
+    """One all-gather; bucket 2 in FSDP2's in-place layout (a bf16 output whose row ``rank``
+    is the input), bucket 1 into a float32 output."""
+    x = rank_tensor(rank, M, seed=step + 10 * bucket).to(device, torch.bfloat16)
+    dtype = torch.bfloat16 if bucket == 2 else torch.float32
+    out, sent = torch.full((ws * M,), float("nan"), device=device, dtype=dtype), CommStats()
+    inp = x
+    if bucket == 2:
+        inp = out.view(ws, M)[rank]
+        inp.copy_(x)
+    all_gather(
+        out,
+        inp,
+        spec=SPEC,
+        split=split,
+        seed=3,
+        step=step,
+        bucket=bucket,
+        backend=backend,
+        stats=sent,
+        graphs=graphs,
+    )
+    return out, sent
+
+
+def _matches_eager(rank, ws, call, shapes, device, capture):
+    """Two steps of two buckets (two groups) per split: each replayed call's output and bytes
+    are the eager call's (each step its own noise); ``shapes`` sets of buffers in all."""
     graphs = CodecGraphs(capture=capture)
     backend = "triton" if device == "cpu" else "auto"
     for name, split in SPLITS.items():
         for step in range(2):
             for bucket in (1, 2):
-                x = rank_tensor(rank, ws * M, seed=step + 10 * bucket).to(device, torch.bfloat16)
-                outs, sent = {}, {}
-                for way in ("eager", "replayed"):
-                    outs[way] = torch.full((M,), float("nan"), device=device)
-                    sent[way] = CommStats()
-                    reduce_scatter(
-                        outs[way],
-                        x,
-                        spec=SPEC,
-                        split=split,
-                        seed=3,
-                        step=step,
-                        bucket=bucket,
-                        backend=backend,
-                        stats=sent[way],
-                        graphs=graphs if way == "replayed" else None,
-                    )
-                assert torch.equal(outs["eager"], outs["replayed"]), (name, step, bucket)
-                assert sent["eager"].snapshot() == sent["replayed"].snapshot(), name
-                assert ws == 1 or sent["replayed"].total_bytes > 0
+                eager, sent = call(rank, ws, split, step, bucket, None, device, backend)
+                got, sent_replayed = call(rank, ws, split, step, bucket, graphs, device, backend)
+                assert torch.equal(eager, got), (name, step, bucket)
+                assert sent.snapshot() == sent_replayed.snapshot(), name
+                assert ws == 1 or sent.total_bytes > 0
                 assert_same_on_all_ranks(torch.tensor([step, bucket]))
-    assert len(graphs._buffers) == len(SPLITS)  # one set per shape, shared by the buckets
+    assert len(graphs._buffers) == shapes * len(SPLITS)
     return graphs.captured, graphs.replayed
+
+
+def replay_matches_eager(rank, ws, *, device="cpu", capture=False):
+    """The reduce-scatter's replays; its two buckets share one set of buffers."""
+    return _matches_eager(rank, ws, _reduce, 1, device, capture)
 
 
 def gather_replay_matches_eager(rank, ws, *, device="cpu", capture=False):
-    """The all-gather's replays: two steps of two buckets per split, the eager bits and
-    bytes; FSDP2's in-place layout (the input a view of the output) included."""
-    graphs = CodecGraphs(capture=capture)
-    backend = "triton" if device == "cpu" else "auto"
-    for name, split in SPLITS.items():
-        for step in range(2):
-            for bucket in (1, 2):
-                x = rank_tensor(rank, M, seed=step + 10 * bucket).to(device, torch.bfloat16)
-                outs, sent = {}, {}
-                for way in ("eager", "replayed"):
-                    # bucket 2: FSDP2's in-place layout, the input a view of the output's row
-                    dtype = torch.bfloat16 if bucket == 2 else torch.float32
-                    outs[way] = torch.full((ws * M,), float("nan"), device=device, dtype=dtype)
-                    inp = x
-                    if bucket == 2:
-                        inp = outs[way].view(ws, M)[rank]
-                        inp.copy_(x)
-                    sent[way] = CommStats()
-                    all_gather(
-                        outs[way],
-                        inp,
-                        spec=SPEC,
-                        split=split,
-                        seed=3,
-                        step=step,
-                        bucket=bucket,
-                        backend=backend,
-                        stats=sent[way],
-                        graphs=graphs if way == "replayed" else None,
-                    )
-                assert torch.equal(outs["eager"], outs["replayed"]), (name, step, bucket)
-                assert sent["eager"].snapshot() == sent["replayed"].snapshot(), name
-                assert_same_on_all_ranks(outs["replayed"])
-    return graphs.captured, graphs.replayed
+    """The all-gather's replays (two shapes: the float32 and the in-place bf16 output)."""
+    return _matches_eager(rank, ws, _gather, 2, device, capture)
 
 
 @pytest.mark.parametrize("world_size", [1, 3])

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from ..quant import Backend, QuantSpec, decode_rows, encode, encode_rows, flagged_groups
 from . import _common as C
 from ._calls import checked
-from ._graphs import CodecGraphs
+from ._graphs import CodecGraphs, check_replayable
 from ._split import Split, check_split, fused_parts, fused_row
 from ._stats import CommStats
 
@@ -94,21 +94,19 @@ def all_gather(
     Returns:
         A :class:`CommWork` when ``async_op``, else None.
     """
-    if graphs is not None:
-        if async_op or spec.propagating() is not spec or backend == "reference":
-            raise ValueError(
-                "all_gather(graphs=...) replays CUDA graphs of the Triton kernels: it needs a "
-                "synchronous call and a spec with nonfinite='propagate' (the caller checks "
-                f"NaN/Inf); got async_op={async_op}, spec.nonfinite={spec.nonfinite.value!r}, "
-                f"backend={backend!r}: pass graphs=None"
-            )
-        stream = torch.cuda.current_stream(input.device).stream_id if input.is_cuda else 0
-        key = (group, input.device, stream, input.numel(), input.dtype, output.dtype, spec, split)
-        site = graphs.sites.get((_NAME, key, seed, bucket))
-        if site is None:
-            site = graphs.sites[_NAME, key, seed, bucket] = _Site(
+    if graphs is not None:  # [Note: codec segments replayed]
+        check_replayable(_NAME, async_op=async_op, spec=spec, backend=backend)
+        site = graphs.site(
+            _NAME,
+            group=group,
+            input=input,
+            output=output,
+            layout=(spec, split),
+            noise=(seed, bucket),
+            make=lambda key: _Site(
                 graphs, output, input, group, key, spec, split, seed, bucket, backend
-            )
+            ),
+        )
         C.check_key(seed, step, bucket)
         site.run(output, input, step, C.resolve_stats(stats))
         return None
@@ -147,20 +145,9 @@ def _all_gather_stages(
 ) -> C.Stages:
     """Validate and encode now (not on the first ``next``), and return the stage generator."""
     C.check_spec(spec)
-    C.check_float(input, "input")
-    C.check_float(output, "output")
-    C.check_contiguous(output, "output")
-    C.check_same_device(output, input, "output and input")
     C.check_key(seed, step, bucket)
     pg, n, _ = C.group_info(group)
-    m = input.numel()
-    if output.numel() != n * m:
-        raise ValueError(
-            f"output has {output.numel()} elements; all_gather of {m} elements over {n} ranks "
-            f"needs world_size * input.numel() = {n * m}"
-        )
-    if split is not None:
-        check_split(split, m, "the input")
+    m = _check_shapes(output, input, n, split)
     if count_call:
         stats.count_call(name)
     if split is not None:
@@ -182,6 +169,23 @@ def _all_gather_stages(
     if enc_spec is not spec:  # every rank agrees before anything is exchanged
         C.agree_finite(flagged_groups(send, m, spec), [pg], stats, name)
     return _gather_decode(output, send, pg, n, m, spec, backend, stats, name)
+
+
+def _check_shapes(output, input, n: int, split: Split | None) -> int:
+    """Validate an all-gather's tensors over ``n`` ranks; returns the shard's length."""
+    C.check_float(input, "input")
+    C.check_float(output, "output")
+    C.check_contiguous(output, "output")
+    C.check_same_device(output, input, "output and input")
+    m = input.numel()
+    if output.numel() != n * m:
+        raise ValueError(
+            f"output has {output.numel()} elements; all_gather of {m} elements over {n} ranks "
+            f"needs world_size * input.numel() = {n * m}"
+        )
+    if split is not None:
+        check_split(split, m, "the input")
+    return m
 
 
 def _gather_decode(output, send, pg, n, m, spec, backend, stats, name) -> C.Stages:
@@ -279,25 +283,9 @@ class _Site:
     ([Note: codec segments replayed] in ``_graphs.py``)."""
 
     def __init__(self, graphs, output, input, group, key, spec, split, seed, bucket, backend):
-        if input.is_cuda != graphs.capture:
-            raise ValueError(
-                f"all_gather(graphs=...): input on {input.device} with "
-                f"CodecGraphs(capture={graphs.capture}); a capture needs CUDA tensors: pass "
-                "graphs=None off CUDA"
-            )
-        C.check_float(input, "input")
-        C.check_float(output, "output")
-        C.check_contiguous(output, "output")
-        C.check_same_device(output, input, "output and input")
-        pg, n, r = C.group_info(group)
-        m = input.numel()
-        if output.numel() != n * m:
-            raise ValueError(
-                f"output has {output.numel()} elements; all_gather of {m} elements over {n} "
-                f"ranks needs world_size * input.numel() = {n * m}"
-            )
+        pg, n, _ = C.group_info(group)
+        m = _check_shapes(output, input, n, split)
         if split is not None:
-            check_split(split, m, "the input")
             _, row, parts = fused_parts(spec, split.n_comp, split.n_raw * input.element_size())
         else:
             row, parts = spec.payload_bytes(m), None
@@ -316,9 +304,9 @@ class _Site:
                 ),
             }
 
-        b = graphs.buffers((_NAME, *key), make)
+        b = graphs.buffers(key, make)
         self.graphs, self.b, self.pg, self.m = graphs, b, pg, m
-        self.encode_key, self.decode_key = (_NAME, key, seed, bucket, "encode"), (_NAME, key)
+        self.encode_key, self.decode_key = (key, seed, bucket, "encode"), (key, "decode")
         stream = C.noise_stream(C.noise_rank(pg), 0, bucket=bucket)
         if split is None:
             self.encode = lambda: _encode_into(

@@ -43,7 +43,20 @@ from typing import Any
 
 import torch
 
-__all__ = ["CodecGraphs"]
+__all__ = ["CodecGraphs", "check_replayable"]
+
+
+def check_replayable(what: str, *, async_op: bool, spec: Any, backend: str) -> None:
+    """Raise unless a call of collective ``what`` can be replayed: synchronous, with a spec that
+    propagates NaN/Inf (the caller checks them: no host read between the segments), on the
+    Triton backend (the kernels the graphs hold)."""
+    if async_op or spec.propagating() is not spec or backend == "reference":
+        raise ValueError(
+            f"{what}(graphs=...) replays CUDA graphs of the Triton kernels: it needs a "
+            "synchronous call and a spec with nonfinite='propagate' (the caller checks "
+            f"NaN/Inf); got async_op={async_op}, spec.nonfinite={spec.nonfinite.value!r}, "
+            f"backend={backend!r}: pass graphs=None"
+        )
 
 
 class CodecGraphs:
@@ -68,6 +81,34 @@ class CodecGraphs:
         """Segments captured so far (one per (shape, key) and side: encode or decode)."""
         self.replayed = 0
         """Segment replays so far."""
+
+    def site(
+        self,
+        name: str,
+        *,
+        group: Any,
+        input: torch.Tensor,
+        output: torch.Tensor,
+        layout: tuple,
+        noise: tuple,
+        make: Callable[[tuple], Any],
+    ) -> Any:
+        """Collective ``name``'s call site for this call (made by ``make(shape key)`` at its
+        first call): one per group, current stream, input and output shape and dtype,
+        ``layout`` (quantizer, split, op) and ``noise`` (seed, bucket). The shape key, without
+        the noise, is what its buffers and decode are shared by."""
+        if self.capture and not input.is_cuda:
+            raise ValueError(
+                f"{name}(graphs=...): input on {input.device}; a capture needs CUDA tensors: "
+                "pass graphs=None off CUDA (CodecGraphs(capture=False) runs the segments eagerly)"
+            )
+        stream = torch.cuda.current_stream(input.device).stream_id if input.is_cuda else 0
+        key = (name, group, input.device, stream, input.numel(), input.dtype, output.dtype)
+        key += layout
+        found = self.sites.get((key, noise))
+        if found is None:
+            found = self.sites[key, noise] = make(key)
+        return found
 
     def buffers(self, key: Hashable, make: Callable[[], Any]) -> Any:
         """The buffers of shape ``key`` (made by ``make()`` the first time): the same objects on

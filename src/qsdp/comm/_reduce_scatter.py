@@ -25,7 +25,7 @@ from ..quant import (
 )
 from . import _common as C
 from ._calls import checked
-from ._graphs import CodecGraphs
+from ._graphs import CodecGraphs, check_replayable
 from ._split import Split, check_split, fused_parts, fused_row
 from ._stats import CommStats
 
@@ -212,20 +212,18 @@ def _replayed(
     """:func:`reduce_scatter` with its encode and decode replayed from ``graphs``
     ([Note: codec segments replayed]): the call's site (group, shapes, quantizer, split, noise
     key) is worked out at its first call into a :class:`_Site`, which each later call only runs."""
-    if async_op or spec.propagating() is not spec or backend == "reference":
-        raise ValueError(
-            "reduce_scatter(graphs=...) replays CUDA graphs of the Triton kernels: it needs a "
-            "synchronous call and a spec with nonfinite='propagate' (the caller checks "
-            f"NaN/Inf); got async_op={async_op}, spec.nonfinite={spec.nonfinite.value!r}, "
-            f"backend={backend!r}: pass graphs=None"
-        )
-    stream = torch.cuda.current_stream(input.device).stream_id if input.is_cuda else 0
-    key = (group, input.device, stream, input.numel(), input.dtype, output.dtype, spec, split, op)
-    site = graphs.sites.get((key, seed, bucket))
-    if site is None:
-        site = graphs.sites[key, seed, bucket] = _Site(
+    check_replayable(_NAME, async_op=async_op, spec=spec, backend=backend)
+    site = graphs.site(
+        _NAME,
+        group=group,
+        input=input,
+        output=output,
+        layout=(spec, split, op),
+        noise=(seed, bucket),
+        make=lambda key: _Site(
             graphs, output, input, group, key, spec, split, op, seed, bucket, backend
-        )
+        ),
+    )
     C.check_key(seed, step, bucket)
     site.run(output, input, step, stats)
 
@@ -235,12 +233,6 @@ class _Site:
     (shared by the sites of its shape), its exchange's splits and its two segments."""
 
     def __init__(self, graphs, output, input, group, key, spec, split, op, seed, bucket, backend):
-        if input.is_cuda != graphs.capture:
-            raise ValueError(
-                f"reduce_scatter(graphs=...): input on {input.device} with "
-                f"CodecGraphs(capture={graphs.capture}); a capture needs CUDA tensors: pass "
-                "graphs=None off CUDA"
-            )
         op = C.parse_op(op)
         pg, n, r = C.group_info(group)
         m = check_chunks(output, input, n, "reduce_scatter")

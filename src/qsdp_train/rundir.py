@@ -105,6 +105,7 @@ RESUME_MAY_CHANGE = (
     "resume",
     "redecide",
     "pipeline",
+    "graphs",
     "stop_at",
     "eval_every",
     "ckpt_every",
@@ -113,7 +114,7 @@ RESUME_MAY_CHANGE = (
     "progress",
 )
 """Settings that ``--resume`` may change: where the run lives and when it stops, saves,
-evaluates and how it reports."""
+evaluates and how it reports, and how the same bits are computed (``pipeline``, ``graphs``)."""
 
 # config.json keys that are not command-line flags, and the flag that sets them.
 _LABELS = {

@@ -160,6 +160,11 @@ class TrainConfig:
     weights in this backward] in ``qsdp.runtime.gathered``); the schedule's own prediction,
     unclipped, replaces this loop's (``--predict local``). Not with ``--stale-bound`` or a
     ``--stale-after`` step (``auto`` or 0)."""
+    graphs: bool = False
+    """FSDP2, synchronous, on CUDA: replay the hooks' codecs from CUDA graphs
+    (``Schedule(graphs=True)``, [Note: codec segments replayed] in ``qsdp.comm._graphs``): the
+    same bits with less host work a step, for a fast link. Not recorded as a setting a resumed
+    run must keep (it changes no bits)."""
     stale_bound: float | None = None
     """Staleness 1: force a synchronous step when ``lr * ||g||`` (clipped) of the applied
     gradient exceeds it (``qsdp.StalenessGate``, [Note: the staleness gate]); None never forces
@@ -268,6 +273,12 @@ class TrainConfig:
                 f"predict={self.predict}, stale_after={self.stale_after}, "
                 f"stale_bound={self.stale_bound}"
             )
+        if self.graphs and (self.staleness or self.parallel != "fsdp" or self.recipe == "auto"):
+            raise ValueError(
+                "--graphs replays the codecs of FSDP2's synchronous hooks; got "
+                f"staleness={self.staleness}, parallel={self.parallel}, recipe={self.recipe}: "
+                "use it under FSDP2 at --staleness 0 with a named recipe, or drop it"
+            )
         if self.stale_bound is not None and (not self.staleness or not self.stale_bound > 0):
             raise ValueError(
                 f"--stale-bound={self.stale_bound} needs --staleness 1 and a positive bound "
@@ -360,9 +371,9 @@ class TrainConfig:
             )
 
     def schedule(self) -> Schedule:
-        """When the collectives run: ``--staleness``, ``--pipeline``."""
+        """When the collectives run: ``--staleness``, ``--pipeline``, ``--graphs``."""
         if not self.staleness:
-            return Schedule(pipeline=self.pipeline)
+            return Schedule(pipeline=self.pipeline, graphs=self.graphs)
         # an explicit --stale-after: this loop runs the steps before it synchronous()
         start = "auto" if self.stale_after == "auto" else 0
         if self.gather_ahead:  # the schedule's own prediction, which the gathers ahead take
@@ -662,6 +673,8 @@ def _train_rank(
     rank, ws = dist.get_rank(), dist.get_world_size()
     # Before anything is written (see rundir's notes); on every rank, so all raise together.
     raise_together(lambda: validate(cfg, data, world_size=ws, columns=COLUMNS))
+    if cfg.graphs and device.type != "cuda":  # (the same device type on every rank)
+        raise ValueError(f"--graphs replays CUDA graphs; this run is on {device.type}: drop it")
     out = Path(cfg.out)
     mc = cfg.model_config(data.vocab_size)
     batches = Batches(data, order=cfg.data_order)

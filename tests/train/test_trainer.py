@@ -550,6 +550,24 @@ def test_schedule_warms_up_then_decays_to_the_floor():
     assert all(lr_at(cfg, s) >= lr_at(cfg, s + 1) for s in range(10, 100))
 
 
+def _graphs_on_cpu(rank: int, world: int, data: str, root: str) -> str:
+    cfg = _cfg(Path(root) / "graphs", "qsdp-w8g8", graphs=True)
+    try:
+        train_rank(cfg, open_data(Path(data)), torch.device("cpu"))
+    except ValueError as e:
+        return str(e)
+    return "trained"
+
+
+def test_graphs_off_cuda_are_refused_on_every_rank_before_anything_is_written(data_dir, tmp_path):
+    """``--graphs`` replays CUDA graphs; a CPU run says so on every rank and writes nothing.
+    The schedule it asks for is ``Schedule(graphs=True)``, the library's (tested on a GPU)."""
+    got = run_distributed(_graphs_on_cpu, 2, str(data_dir), str(tmp_path))
+    assert all("--graphs replays CUDA graphs; this run is on cpu" in g for g in got), got
+    assert not (tmp_path / "graphs" / "metrics.csv").exists()
+    assert _cfg(tmp_path, "cgx", graphs=True).schedule() == qsdp.Schedule(graphs=True)
+
+
 @pytest.mark.parametrize(
     "kw, message",
     [
@@ -583,6 +601,9 @@ def test_schedule_warms_up_then_decays_to_the_floor():
             {"gather_ahead": True, "staleness": 1, "recipe": "qsdp-w8g8"},
             "--recipe qsdp-w8g8 gathers none: use sdp4bit",
         ),
+        ({"graphs": True, "staleness": 1}, "--graphs replays the codecs of FSDP2's synchronous"),
+        ({"graphs": True, "parallel": "ddp", "recipe": "cgx"}, "parallel=ddp"),
+        ({"graphs": True, "recipe": "auto"}, "recipe=auto: use it under FSDP2"),
         ({"predict": "ahead"}, "--predict must be one of"),
         ({"staleness": 1, "stale_after": 200}, "a step in (0, --steps)"),
         ({"staleness": 2, "parallel": "ddp", "recipe": "cgx"}, "--staleness must be 0 or 1"),

@@ -37,19 +37,22 @@ def _reduce(rank, ws, split, step, bucket, graphs, device, backend):
     """One reduce-scatter of this step's and bucket's input: its output and bytes."""
     x = rank_tensor(rank, ws * M, seed=step + 10 * bucket).to(device, torch.bfloat16)
     out, sent = torch.full((M,), float("nan"), device=device), CommStats()
-    reduce_scatter(
-        out,
-        x,
+    reduce_scatter(out, x, **_keys(split, step, bucket, backend, sent, graphs))
+    return out, sent
+
+
+def _keys(split, step, bucket, backend, stats, graphs) -> dict:
+    """The keyword arguments both collectives take here."""
+    return dict(
         spec=SPEC,
         split=split,
         seed=3,
         step=step,
         bucket=bucket,
         backend=backend,
-        stats=sent,
+        stats=stats,
         graphs=graphs,
     )
-    return out, sent
 
 
 def _gather(rank, ws, split, step, bucket, graphs, device, backend):
@@ -62,18 +65,7 @@ def _gather(rank, ws, split, step, bucket, graphs, device, backend):
     if bucket == 2:
         inp = out.view(ws, M)[rank]
         inp.copy_(x)
-    all_gather(
-        out,
-        inp,
-        spec=SPEC,
-        split=split,
-        seed=3,
-        step=step,
-        bucket=bucket,
-        backend=backend,
-        stats=sent,
-        graphs=graphs,
-    )
+    all_gather(out, inp, **_keys(split, step, bucket, backend, sent, graphs))
     return out, sent
 
 

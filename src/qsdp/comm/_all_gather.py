@@ -14,7 +14,7 @@ import torch.distributed as dist
 from ..quant import Backend, QuantSpec, decode_rows, encode, encode_rows, flagged_groups
 from . import _common as C
 from ._calls import checked
-from ._graphs import CodecGraphs, check_replayable
+from ._graphs import CodecGraphs, ReplayedSite, check_replayable
 from ._split import Split, check_split, fused_parts, fused_row
 from ._stats import CommStats
 
@@ -108,7 +108,7 @@ def all_gather(
             ),
         )
         C.check_key(seed, step, bucket)
-        site.run(output, input, step, C.resolve_stats(stats))
+        site.run(output, input, step, C.resolve_stats(stats), _NAME)
         return None
     stages = _all_gather_stages(
         output,
@@ -277,9 +277,8 @@ def _decode_fused(recv, output, n, split, parts, spec, dtype, backend) -> None:
     split.put(output.view(n, -1), comp_out, raw_out)
 
 
-class _Site:
-    """One call site of a replayed all-gather (a group's hook): the buffers its segments read
-    and write (shared by the sites of its shape) and its exchange
+class _Site(ReplayedSite):
+    """One call site of a replayed all-gather (a group's hook)
     ([Note: codec segments replayed] in ``_graphs.py``)."""
 
     def __init__(self, graphs, output, input, group, key, spec, split, seed, bucket, backend):
@@ -305,52 +304,36 @@ class _Site:
             }
 
         b = graphs.buffers(key, make)
-        self.graphs, self.b, self.pg, self.m = graphs, b, pg, m
-        self.encode_key, self.decode_key = (key, seed, bucket, "encode"), (key, "decode")
-        stream = C.noise_stream(C.noise_rank(pg), 0, bucket=bucket)
-        if split is None:
-            self.encode = lambda: _encode_into(
-                b["inp"],
-                b["send"],
-                spec,
-                seed=seed,
-                step=b["step"],
-                stream=stream,
-                backend=backend,
-            )
-            self.decode = lambda: decode_rows(
-                b["recv"].view(n, row), m, spec, out=b["out"].view(n, m), backend=backend
-            )
+        super().__init__(graphs, key, (seed, bucket), inp=b["inp"], out=b["out"], step=b["step"])
+        self.b, self.pg, self.n, self.row, self.parts = b, pg, n, row, parts
+        self.spec, self.split, self.seed, self.backend = spec, split, seed, backend
+        self.dtype = input.dtype
+        self.stream = C.noise_stream(C.noise_rank(pg), 0, bucket=bucket)
+
+    def encode(self) -> None:
+        b, spec = self.b, self.spec
+        kw = {"seed": self.seed, "step": b["step"], "stream": self.stream, "backend": self.backend}
+        if self.split is None:
+            _encode_into(b["inp"], b["send"], spec, **kw)
         else:
-            self.encode = lambda: _encode_fused(
-                b["inp"],
-                b["send"],
-                split,
-                parts,
-                spec,
-                seed=seed,
-                step=b["step"],
-                stream=stream,
-                backend=backend,
-                comp_out=b["comp"],
-            )
-            self.decode = lambda: _decode_fused(
-                b["recv"], b["out"], n, split, parts, spec, input.dtype, backend
+            _encode_fused(
+                b["inp"], b["send"], self.split, self.parts, spec, comp_out=b["comp"], **kw
             )
 
-    def run(self, output: torch.Tensor, input: torch.Tensor, step: int, stats: CommStats) -> None:
-        """Input in, step written, encode, the all-gather (on the current stream, after the
-        encode), decode, output out (``input`` may alias ``output``: read first)."""
-        b = self.b
-        stats.count_call(_NAME)
-        if self.m == 0:
-            return
-        b["inp"].copy_(input.reshape(-1))
-        b["step"].fill_(step)
-        self.graphs.run(self.encode_key, self.encode)
-        C.all_gather(b["recv"], b["send"], self.pg, stats, _NAME, stream="current")
-        self.graphs.run(self.decode_key, self.decode)
-        output.view(-1).copy_(b["out"])
+    def exchange(self, stats: CommStats) -> None:
+        # on the current stream, after the encode ([Note: which stream an exchange runs on])
+        C.all_gather(self.b["recv"], self.b["send"], self.pg, stats, _NAME, stream="current")
+
+    def decode(self) -> None:
+        b, n = self.b, self.n
+        if self.split is None:
+            m = self.inp.numel()
+            out = b["out"].view(n, m)
+            decode_rows(b["recv"].view(n, self.row), m, self.spec, out=out, backend=self.backend)
+        else:
+            _decode_fused(
+                b["recv"], b["out"], n, self.split, self.parts, self.spec, self.dtype, self.backend
+            )
 
 
 @checked("all_gather_payloads")

@@ -16,7 +16,8 @@ ever, and nothing is captured across ranks. What a call does besides: copy its i
 captured input buffer, write its step into the captured step word, replay, exchange, replay,
 copy the captured output to its output: four torch ops and two graph launches (measured on one
 H200, ``benchmarks/codec_graphs.py``: a GPT block's reduce-scatter 0.36-0.80 ms of host eager,
-0.07-0.14 ms replayed). The call sites live in :attr:`CodecGraphs.sites`, checked once.
+0.07-0.14 ms replayed). That call is :meth:`ReplayedSite.run`, one for both collectives;
+their sites, checked once, live in :attr:`CodecGraphs.sites`.
 
 What makes a replay the eager call's bits:
 
@@ -46,7 +47,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["CodecGraphs", "check_replayable"]
+__all__ = ["CodecGraphs", "ReplayedSite", "check_replayable"]
 
 
 def check_replayable(what: str, *, async_op: bool, spec: Any, backend: str) -> None:
@@ -152,3 +153,48 @@ class CodecGraphs:
         current.wait_stream(side)
         self._graphs[key] = graph
         self.captured += 1
+
+
+class ReplayedSite:
+    """One call site of a replayed collective (a group's hook): what every call does, the same
+    for each collective ([Note: codec segments replayed]). A collective's site gives its
+    captured buffers (``inp``, ``out``, ``step``: shared by the sites of its shape), its two
+    segments (:meth:`encode`, :meth:`decode`: kernels on those buffers only) and its exchange
+    (:meth:`exchange`, eager, between them)."""
+
+    def __init__(
+        self,
+        graphs: CodecGraphs,
+        key: tuple,
+        noise: tuple,
+        *,
+        inp: torch.Tensor,
+        out: torch.Tensor,
+        step: torch.Tensor,
+    ) -> None:
+        self.graphs, self.inp, self.out, self.step = graphs, inp, out, step
+        # the encode draws this site's noise; the decode is the same for every site of a shape
+        self.encode_key, self.decode_key = (key, noise, "encode"), (key, "decode")
+
+    def encode(self) -> None:
+        raise NotImplementedError
+
+    def decode(self) -> None:
+        raise NotImplementedError
+
+    def exchange(self, stats: Any) -> None:
+        raise NotImplementedError
+
+    def run(self, output: torch.Tensor, input: torch.Tensor, step: int, stats: Any, name: str):
+        """One call: counted; the input in and the step written, the encode replayed, the
+        exchange (on the current stream, after the encode), the decode replayed, the output
+        out (``input`` may alias ``output``: it is read first). An empty output: nothing."""
+        stats.count_call(name)
+        if self.out.numel() == 0:
+            return
+        self.inp.view(-1).copy_(input.reshape(-1))
+        self.step.fill_(step)
+        self.graphs.run(self.encode_key, self.encode)
+        self.exchange(stats)
+        self.graphs.run(self.decode_key, self.decode)
+        output.view(-1).copy_(self.out)

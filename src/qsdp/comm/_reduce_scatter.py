@@ -25,7 +25,7 @@ from ..quant import (
 )
 from . import _common as C
 from ._calls import checked
-from ._graphs import CodecGraphs, check_replayable
+from ._graphs import CodecGraphs, ReplayedSite, check_replayable
 from ._split import Split, check_split, fused_parts, fused_row
 from ._stats import CommStats
 
@@ -186,11 +186,14 @@ class _Buffers(NamedTuple):
             parts=parts,
         )
 
-    def split_parts(self, split: Split) -> tuple[torch.Tensor, torch.Tensor]:
-        """The captured input's compressed and raw parts (views, or the parts' buffers)."""
+    def split_parts(self, split: Split, *, take: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """The captured input's compressed and raw parts: views of it (one run each), or the
+        parts' buffers, filled from it when ``take`` (the encode) and as filled after."""
         if self.comp is None:
             return split.views(self.rows)
-        return split.take(self.rows, comp_out=self.comp, raw_out=self.raw)
+        if take:
+            return split.take(self.rows, comp_out=self.comp, raw_out=self.raw)
+        return self.comp, self.raw
 
 
 def _replayed(
@@ -225,10 +228,10 @@ def _replayed(
         ),
     )
     C.check_key(seed, step, bucket)
-    site.run(output, input, step, stats)
+    site.run(output, input, step, stats, _NAME)
 
 
-class _Site:
+class _Site(ReplayedSite):
     """One call site of a replayed reduce-scatter (a group's hook at one width): its buffers
     (shared by the sites of its shape), its exchange's splits and its two segments."""
 
@@ -239,54 +242,24 @@ class _Site:
         if split is not None:
             check_split(split, m, "each chunk")
         b = graphs.buffers(key, lambda: _Buffers.make(input, output, n, m, spec, split))
-        self.graphs, self.b, self.pg, self.n, self.m = graphs, b, pg, n, m
+        super().__init__(graphs, key, (seed, bucket), inp=b.rows, out=b.out, step=b.step)
+        self.b, self.pg, self.r, self.n = b, pg, r, n
+        self.spec, self.split, self.seed, self.backend = spec, split, seed, backend
         self.splits = [0 if j == r else b.send.shape[1] for j in range(n)]
-        self.exchange = n > 1 and m > 0
-        self.encode_key, self.decode_key = (key, seed, bucket, "encode"), (key, "decode")
-        streams = C.peer_streams(r, n, bucket=bucket)
-        divisor = n if op == "avg" else None
-        if split is None:
-            self.encode = lambda: _encode_chunks(
-                b.rows, b.send, r, spec, streams, seed=seed, step=b.step, backend=backend
-            )
-            self.decode = lambda: _decode_chunks(
-                b.recv, b.rows[r], b.out, m, spec, divisor, backend
-            )
-        else:
+        self.streams = C.peer_streams(r, n, bucket=bucket)
+        self.divisor = n if op == "avg" else None
 
-            def encode() -> None:
-                comp, raw = b.split_parts(split)
-                _encode_fused(
-                    comp,
-                    raw,
-                    b.send,
-                    b.parts,
-                    r,
-                    spec,
-                    streams,
-                    seed=seed,
-                    step=b.step,
-                    backend=backend,
-                )
+    def encode(self) -> None:
+        b, r, spec, kw = self.b, self.r, self.spec, {"seed": self.seed, "backend": self.backend}
+        if self.split is None:
+            _encode_chunks(b.rows, b.send, r, spec, self.streams, step=b.step, **kw)
+            return
+        comp, raw = b.split_parts(self.split, take=True)
+        _encode_fused(comp, raw, b.send, b.parts, r, spec, self.streams, step=b.step, **kw)
 
-            def decode() -> None:
-                comp, raw = split.views(b.rows) if b.comp is None else (b.comp, b.raw)
-                own_comp, own_raw = comp[r], raw[r]
-                _decode_fused(
-                    b.recv, b.parts, own_comp, own_raw, b.out, split, spec, divisor, backend
-                )
-
-            self.encode, self.decode = encode, decode
-
-    def run(self, output: torch.Tensor, input: torch.Tensor, step: int, stats: CommStats) -> None:
-        """Input in, step written, encode, exchange (on the current stream, after the encode:
-        [Note: which stream an exchange runs on]), decode, output out."""
-        b = self.b
-        stats.count_call(_NAME)
-        b.rows.view(-1).copy_(input.reshape(-1))
-        b.step.fill_(step)
-        self.graphs.run(self.encode_key, self.encode)
-        if self.exchange:
+    def exchange(self, stats: CommStats) -> None:
+        if self.n > 1:  # on the current stream, after the encode ([Note: which stream ...])
+            b = self.b
             C.all_to_all(
                 b.recv.view(-1),
                 b.send.view(-1),
@@ -297,8 +270,25 @@ class _Site:
                 _NAME,
                 stream="current",
             )
-        self.graphs.run(self.decode_key, self.decode)
-        output.view(-1).copy_(b.out)
+
+    def decode(self) -> None:
+        b, r = self.b, self.r
+        if self.split is None:
+            m = b.out.numel()
+            _decode_chunks(b.recv, b.rows[r], b.out, m, self.spec, self.divisor, self.backend)
+            return
+        comp, raw = b.split_parts(self.split, take=False)
+        _decode_fused(
+            b.recv,
+            b.parts,
+            comp[r],
+            raw[r],
+            b.out,
+            self.split,
+            self.spec,
+            self.divisor,
+            self.backend,
+        )
 
 
 def check_chunks(output: torch.Tensor, input: torch.Tensor, n: int, what: str) -> int:

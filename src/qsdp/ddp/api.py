@@ -106,7 +106,7 @@ def register(
         )
     if schedule.graphs:
         raise ValueError(
-            "Schedule(graphs=True) replays FSDP2's reduce-scatter codec from CUDA graphs; "
+            "Schedule(graphs=True) replays the codecs of FSDP2's hooks from CUDA graphs; "
             "DDP's all-reduce hook does not replay one yet: drop graphs"
         )
     if schedule.own_reduce_group is not None:

@@ -223,8 +223,8 @@ class _Shared:
     ahead: SideStreams | None = None
     """``Schedule(gather_ahead=True)``: the stream the gathers made ahead run on."""
     graphs: qc.CodecGraphs | None = None
-    """``Schedule(graphs=True)``: the reduce-scatters' captured codec segments
-    ([Note: codec segments replayed] in ``qsdp.comm._graphs``)."""
+    """``Schedule(graphs=True)``: the hooks' captured codec segments, the reduce-scatters' and
+    the quantized gathers' ([Note: codec segments replayed] in ``qsdp.comm._graphs``)."""
 
     def split(self, layout: list) -> qc.Split | None:
         """The policy's split of a group's chunk (None: everything quantized)."""
@@ -529,7 +529,8 @@ def _auto(
 
 def _check_graphs(schedule: Schedule, shared: _Shared, groups: list[FSDPGroup]) -> None:
     """``Schedule(graphs=True)``'s conditions (the same on every rank: checked after the
-    agreement): a single-level quantized reduce-scatter of CUDA parameters."""
+    agreement): a codec to replay (a single-level quantized reduce-scatter, or quantized
+    weight gathers) and CUDA parameters."""
     if not schedule.graphs:
         return
     plan = shared.reduce

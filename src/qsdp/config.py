@@ -391,17 +391,18 @@ class Schedule:
     alternating streams, so one module's (bucket's) exchange overlaps the next one's; the same
     bits. Not with staleness 1 under FSDP2 (its reductions overlap already)."""
     graphs: bool = False
-    """FSDP2 on CUDA: replay the codec of each group's gradient reduce-scatter and quantized
-    weight all-gather (the encode before the exchange, the decode after it) from CUDA graphs
+    """FSDP2 on CUDA: replay the codec of each group's gradient reduce-scatter and weight
+    all-gather (the encode before the exchange, the decode after it) from CUDA graphs
     captured at its first call: the same bits, a few host operations a call where the eager
-    codec issues 10-40 ([Note: codec segments replayed] in ``qsdp.comm._graphs``). For a step
+    codec issues 6-40 ([Note: codec segments replayed] in ``qsdp.comm._graphs``). For a step
     bound by the host (a fast link). Replays a single-level quantized reduce-scatter
-    (``qsdp-w8g8``, ``cgx``, ``sdp4bit`` without a node mesh) and ``QuantizedWeights`` gathers
-    (``qsdp-w8g8``); weight differences, integer codes, two levels and HSDP's all-reduce run
-    eagerly, as does a group whose parameters hold several adaptive widths. Needs
-    ``staleness=0``; costs about two of a group's gradients (and one gathered group) of device
-    memory, the buffers shared by the groups of one shape, and two copies a call on the
-    device."""
+    (``qsdp-w8g8``, ``cgx``, ``sdp4bit`` without a node mesh), ``QuantizedWeights`` gathers
+    (``qsdp-w8g8``) and the weight-difference gathers (``sdp4bit``; their exact first gather
+    and resyncs run eagerly); integer codes, two levels and HSDP's all-reduce run eagerly, as
+    does a group whose parameters hold several adaptive widths. Needs ``staleness=0``; costs
+    about two of a group's gradients (and one gathered group, or one shard for weight
+    differences) of device memory, the buffers shared by the groups of one shape, and two
+    copies a call on the device."""
 
     def __post_init__(self) -> None:
         if self.staleness not in (0, 1) or isinstance(self.staleness, bool):

@@ -1,7 +1,7 @@
-"""reduce_scatter(graphs=...): the captured segments' buffers and keys give the eager call's
-bits ([Note: codec segments replayed]). On CPU the segments run eagerly on their persistent
-buffers (``CodecGraphs(capture=False)``, the Triton kernels interpreted); the capture and
-replay themselves are the GPU tier's (``test_graphs_gpu.py``)."""
+"""reduce_scatter, all_gather and all_gather_diff with graphs=...: the captured segments' buffers
+and keys give the eager call's bits ([Note: codec segments replayed]). On CPU the segments run
+eagerly on their persistent buffers (``CodecGraphs(capture=False)``, the Triton kernels
+interpreted); the capture and replay themselves are the GPU tier's (``test_graphs_gpu.py``)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,14 @@ import dataclasses
 import pytest
 import torch
 
-from qsdp.comm import CodecGraphs, CommStats, Split, all_gather, reduce_scatter
+from qsdp.comm import (
+    CodecGraphs,
+    CommStats,
+    Split,
+    all_gather,
+    all_gather_diff,
+    reduce_scatter,
+)
 from qsdp.quant import QuantSpec
 from qsdp.testing import assert_same_on_all_ranks, rank_tensor, run_distributed
 
@@ -97,10 +104,60 @@ def gather_replay_matches_eager(rank, ws, *, device="cpu", capture=False):
     return _matches_eager(rank, ws, _gather, 2, device, capture)
 
 
+#: SDP4Bit's weight differences (4 bits, no rotation), as the recipe's gathers send them
+DIFF_SPEC = QuantSpec(
+    bits=4, group_size=64, scheme="absmax", rounding="stochastic", nonfinite="propagate"
+)
+
+
+def diff_replay_matches_eager(rank, ws, *, device="cpu", capture=False):
+    """Two groups' weight-difference gathers (two reconstructions, one shape): five calls
+    each, exact at 0 and 3 (the first, a resync: eager), call 2 a gather ahead (no output),
+    bucket 2 in FSDP2's in-place layout; every reconstruction, output and byte count the
+    eager call's. Returns (captured, replayed, sites, buffer sets)."""
+    graphs = CodecGraphs(capture=capture)
+    backend = "triton" if device == "cpu" else "auto"
+    for bucket in (1, 2):
+        recon = {g: torch.zeros(ws * M, dtype=torch.bfloat16, device=device) for g in (0, 1)}
+        for step in range(5):
+            x = rank_tensor(rank, M, seed=step + 10 * bucket).to(device, torch.bfloat16)
+            outs, sent = [], []
+            for g in (0, 1):
+                out = torch.full((ws * M,), float("nan"), dtype=torch.bfloat16, device=device)
+                inp = x
+                if bucket == 2:
+                    inp = out.view(ws, M)[rank]
+                    inp.copy_(x)
+                sent.append(CommStats())
+                all_gather_diff(
+                    None if step == 2 else out,
+                    inp,
+                    recon[g],
+                    spec=DIFF_SPEC,
+                    exact=step in (0, 3),
+                    seed=3,
+                    step=step,
+                    bucket=bucket,
+                    backend=backend,
+                    stats=sent[-1],
+                    graphs=graphs if g else None,
+                )
+                outs.append(out)
+            assert torch.equal(recon[0], recon[1]), (step, bucket)
+            assert torch.equal(outs[0], outs[1]) or step == 2, (step, bucket)
+            assert step == 2 or torch.equal(outs[1], recon[1]), (step, bucket)
+            assert sent[0].snapshot() == sent[1].snapshot(), (step, bucket)
+            assert not torch.isnan(recon[1]).any()
+            assert_same_on_all_ranks(recon[1])  # the reconstruction every rank holds
+    return graphs.captured, graphs.replayed, len(graphs.sites), len(graphs._buffers)
+
+
 @pytest.mark.parametrize("world_size", [1, 3])
 def test_replayed_buffers_give_the_eager_bits(world_size):
     run_distributed(replay_matches_eager, world_size)
     run_distributed(gather_replay_matches_eager, world_size)
+    # (each group's own reconstruction: a site each; one set of buffers for their shape)
+    assert run_distributed(diff_replay_matches_eager, world_size) == [(0, 0, 2, 1)] * world_size
 
 
 def _refusals(rank, ws):

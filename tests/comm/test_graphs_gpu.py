@@ -1,7 +1,7 @@
-"""GPU tier of ``reduce_scatter(graphs=...)`` and ``all_gather(graphs=...)``: the captured and
-replayed segments give the eager call's bits at every step ([Note: codec segments replayed]).
-One GPU: three gloo processes share it (gloo moves CUDA tensors through the host); two or more:
-NCCL, a rank per GPU."""
+"""GPU tier of ``reduce_scatter``, ``all_gather`` and ``all_gather_diff`` with ``graphs=...``: the
+captured and replayed segments give the eager call's bits at every step ([Note: codec segments
+replayed]). One GPU: three gloo processes share it (gloo moves CUDA tensors through the host);
+two or more: NCCL, a rank per GPU."""
 
 from __future__ import annotations
 
@@ -10,7 +10,12 @@ import torch
 
 from qsdp.testing import run_distributed
 
-from .test_graphs import SPLITS, gather_replay_matches_eager, replay_matches_eager
+from .test_graphs import (
+    SPLITS,
+    diff_replay_matches_eager,
+    gather_replay_matches_eager,
+    replay_matches_eager,
+)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -19,19 +24,22 @@ pytestmark = [
 
 # per split, (captured, replayed) after 2 steps x 2 buckets x 2 segments: the reduce-scatter's
 # encode captured per bucket and its decode once per shape (3 first runs); the all-gather's two
-# shapes (a float32 and an in-place bf16 output) an encode and a decode each (4 first runs)
+# shapes (a float32 and an in-place bf16 output) an encode and a decode each (4 first runs).
+# The weight-difference gathers: two sites (reconstructions) of one shape, each 3 difference
+# calls of 5 (two exact): an encode and a decode captured at the first, replayed at the others
 CASES = {
-    "reduce_scatter": (replay_matches_eager, 3, 5),
-    "all_gather": (gather_replay_matches_eager, 4, 4),
+    "reduce_scatter": (replay_matches_eager, (3 * len(SPLITS), 5 * len(SPLITS))),
+    "all_gather": (gather_replay_matches_eager, (4 * len(SPLITS), 4 * len(SPLITS))),
+    "all_gather_diff": (diff_replay_matches_eager, (4, 8, 2, 1)),
 }
 
 
 @pytest.mark.parametrize("collective", list(CASES))
 def test_captured_segments_replay_the_eager_bits(collective):
-    worker, captured, replayed = CASES[collective]
+    worker, expected = CASES[collective]
     many = torch.cuda.device_count() >= 2
     ws = min(torch.cuda.device_count(), 4) if many else 3
     got = run_distributed(
         worker, ws, device="cuda", capture=True, backend="nccl" if many else "gloo", timeout_s=600
     )
-    assert all(g == (captured * len(SPLITS), replayed * len(SPLITS)) for g in got), got
+    assert got == [expected] * ws, got

@@ -37,11 +37,20 @@ def _replayed_vs_eager(rank: int, ws: int, recipe: str) -> tuple[list[float], in
         losses = [float(_train_step(model, opt, dev, next(batches))) for _ in range(5)]
         weights = torch.cat([p.to_local().detach().float().reshape(-1) for p in model.parameters()])
         shared = {id(g): g for h in _installed(model).hooks if (g := getattr(h, "graphs", None))}
-        runs[graphs] = (losses, weights, sum(g.replayed for g in shared.values()))
+        sites = sorted({key[0][0] for g in shared.values() for key in g.sites})
+        runs[graphs] = (losses, weights, sum(g.replayed for g in shared.values()), sites)
     assert runs[False][0] == runs[True][0], (runs[False][0], runs[True][0])
     assert torch.equal(runs[False][1], runs[True][1])
     assert runs[False][2] == 0
-    return runs[True][0], runs[True][2]
+    return runs[True][0], runs[True][2], runs[True][3]
+
+
+#: the collectives each recipe replays (sdp4bit: its reduce-scatter and its weight differences)
+REPLAYED = {
+    "qsdp-w8g8": ["all_gather", "reduce_scatter"],
+    "cgx": ["reduce_scatter"],
+    "sdp4bit": ["all_gather_diff", "reduce_scatter"],
+}
 
 
 @pytest.mark.parametrize("recipe", ["qsdp-w8g8", "cgx", "sdp4bit"])
@@ -51,5 +60,6 @@ def test_replayed_reduce_scatters_train_bit_for_bit(recipe):
     backend = "nccl" if many else "gloo"
     got = run_distributed(_replayed_vs_eager, ws, recipe, backend=backend, timeout_s=600)
     # (each rank asserted its two runs the same bits; the losses are each rank's own batches)
-    assert all(replayed > 0 and replayed == got[0][1] for _, replayed in got), got
-    assert all(losses[-1] < losses[0] for losses, _ in got), got
+    assert all(replayed > 0 and replayed == got[0][1] for _, replayed, _ in got), got
+    assert all(sites == REPLAYED[recipe] for _, _, sites in got), got
+    assert all(losses[-1] < losses[0] for losses, _, _ in got), got

@@ -4,6 +4,7 @@ On CPU the kernels run in Triton's interpreter (``TRITON_INTERPRET=1``, set by c
 ``gpu`` tests repeat the comparison on CUDA where the kernels are compiled.
 """
 
+import dataclasses
 import itertools
 
 import pytest
@@ -311,6 +312,34 @@ def test_encode_rows_reads_a_step_from_device_memory_as_the_argument(scheme):
         encode_rows(rows, spec, out=mem, step=torch.tensor([9.0], device=dev), **kw)
     with pytest.raises(ValueError, match="pass the step as an int"):
         encode_rows(rows, spec, out=mem, step=step, **{**kw, "backend": "reference"})
+
+
+@pytest.mark.parametrize("diff", [False, True], ids=["encode", "encode_diff"])
+def test_encode_reads_a_step_from_device_memory_as_the_argument(diff):
+    """``encode`` and ``encode_diff`` (SDP4Bit's weight differences, what a replayed gather
+    launches) with the step in memory: the argument's bytes, another step's when it changes."""
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    spec = _spec(4, "absmax", "stochastic", (None, None), group=64).propagating()
+    x = heavy_tailed(1000 + 7, seed=31).to(dev, torch.bfloat16)
+    base = heavy_tailed(1000 + 7, seed=32).to(dev, torch.bfloat16)
+
+    def run(step, **over):
+        kw = dict(seed=5, step=step, stream=6, backend="triton") | over
+        return (encode_diff(x, base, spec, **kw) if diff else encode(x, spec, **kw)).payload
+
+    step = torch.tensor([9], device=dev)
+    _same(run(step), run(9))
+    step.fill_(10)
+    _same(run(step), run(10))
+    assert bool((run(9) != run(10)).any())
+    with pytest.raises(ValueError, match="one int64"):
+        run(torch.tensor([9], device=dev, dtype=torch.int32))
+    with pytest.raises(ValueError, match="pass the step as an int"):
+        run(step, backend="reference")
+    with pytest.raises(ValueError, match="pass the step as an int"):  # (raise: not the kernel's)
+        kw = dict(seed=5, step=step, stream=6, backend="triton")
+        plain = dataclasses.replace(spec, nonfinite="raise")
+        encode_diff(x, base, plain, **kw) if diff else encode(x, plain, **kw)
 
 
 def test_encode_rows_checks_its_arguments():

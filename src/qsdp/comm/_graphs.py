@@ -185,10 +185,13 @@ class ReplayedSite:
     def exchange(self, stats: Any) -> None:
         raise NotImplementedError
 
-    def run(self, output: torch.Tensor, input: torch.Tensor, step: int, stats: Any, name: str):
+    def run(
+        self, output: torch.Tensor | None, input: torch.Tensor, step: int, stats: Any, name: str
+    ):
         """One call: counted; the input in and the step written, the encode replayed, the
         exchange (on the current stream, after the encode), the decode replayed, the output
-        out (``input`` may alias ``output``: it is read first). An empty output: nothing."""
+        out (``input`` may alias ``output``: it is read first; None: left in the site's
+        output). An empty output: nothing."""
         stats.count_call(name)
         if self.out.numel() == 0:
             return
@@ -197,4 +200,5 @@ class ReplayedSite:
         self.graphs.run(self.encode_key, self.encode)
         self.exchange(stats)
         self.graphs.run(self.decode_key, self.decode)
-        output.view(-1).copy_(self.out)
+        if output is not None:
+            output.view(-1).copy_(self.out.view(-1))

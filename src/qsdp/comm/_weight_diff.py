@@ -12,6 +12,12 @@ uncompressed and overwrite ``recon`` (the first gather, a resync). ``output`` re
 ``recon``; all ranks hold bit-identical values.
 
     x_r -> d_r = x_r - recon[r] -> encode -> all-gather bytes -> recon[j] += decode(d_j) -> output
+
+With ``graphs`` the difference gathers replay their encode and decode from CUDA graphs
+([Note: codec segments replayed] in ``_graphs.py``): the reconstruction is the caller's state
+at a fixed address, so each call site's two segments are keyed by it (its encode reads row
+``r``, its decode adds into every row); the input, payload and step buffers are shared by the
+sites of one shape. The exact gathers (the first, a resync) stay eager.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import torch.distributed as dist
 from ..quant import Backend, QuantSpec, decode_rows, encode_diff, flagged_groups
 from . import _common as C
 from ._calls import checked
+from ._graphs import CodecGraphs, ReplayedSite, check_replayable
 from ._stats import CommStats
 
 __all__ = ["all_gather_diff", "all_gather_diff_wire_bytes"]
@@ -60,6 +67,7 @@ def all_gather_diff(
     bucket: int = 0,
     backend: Backend = "auto",
     stats: CommStats | None = None,
+    graphs: CodecGraphs | None = None,
 ) -> None:
     """All-gather of weight differences against ``recon``, which it updates in place.
 
@@ -81,6 +89,10 @@ def all_gather_diff(
         seed, step, bucket: noise key (give each call its own ``step``).
         backend: quantizer backend.
         stats: byte counter (default :data:`qsdp.comm.comm_stats`).
+        graphs: replay the encode and decode of the difference gathers from CUDA graphs
+            ([Note: codec segments replayed]; the same bits): CUDA tensors, a spec with
+            ``nonfinite="propagate"``, the Triton backend. ``recon`` must stay where it is
+            between calls (a new tensor is a new call site, captured anew).
     """
     C.check_spec(spec)
     for t, name in ((output, "output"), (input, "input"), (recon, "recon")):
@@ -100,6 +112,21 @@ def all_gather_diff(
             f"{like.dtype} and {recon.dtype}"
         )
     stats = C.resolve_stats(stats)
+    if graphs is not None:
+        check_replayable(_NAME, async_op=False, spec=spec, backend=backend)
+        if not exact and m:
+            site = graphs.site(
+                _NAME,
+                group=pg,
+                input=input,
+                output=recon,
+                layout=(spec, backend),
+                # the segments read and write this reconstruction: keyed by where it is
+                noise=(seed, bucket, recon.data_ptr()),
+                make=lambda key: _Site(graphs, input, recon, pg, key, spec, seed, bucket, backend),
+            )
+            site.run(output, input, step, stats, _NAME)
+            return
     stats.count_call(_NAME)
     if m == 0:
         return
@@ -131,3 +158,49 @@ def all_gather_diff(
     decode_rows(recv.view(n, nbytes), m, spec, out=rows, accumulate=True, backend=backend)
     if output is not None:
         output.view(-1).copy_(recon.view(-1))
+
+
+class _Site(ReplayedSite):
+    """One call site of a replayed weight-difference gather (a group's hook and its
+    reconstruction; [Note: codec segments replayed] in ``_graphs.py``)."""
+
+    def __init__(self, graphs, input, recon, pg, key, spec, seed, bucket, backend):
+        n, r, m = pg.size(), pg.rank(), input.numel()
+        nbytes = spec.payload_bytes(m)
+        device = input.device
+
+        def make() -> dict[str, torch.Tensor]:
+            return {
+                "inp": torch.empty(m, dtype=input.dtype, device=device),
+                "send": torch.empty(nbytes, dtype=torch.uint8, device=device),
+                "recv": torch.empty(n * nbytes, dtype=torch.uint8, device=device),
+                "step": torch.zeros(1, dtype=torch.int64, device=device),
+            }
+
+        b = graphs.buffers(key, make)
+        noise = (seed, bucket, recon.data_ptr())
+        super().__init__(graphs, key, noise, inp=b["inp"], out=recon, step=b["step"])
+        self.decode_key = (key, noise, "decode")  # (it adds into this site's reconstruction)
+        self.b, self.pg, self.n, self.nbytes, self.rows = b, pg, n, nbytes, recon.view(n, m)
+        self.spec, self.seed, self.backend, self.r = spec, seed, backend, r
+        self.stream = C.noise_stream(C.noise_rank(pg), 0, bucket=bucket)
+
+    def encode(self) -> None:
+        encode_diff(
+            self.b["inp"],
+            self.rows[self.r],
+            self.spec,
+            seed=self.seed,
+            step=self.b["step"],
+            stream=self.stream,
+            out=self.b["send"],
+            backend=self.backend,
+        )
+
+    def exchange(self, stats: CommStats) -> None:
+        # on the current stream, after the encode ([Note: which stream an exchange runs on])
+        C.all_gather(self.b["recv"], self.b["send"], self.pg, stats, _NAME, stream="current")
+
+    def decode(self) -> None:
+        recv, m = self.b["recv"].view(self.n, self.nbytes), self.rows.shape[1]
+        decode_rows(recv, m, self.spec, out=self.rows, accumulate=True, backend=self.backend)

@@ -145,11 +145,13 @@ class WeightDiffAllGather(_Gather):
         prediction: GatheredPrediction | None = None,
         slots: Sequence = (),
         streams: SideStreams | None = None,
+        graphs: qc.CodecGraphs | None = None,
     ) -> None:
         """``prediction``, ``slots``: as :class:`QuantizedAllGather`'s; the gathers of the rest
         of an armed step are served from the reconstruction, so the estimates are dropped
         once gathered. ``streams``: where its gathers ahead run on CUDA (``Schedule(
-        gather_ahead=True)``, :meth:`gather_ahead`)."""
+        gather_ahead=True)``, :meth:`gather_ahead`). ``graphs``: the model's captured codec
+        segments (``Schedule.graphs``: each difference gather replays them)."""
         self.spec, self.seed, self.bucket, self.stats = spec.propagating(), seed, bucket, stats
         self.module_name = module_name
         self.prediction, self.slots = prediction, list(slots)
@@ -163,7 +165,7 @@ class WeightDiffAllGather(_Gather):
         self._steps = _Counter()
         self.cached_gathers = 0
         """Gathers served from the reconstruction without communication (FSDP's re-gathers)."""
-        self.streams = streams
+        self.streams, self.graphs = streams, graphs
         self._group: dist.ProcessGroup | None = None
         self._ahead: _Ahead | None = None
         self.gathered_ahead = 0
@@ -235,6 +237,7 @@ class WeightDiffAllGather(_Gather):
             step=self._steps.next(),
             bucket=self.bucket,
             stats=self.stats,
+            graphs=self.graphs,
         )
         self._diffs = 0 if exact else self._diffs + 1
         if self.check_replicas:

@@ -381,6 +381,7 @@ def _gather_hook(shared: _Shared, model: nn.Module, group: FSDPGroup, i: int):
             resync_every=weights.resync_every,
             check_replicas=weights.check_replicas,
             streams=shared.ahead,
+            graphs=shared.graphs,
             **_predicting(shared, model, group),
             **key,
         )
@@ -529,20 +530,20 @@ def _auto(
 
 def _check_graphs(schedule: Schedule, shared: _Shared, groups: list[FSDPGroup]) -> None:
     """``Schedule(graphs=True)``'s conditions (the same on every rank: checked after the
-    agreement): a codec to replay (a single-level quantized reduce-scatter, or quantized
-    weight gathers) and CUDA parameters."""
+    agreement): a codec to replay (a single-level quantized reduce-scatter, quantized
+    weights or weight differences gathered) and CUDA parameters."""
     if not schedule.graphs:
         return
     plan = shared.reduce
-    gathers = isinstance(shared.config.weights, QuantizedWeights)
+    gathers = isinstance(shared.config.weights, (QuantizedWeights, WeightDiffs))
     if not gathers and (plan is None or not plan.replayable):
         what = type(plan).__name__ if plan is not None else "FSDP2's own"
         raise ValueError(
             "Schedule(graphs=True) replays the codec of a single-level quantized reduce-scatter "
             f"or of a quantized weight all-gather; this config reduces with {what} (compressed "
             "HSDP's all-reduce, Global-QSGD integers, two levels over a node mesh or "
-            "uncompressed gradients have none) and gathers no quantized weights: drop graphs, "
-            "or use 'qsdp-w8g8', 'cgx' or 'sdp4bit' without a mesh"
+            "uncompressed gradients have none) and gathers neither quantized weights nor "
+            "weight differences: drop graphs, or use 'qsdp-w8g8', 'cgx' or 'sdp4bit'"
         )
     devices = {p.device.type for g in groups for p in g.params}
     if devices != {"cuda"}:

@@ -89,11 +89,13 @@ def _check_rng(seed: int, step: int, stream: int) -> None:
     _check_counter("stream", stream, 32)
 
 
-def _check_device_step(step: torch.Tensor, device: torch.device, kernel: bool) -> None:
-    """A step the kernel reads from memory: one int64 beside the rows, on the Triton path."""
+def _check_device_step(
+    step: torch.Tensor, device: torch.device, kernel: bool, what: str = "encode_rows"
+) -> None:
+    """A step the kernel reads from memory: one int64 beside the input, on the Triton path."""
     if step.dtype != torch.int64 or step.numel() != 1 or step.device != device or not kernel:
         raise ValueError(
-            f"encode_rows: a step in device memory must be one int64 on the rows' device "
+            f"{what}: a step in device memory must be one int64 on the input's device "
             f"({device}) read by the Triton kernel with nonfinite='propagate'; got "
             f"{step.dtype} of {step.numel()} elements on {step.device}"
             + ("" if kernel else ", on a path without that kernel: pass the step as an int")
@@ -238,7 +240,7 @@ def encode(
     spec: QuantSpec,
     *,
     seed: int = 0,
-    step: int = 0,
+    step: int | torch.Tensor = 0,
     stream: int = 0,
     out: torch.Tensor | None = None,
     backend: Backend = "auto",
@@ -250,7 +252,10 @@ def encode(
         spec: the quantizer.
         seed, step, stream: key and counter words of the stochastic-rounding noise (and of the
             shift-lattice dither, which uses ``seed`` and ``step`` only, so ranks share it).
-            Same inputs and key give the same bytes on every run and backend.
+            Same inputs and key give the same bytes on every run and backend. ``step`` may
+            also be one int64 on ``x``'s device, read by the Triton kernel when it runs (a
+            launch a CUDA graph replays draws each replay's noise; ``nonfinite="propagate"``
+            only), as for :func:`encode_rows`.
         out: optional 1-D uint8 tensor of ``spec.payload_bytes(x.numel())`` bytes to write into
             (e.g. a slice of an all-to-all send buffer).
         backend: ``"auto"``, ``"reference"`` or ``"triton"``.
@@ -272,12 +277,13 @@ def encode_diff(
     spec: QuantSpec,
     *,
     seed: int = 0,
-    step: int = 0,
+    step: int | torch.Tensor = 0,
     stream: int = 0,
     out: torch.Tensor | None = None,
     backend: Backend = "auto",
 ) -> Encoded:
-    """Quantize ``x - base`` (float32 difference) in one pass: SDP4Bit's weight differences."""
+    """Quantize ``x - base`` (float32 difference) in one pass: SDP4Bit's weight differences.
+    Arguments as :func:`encode`'s (a step in device memory too)."""
     _check_float(base, "base")
     if base.shape != x.shape:
         raise ValueError(f"encode_diff needs equal shapes; got {x.shape=} {base.shape=}")
@@ -290,12 +296,18 @@ def _encode(x, base, spec, *, seed, step, stream, out, backend) -> Encoded:
     _check_float(x, "x")
     if not isinstance(spec, QuantSpec):
         raise TypeError(f"spec must be a QuantSpec, got {type(spec).__name__}")
-    _check_rng(seed, step, stream)
+    triton = _resolve(backend, x.device) == "triton"
+    if isinstance(step, torch.Tensor):  # (read by the kernel: a launch a CUDA graph replays)
+        kernel = triton and spec.nonfinite is NonFinite.PROPAGATE
+        _check_device_step(step, x.device, kernel, "encode" if base is None else "encode_diff")
+        _check_rng(seed, 0, stream)
+    else:
+        _check_rng(seed, step, stream)
     numel = x.numel()
     out = _payload_out(out, numel, spec, x.device)
     src = _flat(x)
     rsrc = _flat(base) if base is not None else None
-    if _resolve(backend, x.device) == "triton":
+    if triton:
         _launch().encode(
             src, spec=spec, out=out, ref=rsrc, seed=seed, step=step, stream=stream, rotate=True
         )

@@ -186,21 +186,23 @@ def encode(
     out: torch.Tensor,
     ref: torch.Tensor | None,
     seed: int,
-    step: int,
+    step: int | torch.Tensor,
     stream: int,
     rotate: bool,
 ) -> None:
-    """Write the payload of the contiguous 1-D ``src`` (minus ``ref``) into ``out`` (uint8)."""
+    """Write the payload of the contiguous 1-D ``src`` (minus ``ref``) into ``out`` (uint8);
+    ``step`` an int or one int64 on the device, read by the kernel (as ``encode_rows``')."""
     numel = src.numel()
     if numel == 0:
         return
+    on_device = isinstance(step, torch.Tensor)
     _encode_launch(
         src,
         spec=spec,
         out=out,
         numel=numel,
         seed=seed,
-        step=step,
+        step=0 if on_device else step,
         rotate=rotate,
         grid_rows=1,
         rng_stream=stream,
@@ -209,8 +211,8 @@ def encode(
         out_row_stride=0,
         skip_row=0,
         streams_ptr=src,
-        step_ptr=src,
-        STEP_PTR=False,
+        step_ptr=step if on_device else src,
+        STEP_PTR=on_device,
         HAS_REF=ref is not None,
         BIG=_big(numel, out.numel()),
         ALIGNED=_aligned(out, spec),

@@ -12,7 +12,8 @@ quantizer kernel a no-op (``host_per_bucket.py``'s stubs), so neither wire nor k
 counted: plain FSDP2's own Python and dispatch, and each recipe's on top. Recipes run with
 ``nonfinite="zero"`` (stubbed kernels leave garbage behind; the verdict still runs, its zeroing
 on the device counted like the rest). Rows: median milliseconds per step over ``--steps``;
-the torch ops the Python issued in one profiled step (not those inside other ops); qsdp's hook
+the torch ops the Python issued in one profiled step (not those inside other ops; by name and
+by the qsdp hook that issued them, ``issued_ops_by_hook`` / ``_by_name``); qsdp's hook
 calls and microseconds per call of each hook kind (the ``qsdp::`` profiler scopes; profiled,
 so slower than the timed steps). ``--rounds R`` times the steps in R rounds that interleave the
 variants (each round in another order; every model is built first), so a host that drifts
@@ -122,6 +123,16 @@ def _in_aten(event) -> bool:
     return False
 
 
+def _hook_of(event) -> str:
+    """The qsdp hook scope (``qsdp::reduce-scatter``, ...) an event runs in, or ``""``."""
+    parent = event.cpu_parent
+    while parent is not None:
+        if parent.name.startswith("qsdp::"):
+            return parent.name.split(" (")[0]
+        parent = parent.cpu_parent
+    return ""
+
+
 class Variant:
     """One recipe's model, built and warmed up, whose steps are timed in rounds."""
 
@@ -184,7 +195,13 @@ class Variant:
             self.step()
             self.sync()
         events = prof.events()
-        ops = sum(1 for e in events if e.name.startswith("aten::") and not _in_aten(e))
+        issued = [e for e in events if e.name.startswith("aten::") and not _in_aten(e)]
+        ops = len(issued)
+        # where the issued ops come from: each hook kind's, and the rest (FSDP2, the model)
+        by_hook = collections.Counter(_hook_of(e) or "outside qsdp hooks" for e in issued)
+        by_name = collections.Counter(
+            f"{_hook_of(e) or 'outside'}: {e.name.removeprefix('aten::')}" for e in issued
+        )
         hooks: dict[str, list[float]] = collections.defaultdict(list)
         for e in events:
             if e.name.startswith("qsdp::"):
@@ -199,6 +216,8 @@ class Variant:
             # inflates the wall time
             "cpu_ms_per_step": round(statistics.median(self.cpu_times) * 1e3, 3),
             "issued_ops": ops,
+            "issued_ops_by_hook": dict(sorted(by_hook.items())),
+            "issued_ops_by_name": dict(by_name.most_common()),
             "hook_calls": sum(len(v) for v in hooks.values()),
             "hooks": {
                 k: {"calls": len(v), "us_per_call": round(statistics.mean(v), 1)}

@@ -173,6 +173,9 @@ class ReplayedSite:
         step: torch.Tensor,
     ) -> None:
         self.graphs, self.inp, self.out, self.step = graphs, inp, out, step
+        # (flat views made once: a call issues no op it need not, [Note: codec segments
+        # replayed])
+        self._inp_flat, self._out_flat = inp.view(-1), out.view(-1)
         # the encode draws this site's noise; the decode is the same for every site of a shape
         self.encode_key, self.decode_key = (key, noise, "encode"), (key, "decode")
 
@@ -195,10 +198,10 @@ class ReplayedSite:
         stats.count_call(name)
         if self.out.numel() == 0:
             return
-        self.inp.view(-1).copy_(input.reshape(-1))
+        self._inp_flat.copy_(input if input.dim() == 1 else input.reshape(-1))
         self.step.fill_(step)
         self.graphs.run(self.encode_key, self.encode)
         self.exchange(stats)
         self.graphs.run(self.decode_key, self.decode)
         if output is not None:
-            output.view(-1).copy_(self.out.view(-1))
+            (output if output.dim() == 1 else output.view(-1)).copy_(self._out_flat)

@@ -144,12 +144,17 @@ def agree_together(
             by.setdefault(tuple(map(id, over)), (over, []))[1].append(i)
     out = list(flags)
     for over, idx in by.values():
-        flat = torch.cat([flags[i].reshape(-1) for i in idx])
+        flat = torch.cat([_flat(flags[i]) for i in idx])
         agree(flat, over)
         parts = flat.split([flags[i].numel() for i in idx])
         for i, part in zip(idx, parts, strict=True):
             out[i] = part
     return out
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as 1-D (itself when it is: no op issued, this runs per reduction per backward)."""
+    return t if t.dim() == 1 else t.reshape(-1)
 
 
 def agree(
@@ -253,12 +258,12 @@ class NonfiniteCheck:
         if not pending:
             return
         pending = _agree_deferred(pending)
-        flags = torch.cat([e.flags.reshape(-1) for e in pending])
+        flags = torch.cat([_flat(e.flags) for e in pending])
         if any(e.params for e in pending):
             # whether each entry holds a set flag (any rank's: agreed), all in one pass over
             # the concatenated flags, not an ``any()`` launch per entry
             sizes = [e.flags.numel() for e in pending]
-            bad = run_flags(flags.view(1, -1).float(), sizes, limit=0.5).bool()
+            bad = run_flags(flags.view(1, -1).float(), sizes, limit=0.5).bool().unbind()
             for i, entry in enumerate(pending):
                 if entry.params:  # zeroed where set, on every rank
                     grads = [local_of(p.grad) for p in entry.params if p.grad is not None]

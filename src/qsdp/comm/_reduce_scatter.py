@@ -246,6 +246,7 @@ class _Site(ReplayedSite):
         self.b, self.pg, self.r, self.n = b, pg, r, n
         self.spec, self.split, self.seed, self.backend = spec, split, seed, backend
         self.splits = [0 if j == r else b.send.shape[1] for j in range(n)]
+        self._recv_flat, self._send_flat = b.recv.view(-1), b.send.view(-1)  # (made once)
         self.streams = C.peer_streams(r, n, bucket=bucket)
         self.divisor = n if op == "avg" else None
 
@@ -259,10 +260,9 @@ class _Site(ReplayedSite):
 
     def exchange(self, stats: CommStats) -> None:
         if self.n > 1:  # on the current stream, after the encode ([Note: which stream ...])
-            b = self.b
             C.all_to_all(
-                b.recv.view(-1),
-                b.send.view(-1),
+                self._recv_flat,
+                self._send_flat,
                 self.splits,
                 self.splits,
                 self.pg,

@@ -51,7 +51,8 @@ def _mulhilo(m: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     else:
         q = x * m  # < 2^63
         hi = q >> 32
-    return hi, q & _MASK
+    q &= _MASK  # (in place: q is this call's own)
+    return hi, q
 
 
 def philox4x32(
@@ -81,11 +82,17 @@ def philox4x32(
 def philox_rounds(
     c0: torch.Tensor, c1: torch.Tensor, c2: torch.Tensor, c3: torch.Tensor, k0: int, k1: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The ten Philox4x32 rounds on four int64 tensors of 32-bit words and a 2-word key."""
+    """The ten Philox4x32 rounds on four int64 tensors of 32-bit words and a 2-word key (the
+    xors in place on each round's own products: a third fewer temporaries, the CPU tests'
+    hot loop)."""
     for _ in range(_ROUNDS):
         hi0, lo0 = _mulhilo(_M0, c0)
         hi1, lo1 = _mulhilo(_M1, c2)
-        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
+        hi1 ^= c1
+        hi1 ^= k0
+        hi0 ^= c3
+        hi0 ^= k1
+        c0, c1, c2, c3 = hi1, lo1, hi0, lo0
         k0, k1 = (k0 + _W0) & _MASK, (k1 + _W1) & _MASK
     return c0, c1, c2, c3
 
@@ -107,9 +114,12 @@ def uniform(
         torch.arange(first, last + 1, dtype=torch.int64, device=device), seed, stream, step
     )
     w = torch.stack(words, dim=1)  # [counters, 4]
-    halves = torch.stack((w & 0xFFFF, w >> 16), dim=2).reshape(-1)  # element order
-    idx = torch.arange(offset - 8 * first, offset - 8 * first + n, device=device)
-    return (halves[idx].to(torch.float32) + 0.5) * (2.0**-16)
+    halves = torch.stack((w & 0xFFFF, w >> 16), dim=2).view(-1)  # element order
+    start = offset - 8 * first
+    out = halves[start : start + n].to(torch.float32)  # (a slice: no index tensor, no gather)
+    out += 0.5
+    out *= 2.0**-16
+    return out
 
 
 def group_uniform(n: int, *, seed: int, step: int, device=None) -> torch.Tensor:

@@ -16,8 +16,10 @@ ever, and nothing is captured across ranks. What a call does besides: copy its i
 captured input buffer, write its step into the captured step word, replay, exchange, replay,
 copy the captured output to its output: four torch ops and two graph launches (measured on one
 H200, ``benchmarks/codec_graphs.py``: a GPT block's reduce-scatter 0.36-0.80 ms of host eager,
-0.07-0.14 ms replayed). That call is :meth:`ReplayedSite.run`, one for both collectives;
-their sites, checked once, live in :attr:`CodecGraphs.sites`.
+0.07-0.14 ms replayed). That call is :meth:`ReplayedSite.run`, one for every replayed
+collective (the reduce-scatter, the quantized all-gather, the weight-difference gather);
+their sites, checked once, live in :attr:`CodecGraphs.sites`. A site whose decode writes
+state of its own (the weight differences' reconstruction) keys that segment by the site too.
 
 What makes a replay the eager call's bits:
 
@@ -177,6 +179,7 @@ class ReplayedSite:
         # replayed])
         self._inp_flat, self._out_flat = inp.view(-1), out.view(-1)
         # the encode draws this site's noise; the decode is the same for every site of a shape
+        # (unless it writes the site's own state: the site then keys it by its noise too)
         self.encode_key, self.decode_key = (key, noise, "encode"), (key, "decode")
 
     def encode(self) -> None:

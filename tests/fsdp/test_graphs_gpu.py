@@ -20,16 +20,18 @@ pytestmark = [
 ]
 
 
-def _replayed_vs_eager(rank: int, ws: int, recipe: str) -> tuple[list[float], int]:
-    """Five steps of ``recipe`` (one level) with and without ``Schedule(graphs=True)``: the
-    same losses and weights; the losses and the segments the replayed run replayed."""
+def _replayed_vs_eager(rank: int, ws: int, recipe: str) -> tuple[list[float], int, list]:
+    """Five steps of ``recipe`` (one level; ``NAME+mesh``: two, over a node mesh) with and
+    without ``Schedule(graphs=True)``: the same losses and weights; the losses, the segments
+    the replayed run replayed and the collectives they belong to."""
+    name, mesh = recipe.removesuffix("+mesh"), recipe.endswith("+mesh")
     runs = {}
     for graphs in (False, True):
         model, dev = _build(
-            None,
+            name if mesh else None,  # (a recipe named here is built over a node mesh)
             ws,
             torch.bfloat16,
-            config=qsdp.recipe(recipe),
+            config=qsdp.recipe(name),
             schedule=qsdp.Schedule(graphs=graphs),
         )
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
@@ -45,16 +47,18 @@ def _replayed_vs_eager(rank: int, ws: int, recipe: str) -> tuple[list[float], in
     return runs[True][0], runs[True][2], runs[True][3]
 
 
-#: the collectives each recipe replays (sdp4bit: its reduce-scatter and its weight differences)
+#: the collectives each recipe replays (sdp4bit: its reduce-scatter and its weight differences;
+#: over a node mesh its two-level reduce-scatter runs eagerly)
 REPLAYED = {
     "qsdp-w8g8": ["all_gather", "reduce_scatter"],
     "cgx": ["reduce_scatter"],
     "sdp4bit": ["all_gather_diff", "reduce_scatter"],
+    "sdp4bit+mesh": ["all_gather_diff"],
 }
 
 
-@pytest.mark.parametrize("recipe", ["qsdp-w8g8", "cgx", "sdp4bit"])
-def test_replayed_reduce_scatters_train_bit_for_bit(recipe):
+@pytest.mark.parametrize("recipe", list(REPLAYED))
+def test_replayed_codecs_train_bit_for_bit(recipe):
     many = torch.cuda.device_count() >= 2
     ws = min(torch.cuda.device_count(), 4) if many else 3
     backend = "nccl" if many else "gloo"

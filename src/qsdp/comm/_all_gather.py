@@ -14,7 +14,7 @@ import torch.distributed as dist
 from ..quant import Backend, QuantSpec, decode_rows, encode, encode_rows, flagged_groups
 from . import _common as C
 from ._calls import checked
-from ._graphs import CodecGraphs, ReplayedSite, check_replayable
+from ._graphs import CodecGraphs, ReplayedSite, check_replayable, gather_buffers
 from ._split import Split, check_split, fused_parts, fused_row
 from ._stats import CommStats
 
@@ -292,11 +292,8 @@ class _Site(ReplayedSite):
 
         def make() -> dict[str, torch.Tensor]:
             return {
-                "inp": torch.empty(m, dtype=input.dtype, device=device),
-                "send": torch.empty(row, dtype=torch.uint8, device=device),
-                "recv": torch.empty(n * row, dtype=torch.uint8, device=device),
+                **gather_buffers(m=m, row=row, n=n, dtype=input.dtype, device=device),
                 "out": torch.empty(n * m, dtype=output.dtype, device=device),
-                "step": torch.zeros(1, dtype=torch.int64, device=device),
                 # a split's compressed runs side by side (not in each segment's own pool)
                 "comp": torch.empty(
                     1, split.n_comp if split else 0, dtype=input.dtype, device=device

@@ -49,7 +49,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["CodecGraphs", "ReplayedSite", "check_replayable"]
+__all__ = ["CodecGraphs", "ReplayedSite", "check_replayable", "gather_buffers"]
 
 
 def check_replayable(what: str, *, async_op: bool, spec: Any, backend: str) -> None:
@@ -63,6 +63,20 @@ def check_replayable(what: str, *, async_op: bool, spec: Any, backend: str) -> N
             f"NaN/Inf); got async_op={async_op}, spec.nonfinite={spec.nonfinite.value!r}, "
             f"backend={backend!r}: pass graphs=None"
         )
+
+
+def gather_buffers(
+    *, m: int, row: int, n: int, dtype: torch.dtype, device: torch.device
+) -> dict[str, torch.Tensor]:
+    """What every replayed gather's segments read and write: its input (``m`` elements of
+    ``dtype``), the payload row it sends (``row`` bytes), the ``n`` rows it receives and the
+    step word the encode reads."""
+    return {
+        "inp": torch.empty(m, dtype=dtype, device=device),
+        "send": torch.empty(row, dtype=torch.uint8, device=device),
+        "recv": torch.empty(n * row, dtype=torch.uint8, device=device),
+        "step": torch.zeros(1, dtype=torch.int64, device=device),
+    }
 
 
 class CodecGraphs:

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from ..quant import Backend, QuantSpec, decode_rows, encode_diff, flagged_groups
 from . import _common as C
 from ._calls import checked
-from ._graphs import CodecGraphs, ReplayedSite, check_replayable
+from ._graphs import CodecGraphs, ReplayedSite, check_replayable, gather_buffers
 from ._stats import CommStats
 
 __all__ = ["all_gather_diff", "all_gather_diff_wire_bytes"]
@@ -167,17 +167,10 @@ class _Site(ReplayedSite):
     def __init__(self, graphs, input, recon, pg, key, spec, seed, bucket, backend):
         n, r, m = pg.size(), pg.rank(), input.numel()
         nbytes = spec.payload_bytes(m)
-        device = input.device
-
-        def make() -> dict[str, torch.Tensor]:
-            return {
-                "inp": torch.empty(m, dtype=input.dtype, device=device),
-                "send": torch.empty(nbytes, dtype=torch.uint8, device=device),
-                "recv": torch.empty(n * nbytes, dtype=torch.uint8, device=device),
-                "step": torch.zeros(1, dtype=torch.int64, device=device),
-            }
-
-        b = graphs.buffers(key, make)
+        b = graphs.buffers(
+            key,
+            lambda: gather_buffers(m=m, row=nbytes, n=n, dtype=input.dtype, device=input.device),
+        )
         noise = (seed, bucket, recon.data_ptr())
         super().__init__(graphs, key, noise, inp=b["inp"], out=recon, step=b["step"])
         self.decode_key = (key, noise, "decode")  # (it adds into this site's reconstruction)

@@ -182,8 +182,9 @@ def build(
     # without it, also for qsdp-w8g8); NAME+pipe (--hsdp): Schedule(pipeline=True); NAME+prop:
     # nonfinite="propagate"; NAME+gN: gradients in groups of N; NAME+s1+ahead: the next step's
     # weights gathered in the backward (Schedule(gather_ahead=True)); NAME+graphs: the
-    # reduce-scatter's codec replayed from CUDA graphs (Schedule(graphs=True); one level: a
-    # two-level recipe runs without its node mesh)
+    # codecs replayed from CUDA graphs (Schedule(graphs=True): the reduce-scatter's and the
+    # weight gathers'; one level, so that the reduce-scatter replays: a two-level recipe runs
+    # without its node mesh)
     name, *options = recipe.split("+")
     group = variants.group_size(options)
     if (
@@ -534,8 +535,9 @@ def main() -> None:
         "the end of the compute stream (its reduction runs on into the next step), drained at "
         "the end; NAME+s1+ahead also gathers the next step's weights in the backward "
         "(Schedule(gather_ahead=True), weight differences); NAME+pipe (--hsdp) pipelines the "
-        "replicate all-reduce across modules; NAME+graphs replays the reduce-scatter's codec "
-        "from CUDA graphs (Schedule(graphs=True), one level)",
+        "replicate all-reduce across modules; NAME+graphs replays the codecs of the "
+        "reduce-scatter and the weight gathers from CUDA graphs (Schedule(graphs=True), one "
+        "level)",
     )
     p.add_argument("--hsdp", action="store_true", help="HSDP on 2 nodes (see the docstring)")
     p.add_argument(

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..quant import Backend, QuantSpec, decode_rows, encode, encode_rows, flagged_groups
+from ..quant import Backend, QuantSpec, decode_rows, encode, flagged_groups
 from . import _common as C
 from ._calls import checked
 from ._graphs import CodecGraphs, ReplayedSite, check_replayable, gather_buffers
@@ -222,23 +222,6 @@ def _fused_stages(
     _decode_fused(recv, output, n, split, parts, spec, input.dtype, backend)
 
 
-def _encode_into(flat, out, spec, *, seed, step, stream, backend) -> None:
-    """The payload of the 1-D ``flat`` into ``out``: :func:`~qsdp.quant.encode`, or, with a step
-    in device memory (a replayed segment), ``encode_rows``' one-row launch (the same bytes)."""
-    if isinstance(step, torch.Tensor):
-        encode_rows(
-            flat.view(1, -1),
-            spec,
-            out=out.view(1, -1),
-            streams=(stream,),
-            seed=seed,
-            step=step,
-            backend=backend,
-        )
-    else:
-        encode(flat, spec, seed=seed, step=step, out=out, backend=backend, stream=stream)
-
-
 def _encode_fused(input, send, split, parts, spec, *, seed, step, stream, backend, comp_out=None):
     """The shard's ``[codes | raw]`` row into ``send`` (cut by ``parts``); returns the
     compressed part it encoded (taken into ``comp_out`` when given, ``[1, n_comp]``, where the
@@ -253,7 +236,8 @@ def _encode_fused(input, send, split, parts, spec, *, seed, step, stream, backen
         raw = raw_slot.view(input.dtype)
         comp = split.take(rows, comp_out=comp_out, raw_out=raw.view(1, -1))[0].view(-1)
     if comp.numel():
-        _encode_into(comp, codes, spec, seed=seed, step=step, stream=stream, backend=backend)
+        # (``step`` an int, or one int64 in device memory: a replayed segment's)
+        encode(comp, spec, seed=seed, step=step, stream=stream, out=codes, backend=backend)
     return comp, raw, codes
 
 
@@ -311,7 +295,7 @@ class _Site(ReplayedSite):
         b, spec = self.b, self.spec
         kw = {"seed": self.seed, "step": b["step"], "stream": self.stream, "backend": self.backend}
         if self.split is None:
-            _encode_into(b["inp"], b["send"], spec, **kw)
+            encode(b["inp"], spec, out=b["send"], **kw)
         else:
             _encode_fused(
                 b["inp"], b["send"], self.split, self.parts, spec, comp_out=b["comp"], **kw

@@ -5,6 +5,8 @@ import os
 import pytest
 import torch
 
+from qsdp.testing import preload
+
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
     # CI's 2 cores run 2 test workers (-n 2), each with torch's default of one intra-op thread
@@ -18,6 +20,11 @@ if not torch.cuda.is_available():
 # every run, on 2026-11-28's development machine). MKL's conditional numerical reproducibility
 # makes them depend on the values alone; the ranks the tests start inherit it.
 os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
+# What the ranks of run_distributed import besides torch and qsdp, once in the server they fork
+# from rather than in each rank: every test module imports pytest, the trainer's tests the
+# trainer and torch.distributed.checkpoint ([Note: why forkserver] in qsdp.testing.distributed)
+preload("pytest", "numpy", "torch.distributed.checkpoint", "qsdp_train.trainer", "tests.models",
+        "tests.tiny_gpt")  # fmt: skip
 
 
 def pytest_collection_modifyitems(config, items):

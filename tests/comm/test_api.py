@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 import warnings
 
@@ -16,7 +18,7 @@ import qsdp.comm as qc
 from qsdp.comm import CommStats
 from qsdp.comm._common import dist_all_gather
 from qsdp.quant import QuantSpec
-from qsdp.testing import count_dist_bytes, run_distributed
+from qsdp.testing import count_dist_bytes, preload, run_distributed
 
 S8 = QuantSpec(bits=8, group_size=32, scheme="absmax", rounding="nearest")
 S4 = QuantSpec(bits=4, group_size=32, scheme="absmax", rounding="nearest")
@@ -191,6 +193,34 @@ def test_run_distributed_names_a_dead_worker_and_its_exit_code(how, code):
     assert f"rank 1 of 2 died with {code}" in message, message
     assert "did not finish" not in message and "failed on rank 0" not in message, message
     assert time.monotonic() - start < 15  # seen when it happens, not at the 60 s timeout
+
+
+def _imported_first(rank, ws, name):
+    """Whether module ``name`` is in this rank's ``sys.modules``, and imported before this test
+    module (a module enters ``sys.modules`` as its import starts: one that this module had
+    imported would come after it)."""
+    names = list(sys.modules)
+    return name in names and names.index(name) < names.index(__name__)
+
+
+_PRELOADED = """
+from qsdp.testing import preload, run_distributed
+from tests.comm.test_api import _imported_first
+preload("xml.dom.minidom", "no_such_module_here")
+print(run_distributed(_imported_first, 1, "xml.dom.minidom"))
+"""
+
+
+def test_preload_imports_once_in_the_server_the_ranks_fork_from():
+    # in a fresh interpreter: this process's server may have started already
+    # (a name that does not import is skipped: the ranks still run)
+    done = subprocess.run(
+        [sys.executable, "-c", _PRELOADED], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[True]", done.stdout + done.stderr
+    with pytest.raises(ValueError, match="'numpy; rm' is not a module name"):
+        preload("numpy; rm")
 
 
 def _returns(rank, ws, offset):

@@ -7,6 +7,7 @@ from .distributed import (
     assert_replicas_agree,
     assert_same_on_all_ranks,
     count_dist_bytes,
+    preload,
     rank_tensor,
     run_distributed,
 )
@@ -18,6 +19,7 @@ __all__ = [
     "assert_within",
     "count_dist_bytes",
     "dtype_slack",
+    "preload",
     "quant_steps",
     "rank_tensor",
     "rounding_bound",

@@ -14,6 +14,14 @@ function it keeps out of compilation (``torch._disable_dynamo``: FSDP2's hooks, 
 ``step``, DDP), so without it every rank that trains imported it anew: ~0.6 s of CPU a rank, a
 third of the CPU of the whole suite on a 2-core machine (``py-spy record --subprocesses`` over
 the suite, 2026-11-28: 890 of 2,710 sampled seconds in that one import).
+
+Whatever else a rank imports it imports anew in every rank: the module that defines ``fn`` (a
+rank unpickles ``fn`` by reference) and everything that module imports. A test module imports
+``pytest`` (~75 ms of CPU a rank, a few hundred dataclasses), a trainer test the trainer and
+``torch.distributed.checkpoint`` (~50 ms): over the suite's ~2,000 ranks that was a fifth of the
+ranks' sampled time (py-spy over the suite, 2026-11-29: 296 of the ranks' 1,770 sampled
+seconds in imports, 190 of them ``pytest``'s). :func:`preload` names such modules once (the
+suite's ``conftest.py`` does), and the server imports them with the rest.
 """
 
 from __future__ import annotations
@@ -39,6 +47,7 @@ from ..runtime import replica_mismatches
 
 __all__ = [
     "DistByteCounter",
+    "preload",
     "assert_same_on_all_ranks",
     "count_dist_bytes",
     "rank_tensor",
@@ -46,6 +55,7 @@ __all__ = [
 ]
 
 _PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "qsdp"]
+_preloaded = list(_PRELOAD)  # and what preload() added
 #: Marks a worker's report of a failure to join the group, before ``fn`` ran.
 _JOIN_FAILED = "joining the process group failed (fn did not run):\n"
 
@@ -107,6 +117,23 @@ def _worker(
             dist.destroy_process_group()
 
 
+def preload(*modules: str) -> None:
+    """Have the server the ranks fork from import ``modules`` too ([Note: why forkserver]), so
+    that no rank imports them again: the modules the ranks' functions live in and import.
+
+    Heeded when this process starts that server, at its first :func:`run_distributed` call;
+    a name that does not import is skipped there (the rank then imports what it needs itself).
+
+    Raises:
+        ValueError: a name that is not a dotted module name.
+    """
+    for name in modules:
+        if not isinstance(name, str) or not all(p.isidentifier() for p in name.split(".")):
+            raise ValueError(f"preload: {name!r} is not a module name such as 'numpy'")
+        if name not in _preloaded:
+            _preloaded.append(name)
+
+
 def run_distributed(
     fn: Callable[..., Any],
     world_size: int,
@@ -145,7 +172,7 @@ def run_distributed(
         raise ValueError(f"world_size={world_size!r} must be a positive int")
     ctx = mp.get_context(start_method)
     if start_method == "forkserver":
-        ctx.set_forkserver_preload(_PRELOAD)
+        ctx.set_forkserver_preload(_preloaded)
     # [Note: joining again]
     # Gloo's connection of a fresh group over 127.0.0.1 failed once in the six clean-clone CI
     # runs of 2026-11-27 ("connectFullMesh failed ... Connection closed by peer", in

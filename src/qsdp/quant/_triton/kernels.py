@@ -45,7 +45,11 @@ _INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
 # --- random numbers -----------------------------------------------------------------------------
 @triton.jit
 def _philox(c0, c1, c2, c3, k0, k1):
-    """Philox4x32-10 on uint32 counter words with a uint32 key pair."""
+    """Philox4x32-10 on uint32 counter words with a uint32 key pair. Its products and key
+    bumps wrap modulo 2^32 by design: ``sanitize_overflow=False`` says so (as Triton's own
+    Philox does), and spares the interpreter an overflow check per operation whose verdict it
+    drops without ``TRITON_DEBUG`` (an interpreted 4-bit encode of 4,096 elements: 66 -> 30-41 ms
+    on the development machine)."""
     m0 = tl.full(c0.shape, 0xD2511F53, tl.uint32)
     m1 = tl.full(c0.shape, 0xCD9E8D57, tl.uint32)
     for _ in tl.static_range(10):
@@ -53,10 +57,10 @@ def _philox(c0, c1, c2, c3, k0, k1):
         a2 = c2
         c0 = tl.umulhi(m1, a2) ^ c1 ^ k0
         c2 = tl.umulhi(m0, a0) ^ c3 ^ k1
-        c1 = m1 * a2
-        c3 = m0 * a0
-        k0 = k0 + 0x9E3779B9
-        k1 = k1 + 0xBB67AE85
+        c1 = tl.mul(m1, a2, sanitize_overflow=False)
+        c3 = tl.mul(m0, a0, sanitize_overflow=False)
+        k0 = tl.add(k0, 0x9E3779B9, sanitize_overflow=False)
+        k1 = tl.add(k1, 0xBB67AE85, sanitize_overflow=False)
     return c0, c1, c2, c3
 
 

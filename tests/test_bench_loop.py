@@ -18,7 +18,7 @@ def _bench(out: Path, *extra: str) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT / "src"))
     cmd = [str(torchrun), "--standalone", "--nproc-per-node", "2", "benchmarks/bench_fsdp_step.py",
            "--regime", "nvlink", "--device", "cpu", "--tiny", "--baselines", "bf16",
-           "--recipes", "qsdp-w8g8", "qsdp-w8g8+s1", "--steps", "2", "--warmup", "1",
+           "--recipes", "qsdp-w8g8+s1", "--steps", "2", "--warmup", "1",
            "--out", str(out), *extra]  # fmt: skip
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -28,7 +28,8 @@ def _bench(out: Path, *extra: str) -> dict:
 def test_loop_steps_time_every_variant_back_to_back(tmp_path):
     prof = tmp_path / "prof"
     rows = _bench(tmp_path / "loop.json", "--loop-steps", "3", "--profile", str(prof))
-    assert set(rows) == {"fsdp2-bf16-reduce", "qsdp-w8g8", "qsdp-w8g8+s1"}
+    # (a baseline and a recipe at staleness 1, whose reductions a loop overlaps)
+    assert set(rows) == {"fsdp2-bf16-reduce", "qsdp-w8g8+s1"}
     for r in rows.values():
         assert r["loop_s_per_step"] is not None and r["loop_s_per_step"] > 0, r
         assert math.isfinite(r["loop_s_per_step"])
@@ -36,7 +37,7 @@ def test_loop_steps_time_every_variant_back_to_back(tmp_path):
         # this shared CPU (a unit error, seconds for milliseconds, is 1000x)
         assert r["s_per_step"] / 20 < r["loop_s_per_step"] < 20 * r["s_per_step"], r
     # with --profile the loop runs once more, profiled: its tables and trace beside the step's
-    for v in ("qsdp-w8g8", "qsdp-w8g8_s1"):
+    for v in ("qsdp-w8g8_s1",):
         text = (prof / f"nvlink_{v}_loop.txt").read_text()
         assert "3 steps back to back" in text and "qsdp::reduce-scatter" in text, text[:500]
         assert (prof / f"nvlink_{v}_loop.txt.trace.json.gz").stat().st_size > 0

@@ -712,16 +712,15 @@ def _train_rank(
     changed = cfg.redecide and _choice(chosen) != _choice(saved)
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
-    # On CPU torch's fused AdamW: its default there, a loop over the tensors, issues a dozen ops
-    # per parameter on FSDP2's DTensors, each missing DTensor's sharding cache (their scalars
-    # change every step): 0.33 -> 0.12 s for 30 steps of a tiny GPT at 2 ranks, a fifth of a
-    # CPU run's time. On CUDA torch's default (foreach), with which the GPU results were made.
+    # (torch's default implementation everywhere. On CPU the fused AdamW is ~3x faster on
+    # FSDP2's DTensors, but a run resumed from its checkpoint then ended 1 ulp off its
+    # uninterrupted twin (2-layer GPTs, HSDP and two-level staleness 1, 2026-11-29; with the
+    # default the same runs resume exactly): its vectorised loop likely rounds by alignment)
     opt = torch.optim.AdamW(
         [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay}],
         lr=cfg.lr,
         betas=(0.9, 0.95),
         weight_decay=0.0,
-        **({"fused": True} if device.type == "cpu" else {}),
     )
     # staleness 1: gradients computed at the predicted parameters ([Note: weight prediction])
     # (--gather-ahead: the schedule predicts, told the optimizer below)

@@ -18,9 +18,9 @@ the suite, 2026-11-28: 890 of 2,710 sampled seconds in that one import).
 Whatever else a rank imports it imports anew in every rank: the module that defines ``fn`` (a
 rank unpickles ``fn`` by reference) and everything that module imports. A test module imports
 ``pytest`` (~75 ms of CPU a rank, a few hundred dataclasses), a trainer test the trainer and
-``torch.distributed.checkpoint`` (~50 ms): over the suite's ~2,000 ranks that was a fifth of the
-ranks' sampled time (py-spy over the suite, 2026-11-29: 296 of the ranks' 1,770 sampled
-seconds in imports, 190 of them ``pytest``'s). :func:`preload` names such modules once (the
+``torch.distributed.checkpoint`` (~50 ms): over the suite that was a sixth of the ranks'
+sampled time (py-spy over the suite, 2026-11-29: 296 of the ranks' 1,770 sampled seconds in
+imports, 190 of them ``pytest``'s). :func:`preload` names such modules once (the
 suite's ``conftest.py`` does), and the server imports them with the rest.
 """
 

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -214,8 +215,9 @@ print(run_distributed(_imported_first, 1, "xml.dom.minidom"))
 def test_preload_imports_once_in_the_server_the_ranks_fork_from():
     # in a fresh interpreter: this process's server may have started already
     # (a name that does not import is skipped: the ranks still run)
+    root = Path(__file__).resolve().parents[2]  # (where ``tests`` imports from)
     done = subprocess.run(
-        [sys.executable, "-c", _PRELOADED], capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", _PRELOADED], cwd=root, capture_output=True, text=True, timeout=120
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[True]", done.stdout + done.stderr

@@ -16,10 +16,12 @@ ARGS = ["--regime", "nvlink", "--device", "cpu", "--tiny", "--recipes", "qsdp-w8
         "--baselines", "bf16", "--steps", "2", "--warmup", "1", "--profile", "@/prof"]  # fmt: skip
 
 
-def _run(tmp: Path, *args: str, rounds: int = 1) -> subprocess.CompletedProcess:
+def _run(tmp: Path, *args: str, rounds: int = 1, **env: str) -> subprocess.CompletedProcess:
+    """The script with ``args``, its results under ``tmp``; ``env`` added to (or replacing
+    entries of) the environment."""
     path = f"{Path(sys.executable).parent}:{os.environ['PATH']}"  # torchrun, python
     env = dict(os.environ, RESULTS_DIR=str(tmp), NPROC="1", ROUNDS=str(rounds),
-               OMP_NUM_THREADS="1", PATH=path)  # fmt: skip
+               OMP_NUM_THREADS="1", PATH=path) | env  # fmt: skip
     cmd = ["bash", "benchmarks/run_before_after.sh", *args]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
 
@@ -59,11 +61,8 @@ def test_rounds_alternate_which_side_goes_first(tmp_path):
     (bin_dir / "torchrun").write_text(_TORCHRUN)
     (bin_dir / "torchrun").chmod(0o755)
     log = tmp_path / "log.txt"
-    env = dict(os.environ, RESULTS_DIR=str(tmp_path / "r"), NPROC="1", ROUNDS="3", LOG=str(log),
-               PATH=f"{bin_dir}:{os.environ['PATH']}")  # fmt: skip
-    done = subprocess.run(["bash", "benchmarks/run_before_after.sh", "HEAD", "bench_fsdp_step.py",
-                           "--steps", "1"], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=60)  # fmt: skip
+    done = _run(tmp_path / "r", "HEAD", "bench_fsdp_step.py", "--steps", "1", rounds=3,
+                LOG=str(log), PATH=f"{bin_dir}:{os.environ['PATH']}")  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
     order = [line.split(" (")[0] for line in done.stdout.splitlines()]
     assert order == [f"{s} round {r}" for r, s in [(1, "before"), (1, "after"), (2, "after"),

@@ -47,15 +47,15 @@ from ..runtime import replica_mismatches
 
 __all__ = [
     "DistByteCounter",
-    "preload",
     "assert_same_on_all_ranks",
     "count_dist_bytes",
+    "preload",
     "rank_tensor",
     "run_distributed",
 ]
 
-_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "qsdp"]
-_preloaded = list(_PRELOAD)  # and what preload() added
+#: What the ranks' server imports ([Note: why forkserver]), and what :func:`preload` added.
+_preloaded = ["torch", "torch.distributed", "torch._dynamo", "qsdp"]
 #: Marks a worker's report of a failure to join the group, before ``fn`` ran.
 _JOIN_FAILED = "joining the process group failed (fn did not run):\n"
 
@@ -123,6 +123,8 @@ def preload(*modules: str) -> None:
 
     Heeded when this process starts that server, at its first :func:`run_distributed` call;
     a name that does not import is skipped there (the rank then imports what it needs itself).
+    A process has one such server: if another user of it starts it first (``qsdp train``'s
+    local launcher, with a list of its own), its list is the one heeded.
 
     Raises:
         ValueError: a name that is not a dotted module name.

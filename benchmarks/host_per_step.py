@@ -48,7 +48,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.fsdp import fully_shard
+from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import host_per_bucket  # benchmarks/, the script's own folder: the kernel stubs
@@ -90,9 +92,12 @@ def build(
     block: str = "mlp",
     device: str = "cpu",
     schedule: qsdp.Schedule | None = None,
+    ddp_bucket_kb: float | None = None,
 ) -> nn.Module:
     name, *options = recipe.split("+")
-    if options not in ([], ["s1"], ["s1", "ahead"], ["graphs"]):
+    if ddp_bucket_kb is not None:
+        pass  # (DDP's variants: _ddp)
+    elif options not in ([], ["s1"], ["s1", "ahead"], ["graphs"]):
         raise SystemExit(
             f"recipe {recipe!r}: the options are +s1 (staleness 1), +s1+ahead (with the "
             "next step's weights gathered in the backward) and +graphs (the reduce-scatter's "
@@ -105,11 +110,50 @@ def build(
     torch.manual_seed(0)
     kind = GPTBlock if block == "gpt" else Block
     model = nn.Sequential(*[kind(d) for _ in range(blocks)]).to(device)
+    if ddp_bucket_kb is not None:
+        return _ddp(model, name, options, ddp_bucket_kb)
     for block in model:
         fully_shard(block)
     fully_shard(model)
     if name != "plain":
         qsdp.compress_fsdp(model, qsdp.recipe(name, nonfinite="zero"), schedule=schedule)
+    return model
+
+
+#: DDP's variants besides qsdp's recipes: a hook that hands each bucket back as it is (DDP's
+#: own all-reduce needs a result from the process group, which the fake group does not give,
+#: nor does PyTorch's ``bf16_compress_hook`` on the CPU) and PyTorch's hook (CUDA)
+DDP_BASELINES = ("noop", "bf16_compress_hook")
+
+
+def _noop_hook(state, bucket):  # noqa: ANN001, ANN202 - DDP checks unannotated or exact types
+    """DDP's bucketing and nothing else (the floor a hook's host work adds to): ``state`` counts
+    the calls."""
+    state.append(bucket.index())
+    fut = torch.futures.Future()
+    fut.set_result(bucket.buffer())
+    return fut
+
+
+def _ddp(model: nn.Module, name: str, options: list[str], bucket_kb: float) -> nn.Module:
+    """``model`` in DDP with buckets of ``bucket_kb`` KiB (a GPT-124M's step has ~20 buckets of
+    DDP's 25 MiB: as many here on a small model), and ``name``'s hook: ``noop`` (hands each
+    bucket back), PyTorch's ``bf16_compress_hook`` or qsdp's recipe (``+pipeline``:
+    ``Schedule(pipeline=True)``, the buckets alternating between two communicators and hook
+    streams; ``+graphs``: ``Schedule(graphs=True)``, CGX's two phases replayed)."""
+    if options not in ([], ["pipeline"], ["graphs"]) or (options and name in DDP_BASELINES):
+        raise SystemExit(
+            f"DDP variant {name!r}+{'+'.join(options)}: the options are +pipeline and +graphs"
+        )
+    model = DDP(model, bucket_cap_mb=bucket_kb / 1024)
+    if name == "bf16_compress_hook":
+        model.register_comm_hook(None, default_hooks.bf16_compress_hook)
+    elif name == "noop":
+        model.hook_calls = []
+        model.register_comm_hook(model.hook_calls, _noop_hook)
+    else:
+        schedule = qsdp.Schedule(**{options[0]: True}) if options else None
+        qsdp.ddp.register(model, qsdp.recipe(name, nonfinite="zero"), schedule=schedule)
     return model
 
 
@@ -146,9 +190,11 @@ class Variant:
         device: str,
         optimizer: bool,
         single_thread: bool = False,
+        ddp_bucket_kb: float | None = None,
     ) -> None:
         self.recipe, self.device, self.single_thread = recipe, device, single_thread
-        model = build(recipe, blocks, d, block=block, device=device)
+        model = build(recipe, blocks, d, block=block, device=device, ddp_bucket_kb=ddp_bucket_kb)
+        self.model = model
         x = torch.randn(4, d, device=device)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4) if optimizer else None
 
@@ -277,6 +323,14 @@ def main() -> None:
         action="store_true",
         help="each step ends with AdamW's step (needed by NAME+s1, whose prediction runs on it)",
     )
+    p.add_argument(
+        "--ddp",
+        type=float,
+        metavar="BUCKET_KB",
+        help="DDP instead of FSDP2, with DDP buckets of this many KiB: plain is DDP's own "
+        "all-reduce, the recipes DDP's (cgx, global-qsgd, qsdp-g8; NAME+pipeline), and "
+        "bf16_compress_hook (PyTorch's) a variant",
+    )
     a = p.parse_args()
     if any("+s1" in r for r in a.recipes) and not a.optimizer:
         raise SystemExit("a NAME+s1 recipe predicts at the optimizer's step: pass --optimizer")
@@ -294,8 +348,9 @@ def main() -> None:
             device=a.device,
             optimizer=a.optimizer,
             single_thread=a.single_thread,
+            ddp_bucket_kb=a.ddp,
         )
-        for r in ["plain", *a.recipes]
+        for r in ["plain" if a.ddp is None else "noop", *a.recipes]
     ]
     # the rounds interleave the variants, each round in another order: the host's drift over
     # a run (on the GPU machine more than the recipes differ) reaches every variant alike
@@ -321,7 +376,8 @@ def main() -> None:
             f"{k} {v['calls']} x {v['us_per_call']:.0f} us" for k, v in r["hooks"].items()
         )
         print(
-            f"{r['recipe']:10s} {r['ms_per_step']:7.2f} ms a step (x{r['x_plain']:.2f} plain by "
+            f"{r['recipe']:10s} {r['ms_per_step']:7.2f} ms a step (x{r['x_plain']:.2f} "
+            f"{rows[0]['recipe']} by "
             f"round, +{r['extra_ms_vs_plain']:.2f}, "
             f"CPU {r['cpu_ms_per_step']:.2f} ms), "
             f"{r['issued_ops']} ops; {kinds or 'no qsdp hooks'}"
@@ -339,6 +395,8 @@ def main() -> None:
                 "torch": torch.__version__,
                 "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 "world_size": 4,
+                "parallel": "fsdp2" if a.ddp is None else f"ddp, buckets of {a.ddp} KiB",
+                "ddp_buckets": (None if a.ddp is None else len(set(variants[0].model.hook_calls))),
                 "blocks": a.blocks,
                 "d": a.d,
                 "optimizer": a.optimizer,

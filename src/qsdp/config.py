@@ -402,7 +402,10 @@ class Schedule:
     does a group whose parameters hold several adaptive widths. Needs ``staleness=0``; costs
     about two of a group's gradients (and one gathered group, or one shard for weight
     differences) of device memory, the buffers shared by the groups of one shape, and two
-    copies a call on the device."""
+    copies a call on the device. DDP on CUDA: CGX's two-phase all-reduce of each bucket
+    (``cgx``, ``qsdp-g8``; not with error feedback) replays both phases' codecs ([Note: two
+    phases replayed] in ``qsdp.comm._two_phase``): about three buckets of device memory per
+    bucket shape and hook stream."""
 
     def __post_init__(self) -> None:
         if self.staleness not in (0, 1) or isinstance(self.staleness, bool):

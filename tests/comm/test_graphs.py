@@ -9,6 +9,7 @@ import dataclasses
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from qsdp.comm import (
     CodecGraphs,
@@ -17,6 +18,7 @@ from qsdp.comm import (
     all_gather,
     all_gather_diff,
     reduce_scatter,
+    two_phase_all_reduce,
 )
 from qsdp.quant import QuantSpec
 from qsdp.testing import assert_same_on_all_ranks, rank_tensor, run_distributed
@@ -160,6 +162,52 @@ def test_replayed_buffers_give_the_eager_bits(world_size):
     assert run_distributed(diff_replay_matches_eager, world_size) == [(0, 0, 2, 1)] * world_size
 
 
+def two_phase_replay_matches_eager(rank, ws, *, device="cpu", capture=False):
+    """CGX's two-phase all-reduce replayed ([Note: two phases replayed]): DDP buckets of an odd
+    length (padded inside to whole chunks) and of a whole number of chunks, raw runs beside the
+    codes, phase 2 on a second communicator; two steps of two buckets each, every result and
+    byte count the eager call's. Returns (captured, replayed, sites)."""
+    graphs = CodecGraphs(capture=capture)
+    backend = "triton" if device == "cpu" else "auto"
+    second = dist.new_group(list(range(ws)))
+    cases = [("padded", M, None, None), ("whole chunks", 12 * ws, None, None)]
+    cases += [(name, M, split, None) for name, split in SPLITS.items() if split is not None]
+    cases.append(("second group", M, SPLITS["several runs"], second))
+    for name, numel, split, group2 in cases:
+        for step in range(2):
+            for bucket in (1, 2):
+                x = rank_tensor(rank, numel, seed=step + 10 * bucket).to(device, torch.bfloat16)
+                got, sent = {}, {}
+                for way, g in (("eager", None), ("replayed", graphs)):
+                    got[way], sent[way] = x.clone(), CommStats()
+                    two_phase_all_reduce(
+                        got[way],
+                        spec=SPEC,
+                        split=split,
+                        seed=3,
+                        step=step,
+                        bucket=bucket,
+                        backend=backend,
+                        stats=sent[way],
+                        second_group=group2,
+                        graphs=g,
+                    )
+                assert torch.equal(got["eager"], got["replayed"]), (name, step, bucket)
+                assert sent["eager"].snapshot() == sent["replayed"].snapshot(), name
+                assert ws == 1 or sent["eager"].total_bytes > 0
+                assert not torch.equal(got["replayed"], x) or ws == 1  # (it reduced)
+                assert_same_on_all_ranks(got["replayed"])
+    return graphs.captured, graphs.replayed, len(graphs.sites)
+
+
+@pytest.mark.parametrize("world_size", [3])  # (one rank: test_replayed_buffers_give_...[1])
+def test_two_phase_replays_give_the_eager_bits(world_size):
+    # each case's two buckets: a composite site each (10), with a phase-2 site each (10) and
+    # phase-1 sites (8: the second-group case's are the several-runs case's, same key)
+    got = run_distributed(two_phase_replay_matches_eager, world_size)
+    assert got == [(0, 0, 28)] * world_size
+
+
 def _refusals(rank, ws):
     graphs = CodecGraphs(capture=False)
     x, out = torch.randn(ws * 8), torch.empty(8)
@@ -177,6 +225,12 @@ def _refusals(rank, ws):
         reduce_scatter(out, x, spec=SPEC, graphs=CodecGraphs(), backend="triton")
     with pytest.raises(ValueError, match="not divisible"):
         reduce_scatter(out, torch.randn(ws * 8 + 1), spec=SPEC, graphs=graphs, backend="triton")
+    with pytest.raises(ValueError, match="error feedback's losses"):
+        two_phase_all_reduce(
+            x.clone(), spec=SPEC, feedback=torch.empty(ws * 8), graphs=graphs, backend="triton"
+        )
+    with pytest.raises(ValueError, match="a synchronous call"):
+        two_phase_all_reduce(x.clone(), spec=SPEC, async_op=True, graphs=graphs, backend="triton")
     return True
 
 
@@ -200,12 +254,19 @@ def _installs(rank, ws):
             got[name] = "accepted"
         except ValueError as e:
             got[name] = str(e)
-    ddp = torch.nn.parallel.DistributedDataParallel(classifier())
-    try:
-        qsdp.ddp.register(ddp, "cgx", schedule=qsdp.Schedule(graphs=True))
-        got["ddp"] = "accepted"
-    except ValueError as e:
-        got["ddp"] = str(e)
+    for name, config, feedback in (
+        ("ddp cpu", "cgx", False),
+        ("ddp integer", "global-qsgd", False),
+        ("ddp auto", "auto", False),
+        ("ddp feedback", "cgx", True),
+    ):
+        ddp = torch.nn.parallel.DistributedDataParallel(classifier())
+        schedule = qsdp.Schedule(graphs=True)
+        try:
+            qsdp.ddp.register(ddp, config, schedule=schedule, error_feedback=feedback)
+            got[name] = "accepted"
+        except ValueError as e:
+            got[name] = str(e)
     return got
 
 
@@ -216,7 +277,10 @@ def test_graphs_are_refused_where_there_is_nothing_to_replay():
         assert "parameters are on ['cpu']: drop graphs off CUDA" in got["cpu"], got
         assert "reduces with IntegerReduce" in got["integer"], got
         assert "pass the recipe it reports" in got["auto"], got
-        assert "DDP's all-reduce hook does not replay one yet" in got["ddp"], got
+        assert "parameters are on ['cpu']: drop graphs off CUDA" in got["ddp cpu"], got
+        assert "global-qsgd (IntegerGrads) has none to replay" in got["ddp integer"], got
+        assert "'auto' has none to replay" in got["ddp auto"], got
+        assert "error feedback's losses are computed eagerly" in got["ddp feedback"], got
     with pytest.raises(ValueError, match="at staleness=1 the reductions run late"):
         qsdp.Schedule(graphs=True, staleness=1)
     with pytest.raises(TypeError, match="must be a bool"):

@@ -1,7 +1,7 @@
-"""GPU tier of ``reduce_scatter``, ``all_gather`` and ``all_gather_diff`` with ``graphs=...``: the
-captured and replayed segments give the eager call's bits at every step ([Note: codec segments
-replayed]). One GPU: three gloo processes share it (gloo moves CUDA tensors through the host);
-two or more: NCCL, a rank per GPU."""
+"""GPU tier of ``reduce_scatter``, ``all_gather``, ``all_gather_diff`` and
+``two_phase_all_reduce`` with ``graphs=...``: the captured and replayed segments give the eager
+call's bits at every step ([Note: codec segments replayed]). One GPU: three gloo processes share
+it (gloo moves CUDA tensors through the host); two or more: NCCL, a rank per GPU."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from .test_graphs import (
     diff_replay_matches_eager,
     gather_replay_matches_eager,
     replay_matches_eager,
+    two_phase_replay_matches_eager,
 )
 
 pytestmark = [
@@ -31,6 +32,10 @@ CASES = {
     "reduce_scatter": (replay_matches_eager, (3 * len(SPLITS), 5 * len(SPLITS))),
     "all_gather": (gather_replay_matches_eager, (4 * len(SPLITS), 4 * len(SPLITS))),
     "all_gather_diff": (diff_replay_matches_eager, (4, 8, 2, 1)),
+    # CGX's two phases: 5 cases x 2 buckets; phase 1's sites (8: the second-group case shares
+    # the several-runs case's) an encode each and a decode per shape (4), phase 2's (10) an
+    # encode each and a decode per shape (5): 27 captured of 80 segment runs, 53 replayed
+    "two_phase_all_reduce": (two_phase_replay_matches_eager, (27, 53, 28)),
 }
 
 

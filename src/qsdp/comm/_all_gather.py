@@ -96,16 +96,16 @@ def all_gather(
     """
     if graphs is not None:  # [Note: codec segments replayed]
         check_replayable(_NAME, async_op=async_op, spec=spec, backend=backend)
-        site = graphs.site(
-            _NAME,
-            group=group,
-            input=input,
-            output=output,
-            layout=(spec, split),
-            noise=(seed, bucket),
-            make=lambda key: _Site(
-                graphs, output, input, group, key, spec, split, seed, bucket, backend
-            ),
+        site = replayed_site(
+            graphs,
+            output,
+            input,
+            group,
+            spec=spec,
+            split=split,
+            seed=seed,
+            bucket=bucket,
+            backend=backend,
         )
         C.check_key(seed, step, bucket)
         site.run(output, input, step, C.resolve_stats(stats), _NAME)
@@ -261,11 +261,42 @@ def _decode_fused(recv, output, n, split, parts, spec, dtype, backend) -> None:
     split.put(output.view(n, -1), comp_out, raw_out)
 
 
+def replayed_site(
+    graphs: CodecGraphs,
+    output: torch.Tensor,
+    input: torch.Tensor,
+    group: dist.ProcessGroup | None,
+    *,
+    spec: QuantSpec,
+    split: Split | None,
+    seed: int,
+    bucket: int,
+    backend: Backend,
+    hop: int = 0,
+    name: str = _NAME,
+) -> _Site:
+    """The replayed all-gather's site of this call (made at its first call): ``hop`` and
+    ``name`` as a composite call's phase runs it (CGX's phase 2: its noise and byte counter)."""
+    return graphs.site(
+        _NAME,
+        group=group,
+        input=input,
+        output=output,
+        layout=(spec, split, name),
+        noise=(seed, bucket, hop),
+        make=lambda key: _Site(
+            graphs, output, input, group, key, spec, split, seed, bucket, backend, hop, name
+        ),
+    )
+
+
 class _Site(ReplayedSite):
     """One call site of a replayed all-gather (a group's hook)
     ([Note: codec segments replayed] in ``_graphs.py``)."""
 
-    def __init__(self, graphs, output, input, group, key, spec, split, seed, bucket, backend):
+    def __init__(
+        self, graphs, output, input, group, key, spec, split, seed, bucket, backend, hop, name
+    ):
         pg, n, _ = C.group_info(group)
         m = _check_shapes(output, input, n, split)
         if split is not None:
@@ -285,11 +316,14 @@ class _Site(ReplayedSite):
             }
 
         b = graphs.buffers(key, make)
-        super().__init__(graphs, key, (seed, bucket), inp=b["inp"], out=b["out"], step=b["step"])
+        super().__init__(
+            graphs, key, (seed, bucket, hop), inp=b["inp"], out=b["out"], step=b["step"]
+        )
         self.b, self.pg, self.n, self.row, self.parts = b, pg, n, row, parts
+        self.name = name
         self.spec, self.split, self.seed, self.backend = spec, split, seed, backend
         self.dtype = input.dtype
-        self.stream = C.noise_stream(C.noise_rank(pg), 0, bucket=bucket)
+        self.stream = C.noise_stream(C.noise_rank(pg), 0, bucket=bucket, hop=hop)
 
     def encode(self) -> None:
         b, spec = self.b, self.spec
@@ -303,7 +337,7 @@ class _Site(ReplayedSite):
 
     def exchange(self, stats: CommStats) -> None:
         # on the current stream, after the encode ([Note: which stream an exchange runs on])
-        C.all_gather(self.b["recv"], self.b["send"], self.pg, stats, _NAME, stream="current")
+        C.all_gather(self.b["recv"], self.b["send"], self.pg, stats, self.name, stream="current")
 
     def decode(self) -> None:
         b, n = self.b, self.n

@@ -206,13 +206,22 @@ class ReplayedSite:
         raise NotImplementedError
 
     def run(
-        self, output: torch.Tensor | None, input: torch.Tensor, step: int, stats: Any, name: str
+        self,
+        output: torch.Tensor | None,
+        input: torch.Tensor,
+        step: int,
+        stats: Any,
+        name: str,
+        *,
+        count_call: bool = True,
     ):
-        """One call: counted; the input in and the step written, the encode replayed, the
-        exchange (on the current stream, after the encode), the decode replayed, the output
-        out (``input`` may alias ``output``: it is read first; None: left in the site's
-        output). An empty output: nothing."""
-        stats.count_call(name)
+        """One call: counted (unless ``count_call`` is False: a phase of a composite call);
+        the input in and the step written, the encode replayed, the exchange (on the current
+        stream, after the encode), the decode replayed, the output out (``input`` may alias
+        ``output``: it is read first; None: left in the site's output). An empty output:
+        nothing."""
+        if count_call:
+            stats.count_call(name)
         if self.out.numel() == 0:
             return
         self._inp_flat.copy_(input if input.dim() == 1 else input.reshape(-1))

@@ -216,38 +216,71 @@ def _replayed(
     ([Note: codec segments replayed]): the call's site (group, shapes, quantizer, split, noise
     key) is worked out at its first call into a :class:`_Site`, which each later call only runs."""
     check_replayable(_NAME, async_op=async_op, spec=spec, backend=backend)
-    site = graphs.site(
+    site = replayed_site(
+        graphs,
+        output,
+        input,
+        group,
+        spec=spec,
+        split=split,
+        op=op,
+        seed=seed,
+        bucket=bucket,
+        backend=backend,
+    )
+    C.check_key(seed, step, bucket)
+    site.run(output, input, step, stats, _NAME)
+
+
+def replayed_site(
+    graphs: CodecGraphs,
+    output: torch.Tensor,
+    input: torch.Tensor,
+    group: dist.ProcessGroup | None,
+    *,
+    spec: QuantSpec,
+    split: Split | None,
+    op: str | dist.ReduceOp,
+    seed: int,
+    bucket: int,
+    backend: Backend,
+    hop: int = 0,
+    name: str = _NAME,
+) -> _Site:
+    """The replayed reduce-scatter's site of this call (made at its first call): ``hop`` and
+    ``name`` as a composite call's phase runs it (CGX's phase 1: its noise and byte counter)."""
+    return graphs.site(
         _NAME,
         group=group,
         input=input,
         output=output,
-        layout=(spec, split, op),
-        noise=(seed, bucket),
+        layout=(spec, split, op, name),
+        noise=(seed, bucket, hop),
         make=lambda key: _Site(
-            graphs, output, input, group, key, spec, split, op, seed, bucket, backend
+            graphs, output, input, group, key, spec, split, op, seed, bucket, backend, hop, name
         ),
     )
-    C.check_key(seed, step, bucket)
-    site.run(output, input, step, stats, _NAME)
 
 
 class _Site(ReplayedSite):
     """One call site of a replayed reduce-scatter (a group's hook at one width): its buffers
     (shared by the sites of its shape), its exchange's splits and its two segments."""
 
-    def __init__(self, graphs, output, input, group, key, spec, split, op, seed, bucket, backend):
+    def __init__(
+        self, graphs, output, input, group, key, spec, split, op, seed, bucket, backend, hop, name
+    ):
         op = C.parse_op(op)
         pg, n, r = C.group_info(group)
         m = check_chunks(output, input, n, "reduce_scatter")
         if split is not None:
             check_split(split, m, "each chunk")
         b = graphs.buffers(key, lambda: _Buffers.make(input, output, n, m, spec, split))
-        super().__init__(graphs, key, (seed, bucket), inp=b.rows, out=b.out, step=b.step)
-        self.b, self.pg, self.r, self.n = b, pg, r, n
+        super().__init__(graphs, key, (seed, bucket, hop), inp=b.rows, out=b.out, step=b.step)
+        self.b, self.pg, self.r, self.n, self.name = b, pg, r, n, name
         self.spec, self.split, self.seed, self.backend = spec, split, seed, backend
         self.splits = [0 if j == r else b.send.shape[1] for j in range(n)]
         self._recv_flat, self._send_flat = b.recv.view(-1), b.send.view(-1)  # (made once)
-        self.streams = C.peer_streams(r, n, bucket=bucket)
+        self.streams = C.peer_streams(r, n, bucket=bucket, hop=hop)
         self.divisor = n if op == "avg" else None
 
     def encode(self) -> None:
@@ -267,7 +300,7 @@ class _Site(ReplayedSite):
                 self.splits,
                 self.pg,
                 stats,
-                _NAME,
+                self.name,
                 stream="current",
             )
 

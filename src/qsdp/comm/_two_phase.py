@@ -49,8 +49,11 @@ import torch.distributed as dist
 from ..quant import Backend, QuantSpec
 from . import _common as C
 from ._all_gather import _all_gather_stages, all_gather_wire_bytes
+from ._all_gather import replayed_site as replayed_all_gather
 from ._calls import checked
+from ._graphs import CodecGraphs, check_replayable
 from ._reduce_scatter import _reduce_scatter_stages, reduce_scatter_wire_bytes
+from ._reduce_scatter import replayed_site as replayed_reduce_scatter
 from ._split import Split, check_split
 from ._stats import CommStats
 
@@ -107,6 +110,7 @@ def two_phase_all_reduce(
     stats: CommStats | None = None,
     feedback: torch.Tensor | None = None,
     second_group: dist.ProcessGroup | None = None,
+    graphs: CodecGraphs | None = None,
 ) -> C.CommWork | None:
     """All-reduce ``tensor`` in place through a quantized reduce-scatter and all-gather (CGX SRA).
 
@@ -138,6 +142,10 @@ def two_phase_all_reduce(
             the same order (default: ``group``), so that consecutive calls pipeline: one call's
             all-gather beside the next call's all-to-all (see [Note: two communicators]).
             The result is the same bits either way.
+        graphs: replay both phases' encodes and decodes from CUDA graphs captured in it at the
+            first call of each shape and noise key, the same bits ([Note: two phases
+            replayed]): a synchronous call, a ``spec`` with ``nonfinite="propagate"``, the
+            Triton backend, no ``feedback``.
 
     Returns:
         A :class:`CommWork` when ``async_op``, else None.
@@ -162,12 +170,86 @@ def two_phase_all_reduce(
     pgs = (pg, C.second_group(second_group, pg))
     if split is not None:
         check_split(split, tensor.numel(), "the tensor")
+    if graphs is not None:
+        check_replayable(_NAME, async_op=async_op, spec=spec, backend=backend)
+        if feedback is not None:
+            raise ValueError(
+                "two_phase_all_reduce(graphs=...) replays the codecs; error feedback's losses "
+                "are computed eagerly: pass feedback=None or graphs=None"
+            )
+        site = graphs.site(
+            _NAME,
+            group=pg,
+            input=tensor,
+            output=tensor,
+            layout=(spec, split, op, pgs[1]),
+            noise=(seed, bucket),
+            make=lambda key: _ReplayedPhases(
+                graphs, tensor, split, pgs, n, op, spec, seed, bucket, backend
+            ),
+        )
+        site.run(tensor, step, stats)
+        return None
+    if split is not None:
         stages = _split_phases(
             tensor, split, pgs, n, op, spec, seed, step, bucket, backend, stats, owner
         )
         return C.run_stages(stages, async_op, result=tensor)
     stages = _phases(tensor, pgs, n, op, spec, seed, step, bucket, backend, stats, owner)
     return C.run_stages(stages, async_op, result=tensor)
+
+
+class _ReplayedPhases:
+    """One call site of a replayed two-phase all-reduce (a DDP bucket's hook at one width).
+
+    [Note: two phases replayed]
+    Phase 1 is a replayed reduce-scatter's site, phase 2 a replayed all-gather's
+    ([Note: codec segments replayed] in ``_graphs.py``), with the noise (``hop`` 0 and 1) and
+    byte counter (``two_phase_all_reduce``) of the eager call, so the same bits and bytes. A
+    call copies the tensor into the site's rows (a split's runs into their places, the rows'
+    gaps zero since the site was made), runs the two sites back to back (phase 2 reads phase
+    1's output where it lies) and copies the gathered rows back: the two copies, the two
+    sites' four replays and their two exchanges, about a dozen torch ops where the eager call
+    issues some 60 and a dozen launches (DDP, ``benchmarks/host_per_step.py --ddp``)."""
+
+    def __init__(self, graphs, tensor, split, pgs, n, op, spec, seed, bucket, backend) -> None:
+        numel, device = tensor.numel(), tensor.device
+        if split is not None:
+            per_chunk, self.pieces = _chunked(split, n)
+            chunk, gathered_dtype = per_chunk.chunk, torch.float32
+        else:  # (padded inside to whole chunks, the gather decoded in the tensor's dtype)
+            per_chunk, self.pieces = None, None
+            chunk, gathered_dtype = -(-numel // n), tensor.dtype
+        self.numel = numel
+        # the rows phase 1 reads: a split's pieces or the padded tensor; gaps and padding zero
+        self.rows = torch.zeros(n * chunk, dtype=tensor.dtype, device=device)
+        kw = dict(split=per_chunk, seed=seed, bucket=bucket, backend=backend, name=_NAME)
+        reduced = torch.empty(chunk, dtype=torch.float32, device=device)
+        gathered = torch.empty(n * chunk, dtype=gathered_dtype, device=device)
+        self.phase1 = replayed_reduce_scatter(
+            graphs, reduced, self.rows, pgs[0], spec=spec, op=op, hop=0, **kw
+        )
+        self.phase2 = replayed_all_gather(graphs, gathered, reduced, pgs[1], spec=spec, hop=1, **kw)
+        # (made once: the views a call copies into and out of)
+        out = self.phase2.out.view(-1)
+        if split is not None:
+            self._rows_parts, self._out_parts = self.pieces.parts(self.rows), self.pieces.parts(out)
+        else:
+            self._rows_head, self._out_head = self.rows[:numel], out[:numel]
+
+    def run(self, tensor: torch.Tensor, step: int, stats: CommStats) -> None:
+        flat = tensor.view(-1)
+        if self.pieces is not None:
+            flat_parts = list(flat.split(self.pieces.flat_sizes))
+            torch._foreach_copy_(self._rows_parts, flat_parts)
+        else:
+            self._rows_head.copy_(flat)
+        self.phase1.run(None, self.rows, step, stats, _NAME, count_call=False)
+        self.phase2.run(None, self.phase1.out, step, stats, _NAME, count_call=False)
+        if self.pieces is not None:
+            torch._foreach_copy_(flat_parts, self._out_parts)
+        else:
+            flat.copy_(self._out_head)
 
 
 class _Owner(NamedTuple):
@@ -192,8 +274,12 @@ class _Pieces(NamedTuple):
         self, flat: torch.Tensor, rows: torch.Tensor
     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """``flat``'s pieces and, in the same order, the parts of ``rows`` they go to."""
+        return list(flat.split(self.flat_sizes)), self.parts(rows)
+
+    def parts(self, rows: torch.Tensor) -> list[torch.Tensor]:
+        """The parts of ``rows`` the tensor's pieces go to, in the pieces' order."""
         parts = rows.split(self.rows_sizes)
-        return list(flat.split(self.flat_sizes)), [parts[i] for i in self.rows_index]
+        return [parts[i] for i in self.rows_index]
 
 
 @functools.lru_cache(maxsize=1024)

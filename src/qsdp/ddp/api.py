@@ -65,7 +65,8 @@ def register(
             reduce-scatter; DDP all-reduces), error feedback with integer gradients, other
             arguments on another rank of DDP's group (one all-gather first, see [Note: one
             config on every rank]), ``schedule.pipeline`` with uncompressed gradients, an
-            explicit ``schedule.own_reduce_group``.
+            explicit ``schedule.own_reduce_group``, ``schedule.graphs`` without CGX's two
+            phases on CUDA or with error feedback.
     """
     if not isinstance(model, DDP):
         raise TypeError(
@@ -80,6 +81,8 @@ def register(
         what="qsdp.ddp.register",
     )
     decision = None
+    if config == "auto" and schedule.graphs:  # (before it measures anything)
+        _check_graphs(model, config, "'auto'", error_feedback)
     if config == "auto":  # measure, predict, pick: see qsdp.policy.auto
         decision = _auto(model, pipeline=schedule.pipeline)
         # (with pipeline=True: off, and said, if it chose DDP's own all-reduce)
@@ -105,10 +108,7 @@ def register(
             "gathers no weights: drop gather_ahead"
         )
     if schedule.graphs:
-        raise ValueError(
-            "Schedule(graphs=True) replays the codecs of FSDP2's hooks from CUDA graphs; "
-            "DDP's all-reduce hook does not replay one yet: drop graphs"
-        )
+        _check_graphs(model, config, name, error_feedback)
     if schedule.own_reduce_group is not None:
         raise ValueError(
             "Schedule.own_reduce_group is for FSDP2 (its reduce-scatters and weight "
@@ -158,6 +158,31 @@ def register(
     if schedule.prediction == "local":  # [Note: prediction in the schedule]
         hook.predict = AutoPrediction(model, hook, clip=schedule.predict_clip)
     return hook
+
+
+def _check_graphs(model: DDP, config, name: str, error_feedback: bool) -> None:
+    """``Schedule(graphs=True)``'s conditions under DDP: CGX's two-phase all-reduce to replay
+    ([Note: two phases replayed] in ``qsdp.comm._two_phase``), CUDA parameters, no error
+    feedback (its losses are computed eagerly)."""
+    if config == "auto" or not isinstance(config.grads, QuantizedGrads):
+        what = name if config == "auto" else f"{name} ({type(config.grads).__name__})"
+        raise ValueError(
+            "Schedule(graphs=True) replays the codecs of CGX's two-phase all-reduce "
+            f"(QuantizedGrads: 'cgx', 'qsdp-g8'); {what} has none to replay (Global-QSGD's "
+            "integer all-reduce, uncompressed gradients, or a choice made at run time): drop "
+            "graphs, or use 'cgx' or 'qsdp-g8'"
+        )
+    if error_feedback:
+        raise ValueError(
+            "Schedule(graphs=True) with error_feedback=True: error feedback's losses are "
+            "computed eagerly: drop one of them"
+        )
+    devices = {p.device.type for p in model.parameters()}
+    if devices != {"cuda"}:
+        raise ValueError(
+            f"Schedule(graphs=True) replays CUDA graphs; the model's parameters are on "
+            f"{sorted(devices)}: drop graphs off CUDA"
+        )
 
 
 def _auto(model: DDP, *, pipeline: bool) -> auto.AutoDecision:

@@ -140,6 +140,9 @@ class DDPCompression:
         self.check = None if mode is NonFinite.PROPAGATE else NonfiniteCheck(mode.value)
         self._reports: dict[int, _BucketReport] = {}  # one per bucket index, reused
         self._streams = SideStreams(2)
+        self.graphs = qc.CodecGraphs() if schedule.graphs else None
+        """``Schedule(graphs=True)``: the buckets' captured codec segments ([Note: two phases
+        replayed] in ``qsdp.comm._two_phase``)."""
         self.stale: DelayedReductions | None = None
         self.predict: AutoPrediction | None = None  # Schedule(predict="local"), set by register
         """Staleness 1: the reductions in flight ([Note: staleness 1 under DDP])."""
@@ -222,9 +225,14 @@ class DDPCompression:
         if self.stale is not None:  # inside synchronous(), or before staleness 1 starts
             self.stale.check_synchronous(packed_slots(params))
         feedback = self._feedback(tensor)
-        work = self._all_reduce(tensor, split, step, index, feedback=feedback, async_op=True)
+        if self.graphs is not None:  # replayed: synchronous, complete on the hook's stream
+            self._all_reduce(tensor, split, step, index, graphs=self.graphs)
+            fut = _completed(tensor)
+        else:
+            work = self._all_reduce(tensor, split, step, index, feedback=feedback, async_op=True)
+            fut = work.get_future()
         self._keep_residuals(params, feedback)
-        done = self._checked(work.get_future(), tensor, params, index)
+        done = self._checked(fut, tensor, params, index)
         if self.stale is not None:  # the same on every replica (a future of it on gloo)
             self.stale.reduced_now(tensor if tensor.is_cuda else done, self.group)
         return done
@@ -270,9 +278,19 @@ class DDPCompression:
         return self.plan.with_bits(self.widths.width(index))
 
     def _all_reduce(
-        self, tensor: torch.Tensor, split, step: int, index: int, *, feedback=None, async_op=False
+        self,
+        tensor: torch.Tensor,
+        split,
+        step: int,
+        index: int,
+        *,
+        feedback=None,
+        async_op=False,
+        graphs=None,
     ) -> qc.CommWork | None:
         extra = {} if feedback is None else {"feedback": feedback}
+        if graphs is not None:
+            extra["graphs"] = graphs
         if self.second_group is not None:
             extra["second_group"] = self.second_group
         return self._plan_for(index).all_reduce(

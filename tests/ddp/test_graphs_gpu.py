@@ -1,0 +1,79 @@
+"""DDP with ``Schedule(graphs=True)`` trains bit for bit as the eager hook does ([Note: two
+phases replayed] in ``qsdp.comm._two_phase``). Two or more GPUs: NCCL, a rank per GPU; one
+GPU: three gloo processes share it (gloo moves the CUDA tensors through the host)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import qsdp
+from qsdp.testing import run_distributed
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+D = 96  # (buckets whose lengths do not divide by 3: phase 1's padding and split pieces)
+
+
+def _run(rank: int, world: int, recipe: str, **schedule) -> tuple:
+    """Five steps of a small model in DDP (buckets of 64 KiB: several, of several shapes) with
+    ``recipe``'s hook: the losses, the weights, the bytes and the hook's replays."""
+    dev = torch.device("cuda", rank % torch.cuda.device_count())
+    torch.cuda.set_device(dev)
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Embedding(512, D),
+        nn.Flatten(),
+        nn.Linear(4 * D, D),
+        nn.GELU(),
+        nn.LayerNorm(D),
+        nn.Linear(D, 512),
+    ).to(dev)
+    ids = [dev.index] if dist.get_backend() == "nccl" else None
+    ddp = DDP(model, device_ids=ids, bucket_cap_mb=1 / 16)
+    state = qsdp.ddp.register(ddp, recipe, schedule=qsdp.Schedule(**schedule))
+    opt = torch.optim.AdamW(ddp.parameters(), lr=3e-3)
+    losses = []
+    for step in range(5):
+        g = torch.Generator().manual_seed(1000 * step + rank)
+        x = torch.randint(0, 512, (32, 4), generator=g).to(dev)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = nn.functional.cross_entropy(ddp(x).float(), x[:, 0])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(float(loss))
+    weights = torch.cat([p.detach().float().reshape(-1) for p in ddp.parameters()])
+    replayed = state.graphs.replayed if state.graphs is not None else 0
+    return losses, weights.cpu(), state.stats.snapshot(), replayed, state.graphs
+
+
+def _replayed_vs_eager(rank: int, world: int, recipe: str, pipeline: bool) -> tuple[int, int]:
+    eager = _run(rank, world, recipe, pipeline=pipeline)
+    replayed = _run(rank, world, recipe, pipeline=pipeline, graphs=True)
+    assert eager[0] == replayed[0], (eager[0], replayed[0])
+    assert torch.equal(eager[1], replayed[1])
+    assert eager[2] == replayed[2]  # the same bytes, under the same names
+    assert eager[3] == 0 and replayed[3] > 0
+    assert replayed[0][-1] < replayed[0][0], replayed[0]
+    graphs = replayed[4]
+    buckets = sum(1 for key in graphs.sites if key[0][0] == "two_phase_all_reduce")
+    return replayed[3], buckets
+
+
+@pytest.mark.parametrize(("recipe", "pipeline"), [("cgx", False), ("qsdp-g8", True)])
+def test_replayed_two_phases_train_bit_for_bit(recipe, pipeline):
+    many = torch.cuda.device_count() >= 2
+    ws = min(torch.cuda.device_count(), 4) if many else 3
+    backend = "nccl" if many else "gloo"
+    got = run_distributed(_replayed_vs_eager, ws, recipe, pipeline, backend=backend, timeout_s=600)
+    # several buckets, each replayed every step after its first (two phases, two segments each)
+    replayed, buckets = got[0]
+    assert buckets >= 3 and all(g == got[0] for g in got), got
+    assert replayed == 4 * buckets * 4, got

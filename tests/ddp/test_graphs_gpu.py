@@ -77,8 +77,9 @@ def test_replayed_two_phases_train_bit_for_bit(recipe, pipeline):
     ws = min(torch.cuda.device_count(), 4) if many else 3
     backend = "nccl" if many else "gloo"
     got = run_distributed(_replayed_vs_eager, ws, recipe, pipeline, backend=backend, timeout_s=600)
-    # several buckets; each call runs four segments (two per phase), each either captured at
-    # its first run (once per key) or replayed: none runs eagerly again
+    # several buckets (on one H200: 5 in the first step, 2 a step once DDP rebuilt them, 4
+    # call sites); each call runs four segments (two per phase), each either captured at its
+    # first run (once per key) or replayed: none runs eagerly again
     replayed, captured, calls, buckets = got[0]
-    assert buckets >= 3 and calls >= 5 * 3 and all(g == got[0] for g in got), got
+    assert buckets >= 3 and calls >= 5 * 2 and all(g == got[0] for g in got), got
     assert replayed == 4 * calls - captured and captured <= 4 * buckets, got

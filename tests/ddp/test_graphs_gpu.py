@@ -21,7 +21,7 @@ pytestmark = [
 D = 96  # (buckets whose lengths do not divide by 3: phase 1's padding and split pieces)
 
 
-def _run(rank: int, world: int, recipe: str, **schedule) -> tuple:
+def _run(rank: int, world: int, recipe: str, nan_at: int | None = None, **schedule) -> tuple:
     """Five steps of a small model in DDP (buckets of 64 KiB: several, of several shapes) with
     ``recipe``'s hook: the losses, the weights, the bytes and the hook's replays."""
     dev = torch.device("cuda", rank % torch.cuda.device_count())
@@ -37,7 +37,8 @@ def _run(rank: int, world: int, recipe: str, **schedule) -> tuple:
     ).to(dev)
     ids = [dev.index] if dist.get_backend() == "nccl" else None
     ddp = DDP(model, device_ids=ids, bucket_cap_mb=1 / 16)
-    state = qsdp.ddp.register(ddp, recipe, schedule=qsdp.Schedule(**schedule))
+    config = qsdp.recipe(recipe, nonfinite="zero") if nan_at is not None else recipe
+    state = qsdp.ddp.register(ddp, config, schedule=qsdp.Schedule(**schedule))
     opt = torch.optim.AdamW(ddp.parameters(), lr=3e-3)
     losses = []
     for step in range(5):
@@ -45,41 +46,56 @@ def _run(rank: int, world: int, recipe: str, **schedule) -> tuple:
         x = torch.randint(0, 512, (32, 4), generator=g).to(dev)
         with torch.autocast("cuda", dtype=torch.bfloat16):
             loss = nn.functional.cross_entropy(ddp(x).float(), x[:, 0])
+        if step == nan_at and rank == 0:  # every bucket NaN on one rank: zeroed everywhere
+            loss = loss * float("nan")
         opt.zero_grad()
         loss.backward()
         opt.step()
         losses.append(float(loss.detach()))
     weights = torch.cat([p.detach().float().reshape(-1) for p in ddp.parameters()])
     replayed = state.graphs.replayed if state.graphs is not None else 0
+    if nan_at is not None:
+        assert state.zeroed > 0 and torch.isfinite(weights).all(), state.zeroed
+    losses.append(state.zeroed)
     return losses, weights.cpu(), state.stats.snapshot(), replayed, state.graphs
 
 
-def _replayed_vs_eager(rank: int, world: int, recipe: str, pipeline: bool) -> tuple[int, ...]:
+def _replayed_vs_eager(
+    rank: int, world: int, recipe: str, pipeline: bool, nan_at: int | None
+) -> tuple[int, ...]:
     """The eager and the replayed run the same bits; returns the replayed run's replays,
     captures, two-phase calls and call sites (its bucket layouts: DDP rebuilds its buckets after
     the first step)."""
-    eager = _run(rank, world, recipe, pipeline=pipeline)
-    replayed = _run(rank, world, recipe, pipeline=pipeline, graphs=True)
-    assert eager[0] == replayed[0], (eager[0], replayed[0])
+    eager = _run(rank, world, recipe, nan_at, pipeline=pipeline)
+    replayed = _run(rank, world, recipe, nan_at, pipeline=pipeline, graphs=True)
+    # the losses (a NaN one included: compared as text) and .zeroed
+    assert list(map(repr, eager[0])) == list(map(repr, replayed[0])), (eager[0], replayed[0])
     assert torch.equal(eager[1], replayed[1])
     assert eager[2] == replayed[2]  # the same bytes, under the same names
     assert eager[3] == 0 and replayed[3] > 0
-    assert replayed[0][-1] < replayed[0][0], replayed[0]
+    assert replayed[0][-2] < replayed[0][0], replayed[0]
     graphs = replayed[4]
     buckets = sum(1 for key in graphs.sites if key[0][0] == "two_phase_all_reduce")
     calls = replayed[2]["two_phase_all_reduce"].calls
     return replayed[3], graphs.captured, calls, buckets
 
 
-@pytest.mark.parametrize(("recipe", "pipeline"), [("cgx", False), ("qsdp-g8", True)])
-def test_replayed_two_phases_train_bit_for_bit(recipe, pipeline):
+@pytest.mark.parametrize(
+    ("recipe", "pipeline", "nan_at"),
+    [("cgx", False, None), ("qsdp-g8", True, None), ("cgx", False, 2)],
+)
+def test_replayed_two_phases_train_bit_for_bit(recipe, pipeline, nan_at):
+    """The replayed hook trains the eager hook's bits, its NaN/Inf check replayed too (a step
+    whose gradients are NaN on one rank: every bucket zeroed and counted alike)."""
     many = torch.cuda.device_count() >= 2
     ws = min(torch.cuda.device_count(), 4) if many else 3
     backend = "nccl" if many else "gloo"
-    got = run_distributed(_replayed_vs_eager, ws, recipe, pipeline, backend=backend, timeout_s=600)
+    got = run_distributed(
+        _replayed_vs_eager, ws, recipe, pipeline, nan_at, backend=backend, timeout_s=600
+    )
     # several buckets (on one H200: 5 in the first step, 2 a step once DDP rebuilt them, 4
-    # call sites); each call runs four segments (two per phase), each either captured at its
-    # first run (once per key) or replayed: none runs eagerly again
+    # call sites); each call runs five segments (two per phase, then the NaN/Inf check), each
+    # either captured at its first run (once per key) or replayed: none runs eagerly again
     replayed, captured, calls, buckets = got[0]
     assert buckets >= 3 and calls >= 5 * 2 and all(g == got[0] for g in got), got
-    assert replayed == 4 * calls - captured and captured <= 4 * buckets, got
+    assert replayed == 5 * calls - captured and captured <= 5 * buckets, got

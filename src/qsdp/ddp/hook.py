@@ -386,20 +386,26 @@ class DDPCompression:
         the flagging is queued there at once and a new future records it, no callback (a
         callback would take a stream from PyTorch's pool: [Note: a CUDA future without a
         callback] in ``qsdp.comm._common``). On gloo it runs in ``fut``'s callback."""
-        flags = (
-            None if self.check is None else torch.zeros(1, dtype=torch.int32, device=tensor.device)
-        )
+        replay = self.graphs is not None and self.check is not None and tensor.is_cuda
+        flags = key = None
+        if replay:  # the flagging replayed too, on a flag word of its own
+            key = _flag_key(tensor)
+            flags = self.graphs.buffers(key, lambda: _flag_word(tensor))
+        elif self.check is not None:
+            flags = _flag_word(tensor)
 
         def finish(_: torch.futures.Future | None = None) -> torch.Tensor:
             if flags is not None:
-                bad = ~torch.isfinite(tensor).all()  # the same on every rank (see the note)
-                tensor.masked_fill_(bad, 0)
-                flags.copy_(bad.reshape(1))
+                _flag_and_zero(tensor, flags)
             return tensor
 
         if tensor.is_cuda:
             fut.wait()  # (complete: the current stream waits for its events, the host does not)
-            done = _completed(finish())
+            if replay:  # (keyed by the bucket's memory: the graph writes where it lies)
+                self.graphs.run(key, finish)
+                done = _completed(tensor)
+            else:
+                done = _completed(finish())
         else:
             done = fut.then(finish)
         if flags is not None:
@@ -553,6 +559,24 @@ class DDPCompression:
         self._residuals = {
             k[len(mine) :]: v.reshape(-1).clone() for k, v in state.items() if k.startswith(mine)
         }
+
+
+def _flag_word(tensor: torch.Tensor) -> torch.Tensor:
+    return torch.zeros(1, dtype=torch.int32, device=tensor.device)
+
+
+def _flag_and_zero(tensor: torch.Tensor, flags: torch.Tensor) -> None:
+    """Zero a reduced bucket holding NaN/Inf and set its flag (on the device: no host read)."""
+    bad = ~torch.isfinite(tensor).all()  # the same on every rank: they hold the same bits
+    tensor.masked_fill_(bad, 0)
+    flags.copy_(bad.reshape(1))
+
+
+def _flag_key(tensor: torch.Tensor) -> tuple:
+    """A replayed bucket check's key: the bucket's memory and the stream (the captured check
+    reads and writes that memory; DDP keeps its buckets' buffers from step to step)."""
+    stream = torch.cuda.current_stream(tensor.device).stream_id
+    return ("ddp nonfinite", tensor.device, stream, tensor.data_ptr(), tensor.numel(), tensor.dtype)
 
 
 def _completed(value: torch.Tensor) -> torch.futures.Future:

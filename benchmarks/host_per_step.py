@@ -29,6 +29,13 @@ collective) instead of the 6 of a LayerNorm and an MLP. ``--cprofile FILE`` writ
 cProfile's functions by own and by cumulative time over ``--steps`` more steps, the backward
 run on the calling thread (``torch.autograd.set_multithreading_enabled(False)``: on a GPU the
 backward's hooks otherwise run on autograd's device thread, which cProfile does not see).
+
+``--ddp BUCKET_KB`` times DDP instead (the same blocks in ``DistributedDataParallel`` with buckets
+of that many KiB, on the fake group): ``noop`` (a hook that hands each bucket back: DDP's own
+all-reduce and PyTorch's ``bf16_compress_hook`` need results from the process group, which the fake one
+does not give: ``bench_ddp_step.py`` runs them) is the floor, then qsdp's DDP recipes (``cgx``,
+``qsdp-g8``, ``global-qsgd``; ``NAME+pipeline``, ``NAME+graphs``). ``--ddp 64`` gives a small model
+about as many buckets as a GPT-124M has of DDP's 25 MiB.
 """
 
 from __future__ import annotations
@@ -48,7 +55,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -120,12 +126,6 @@ def build(
     return model
 
 
-#: DDP's variants besides qsdp's recipes: a hook that hands each bucket back as it is (DDP's
-#: own all-reduce needs a result from the process group, which the fake group does not give,
-#: nor does PyTorch's ``bf16_compress_hook`` on the CPU) and PyTorch's hook (CUDA)
-DDP_BASELINES = ("noop", "bf16_compress_hook")
-
-
 def _noop_hook(state, bucket):  # noqa: ANN001, ANN202 - DDP checks unannotated or exact types
     """DDP's bucketing and nothing else (the floor a hook's host work adds to): ``state`` counts
     the calls."""
@@ -138,17 +138,15 @@ def _noop_hook(state, bucket):  # noqa: ANN001, ANN202 - DDP checks unannotated 
 def _ddp(model: nn.Module, name: str, options: list[str], bucket_kb: float) -> nn.Module:
     """``model`` in DDP with buckets of ``bucket_kb`` KiB (a GPT-124M's step has ~20 buckets of
     DDP's 25 MiB: as many here on a small model), and ``name``'s hook: ``noop`` (hands each
-    bucket back), PyTorch's ``bf16_compress_hook`` or qsdp's recipe (``+pipeline``:
+    bucket back) or qsdp's recipe (``+pipeline``:
     ``Schedule(pipeline=True)``, the buckets alternating between two communicators and hook
     streams; ``+graphs``: ``Schedule(graphs=True)``, CGX's two phases replayed)."""
-    if options not in ([], ["pipeline"], ["graphs"]) or (options and name in DDP_BASELINES):
+    if options not in ([], ["pipeline"], ["graphs"]) or (options and name == "noop"):
         raise SystemExit(
             f"DDP variant {name!r}+{'+'.join(options)}: the options are +pipeline and +graphs"
         )
     model = DDP(model, bucket_cap_mb=bucket_kb / 1024)
-    if name == "bf16_compress_hook":
-        model.register_comm_hook(None, default_hooks.bf16_compress_hook)
-    elif name == "noop":
+    if name == "noop":
         model.hook_calls = []
         model.register_comm_hook(model.hook_calls, _noop_hook)
     else:
@@ -327,9 +325,9 @@ def main() -> None:
         "--ddp",
         type=float,
         metavar="BUCKET_KB",
-        help="DDP instead of FSDP2, with DDP buckets of this many KiB: plain is DDP's own "
-        "all-reduce, the recipes DDP's (cgx, global-qsgd, qsdp-g8; NAME+pipeline), and "
-        "bf16_compress_hook (PyTorch's) a variant",
+        help="DDP instead of FSDP2, with DDP buckets of this many KiB: a hook that hands each "
+        "bucket back (noop) in place of plain, the recipes DDP's (cgx, global-qsgd, qsdp-g8; "
+        "NAME+pipeline, NAME+graphs)",
     )
     a = p.parse_args()
     if any("+s1" in r for r in a.recipes) and not a.optimizer:

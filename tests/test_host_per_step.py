@@ -56,3 +56,22 @@ def test_gpt_blocks_and_cprofile(tmp_path):
         assert "== plain: 2 steps" in text and "== cgx: 2 steps" in text
         assert "_reduce_scatter.py" in text.split("== cgx")[1]  # the hook's code, profiled
     assert ops["gpt"] > ops["mlp"]
+
+
+def test_ddp_buckets_against_a_hook_that_does_nothing(tmp_path):
+    """``--ddp KB``: the blocks in DDP with small buckets (several), a no-op hook as the floor;
+    each recipe's hook issues ops on top of it, CGX's two phases more than Global-QSGD's."""
+    out = tmp_path / "ddp.json"
+    cmd = [sys.executable, "benchmarks/host_per_step.py", "--out", str(out), "--blocks", "3",
+           "--steps", "2", "--ddp", "16", "--recipes", "cgx", "global-qsgd"]  # fmt: skip
+    env = {"PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
+    subprocess.run(cmd, cwd=ROOT, env=env, check=True, capture_output=True, timeout=300)
+    d = json.loads(out.read_text())
+    assert d["parallel"] == "ddp, buckets of 16.0 KiB" and d["ddp_buckets"] >= 3, d
+    rows = {r["recipe"]: r for r in d["rows"]}
+    assert list(rows) == ["noop", "cgx", "global-qsgd"]
+    assert rows["noop"]["x_plain"] == 1.0 and rows["noop"]["hook_calls"] == 0
+    ops = [rows[name]["issued_ops"] for name in rows]
+    assert ops[0] < ops[2] < ops[1], ops  # noop < global-qsgd < cgx
+    # one NaN/Inf verdict a backward, whatever the buckets
+    assert rows["cgx"]["hooks"]["qsdp::nonfinite verdict"]["calls"] == 1

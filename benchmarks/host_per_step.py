@@ -32,8 +32,8 @@ backward's hooks otherwise run on autograd's device thread, which cProfile does 
 
 ``--ddp BUCKET_KB`` times DDP instead (the same blocks in ``DistributedDataParallel`` with buckets
 of that many KiB, on the fake group): ``noop`` (a hook that hands each bucket back: DDP's own
-all-reduce and PyTorch's ``bf16_compress_hook`` need results from the process group, which the fake one
-does not give: ``bench_ddp_step.py`` runs them) is the floor, then qsdp's DDP recipes (``cgx``,
+all-reduce and PyTorch's ``bf16_compress_hook`` need results from the process group, which the fake
+one does not give: ``bench_ddp_step.py`` runs them) is the floor, then qsdp's DDP recipes (``cgx``,
 ``qsdp-g8``, ``global-qsgd``; ``NAME+pipeline``, ``NAME+graphs``). ``--ddp 64`` gives a small model
 about as many buckets as a GPT-124M has of DDP's 25 MiB.
 """

@@ -140,8 +140,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--graphs",
         action="store_true",
-        help="FSDP2 at --staleness 0 on CUDA: replay the hooks' codecs from CUDA graphs (the "
-        "same bits, less host work a step: for fast links)",
+        help="at --staleness 0 on CUDA, FSDP2 or DDP (cgx, qsdp-g8): replay the hooks' codecs "
+        "from CUDA graphs (the same bits, less host work a step: for fast links)",
     )
     p.add_argument(
         "--stale-bound",

@@ -161,10 +161,10 @@ class TrainConfig:
     unclipped, replaces this loop's (``--predict local``). Not with ``--stale-bound`` or a
     ``--stale-after`` step (``auto`` or 0)."""
     graphs: bool = False
-    """FSDP2, synchronous, on CUDA: replay the hooks' codecs from CUDA graphs
-    (``Schedule(graphs=True)``, [Note: codec segments replayed] in ``qsdp.comm._graphs``): the
-    same bits with less host work a step, for a fast link. Not recorded as a setting a resumed
-    run must keep (it changes no bits)."""
+    """Synchronous, on CUDA, FSDP2 or DDP (``cgx``, ``qsdp-g8``): replay the hooks' codecs from
+    CUDA graphs (``Schedule(graphs=True)``, [Note: codec segments replayed] in
+    ``qsdp.comm._graphs``): the same bits with less host work a step, for a fast link. Not
+    recorded as a setting a resumed run must keep (it changes no bits)."""
     stale_bound: float | None = None
     """Staleness 1: force a synchronous step when ``lr * ||g||`` (clipped) of the applied
     gradient exceeds it (``qsdp.StalenessGate``, [Note: the staleness gate]); None never forces
@@ -273,11 +273,19 @@ class TrainConfig:
                 f"predict={self.predict}, stale_after={self.stale_after}, "
                 f"stale_bound={self.stale_bound}"
             )
-        if self.graphs and (self.staleness or self.parallel != "fsdp" or self.recipe == "auto"):
+        ddp_replays = self.recipe in ("cgx", "qsdp-g8") and not self.error_feedback
+        if self.graphs and (
+            self.staleness
+            or self.recipe == "auto"
+            or self.parallel not in ("fsdp", "ddp")
+            or (self.parallel == "ddp" and not ddp_replays)
+        ):
             raise ValueError(
-                "--graphs replays the codecs of FSDP2's synchronous hooks; got "
-                f"staleness={self.staleness}, parallel={self.parallel}, recipe={self.recipe}: "
-                "use it under FSDP2 at --staleness 0 with a named recipe, or drop it"
+                "--graphs replays the codecs of FSDP2's synchronous hooks and of DDP's two-phase "
+                f"all-reduce; got staleness={self.staleness}, parallel={self.parallel}, "
+                f"recipe={self.recipe}, error_feedback={self.error_feedback}: use it at "
+                "--staleness 0 under FSDP2 with a named recipe or under DDP with cgx or qsdp-g8 "
+                "(no --error-feedback), or drop it"
             )
         if self.stale_bound is not None and (not self.staleness or not self.stale_bound > 0):
             raise ValueError(

@@ -1,7 +1,8 @@
-"""reduce_scatter, all_gather and all_gather_diff with graphs=...: the captured segments' buffers
-and keys give the eager call's bits ([Note: codec segments replayed]). On CPU the segments run
-eagerly on their persistent buffers (``CodecGraphs(capture=False)``, the Triton kernels
-interpreted); the capture and replay themselves are the GPU tier's (``test_graphs_gpu.py``)."""
+"""reduce_scatter, all_gather, all_gather_diff and two_phase_all_reduce with graphs=...: the
+captured segments' buffers and keys give the eager call's bits ([Note: codec segments
+replayed]). On CPU the segments run eagerly on their persistent buffers
+(``CodecGraphs(capture=False)``, the Triton kernels interpreted) and the eager calls on the torch
+reference; the capture and replay themselves are the GPU tier's (``test_graphs_gpu.py``)."""
 
 from __future__ import annotations
 
@@ -78,6 +79,13 @@ def _gather(rank, ws, split, step, bucket, graphs, device, backend):
     return out, sent
 
 
+def _eager(device: str) -> str:
+    """The eager calls' backend: on the CPU the torch reference, the Triton kernels' bits (the
+    quantizer's parity tests) in a fraction of the interpreter's time, so a replay is checked
+    against the other implementation too; on a GPU the kernels the replays captured."""
+    return "reference" if device == "cpu" else "auto"
+
+
 def _matches_eager(rank, ws, call, shapes, device, capture):
     """Two steps of two buckets (two groups) per split: each replayed call's output and bytes
     are the eager call's (each step its own noise); ``shapes`` sets of buffers in all."""
@@ -86,7 +94,7 @@ def _matches_eager(rank, ws, call, shapes, device, capture):
     for name, split in SPLITS.items():
         for step in range(2):
             for bucket in (1, 2):
-                eager, sent = call(rank, ws, split, step, bucket, None, device, backend)
+                eager, sent = call(rank, ws, split, step, bucket, None, device, _eager(device))
                 got, sent_replayed = call(rank, ws, split, step, bucket, graphs, device, backend)
                 assert torch.equal(eager, got), (name, step, bucket)
                 assert sent.snapshot() == sent_replayed.snapshot(), name
@@ -140,7 +148,7 @@ def diff_replay_matches_eager(rank, ws, *, device="cpu", capture=False):
                     seed=3,
                     step=step,
                     bucket=bucket,
-                    backend=backend,
+                    backend=backend if g else _eager(device),
                     stats=sent[-1],
                     graphs=graphs if g else None,
                 )
@@ -169,6 +177,7 @@ def two_phase_replay_matches_eager(rank, ws, *, device="cpu", capture=False):
     byte count the eager call's. Returns (captured, replayed, sites)."""
     graphs = CodecGraphs(capture=capture)
     backend = "triton" if device == "cpu" else "auto"
+    eager = _eager(device)
     second = dist.new_group(list(range(ws)))
     cases = [("padded", M, None, None), ("whole chunks", 12 * ws, None, None)]
     cases += [(name, M, split, None) for name, split in SPLITS.items() if split is not None]
@@ -178,7 +187,7 @@ def two_phase_replay_matches_eager(rank, ws, *, device="cpu", capture=False):
             for bucket in (1, 2):
                 x = rank_tensor(rank, numel, seed=step + 10 * bucket).to(device, torch.bfloat16)
                 got, sent = {}, {}
-                for way, g in (("eager", None), ("replayed", graphs)):
+                for way, g, kernels in (("eager", None, eager), ("replayed", graphs, backend)):
                     got[way], sent[way] = x.clone(), CommStats()
                     two_phase_all_reduce(
                         got[way],
@@ -187,7 +196,7 @@ def two_phase_replay_matches_eager(rank, ws, *, device="cpu", capture=False):
                         seed=3,
                         step=step,
                         bucket=bucket,
-                        backend=backend,
+                        backend=kernels,
                         stats=sent[way],
                         second_group=group2,
                         graphs=g,

@@ -250,6 +250,8 @@ def second_group(second: dist.ProcessGroup | None, pg: dist.ProcessGroup) -> dis
     ``pg`` itself when None. See [Note: two communicators] in ``_two_phase.py``."""
     if second is None:
         return pg
+    if (pg, second) in _SAME_RANKS:  # (checked once per pair: a hot path, every DDP bucket)
+        return second
     mine, theirs = dist.get_process_group_ranks(pg), dist.get_process_group_ranks(second)
     if mine != theirs:
         raise ValueError(
@@ -257,7 +259,12 @@ def second_group(second: dist.ProcessGroup | None, pg: dist.ProcessGroup) -> dis
             "exchange must run over the same ranks in the same order; make it with "
             "dist.new_group(dist.get_process_group_ranks(group))"
         )
+    _SAME_RANKS.add((pg, second))
     return second
+
+
+#: (group, second group) pairs found to hold the same ranks in the same order
+_SAME_RANKS: set[tuple[dist.ProcessGroup, dist.ProcessGroup]] = set()
 
 
 def parse_op(op: str | dist.ReduceOp) -> str:

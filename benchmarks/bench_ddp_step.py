@@ -9,7 +9,8 @@ side by side in one run on the same weights and batches: ``ddp-fp32`` (DDP's own
 through ``qsdp.ddp.register`` (``NAME+s1``: the recipe at staleness 1, whose steps apply the
 previous step's gradient while their own reduction overlaps the next step; their step ends
 when the compute stream is done; ``+ef``: with error feedback; ``+g256``: gradient groups of
-256 elements; ``+pipe``: ``Schedule(pipeline=True)``; ``+prop``:
+256 elements; ``+pipe``: ``Schedule(pipeline=True)``; ``+graphs``: ``Schedule(graphs=True)``,
+CGX's two phases replayed from CUDA graphs (``cgx``, ``qsdp-g8``); ``+prop``:
 ``nonfinite="propagate"``, no NaN/Inf check at all; ``+bN``, on any variant, baselines
 included: DDP buckets of N MiB instead of ``--bucket-mb``; e.g. ``cgx+ef+g256``,
 ``bf16_compress_hook+b100``). Each figure is set against two bounds measured in the same run:
@@ -117,7 +118,10 @@ def run_variant(name: str, a, cfg, device: torch.device, rank: int) -> dict:
         if group:  # +gN: gradients in groups of N
             config = variants.with_group_size(config, group)
         schedule = qsdp.Schedule(
-            staleness=int("s1" in options), pipeline="pipe" in options, start=0
+            staleness=int("s1" in options),
+            pipeline="pipe" in options,
+            graphs="graphs" in options,
+            start=0,
         )
         qsdp_state = qsdp.ddp.register(
             model, config, schedule=schedule, error_feedback="ef" in options

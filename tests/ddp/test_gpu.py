@@ -27,17 +27,22 @@ D = 256
 STEPS = 30
 
 
+def small_model(d: int, dev: torch.device) -> nn.Module:
+    """The tests' model: 4 tokens of a 512-word vocabulary in, the first token out (seeded)."""
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Embedding(512, d),
+        nn.Flatten(),
+        nn.Linear(4 * d, d),
+        nn.GELU(),
+        nn.LayerNorm(d),
+        nn.Linear(d, 512),
+    ).to(dev)
+
+
 def _train(rank: int, world: int, recipe: str | None) -> list[float]:
     dev = torch.device("cuda", torch.cuda.current_device())
-    torch.manual_seed(0)
-    model = nn.Sequential(
-        nn.Embedding(512, D),
-        nn.Flatten(),
-        nn.Linear(4 * D, D),
-        nn.GELU(),
-        nn.LayerNorm(D),
-        nn.Linear(D, 512),
-    ).to(dev)
+    model = small_model(D, dev)
     ddp = DDP(model, device_ids=[dev.index], bucket_cap_mb=0.25)  # several buckets
     if recipe is not None:
         qsdp.ddp.register(ddp, recipe)

@@ -13,6 +13,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import qsdp
 from qsdp.testing import run_distributed
 
+from .test_gpu import small_model
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
@@ -26,15 +28,7 @@ def _run(rank: int, world: int, recipe: str, nan_at: int | None = None, **schedu
     ``recipe``'s hook: the losses, the weights, the bytes and the hook's replays."""
     dev = torch.device("cuda", rank % torch.cuda.device_count())
     torch.cuda.set_device(dev)
-    torch.manual_seed(0)
-    model = nn.Sequential(
-        nn.Embedding(512, D),
-        nn.Flatten(),
-        nn.Linear(4 * D, D),
-        nn.GELU(),
-        nn.LayerNorm(D),
-        nn.Linear(D, 512),
-    ).to(dev)
+    model = small_model(D, dev)
     ids = [dev.index] if dist.get_backend() == "nccl" else None
     ddp = DDP(model, device_ids=ids, bucket_cap_mb=1 / 16)
     config = qsdp.recipe(recipe, nonfinite="zero") if nan_at is not None else recipe

@@ -113,8 +113,9 @@ def reduce_scatter(
     Returns:
         A :class:`CommWork` when ``async_op``, else None.
     """
-    if graphs is not None:
-        _replayed(
+    if graphs is not None:  # [Note: codec segments replayed]: the site made at its first call
+        check_replayable(_NAME, async_op=async_op, spec=spec, backend=backend)
+        site = replayed_site(
             graphs,
             output,
             input,
@@ -122,13 +123,12 @@ def reduce_scatter(
             spec=spec,
             split=split,
             op=op,
-            async_op=async_op,
             seed=seed,
-            step=step,
             bucket=bucket,
             backend=backend,
-            stats=C.resolve_stats(stats),
         )
+        C.check_key(seed, step, bucket)
+        site.run(output, input, step, C.resolve_stats(stats), _NAME)
         return None
     stages = _reduce_scatter_stages(
         output,
@@ -194,42 +194,6 @@ class _Buffers(NamedTuple):
         if take:
             return split.take(self.rows, comp_out=self.comp, raw_out=self.raw)
         return self.comp, self.raw
-
-
-def _replayed(
-    graphs: CodecGraphs,
-    output: torch.Tensor,
-    input: torch.Tensor,
-    group: dist.ProcessGroup | None,
-    *,
-    spec: QuantSpec,
-    split: Split | None,
-    op: str | dist.ReduceOp,
-    async_op: bool,
-    seed: int,
-    step: int,
-    bucket: int,
-    backend: Backend,
-    stats: CommStats,
-) -> None:
-    """:func:`reduce_scatter` with its encode and decode replayed from ``graphs``
-    ([Note: codec segments replayed]): the call's site (group, shapes, quantizer, split, noise
-    key) is worked out at its first call into a :class:`_Site`, which each later call only runs."""
-    check_replayable(_NAME, async_op=async_op, spec=spec, backend=backend)
-    site = replayed_site(
-        graphs,
-        output,
-        input,
-        group,
-        spec=spec,
-        split=split,
-        op=op,
-        seed=seed,
-        bucket=bucket,
-        backend=backend,
-    )
-    C.check_key(seed, step, bucket)
-    site.run(output, input, step, stats, _NAME)
 
 
 def replayed_site(

@@ -7,17 +7,33 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
+
+import pytest
 
 from .bench_scripts import ROOT
 
+ENV = {"PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
 
-def test_counts_every_hook_of_a_step(tmp_path):
-    out = tmp_path / "r.json"
-    cmd = [sys.executable, "benchmarks/host_per_step.py", "--out", str(out), "--blocks", "3",
-           "--steps", "2", "--recipes", "qsdp-w8g8", "cgx"]  # fmt: skip
-    env = {"PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
-    subprocess.run(cmd, cwd=ROOT, env=env, check=True, capture_output=True, timeout=300)
-    d = json.loads(out.read_text())
+
+def _run(out: Path, *args: str) -> dict:
+    cmd = [sys.executable, "benchmarks/host_per_step.py", "--out", str(out), "--steps", "2", *args]
+    subprocess.run(cmd, cwd=ROOT, env=ENV, check=True, capture_output=True, timeout=300)
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def mlp(tmp_path_factory) -> tuple[dict, str]:
+    """One run of 3 MLP blocks, two recipes, cProfile on: the JSON and the profile's text."""
+    root = tmp_path_factory.mktemp("host_per_step")
+    prof = root / "mlp.txt"
+    d = _run(root / "mlp.json", "--blocks", "3", "--recipes", "qsdp-w8g8", "cgx",
+             "--cprofile", str(prof))  # fmt: skip
+    return d, prof.read_text()
+
+
+def test_counts_every_hook_of_a_step(mlp):
+    d, _ = mlp
     assert d["kernels"] == "stubbed" and d["world_size"] == 4 and d["blocks"] == 3
     rows = {r["recipe"]: r for r in d["rows"]}
     assert list(rows) == ["plain", "qsdp-w8g8", "cgx"]
@@ -36,23 +52,18 @@ def test_counts_every_hook_of_a_step(tmp_path):
     assert rows["plain"]["issued_ops"] < rows["cgx"]["issued_ops"] < rows["qsdp-w8g8"]["issued_ops"]
 
 
-def test_gpt_blocks_and_cprofile(tmp_path):
+def test_gpt_blocks_and_cprofile(mlp, tmp_path):
     """``--block gpt``: 12 parameters a block (the hooks' count unchanged, more ops than the
     6-parameter block's); ``--cprofile``: one section per variant, the hooks' functions in it."""
-    env = {"PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
+    prof = tmp_path / "gpt.txt"
+    gpt = _run(tmp_path / "gpt.json", "--blocks", "3", "--recipes", "cgx", "--block", "gpt",
+               "--cprofile", str(prof))  # fmt: skip
     ops = {}
-    for block in ("mlp", "gpt"):
-        out, prof = tmp_path / f"{block}.json", tmp_path / f"{block}.txt"
-        cmd = [sys.executable, "benchmarks/host_per_step.py", "--out", str(out), "--blocks",
-               "2", "--steps", "2", "--recipes", "cgx", "--block", block, "--cprofile",
-               str(prof)]  # fmt: skip
-        subprocess.run(cmd, cwd=ROOT, env=env, check=True, capture_output=True, timeout=300)
-        d = json.loads(out.read_text())
+    for block, d, text in (("mlp", *mlp), ("gpt", gpt, prof.read_text())):
         assert d["block"] == block and d["device"] == "cpu"
-        rows = {r["recipe"]: r for r in d["rows"]}
-        assert rows["cgx"]["hooks"]["qsdp::reduce-scatter"]["calls"] == 2
-        ops[block] = rows["cgx"]["issued_ops"]
-        text = prof.read_text()
+        cgx = {r["recipe"]: r for r in d["rows"]}["cgx"]
+        assert cgx["hooks"]["qsdp::reduce-scatter"]["calls"] == 3
+        ops[block] = cgx["issued_ops"]
         assert "== plain: 2 steps" in text and "== cgx: 2 steps" in text
         assert "_reduce_scatter.py" in text.split("== cgx")[1]  # the hook's code, profiled
     assert ops["gpt"] > ops["mlp"]
@@ -61,12 +72,8 @@ def test_gpt_blocks_and_cprofile(tmp_path):
 def test_ddp_buckets_against_a_hook_that_does_nothing(tmp_path):
     """``--ddp KB``: the blocks in DDP with small buckets (several), a no-op hook as the floor;
     each recipe's hook issues ops on top of it, CGX's two phases more than Global-QSGD's."""
-    out = tmp_path / "ddp.json"
-    cmd = [sys.executable, "benchmarks/host_per_step.py", "--out", str(out), "--blocks", "3",
-           "--steps", "2", "--ddp", "16", "--recipes", "cgx", "global-qsgd"]  # fmt: skip
-    env = {"PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
-    subprocess.run(cmd, cwd=ROOT, env=env, check=True, capture_output=True, timeout=300)
-    d = json.loads(out.read_text())
+    d = _run(tmp_path / "ddp.json", "--blocks", "3", "--ddp", "16", "--recipes", "cgx",
+             "global-qsgd")  # fmt: skip
     assert d["parallel"] == "ddp, buckets of 16.0 KiB" and d["ddp_buckets"] >= 3, d
     rows = {r["recipe"]: r for r in d["rows"]}
     assert list(rows) == ["noop", "cgx", "global-qsgd"]

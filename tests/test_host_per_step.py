@@ -80,5 +80,8 @@ def test_ddp_buckets_against_a_hook_that_does_nothing(tmp_path):
     assert rows["noop"]["x_plain"] == 1.0 and rows["noop"]["hook_calls"] == 0
     ops = [rows[name]["issued_ops"] for name in rows]
     assert ops[0] < ops[2] < ops[1], ops  # noop < global-qsgd < cgx
-    # one NaN/Inf verdict a backward, whatever the buckets
-    assert rows["cgx"]["hooks"]["qsdp::nonfinite verdict"]["calls"] == 1
+    # one NaN/Inf verdict a backward, whatever the buckets; each bucket's hook in a scope
+    for name in ("cgx", "global-qsgd"):
+        hooks = rows[name]["hooks"]
+        assert hooks["qsdp::nonfinite verdict"]["calls"] == 1
+        assert hooks["qsdp::ddp all-reduce"]["calls"] == d["ddp_buckets"], hooks

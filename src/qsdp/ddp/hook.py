@@ -185,6 +185,12 @@ class DDPCompression:
     # --- the hook ---------------------------------------------------------------------------
     def reduce(self, bucket: dist.GradBucket) -> torch.futures.Future:
         """All-reduce one bucket (average); the future yields the bucket's buffer."""
+        if torch.autograd._profiler_enabled():  # one scope a bucket, as FSDP2's hooks have
+            with torch.profiler.record_function(f"qsdp::ddp all-reduce (bucket {bucket.index()})"):
+                return self._reduce_bucket(bucket)
+        return self._reduce_bucket(bucket)
+
+    def _reduce_bucket(self, bucket: dist.GradBucket) -> torch.futures.Future:
         tensor = bucket.buffer()
         if self.stale is not None and not self.stale.reduce_now:
             return self._reduce_stale(bucket, tensor)  # [Note: staleness 1 under DDP]

@@ -206,6 +206,8 @@ def two_phase_replay_matches_eager(rank, ws, *, device="cpu", capture=False):
                 assert ws == 1 or sent["eager"].total_bytes > 0
                 assert not torch.equal(got["replayed"], x) or ws == 1  # (it reduced)
                 assert_same_on_all_ranks(got["replayed"])
+    # the rows a call copies into: one per shape (both buckets of a case share them)
+    assert sum(1 for key in graphs._buffers if key[0] == "two_phase rows") == len(cases)
     return graphs.captured, graphs.replayed, len(graphs.sites)
 
 

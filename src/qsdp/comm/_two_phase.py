@@ -185,7 +185,7 @@ def two_phase_all_reduce(
             layout=(spec, split, op, pgs[1]),
             noise=(seed, bucket),
             make=lambda key: _ReplayedPhases(
-                graphs, tensor, split, pgs, n, op, spec, seed, bucket, backend
+                graphs, key, tensor, split, pgs, n, op, spec, seed, bucket, backend
             ),
         )
         site.run(tensor, step, stats)
@@ -206,13 +206,16 @@ class _ReplayedPhases:
     Phase 1 is a replayed reduce-scatter's site, phase 2 a replayed all-gather's
     ([Note: codec segments replayed] in ``_graphs.py``), with the noise (``hop`` 0 and 1) and
     byte counter (``two_phase_all_reduce``) of the eager call, so the same bits and bytes. A
-    call copies the tensor into the site's rows (a split's runs into their places, the rows'
-    gaps zero since the site was made), runs the two sites back to back (phase 2 reads phase
-    1's output where it lies) and copies the gathered rows back: the two copies, the two
-    sites' four replays and their two exchanges, about a dozen torch ops where the eager call
-    issues some 60 and a dozen launches (DDP, ``benchmarks/host_per_step.py --ddp``)."""
+    call copies the tensor into the site's rows (a split's runs into their places; the rows'
+    gaps zero since the rows were made, shared by the sites of one shape and stream), runs the
+    two sites back to back (phase 2 reads phase 1's output where it lies) and copies the
+    gathered rows back: the two copies, the two sites' four replays and their two exchanges,
+    about a dozen torch ops where the eager call issues some 60 and a dozen launches (DDP,
+    ``benchmarks/host_per_step.py --ddp``). Memory per shape and stream: the rows, phase 1's
+    rows and output, phase 2's input and output, and the payloads: about three tensors' worth
+    (float32 tensors; more for bf16 ones, whose phase outputs are float32)."""
 
-    def __init__(self, graphs, tensor, split, pgs, n, op, spec, seed, bucket, backend) -> None:
+    def __init__(self, graphs, key, tensor, split, pgs, n, op, spec, seed, bucket, backend) -> None:
         numel, device = tensor.numel(), tensor.device
         if split is not None:
             per_chunk, self.pieces = _chunked(split, n)
@@ -222,7 +225,11 @@ class _ReplayedPhases:
             chunk, gathered_dtype = -(-numel // n), tensor.dtype
         self.numel = numel
         # the rows phase 1 reads: a split's pieces or the padded tensor; gaps and padding zero
-        self.rows = torch.zeros(n * chunk, dtype=tensor.dtype, device=device)
+        # (shared by the sites of one shape and stream, as the phases' own buffers are)
+        self.rows = graphs.buffers(
+            ("two_phase rows", key),
+            lambda: torch.zeros(n * chunk, dtype=tensor.dtype, device=device),
+        )
         kw = dict(split=per_chunk, seed=seed, bucket=bucket, backend=backend, name=_NAME)
         reduced = torch.empty(chunk, dtype=torch.float32, device=device)
         gathered = torch.empty(n * chunk, dtype=gathered_dtype, device=device)

@@ -404,8 +404,9 @@ class Schedule:
     differences) of device memory, the buffers shared by the groups of one shape, and two
     copies a call on the device. DDP on CUDA: CGX's two-phase all-reduce of each bucket
     (``cgx``, ``qsdp-g8``; not with error feedback) replays both phases' codecs ([Note: two
-    phases replayed] in ``qsdp.comm._two_phase``): about three buckets of device memory per
-    bucket shape and hook stream."""
+    phases replayed] in ``qsdp.comm._two_phase``) from the second backward on: about three
+    buckets of device memory per bucket shape and hook stream (DDP's buckets rarely share a
+    length: about three times the gradients, +10 B per parameter measured)."""
 
     def __post_init__(self) -> None:
         if self.staleness not in (0, 1) or isinstance(self.staleness, bool):

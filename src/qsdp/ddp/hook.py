@@ -144,8 +144,8 @@ class DDPCompression:
         """``Schedule(graphs=True)``: the buckets' captured codec segments ([Note: two phases
         replayed] in ``qsdp.comm._two_phase``), from the second backward on: DDP rebuilds its
         buckets after the first, and a site (its buffers, about three buckets) is made per
-        bucket shape, so the first backward's would be kept for nothing (+2.2 GB of 3.7 on a
-        model of 85 M parameters in 13 buckets of 25 MiB, one H200)."""
+        bucket shape, so the first backward's would be kept for nothing (a peak of 3.7 GB
+        where it is 2.4 GB now: 85 M parameters in 13 buckets of 25 MiB, one H200)."""
         self._backwards = 0
         self.stale: DelayedReductions | None = None
         self.predict: AutoPrediction | None = None  # Schedule(predict="local"), set by register

@@ -211,7 +211,7 @@ def two_phase_replay_matches_eager(rank, ws, *, device="cpu", capture=False):
     return graphs.captured, graphs.replayed, len(graphs.sites)
 
 
-@pytest.mark.parametrize("world_size", [3])  # (one rank: test_replayed_buffers_give_...[1])
+@pytest.mark.parametrize("world_size", [1, 3])
 def test_two_phase_replays_give_the_eager_bits(world_size):
     # each case's two buckets: a composite site each (10), with a phase-2 site each (10) and
     # phase-1 sites (8: the second-group case's are the several-runs case's, same key)

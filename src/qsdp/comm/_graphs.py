@@ -44,7 +44,7 @@ reduce-scatter on an H200).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterable
 from typing import Any
 
 import torch
@@ -101,6 +101,17 @@ class CodecGraphs:
         """Segments captured so far (one per (shape, key) and side: encode or decode)."""
         self.replayed = 0
         """Segment replays so far."""
+
+    @staticmethod
+    def check_parameters(params: Iterable[torch.Tensor]) -> None:
+        """Raise unless a model's ``params`` are all on CUDA (what ``Schedule(graphs=True)``
+        replays: FSDP2's and DDP's installers check it before anything is made)."""
+        devices = {p.device.type for p in params}
+        if devices != {"cuda"}:
+            raise ValueError(
+                f"Schedule(graphs=True) replays CUDA graphs; the model's parameters are on "
+                f"{sorted(devices)}: drop graphs off CUDA"
+            )
 
     def site(
         self,

@@ -223,7 +223,6 @@ class _ReplayedPhases:
         else:  # (padded inside to whole chunks, the gather decoded in the tensor's dtype)
             per_chunk, self.pieces = None, None
             chunk, gathered_dtype = -(-numel // n), tensor.dtype
-        self.numel = numel
         # the rows phase 1 reads: a split's pieces or the padded tensor; gaps and padding zero
         # (shared by the sites of one shape and stream, as the phases' own buffers are)
         self.rows = graphs.buffers(

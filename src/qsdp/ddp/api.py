@@ -7,6 +7,7 @@ import dataclasses
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from .. import comm as qc
 from ..config import (
     CompressionConfig,
     IntegerGrads,
@@ -177,12 +178,7 @@ def _check_graphs(model: DDP, config, name: str, error_feedback: bool) -> None:
             "Schedule(graphs=True) with error_feedback=True: error feedback's losses are "
             "computed eagerly: drop one of them"
         )
-    devices = {p.device.type for p in model.parameters()}
-    if devices != {"cuda"}:
-        raise ValueError(
-            f"Schedule(graphs=True) replays CUDA graphs; the model's parameters are on "
-            f"{sorted(devices)}: drop graphs off CUDA"
-        )
+    qc.CodecGraphs.check_parameters(model.parameters())
 
 
 def _auto(model: DDP, *, pipeline: bool) -> auto.AutoDecision:

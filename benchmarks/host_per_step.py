@@ -55,6 +55,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -99,6 +100,7 @@ def build(
     device: str = "cpu",
     schedule: qsdp.Schedule | None = None,
     ddp_bucket_kb: float | None = None,
+    mesh=None,
 ) -> nn.Module:
     name, *options = recipe.split("+")
     if ddp_bucket_kb is not None:
@@ -122,8 +124,15 @@ def build(
         fully_shard(block)
     fully_shard(model)
     if name != "plain":
-        qsdp.compress_fsdp(model, qsdp.recipe(name, nonfinite="zero"), schedule=schedule)
+        config = qsdp.recipe(name, nonfinite="zero")
+        qsdp.compress_fsdp(model, config, schedule=schedule, **_mesh_for(config, mesh))
     return model
+
+
+def _mesh_for(config, mesh) -> dict:
+    """``mesh=`` for a recipe with two-level gradients (``sdp4bit``) under ``--mesh``."""
+    two_level = isinstance(getattr(config, "grads", None), qsdp.TwoLevelGrads)
+    return {"mesh": mesh} if mesh is not None and two_level else {}
 
 
 def _noop_hook(state, bucket):  # noqa: ANN001, ANN202 - DDP checks unannotated or exact types
@@ -189,9 +198,12 @@ class Variant:
         optimizer: bool,
         single_thread: bool = False,
         ddp_bucket_kb: float | None = None,
+        mesh=None,
     ) -> None:
         self.recipe, self.device, self.single_thread = recipe, device, single_thread
-        model = build(recipe, blocks, d, block=block, device=device, ddp_bucket_kb=ddp_bucket_kb)
+        model = build(
+            recipe, blocks, d, block=block, device=device, ddp_bucket_kb=ddp_bucket_kb, mesh=mesh
+        )
         self.model = model
         x = torch.randn(4, d, device=device)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4) if optimizer else None
@@ -329,13 +341,24 @@ def main() -> None:
         "bucket back (noop) in place of plain, the recipes DDP's (cgx, global-qsgd, qsdp-g8; "
         "NAME+pipeline, NAME+graphs)",
     )
+    p.add_argument(
+        "--mesh",
+        action="store_true",
+        help="the fake group of 4 as 2 nodes x 2 GPUs: recipes with two-level gradients "
+        "(sdp4bit) reduce over that mesh (compress_fsdp(mesh=...)), the others as ever",
+    )
     a = p.parse_args()
+    if a.mesh and a.ddp is not None:
+        raise SystemExit("--mesh is for FSDP2's two-level reduce-scatter; drop it with --ddp")
     if any("+s1" in r for r in a.recipes) and not a.optimizer:
         raise SystemExit("a NAME+s1 recipe predicts at the optimizer's step: pass --optimizer")
     stub = a.device == "cpu" if a.stub is None else a.stub
     if stub:
         host_per_bucket._stub_kernels()
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    mesh = None
+    if a.mesh:
+        mesh = init_device_mesh(a.device, (2, 2), mesh_dim_names=("inter", "intra"))
     profiles: list[str] | None = [] if a.cprofile else None
     variants = [
         Variant(
@@ -347,6 +370,7 @@ def main() -> None:
             optimizer=a.optimizer,
             single_thread=a.single_thread,
             ddp_bucket_kb=a.ddp,
+            mesh=mesh,
         )
         for r in ["plain" if a.ddp is None else "noop", *a.recipes]
     ]
@@ -393,6 +417,7 @@ def main() -> None:
                 "torch": torch.__version__,
                 "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 "world_size": 4,
+                "mesh": "2 nodes x 2" if a.mesh else None,
                 "parallel": "fsdp2" if a.ddp is None else f"ddp, buckets of {a.ddp} KiB",
                 "ddp_buckets": (None if a.ddp is None else len(set(variants[0].model.hook_calls))),
                 "blocks": a.blocks,

@@ -18,6 +18,7 @@ from qsdp.comm import (
     Split,
     all_gather,
     all_gather_diff,
+    hierarchical_reduce_scatter,
     reduce_scatter,
     two_phase_all_reduce,
 )
@@ -219,6 +220,62 @@ def test_two_phase_replays_give_the_eager_bits(world_size):
     assert got == [(0, 0, 28)] * world_size
 
 
+def two_level_replay_matches_eager(rank, ws, cases, *, device="cpu", capture=False):
+    """SDP4Bit's two-level reduce-scatter replayed ([Note: two levels replayed]): for each
+    case (a mesh's rank lists, one level where a dimension is 1, and a split), two steps of one
+    bucket and a second bucket (another site, the same buffers), every result and byte count
+    the eager call's. Returns (captured, replayed, sites, buffer sets)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    graphs = CodecGraphs(capture=capture)
+    backend = "triton" if device == "cpu" else "auto"
+    intra = dataclasses.replace(SPEC, bits=8)
+    for rows, name in cases:
+        mesh = DeviceMesh(device, rows, mesh_dim_names=("inter", "intra"))
+        for step, bucket in ((0, 1), (1, 1), (1, 2)):
+            x = rank_tensor(rank, ws * M, seed=step + 10 * bucket).to(device, torch.bfloat16)
+            got, sent = {}, {}
+            for way, g, kernels in (("eager", None, _eager(device)), ("replayed", graphs, backend)):
+                got[way], sent[way] = torch.full((M,), float("nan"), device=device), CommStats()
+                hierarchical_reduce_scatter(
+                    got[way],
+                    x,
+                    mesh=mesh,
+                    intra_spec=intra,
+                    inter_spec=SPEC,
+                    split=SPLITS[name],
+                    seed=3,
+                    step=step,
+                    bucket=bucket,
+                    backend=kernels,
+                    stats=sent[way],
+                    graphs=g,
+                )
+            what = (rows, name, step, bucket)
+            assert torch.equal(got["eager"], got["replayed"]), what
+            assert sent["eager"].snapshot() == sent["replayed"].snapshot(), what
+            assert sent["eager"].total_bytes > 0
+            assert not torch.isnan(got["replayed"]).any()
+            assert_same_on_all_ranks(torch.tensor([step, bucket]))
+    return graphs.captured, graphs.replayed, len(graphs.sites), len(graphs._buffers)
+
+
+@pytest.mark.parametrize(
+    ("world_size", "cases"),
+    [
+        # row-major; listed in another order (a column's rows not evenly spaced; three nodes
+        # and the own column's encodes around the own chunk: test_hierarchical.py); one level
+        (4, [([[0, 1], [2, 3]], "whole"), ([[3, 1], [2, 0]], "several runs"),
+             ([[0, 1, 2, 3]], "one run each")]),
+    ],
+    ids=["2x2,1x4"],
+)  # fmt: skip
+def test_two_level_replays_give_the_eager_bits(world_size, cases):
+    got = run_distributed(two_level_replay_matches_eager, world_size, cases)
+    # a site per case and bucket; a set of buffers per case (its mesh and split: its shape)
+    assert got == [(0, 0, 2 * len(cases), len(cases))] * world_size
+
+
 def _refusals(rank, ws):
     graphs = CodecGraphs(capture=False)
     x, out = torch.randn(ws * 8), torch.empty(8)
@@ -242,6 +299,15 @@ def _refusals(rank, ws):
         )
     with pytest.raises(ValueError, match="a synchronous call"):
         two_phase_all_reduce(x.clone(), spec=SPEC, async_op=True, graphs=graphs, backend="triton")
+    from torch.distributed.device_mesh import DeviceMesh
+
+    mesh = DeviceMesh("cpu", [[0], [1]], mesh_dim_names=("inter", "intra"))
+    levels = dict(mesh=mesh, intra_spec=SPEC, inter_spec=SPEC, graphs=graphs, backend="triton")
+    for bad in ({"pipeline": 2}, {"node_average": print}):
+        with pytest.raises(ValueError, match="pass pipeline=1 and no node_average"):
+            hierarchical_reduce_scatter(out, x, **levels, **bad)
+    with pytest.raises(ValueError, match="a synchronous call"):
+        hierarchical_reduce_scatter(out, x, **levels, async_op=True)
     return True
 
 

@@ -1,7 +1,8 @@
-"""GPU tier of ``reduce_scatter``, ``all_gather``, ``all_gather_diff`` and
-``two_phase_all_reduce`` with ``graphs=...``: the captured and replayed segments give the eager
-call's bits at every step ([Note: codec segments replayed]). One GPU: three gloo processes share
-it (gloo moves CUDA tensors through the host); two or more: NCCL, a rank per GPU."""
+"""GPU tier of ``reduce_scatter``, ``all_gather``, ``all_gather_diff``,
+``two_phase_all_reduce`` and ``hierarchical_reduce_scatter`` with ``graphs=...``: the captured
+and replayed segments give the eager call's bits at every step ([Note: codec segments
+replayed]). One GPU: gloo processes share it (gloo moves CUDA tensors through the host); two or
+more: NCCL, a rank per GPU."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from .test_graphs import (
     diff_replay_matches_eager,
     gather_replay_matches_eager,
     replay_matches_eager,
+    two_level_replay_matches_eager,
     two_phase_replay_matches_eager,
 )
 
@@ -48,3 +50,23 @@ def test_captured_segments_replay_the_eager_bits(collective):
         worker, ws, device="cuda", capture=True, backend="nccl" if many else "gloo", timeout_s=600
     )
     assert got == [expected] * ws, got
+
+
+def test_two_level_segments_replay_the_eager_bits():
+    """Over 2 nodes x 2 (row-major, and listed in another order) and 1 x 4: four ranks, NCCL
+    on four GPUs, else gloo processes sharing the GPUs. Per two-level case (3 calls, 2 buckets,
+    3 segments a call) an encode and a middle hop captured per bucket and a decode per shape:
+    5 of 9 runs; the one-level case the single-level's 3 of 6."""
+    cases = [([[0, 1], [2, 3]], "whole"), ([[3, 1], [2, 0]], "several runs")]
+    cases.append(([[0, 1, 2, 3]], "one run each"))
+    nccl = torch.cuda.device_count() >= 4
+    got = run_distributed(
+        two_level_replay_matches_eager,
+        4,
+        cases,
+        device="cuda",
+        capture=True,
+        backend="nccl" if nccl else "gloo",
+        timeout_s=600,
+    )
+    assert got == [(13, 11, 6, 3)] * 4, got

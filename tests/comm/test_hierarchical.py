@@ -9,7 +9,8 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from qsdp.comm import CommStats, hierarchical_reduce_scatter, hierarchical_reduce_scatter_wire_bytes
 from qsdp.comm._common import noise_stream
-from qsdp.comm._hierarchical import _mesh_layout, _pieces
+from qsdp.comm._hierarchical import _pieces
+from qsdp.comm._mesh_layout import mesh_layout, runs_of
 from qsdp.quant import QuantSpec, decode_sum, decode_sum_encode, encode
 from qsdp.quant.reference import decode_sum_flat
 from qsdp.testing import (
@@ -278,8 +279,8 @@ def _permuted_worker(rank: int, ws: int) -> dict:
     for rows in PERMUTED[ws]:
         mesh = DeviceMesh("cpu", rows, mesh_dim_names=("inter", "intra"))
         # worked out once per mesh ([Note: a mesh's layout, once]), each mesh its own
-        layout = _mesh_layout(mesh, None)
-        assert _mesh_layout(mesh, None) is layout
+        layout = mesh_layout(mesh, None)
+        assert mesh_layout(mesh, None) is layout
         assert layout.coord == tuple(mesh.get_coordinate())
         layouts.append(layout)
         for pipeline in (1, 2):
@@ -317,3 +318,64 @@ def test_any_rank_order(ws):
     for rank, out in enumerate(run_distributed(_permuted_worker, ws)):
         for what, err in out["errors"].items():
             assert err <= out["bound"], f"rank {rank}, mesh {what}: error {err} > {out['bound']}"
+
+
+# --- the intra-node encodes, one launch per run of rows ([Note: one launch per run of rows]) ---
+def test_runs_of_cuts_rows_into_evenly_spaced_increasing_runs():
+    assert runs_of((0, 2)) == ((0, 2, 0, 2),)  # (node, count, first row, stride)
+    assert runs_of((1, 3, 5)) == ((0, 3, 1, 2),)
+    assert runs_of((3, 1)) == ((0, 1, 3, 1), (1, 1, 1, 1))  # decreasing: a run each
+    assert runs_of((5, 0, 3)) == ((0, 1, 5, 1), (1, 2, 0, 3))
+    assert runs_of((0, 1, 3)) == ((0, 2, 0, 1), (2, 1, 3, 1))
+    assert runs_of((4,)) == ((0, 1, 4, 1),)
+
+
+@pytest.mark.parametrize(
+    "chunk",
+    [((0, 1), (2, 3), (4, 5)), ((5, 1), (0, 4), (3, 2)), ((0, 2, 4), (1, 3, 5))],
+    ids=["3x2 row-major", "3x2 listed in another order", "2x3 by columns"],
+)
+def test_encode_intra_writes_an_encode_per_chunk(chunk):
+    """At every coordinate of the mesh, ``encode_intra`` (Triton, interpreted on CPU) writes
+    each peer's and the own column's payloads exactly where and as an encode per chunk would,
+    with each chunk's noise, and leaves the own chunk's slot alone."""
+    from qsdp.comm._mesh_layout import MeshLayout
+    from qsdp.comm._two_level import encode_intra
+
+    na, nb = len(chunk), len(chunk[0])
+    intra = sdp4bit("stochastic")[0].propagating()
+    m, piece = 300, (128, 150)  # a piece inside the chunk, not a whole number of groups
+    chunks = torch.randn(na * nb, m, generator=torch.Generator().manual_seed(4))
+    nbytes = intra.payload_bytes(piece[1])
+    for a in range(na):
+        for b in range(nb):
+            layout = MeshLayout.of(
+                inter=None,
+                intra=None,
+                coord=(a, b),
+                chunk=chunk,
+                intra_cols=tuple(range(nb)),
+                inter_rows=tuple(range(na)),
+            )
+            stack = torch.full((nb, na, nbytes), 7, dtype=torch.uint8)
+            send = torch.empty(nb - 1, na, nbytes, dtype=torch.uint8)
+
+            def noise(c: int, a=a, b=b) -> int:
+                return noise_stream(a * nb + b, c, bucket=3, piece=1)
+
+            keys = dict(spec=intra, stream_of=noise, seed=11, step=2)
+            encode_intra(
+                chunks, piece, layout=layout, stack=stack, send=send, backend="triton", **keys
+            )
+            o, n = piece
+            for dst in range(nb):
+                rows = stack[nb - 1] if dst == b else send[dst - (dst > b)]
+                for a2 in range(na):
+                    if (a2, dst) == (a, b):
+                        assert bool((rows[a2] == 7).all()), "the own chunk's slot was written"
+                        continue
+                    c = chunk[a2][dst]
+                    want = encode(
+                        chunks[c, o : o + n], intra, seed=11, step=2, stream=noise(c)
+                    ).payload
+                    assert torch.equal(rows[a2], want), (a, b, dst, a2)

@@ -48,20 +48,22 @@ def _replayed_vs_eager(rank: int, ws: int, recipe: str) -> tuple[list[float], in
 
 
 #: the collectives each recipe replays (sdp4bit: its reduce-scatter and its weight differences;
-#: over a node mesh its two-level reduce-scatter runs eagerly)
+#: over a node mesh its two-level reduce-scatter, one level where the mesh has one)
 REPLAYED = {
     "qsdp-w8g8": ["all_gather", "reduce_scatter"],
     "cgx": ["reduce_scatter"],
     "sdp4bit": ["all_gather_diff", "reduce_scatter"],
-    "sdp4bit+mesh": ["all_gather_diff"],
+    "sdp4bit+mesh": ["all_gather_diff", "hierarchical_reduce_scatter"],
 }
 
 
 @pytest.mark.parametrize("recipe", list(REPLAYED))
 def test_replayed_codecs_train_bit_for_bit(recipe):
     many = torch.cuda.device_count() >= 2
-    ws = min(torch.cuda.device_count(), 4) if many else 3
-    backend = "nccl" if many else "gloo"
+    mesh = recipe.endswith("+mesh")
+    # (over a mesh: 2 nodes x 2 on four ranks, gloo processes sharing fewer GPUs)
+    ws = 4 if mesh else min(torch.cuda.device_count(), 4) if many else 3
+    backend = "nccl" if torch.cuda.device_count() >= ws else "gloo"
     got = run_distributed(_replayed_vs_eager, ws, recipe, backend=backend, timeout_s=600)
     # (each rank asserted its two runs the same bits; the losses are each rank's own batches)
     assert all(replayed > 0 and replayed == got[0][1] for _, replayed, _ in got), got

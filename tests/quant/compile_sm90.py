@@ -97,8 +97,10 @@ def main() -> None:
             results[f"decode {name} tail={tail}"] = _compile(K.decode_kernel, ptrs, dec)
         c = L._consts(spec, rotate=False, block=L._BLOCK)
         dse = {**c.in_codes, **c.tile, **c.codes, **c.quantize, "K": 3, "BIG": False}
-        dse |= {"IN_ALIGNED": True, "ALIGNED": True, "TAIL": True}
-        results[f"decode_sum_encode {name}"] = _compile(K.decode_sum_encode_kernel, codes_ptr, dse)
+        # (the step read from device memory: a replayed two-level reduce-scatter's launch)
+        dse |= {"IN_ALIGNED": True, "ALIGNED": True, "TAIL": True, "STEP_PTR": True}
+        ptrs = {**codes_ptr, "step_ptr": "*i64"}
+        results[f"decode_sum_encode {name}"] = _compile(K.decode_sum_encode_kernel, ptrs, dse)
     gi = {"ROWS": 16, "GROUP": 256, "STOCHASTIC": True, "BIG": False, "TAIL": True}
     ptrs = {"x_ptr": "*fp32", "scale_ptr": "*fp32", "out_ptr": "*i8"}
     results["global_int_encode"] = _compile(K.global_int_encode_kernel, ptrs, gi)

@@ -342,6 +342,32 @@ def test_encode_reads_a_step_from_device_memory_as_the_argument(diff):
         encode_diff(x, base, plain, **kw) if diff else encode(x, plain, **kw)
 
 
+def test_decode_sum_encode_reads_a_step_from_device_memory_as_the_argument():
+    """The middle hop of a replayed two-level reduce-scatter: with the step in memory the
+    argument's bytes, another step's when it changes; refused off the Triton kernel."""
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    in_spec = _spec(8, "absmax", "stochastic", (32, 7), group=128).propagating()
+    out_spec = _spec(4, "absmax", "stochastic", (32, 7), group=128).propagating()
+    n = 1000 + 7
+    stacked = torch.stack([encode(heavy_tailed(n, seed=40 + r).to(dev), in_spec).payload
+                           for r in range(3)])  # fmt: skip
+
+    def run(step, backend="triton"):
+        kw = dict(seed=5, step=step, stream=6, backend=backend)
+        return decode_sum_encode(stacked, n, in_spec, out_spec, **kw).payload
+
+    step = torch.tensor([9], device=dev)
+    _same(run(step), run(9))
+    _same(run(9), run(9, backend="reference"))
+    step.fill_(10)
+    _same(run(step), run(10))
+    assert bool((run(9) != run(10)).any())
+    with pytest.raises(ValueError, match="pass the step as an int"):
+        run(step, backend="reference")
+    with pytest.raises(ValueError, match="one int64"):
+        run(torch.tensor([9], device=dev, dtype=torch.int32))
+
+
 def test_encode_rows_checks_its_arguments():
     spec = _spec(8, "absmax", "nearest")
     rows = torch.randn(3, 100)

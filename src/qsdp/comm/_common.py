@@ -428,13 +428,20 @@ def all_gather(
 
 
 def reduce_scatter_sum(
-    out: torch.Tensor, inp: torch.Tensor, group, stats: CommStats, name: str
+    out: torch.Tensor,
+    inp: torch.Tensor,
+    group,
+    stats: CommStats,
+    name: str,
+    *,
+    stream: str = "drive",
 ) -> dist.Work:
-    """``reduce_scatter_single`` (torch >= 2.13) or ``reduce_scatter_tensor`` with SUM; counts
-    the ``n - 1`` chunks bound for the peers (the own chunk never leaves, see ``_stats``)."""
+    """``reduce_scatter_single`` (torch >= 2.13) or ``reduce_scatter_tensor`` with SUM, issued
+    by :func:`start` on ``stream``; counts the ``n - 1`` chunks bound for the peers (the own
+    chunk never leaves, see ``_stats``)."""
     before_exchange(group)
     stats.add_bytes(name, _nbytes(inp) - _nbytes(out))
-    return start(dist_reduce_scatter(), out, inp, op=dist.ReduceOp.SUM, group=group)
+    return start(dist_reduce_scatter(), out, inp, op=dist.ReduceOp.SUM, group=group, stream=stream)
 
 
 def all_to_all(

@@ -206,6 +206,10 @@ class ReplayedSite:
         # the encode draws this site's noise; the decode is the same for every site of a shape
         # (unless it writes the site's own state: the site then keys it by its noise too)
         self.encode_key, self.decode_key = (key, noise, "encode"), (key, "decode")
+        self.hops: tuple[tuple[Hashable, Callable[[], None], Callable[[Any], None]], ...] = ()
+        """A collective of several hops: ``(key, segment, exchange)`` of each segment between
+        the encode and the decode, and the exchange after it (the two-level reduce-scatter's
+        middle hop)."""
 
     def encode(self) -> None:
         raise NotImplementedError
@@ -228,7 +232,8 @@ class ReplayedSite:
     ):
         """One call: counted (unless ``count_call`` is False: a phase of a composite call);
         the input in and the step written, the encode replayed, the exchange (on the current
-        stream, after the encode), the decode replayed, the output out (``input`` may alias
+        stream, after the encode), each of :attr:`hops` (its segment replayed, its exchange),
+        the decode replayed, the output out (``input`` may alias
         ``output``: it is read first; None: left in the site's output). An empty output:
         nothing."""
         if count_call:
@@ -239,6 +244,9 @@ class ReplayedSite:
         self.step.fill_(step)
         self.graphs.run(self.encode_key, self.encode)
         self.exchange(stats)
+        for key, segment, exchange in self.hops:
+            self.graphs.run(key, segment)
+            exchange(stats)
         self.graphs.run(self.decode_key, self.decode)
         if output is not None:
             (output if output.dim() == 1 else output.view(-1)).copy_(self._out_flat)

@@ -38,11 +38,19 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..quant import Backend, QuantSpec, decode_sum, decode_sum_encode, encode, flagged_groups
+from ..quant import Backend, QuantSpec, flagged_groups
 from . import _common as C
-from ._reduce_scatter import _reduce_scatter_stages, check_chunks, reduce_scatter_wire_bytes
+from ._graphs import CodecGraphs, check_replayable
+from ._mesh_layout import MeshLayout, mesh_layout
+from ._reduce_scatter import (
+    _reduce_scatter_stages,
+    check_chunks,
+    reduce_scatter_wire_bytes,
+    replayed_site,
+)
 from ._split import Split, check_split
 from ._stats import CommStats
+from ._two_level import TwoLevelSite, decode_inter, encode_intra, recode
 
 __all__ = ["hierarchical_reduce_scatter", "hierarchical_reduce_scatter_wire_bytes"]
 
@@ -120,110 +128,6 @@ def hierarchical_reduce_scatter_wire_bytes(
     )
 
 
-@dataclass(frozen=True)
-class _MeshLayout:
-    """Where each mesh coordinate sits in the two groups and in the flat layout.
-
-    [Note: any rank order]
-    A ``DeviceMesh`` may list its ranks in any order (``DeviceMesh("cuda", [[0, 2], [1, 3]])``);
-    its row and column groups number their members by global rank, not by mesh coordinate. The
-    collective works in mesh coordinates ``(a, b)`` and translates at its edges: ``chunk[a][b]``
-    is the row of the input bound for coordinate ``(a, b)`` (the position of that rank in the
-    flat group), ``intra_cols[j]`` / ``inter_rows[j]`` the coordinate of the intra / inter group's
-    rank ``j`` (all-to-all splits are indexed by group rank). For a row-major mesh all three are
-    the identity and the collective is what it always was.
-    """
-
-    inter: dist.ProcessGroup
-    intra: dist.ProcessGroup
-    coord: tuple[int, int]
-    chunk: tuple[tuple[int, ...], ...]
-    intra_cols: tuple[int, ...]
-    inter_rows: tuple[int, ...]
-
-    def chunk_of(self, a: int, b: int) -> int:
-        return self.chunk[a][b]
-
-
-# [Note: a mesh's layout, once]
-# A layout depends only on the mesh and the flat group, objects that live as long as the
-# training does; working it out (the mesh's coordinate, each group's ranks, the checks) cost the
-# host 50-70 us a call, in every block's reduce-scatter of every step (issue 32: the host binds
-# on 2 nodes x 2). So it is worked out once per (mesh, group) pair of objects and kept here with
-# them: the entry holds both, so neither id can be reused while it lives, and a new mesh (or
-# group) is a new entry. Bounded: the oldest entries go first.
-_LAYOUTS: dict[tuple[int, int], tuple[DeviceMesh, object, _MeshLayout]] = {}
-_LAYOUTS_KEPT = 64
-
-
-def _mesh_layout(mesh: DeviceMesh, group: dist.ProcessGroup | None) -> _MeshLayout:
-    """:func:`_new_layout`, once per (mesh, group) ([Note: a mesh's layout, once])."""
-    key = (id(mesh), id(group))
-    hit = _LAYOUTS.get(key)
-    if hit is not None:  # (the entry holds mesh and group: their ids are theirs alone)
-        return hit[2]
-    layout = _new_layout(mesh, group)
-    while len(_LAYOUTS) >= _LAYOUTS_KEPT:
-        del _LAYOUTS[next(iter(_LAYOUTS))]
-    _LAYOUTS[key] = (mesh, group, layout)
-    return layout
-
-
-def _new_layout(mesh: DeviceMesh, group: dist.ProcessGroup | None) -> _MeshLayout:
-    """Validate ``mesh`` (and ``group``, the flat layout's group) and map its coordinates."""
-    if not isinstance(mesh, DeviceMesh):
-        raise TypeError(
-            f"mesh must be a 2-D DeviceMesh (inter, intra), got {type(mesh).__name__}; build it "
-            "with init_device_mesh(device, (nodes, gpus_per_node), "
-            "mesh_dim_names=('inter', 'intra'))"
-        )
-    if mesh.ndim != 2:
-        raise ValueError(
-            f"mesh has {mesh.ndim} dims ({mesh.mesh.shape=}); hierarchical_reduce_scatter needs "
-            "a 2-D mesh (inter, intra)"
-        )
-    coord = mesh.get_coordinate()
-    if coord is None:
-        raise ValueError(
-            f"this process (rank {dist.get_rank()}) is not part of the mesh {mesh.mesh.tolist()}"
-        )
-    a, b = coord
-    ranks = mesh.mesh.tolist()
-    flat = sorted(r for row in ranks for r in row)
-    if group is None:
-        position = {r: i for i, r in enumerate(flat)}
-    else:
-        members = dist.get_process_group_ranks(group)
-        if sorted(members) != flat:
-            raise ValueError(
-                f"the mesh covers ranks {flat} but the reduce-scatter's group holds "
-                f"{sorted(members)}: build the mesh over exactly the ranks of the group (for "
-                "FSDP2, the ranks it shards over)"
-            )
-        position = {r: dist.get_group_rank(group, r) for r in flat}
-    inter, intra = mesh.get_group(0), mesh.get_group(1)
-    cols = {r: j for j, r in enumerate(ranks[a])}
-    rows = {row[b]: i for i, row in enumerate(ranks)}
-
-    def coords(pg: dist.ProcessGroup, where: dict[int, int], dim: str) -> tuple[int, ...]:
-        members = [dist.get_global_rank(pg, j) for j in range(pg.size())]
-        if sorted(members) != sorted(where):
-            raise ValueError(
-                f"the mesh's {dim} group holds ranks {members}, not its {dim} slice "
-                f"{sorted(where)}: pass a DeviceMesh whose groups are its own rows and columns"
-            )
-        return tuple(where[r] for r in members)
-
-    return _MeshLayout(
-        inter=inter,
-        intra=intra,
-        coord=(a, b),
-        chunk=tuple(tuple(position[r] for r in row) for row in ranks),
-        intra_cols=coords(intra, cols, "intra"),
-        inter_rows=coords(inter, rows, "inter"),
-    )
-
-
 def hierarchical_reduce_scatter(
     output: torch.Tensor,
     input: torch.Tensor,
@@ -242,6 +146,7 @@ def hierarchical_reduce_scatter(
     backend: Backend = "auto",
     stats: CommStats | None = None,
     node_average: Callable[[torch.Tensor], object] | None = None,
+    graphs: CodecGraphs | None = None,
 ) -> C.CommWork | None:
     """Two-level quantized reduce-scatter over ``mesh`` with the layout of a flat one.
 
@@ -291,6 +196,11 @@ def hierarchical_reduce_scatter(
             prediction ([Note: weight prediction]); use it in stream order (on CUDA the stream
             current at the call). With one rank per node it is the own chunk; on one node, the
             result's average, after the exchange.
+        graphs: replay the kernels between the exchanges from CUDA graphs captured in it at
+            the first call of each shape and noise key, the same bits ([Note: two levels
+            replayed] in ``qsdp.comm._two_level``): CUDA tensors, a synchronous call, specs
+            with ``nonfinite="propagate"`` (the caller checks NaN/Inf), the Triton backend,
+            ``pipeline=1`` and no ``node_average``.
 
     Returns:
         A :class:`CommWork` when ``async_op``, else None.
@@ -298,7 +208,7 @@ def hierarchical_reduce_scatter(
     _check_specs(intra_spec, inter_spec)
     if not isinstance(pipeline, int) or isinstance(pipeline, bool) or pipeline < 1:
         raise ValueError(f"pipeline={pipeline!r} must be an int >= 1; try 2 or 4")
-    layout = _mesh_layout(mesh, group)
+    layout = mesh_layout(mesh, group)
     na, nb = mesh.size(0), mesh.size(1)
     stats = C.resolve_stats(stats)
     common = dict(
@@ -312,17 +222,26 @@ def hierarchical_reduce_scatter(
         name=_NAME,
         split=split,
     )
+    if graphs is not None:
+        return _replayed(
+            output,
+            input,
+            layout=layout,
+            shape=(na, nb),
+            group=group,
+            intra_spec=intra_spec,
+            inter_spec=inter_spec,
+            graphs=graphs,
+            async_op=async_op,
+            pipeline=pipeline,
+            node_average=node_average,
+            **common,
+        )
     if na == 1 or nb == 1:  # one level: a flat reduce-scatter over the mesh's only group
         sub, spec = (layout.intra, intra_spec) if na == 1 else (layout.inter, inter_spec)
         m = check_chunks(output, input, na * nb, "hierarchical_reduce_scatter")
-        flat = [layout.chunk[0][j] if na == 1 else layout.chunk[j][0] for j in range(na * nb)]
-        order = [
-            flat[(layout.intra_cols if na == 1 else layout.inter_rows)[j]]
-            for j in range(sub.size())
-        ]
         own = input.reshape(na * nb, m)[layout.chunk_of(*layout.coord)]
-        if order != sorted(order):  # the sub-group numbers its ranks unlike the flat layout
-            input = input.reshape(na * nb, m)[order]
+        input = _sub_group_order(input, layout, na, nb, m)
         stages = _reduce_scatter_stages(output, input, sub, spec=spec, **common)
         if node_average is not None:
             stages = _one_level_estimate(
@@ -339,12 +258,7 @@ def hierarchical_reduce_scatter(
     m = check_chunks(output, input, na * nb, "hierarchical_reduce_scatter")
     if split is not None:
         check_split(split, m, "each chunk")
-        if group is None and mesh.size() != dist.get_world_size():
-            raise ValueError(
-                "hierarchical_reduce_scatter(split=...) on a mesh smaller than the world needs "
-                "group=, the flat group whose layout the input follows (its raw part is "
-                "reduced there)"
-            )
+        _check_raw_group(group, mesh.size())
     stats.count_call(_NAME)
     chunks, out = input.reshape(na * nb, m), output
     if split is not None:
@@ -381,6 +295,96 @@ def hierarchical_reduce_scatter(
         finish,
     )
     return C.run_stages(stages, async_op, result=output)
+
+
+def _check_raw_group(group: dist.ProcessGroup | None, mesh_size: int) -> None:
+    """A split on two levels reduces its raw part over the flat group: it must be known."""
+    if group is None and mesh_size != dist.get_world_size():
+        raise ValueError(
+            "hierarchical_reduce_scatter(split=...) on a mesh smaller than the world needs "
+            "group=, the flat group whose layout the input follows (its raw part is "
+            "reduced there)"
+        )
+
+
+def _sub_group_order(
+    input: torch.Tensor, layout: MeshLayout, na: int, nb: int, m: int
+) -> torch.Tensor:
+    """On a mesh of one level, ``input`` with its chunks in the order the mesh's only group
+    numbers its ranks (a copy where that differs from the flat layout's)."""
+    flat = [layout.chunk[0][j] if na == 1 else layout.chunk[j][0] for j in range(na * nb)]
+    order = [flat[j] for j in (layout.intra_cols if na == 1 else layout.inter_rows)]
+    if order == sorted(order):
+        return input
+    return input.reshape(na * nb, m)[order]
+
+
+def _replayed(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    *,
+    layout: MeshLayout,
+    shape: tuple[int, int],
+    group: dist.ProcessGroup | None,
+    intra_spec: QuantSpec,
+    inter_spec: QuantSpec,
+    graphs: CodecGraphs,
+    async_op: bool,
+    pipeline: int,
+    node_average: object,
+    op: str | dist.ReduceOp,
+    seed: int,
+    step: int,
+    bucket: int,
+    hop: int,
+    backend: Backend,
+    stats: CommStats,
+    name: str,
+    split: Split | None,
+) -> None:
+    """The call replayed from ``graphs`` ([Note: two levels replayed] in ``_two_level``): on a
+    mesh of one level the single-level reduce-scatter's site over its group."""
+    for spec in (intra_spec, inter_spec):
+        check_replayable(name, async_op=async_op, spec=spec, backend=backend)
+    if pipeline != 1 or node_average is not None:
+        raise ValueError(
+            f"{name}(graphs=...) replays one piece and reports no node average; got "
+            f"pipeline={pipeline}, node_average={'given' if node_average else None}: pass "
+            "pipeline=1 and no node_average, or graphs=None"
+        )
+    C.check_key(seed, step, bucket)
+    (na, nb), kw = shape, dict(split=split, op=op, seed=seed, bucket=bucket, backend=backend)
+    if na == 1 or nb == 1:
+        sub, spec = (layout.intra, intra_spec) if na == 1 else (layout.inter, inter_spec)
+        m = check_chunks(output, input, na * nb, name)
+        input = _sub_group_order(input, layout, na, nb, m)
+        site = replayed_site(graphs, output, input, sub, spec=spec, hop=hop, name=name, **kw)
+    else:
+        if split is not None:
+            _check_raw_group(group, na * nb)
+        site = graphs.site(
+            name,
+            group=group,
+            input=input,
+            output=output,
+            layout=(layout, intra_spec, inter_spec, split, op),
+            noise=(seed, bucket),
+            make=lambda key: TwoLevelSite(
+                graphs,
+                key,
+                (seed, bucket),
+                output=output,
+                input=input,
+                layout=layout,
+                shape=shape,
+                group=group,
+                intra_spec=intra_spec,
+                inter_spec=inter_spec,
+                name=name,
+                **kw,
+            ),
+        )
+    site.run(output, input, step, stats, name)
 
 
 def _with_own_raw(
@@ -422,7 +426,7 @@ class _Plan:
 
     chunks: torch.Tensor
     """The input as ``[N, m]``: row ``layout.chunk_of(a, b)`` is bound for coordinate ``(a, b)``."""
-    layout: _MeshLayout
+    layout: MeshLayout
     shape: tuple[int, int]
     """The mesh's ``(A, B)``."""
     intra_spec: QuantSpec
@@ -448,8 +452,10 @@ class _Plan:
         self.acc = torch.empty(self.chunks.shape[1], dtype=torch.float32, device=self.chunks.device)
         self.acc.copy_(self.chunks[self.layout.chunk_of(self.a, self.b)])
 
-    def _stream(self, chunk: int, hop: int, piece: int) -> int:
-        return C.noise_stream(self.me, chunk, bucket=self.bucket, hop=hop, piece=piece)
+    def _noise(self, hop: int, piece: int) -> Callable[[int], int]:
+        """The noise stream of each input row's encode on ``hop`` in ``piece``."""
+        me, bucket = self.me, self.bucket
+        return lambda c: C.noise_stream(me, c, bucket=bucket, hop=hop, piece=piece)
 
     def _issue_intra(
         self, p: int, encoded: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -462,7 +468,7 @@ class _Plan:
         """
         stack, send = encoded or self._encode_intra(p)
         nbytes = stack.shape[2]
-        me = self.layout.intra_cols.index(self.b)
+        me = self.layout.me_intra
         splits = [0 if j == me else self.na * nbytes for j in range(self.nb)]
         work = C.all_to_all(
             stack[: self.nb - 1].view(-1),
@@ -479,60 +485,43 @@ class _Plan:
     def _encode_intra(self, p: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(stack, send buffer) of piece ``p``, encoded, nothing sent."""
         o, n = self.pieces[p]
-        spec, na, nb = self.intra_spec, self.na, self.nb
-        nbytes = spec.payload_bytes(n)
-        stack = torch.empty(nb, na, nbytes, dtype=torch.uint8, device=self.acc.device)
-        send = torch.empty(nb - 1, na, nbytes, dtype=torch.uint8, device=self.acc.device)
-        me = self.layout.intra_cols.index(self.b)
-        for j, dst in enumerate(self.layout.intra_cols):
-            # Peers fill the send buffer in group-rank order; the own encodes go to the stack's
-            # last row.
-            rows = stack[nb - 1] if j == me else send[j - (j > me)]
-            for a2 in range(na):
-                c = self.layout.chunk_of(a2, dst)
-                if dst == self.b and a2 == self.a:
-                    continue  # the own chunk: added unquantized
-                encode(
-                    self.chunks[c, o : o + n],
-                    spec,
-                    out=rows[a2],
-                    backend=self.backend,
-                    stream=self._stream(c, 0, p),
-                    **self.key,
-                )
+        nbytes = self.intra_spec.payload_bytes(n)
+        stack = torch.empty(self.nb, self.na, nbytes, dtype=torch.uint8, device=self.acc.device)
+        send = torch.empty(self.nb - 1, self.na, nbytes, dtype=torch.uint8, device=stack.device)
+        encode_intra(
+            self.chunks,
+            (o, n),
+            layout=self.layout,
+            stack=stack,
+            send=send,
+            spec=self.intra_spec,
+            stream_of=self._noise(0, p),
+            backend=self.backend,
+            **self.key,
+        )
         return stack, send
 
     def _issue_inter(self, p: int, stack: torch.Tensor) -> tuple[torch.Tensor, dist.Work]:
         """Sum piece ``p`` of the node's chunks: the own one in place, the others re-encoded at
         the inter-node width and sent to their node."""
         o, n = self.pieces[p]
-        a, b, na, nb = self.a, self.b, self.na, self.nb
-        decode_sum(
-            stack[: nb - 1, a],
-            n,
-            self.intra_spec,
-            out=self.acc[o : o + n],
-            accumulate=True,
-            backend=self.backend,
-        )
         nbytes = self.inter_spec.payload_bytes(n)
-        send = torch.empty(na - 1, nbytes, dtype=torch.uint8, device=self.acc.device)
-        me = self.layout.inter_rows.index(a)
-        others = [a2 for j, a2 in enumerate(self.layout.inter_rows) if j != me]
-        for slot, a2 in enumerate(others):
-            c = self.layout.chunk_of(a2, b)
-            decode_sum_encode(
-                stack[:, a2],
-                n,
-                self.intra_spec,
-                self.inter_spec,
-                stream=self._stream(c, 1, p),
-                out=send[slot],
-                backend=self.backend,
-                **self.key,
-            )
+        send = torch.empty(self.na - 1, nbytes, dtype=torch.uint8, device=self.acc.device)
+        recode(
+            stack,
+            self.acc[o : o + n],
+            send,
+            n,
+            layout=self.layout,
+            intra_spec=self.intra_spec,
+            inter_spec=self.inter_spec,
+            stream_of=self._noise(1, p),
+            backend=self.backend,
+            **self.key,
+        )
         recv = torch.empty_like(send)
-        splits = [0 if j == me else nbytes for j in range(na)]
+        me = self.layout.me_inter
+        splits = [0 if j == me else nbytes for j in range(self.na)]
         return recv, C.all_to_all(
             recv.view(-1),
             send.view(-1),
@@ -567,12 +556,5 @@ class _Plan:
             self.node_average(self.acc / self.nb)
         yield [w for _, w in inter], True
         for (o, n), (recv, _) in zip(self.pieces, inter, strict=True):
-            decode_sum(
-                recv.view(self.na - 1, -1),
-                n,
-                self.inter_spec,
-                out=self.acc[o : o + n],
-                accumulate=True,
-                backend=self.backend,
-            )
+            decode_inter(recv, self.acc[o : o + n], n, spec=self.inter_spec, backend=self.backend)
         C.finish_into(output, self.acc, op, self.na * self.nb)

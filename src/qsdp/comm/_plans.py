@@ -76,7 +76,8 @@ class ReducePlan:
     @property
     def replayable(self) -> bool:
         """Whether :meth:`reduce_scatter` takes ``graphs=`` (a :class:`~qsdp.comm.CodecGraphs`
-        to replay its codec from: the single-level quantized reduce-scatter)."""
+        to replay its codec from: the single-level quantized reduce-scatter, and the two-level
+        one)."""
         return False
 
     @property
@@ -212,7 +213,7 @@ class TwoLevelReduce(ReducePlan):
 
     @property
     def replayable(self) -> bool:
-        return self.mesh is None  # (one level: the single-level reduce-scatter)
+        return True  # (two levels: [Note: two levels replayed]; one: the single-level's)
 
     def reduce_scatter(self, output, input, group, **kw):
         if self.mesh is None:  # one level: every peer counts as remote

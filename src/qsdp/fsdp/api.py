@@ -530,7 +530,7 @@ def _auto(
 
 def _check_graphs(schedule: Schedule, shared: _Shared, groups: list[FSDPGroup]) -> None:
     """``Schedule(graphs=True)``'s conditions (the same on every rank: checked after the
-    agreement): a codec to replay (a single-level quantized reduce-scatter, quantized
+    agreement): a codec to replay (a quantized reduce-scatter of one or two levels, quantized
     weights or weight differences gathered) and CUDA parameters."""
     if not schedule.graphs:
         return
@@ -539,9 +539,9 @@ def _check_graphs(schedule: Schedule, shared: _Shared, groups: list[FSDPGroup]) 
     if not gathers and (plan is None or not plan.replayable):
         what = type(plan).__name__ if plan is not None else "FSDP2's own"
         raise ValueError(
-            "Schedule(graphs=True) replays the codec of a single-level quantized reduce-scatter "
-            f"or of a quantized weight all-gather; this config reduces with {what} (compressed "
-            "HSDP's all-reduce, Global-QSGD integers, two levels over a node mesh or "
+            "Schedule(graphs=True) replays the codec of a quantized reduce-scatter or of a "
+            f"quantized weight all-gather; this config reduces with {what} (compressed "
+            "HSDP's all-reduce, Global-QSGD integers or "
             "uncompressed gradients have none) and gathers neither quantized weights nor "
             "weight differences: drop graphs, or use 'qsdp-w8g8', 'cgx' or 'sdp4bit'"
         )

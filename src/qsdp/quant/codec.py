@@ -660,7 +660,7 @@ def decode_sum_encode(
     out_spec: QuantSpec,
     *,
     seed: int = 0,
-    step: int = 0,
+    step: int | torch.Tensor = 0,
     stream: int = 0,
     dtype: torch.dtype = torch.float32,
     out: torch.Tensor | None = None,
@@ -672,6 +672,8 @@ def decode_sum_encode(
     the middle hop of SDP4Bit's two-level reduce-scatter (8-bit intra-node in, 4-bit out).
     It never raises (no host sync on the hot path): an input group flagged NaN, or a summed group
     too large for ``out_spec``, is sent as a flagged (NaN) group whatever ``out_spec.nonfinite``.
+    ``step`` may also be one int64 on the payloads' device, read by the Triton kernel when it
+    runs (a launch a CUDA graph replays), as for :func:`encode`.
     """
     if in_spec.hadamard_block != out_spec.hadamard_block or (
         in_spec.hadamard_seed != out_spec.hadamard_seed
@@ -685,10 +687,15 @@ def decode_sum_encode(
             f"decode_sum_encode needs one group size; got {in_spec.group_size} and "
             f"{out_spec.group_size}"
         )
-    _check_rng(seed, step, stream)
     p = _stacked(payloads, numel, in_spec)
+    triton = _resolve(backend, p.device) == "triton"
+    if isinstance(step, torch.Tensor):  # (read by the kernel: a launch a CUDA graph replays)
+        _check_device_step(step, p.device, triton, "decode_sum_encode")
+        _check_rng(seed, 0, stream)
+    else:
+        _check_rng(seed, step, stream)
     out = _payload_out(out, numel, out_spec, p.device)
-    if _resolve(backend, p.device) == "triton":
+    if triton:
         _launch().decode_sum_encode(
             p,
             numel=numel,

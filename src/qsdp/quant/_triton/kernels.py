@@ -824,6 +824,7 @@ def decode_sum_encode_kernel(
     rng_stream,
     step,
     pid_base,
+    step_ptr,
     IN_BITS: tl.constexpr,
     IN_SCHEME: tl.constexpr,
     IN_SCALE_BF16: tl.constexpr,
@@ -840,8 +841,13 @@ def decode_sum_encode_kernel(
     BIG: tl.constexpr,
     IN_ALIGNED: tl.constexpr,
     ALIGNED: tl.constexpr,
+    STEP_PTR: tl.constexpr,
     TAIL: tl.constexpr,
 ):
+    """The float32 sum of K payloads re-encoded, as ``encode_kernel`` quantizes. ``STEP_PTR``:
+    the noise's step read from device memory (``step_ptr``), as ``encode_kernel``'s."""
+    if STEP_PTR:
+        step = tl.load(step_ptr)
     gidx, offs = _tile(tl.program_id(0) + pid_base, ROWS=ROWS, GPB=GPB, HB=HB, BIG=BIG)
     mask = offs < numel
     acc = _decode_sum(

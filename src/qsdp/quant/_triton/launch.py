@@ -394,12 +394,14 @@ def decode_sum_encode(
     out_spec: QuantSpec,
     out: torch.Tensor,
     seed: int,
-    step: int,
+    step: int | torch.Tensor,
     stream: int,
 ) -> None:
-    """Re-encode (``out_spec``) the float32 sum of the decoded rows of ``payloads`` into ``out``."""
+    """Re-encode (``out_spec``) the float32 sum of the decoded rows of ``payloads`` into
+    ``out``; ``step`` an int or one int64 on the device, read by the kernel (as ``encode``'s)."""
     if numel == 0:
         return
+    on_device = isinstance(step, torch.Tensor)
     # Neither side rotates here: the sum stays in the Hadamard domain, tiles are whole groups.
     c_in = _consts(in_spec, rotate=False, block=_BLOCK)
     c_out = _consts(out_spec, rotate=False, block=_BLOCK)
@@ -418,7 +420,9 @@ def decode_sum_encode(
         key0=key0,
         key1=key1,
         rng_stream=stream,
-        step=step,
+        step=0 if on_device else step,
+        step_ptr=step if on_device else payloads,
+        STEP_PTR=on_device,
         **c_in.in_codes,
         **c_out.tile,
         **c_out.codes,

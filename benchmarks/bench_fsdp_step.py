@@ -182,20 +182,19 @@ def build(
     # without it, also for qsdp-w8g8); NAME+pipe (--hsdp): Schedule(pipeline=True); NAME+prop:
     # nonfinite="propagate"; NAME+gN: gradients in groups of N; NAME+s1+ahead: the next step's
     # weights gathered in the backward (Schedule(gather_ahead=True)); NAME+graphs: the
-    # codecs replayed from CUDA graphs (Schedule(graphs=True): the reduce-scatter's and the
-    # weight gathers'; one level, so that the reduce-scatter replays: a two-level recipe runs
-    # without its node mesh)
+    # codecs replayed from CUDA graphs (Schedule(graphs=True): the reduce-scatter's, of one
+    # level or two, at staleness 1 too, and the weight gathers')
     name, *options = recipe.split("+")
     group = variants.group_size(options)
     if (
         set(options) - {"s1", "own", "local", "pipe", "prop", "ahead", "graphs", f"g{group}"}
         or (("local" in options or "ahead" in options) and "s1" not in options)
         or ("pipe" in options and hsdp is None)
-        or ("graphs" in options and ("s1" in options or hsdp is not None))
+        or ("graphs" in options and hsdp is not None)
     ):
         raise SystemExit(
             f"variant {recipe!r}: options are +s1 (+local, +ahead with it), +own, +prop, +gN, "
-            "+graphs (synchronous, FSDP2 alone) and, with --hsdp, +pipe"
+            "+graphs (FSDP2 alone) and, with --hsdp, +pipe"
         )
     if name == "auto":  # measures the regime's groups and picks (qsdp.policy.auto)
         if options:
@@ -218,7 +217,7 @@ def build(
     if hsdp is not None:
         qsdp.compress_fsdp(model, config, replicate=hsdp["replicate"], schedule=schedule)
     else:
-        two_level = mesh if config.two_level and "graphs" not in options else None
+        two_level = mesh if config.two_level else None
         qsdp.compress_fsdp(model, config, mesh=two_level, schedule=schedule)
     return model
 
@@ -536,8 +535,8 @@ def main() -> None:
         "the end; NAME+s1+ahead also gathers the next step's weights in the backward "
         "(Schedule(gather_ahead=True), weight differences); NAME+pipe (--hsdp) pipelines the "
         "replicate all-reduce across modules; NAME+graphs replays the codecs of the "
-        "reduce-scatter and the weight gathers from CUDA graphs (Schedule(graphs=True), one "
-        "level)",
+        "reduce-scatter (one level or two) and the weight gathers from CUDA graphs "
+        "(Schedule(graphs=True); NAME+s1+graphs at staleness 1)",
     )
     p.add_argument("--hsdp", action="store_true", help="HSDP on 2 nodes (see the docstring)")
     p.add_argument(

@@ -105,16 +105,19 @@ def build(
     name, *options = recipe.split("+")
     if ddp_bucket_kb is not None:
         pass  # (DDP's variants: _ddp)
-    elif options not in ([], ["s1"], ["s1", "ahead"], ["graphs"]):
+    elif [o for o in options if o != "graphs"] not in ([], ["s1"], ["s1", "ahead"]):
         raise SystemExit(
             f"recipe {recipe!r}: the options are +s1 (staleness 1), +s1+ahead (with the "
-            "next step's weights gathered in the backward) and +graphs (the reduce-scatter's "
-            "codec replayed from CUDA graphs, --device cuda)"
+            "next step's weights gathered in the backward) and +graphs (the codecs replayed "
+            "from CUDA graphs, --device cuda), last"
         )
-    if options == ["graphs"]:  # Schedule(graphs=True): [Note: codec segments replayed]
-        schedule = qsdp.Schedule(graphs=True)
-    elif options:  # the delayed schedule from the first step, as bench_fsdp_step.py's +s1
-        schedule = qsdp.Schedule(staleness=1, start=0, gather_ahead="ahead" in options)
+    if options:  # +s1: the delayed schedule from the first step, as bench_fsdp_step.py's
+        schedule = qsdp.Schedule(  # +graphs: [Note: codec segments replayed]
+            graphs="graphs" in options,
+            staleness=int("s1" in options),
+            start=0,
+            gather_ahead="ahead" in options,
+        )
     torch.manual_seed(0)
     kind = GPTBlock if block == "gpt" else Block
     model = nn.Sequential(*[kind(d) for _ in range(blocks)]).to(device)

@@ -395,18 +395,21 @@ class Schedule:
     all-gather (the encode before the exchange, the decode after it) from CUDA graphs
     captured at its first call: the same bits, a few host operations a call where the eager
     codec issues 6-40 ([Note: codec segments replayed] in ``qsdp.comm._graphs``). For a step
-    bound by the host (a fast link). Replays a single-level quantized reduce-scatter
-    (``qsdp-w8g8``, ``cgx``, ``sdp4bit`` without a node mesh), ``QuantizedWeights`` gathers
-    (``qsdp-w8g8``) and the weight-difference gathers (``sdp4bit``; their exact first gather
-    and resyncs run eagerly); integer codes, two levels and HSDP's all-reduce run eagerly, as
-    does a group whose parameters hold several adaptive widths. Needs ``staleness=0``; costs
-    about two of a group's gradients (and one gathered group, or one shard for weight
-    differences) of device memory, the buffers shared by the groups of one shape, and two
-    copies a call on the device. DDP on CUDA: CGX's two-phase all-reduce of each bucket
-    (``cgx``, ``qsdp-g8``; not with error feedback) replays both phases' codecs ([Note: two
-    phases replayed] in ``qsdp.comm._two_phase``) from the second backward on: about three
-    buckets of device memory per bucket shape and hook stream (DDP's buckets rarely share a
-    length: about three times the gradients, +10 B per parameter measured)."""
+    bound by the host (a fast link, or 2 nodes x 2 at staleness 1). Replays a quantized
+    reduce-scatter of one level (``qsdp-w8g8``, ``cgx``, ``sdp4bit`` without a node mesh) or
+    two (``sdp4bit`` over a node mesh, [Note: two levels replayed] in ``qsdp.comm._two_level``),
+    at staleness 1 too (the delayed reductions replayed on their side streams),
+    ``QuantizedWeights`` gathers (``qsdp-w8g8``) and the weight-difference gathers
+    (``sdp4bit``; their exact first gather and resyncs run eagerly); integer codes and HSDP's
+    all-reduce run eagerly, as does a group whose parameters hold several adaptive widths.
+    Costs about two of a group's gradients (and one gathered group, or one shard for weight
+    differences) of device memory per shape and stream (staleness 1's two side streams each
+    their own), the buffers shared by the groups of one shape, and two copies a call on the
+    device. DDP on CUDA (``staleness=0``): CGX's two-phase all-reduce of each bucket (``cgx``,
+    ``qsdp-g8``; not with error feedback) replays both phases' codecs ([Note: two phases
+    replayed] in ``qsdp.comm._two_phase``) from the second backward on: about three buckets of
+    device memory per bucket shape and hook stream (DDP's buckets rarely share a length: about
+    three times the gradients, +10 B per parameter measured)."""
 
     def __post_init__(self) -> None:
         if self.staleness not in (0, 1) or isinstance(self.staleness, bool):
@@ -475,12 +478,6 @@ class Schedule:
             raise TypeError(f"Schedule.pipeline={self.pipeline!r} must be a bool")
         if not isinstance(self.graphs, bool):
             raise TypeError(f"Schedule.graphs={self.graphs!r} must be a bool")
-        if self.graphs and self.staleness:
-            raise ValueError(
-                "Schedule(graphs=True) replays the synchronous reduce-scatter's codec; at "
-                "staleness=1 the reductions run late on a side stream, eagerly: drop graphs, or "
-                "set staleness=0"
-            )
 
     @property
     def prediction(self) -> str:

@@ -161,7 +161,7 @@ class TrainConfig:
     unclipped, replaces this loop's (``--predict local``). Not with ``--stale-bound`` or a
     ``--stale-after`` step (``auto`` or 0)."""
     graphs: bool = False
-    """Synchronous, on CUDA, FSDP2 or DDP (``cgx``, ``qsdp-g8``): replay the hooks' codecs from
+    """On CUDA, FSDP2 or synchronous DDP (``cgx``, ``qsdp-g8``): replay the hooks' codecs from
     CUDA graphs (``Schedule(graphs=True)``, [Note: codec segments replayed] in
     ``qsdp.comm._graphs``): the same bits with less host work a step, for a fast link. Not
     recorded as a setting a resumed run must keep (it changes no bits)."""
@@ -275,16 +275,15 @@ class TrainConfig:
             )
         ddp_replays = self.recipe in ("cgx", "qsdp-g8") and not self.error_feedback
         if self.graphs and (
-            self.staleness
-            or self.recipe == "auto"
+            self.recipe == "auto"
             or self.parallel not in ("fsdp", "ddp")
-            or (self.parallel == "ddp" and not ddp_replays)
+            or (self.parallel == "ddp" and (not ddp_replays or self.staleness))
         ):
             raise ValueError(
-                "--graphs replays the codecs of FSDP2's synchronous hooks and of DDP's two-phase "
+                "--graphs replays the codecs of FSDP2's hooks and of DDP's synchronous two-phase "
                 f"all-reduce; got staleness={self.staleness}, parallel={self.parallel}, "
-                f"recipe={self.recipe}, error_feedback={self.error_feedback}: use it at "
-                "--staleness 0 under FSDP2 with a named recipe or under DDP with cgx or qsdp-g8 "
+                f"recipe={self.recipe}, error_feedback={self.error_feedback}: use it under "
+                "FSDP2 with a named recipe or under DDP at --staleness 0 with cgx or qsdp-g8 "
                 "(no --error-feedback), or drop it"
             )
         if self.stale_bound is not None and (not self.staleness or not self.stale_bound > 0):

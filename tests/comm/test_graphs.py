@@ -223,8 +223,9 @@ def test_two_phase_replays_give_the_eager_bits(world_size):
 def two_level_replay_matches_eager(rank, ws, cases, *, device="cpu", capture=False):
     """SDP4Bit's two-level reduce-scatter replayed ([Note: two levels replayed]): for each
     case (a mesh's rank lists, one level where a dimension is 1, and a split), two steps of one
-    bucket and a second bucket (another site, the same buffers), every result and byte count
-    the eager call's. Returns (captured, replayed, sites, buffer sets)."""
+    bucket and a second bucket (another site, the same buffers, reporting the node average as
+    staleness 1 asks), every result, node average and byte count the eager call's. Returns
+    (captured, replayed, sites, buffer sets)."""
     from torch.distributed.device_mesh import DeviceMesh
 
     graphs = CodecGraphs(capture=capture)
@@ -234,9 +235,12 @@ def two_level_replay_matches_eager(rank, ws, cases, *, device="cpu", capture=Fal
         mesh = DeviceMesh(device, rows, mesh_dim_names=("inter", "intra"))
         for step, bucket in ((0, 1), (1, 1), (1, 2)):
             x = rank_tensor(rank, ws * M, seed=step + 10 * bucket).to(device, torch.bfloat16)
-            got, sent = {}, {}
+            got, sent, average = {}, {}, {}
             for way, g, kernels in (("eager", None, _eager(device)), ("replayed", graphs, backend)):
                 got[way], sent[way] = torch.full((M,), float("nan"), device=device), CommStats()
+                node = {}
+                if bucket == 2:
+                    node["node_average"] = lambda t, w=way, a=average: a.setdefault(w, t.clone())
                 hierarchical_reduce_scatter(
                     got[way],
                     x,
@@ -250,9 +254,14 @@ def two_level_replay_matches_eager(rank, ws, cases, *, device="cpu", capture=Fal
                     backend=kernels,
                     stats=sent[way],
                     graphs=g,
+                    **node,
                 )
             what = (rows, name, step, bucket)
             assert torch.equal(got["eager"], got["replayed"]), what
+            assert len(average) == 2 * (bucket == 2), what
+            if average:
+                assert average["eager"].dtype == average["replayed"].dtype == torch.float32
+                assert torch.equal(average["eager"], average["replayed"]), what
             assert sent["eager"].snapshot() == sent["replayed"].snapshot(), what
             assert sent["eager"].total_bytes > 0
             assert not torch.isnan(got["replayed"]).any()
@@ -303,9 +312,8 @@ def _refusals(rank, ws):
 
     mesh = DeviceMesh("cpu", [[0], [1]], mesh_dim_names=("inter", "intra"))
     levels = dict(mesh=mesh, intra_spec=SPEC, inter_spec=SPEC, graphs=graphs, backend="triton")
-    for bad in ({"pipeline": 2}, {"node_average": print}):
-        with pytest.raises(ValueError, match="pass pipeline=1 and no node_average"):
-            hierarchical_reduce_scatter(out, x, **levels, **bad)
+    with pytest.raises(ValueError, match="replays the hops of one piece; got pipeline=2"):
+        hierarchical_reduce_scatter(out, x, **levels, pipeline=2)
     with pytest.raises(ValueError, match="a synchronous call"):
         hierarchical_reduce_scatter(out, x, **levels, async_op=True)
     return True
@@ -336,9 +344,10 @@ def _installs(rank, ws):
         ("ddp integer", "global-qsgd", False),
         ("ddp auto", "auto", False),
         ("ddp feedback", "cgx", True),
+        ("ddp stale", "cgx", False),
     ):
         ddp = torch.nn.parallel.DistributedDataParallel(classifier())
-        schedule = qsdp.Schedule(graphs=True)
+        schedule = qsdp.Schedule(graphs=True, staleness=int(name == "ddp stale"))
         try:
             qsdp.ddp.register(ddp, config, schedule=schedule, error_feedback=feedback)
             got[name] = "accepted"
@@ -358,7 +367,7 @@ def test_graphs_are_refused_where_there_is_nothing_to_replay():
         assert "global-qsgd (IntegerGrads) has none to replay" in got["ddp integer"], got
         assert "'auto' has none to replay" in got["ddp auto"], got
         assert "error feedback's losses are computed eagerly" in got["ddp feedback"], got
-    with pytest.raises(ValueError, match="at staleness=1 the reductions run late"):
-        qsdp.Schedule(graphs=True, staleness=1)
+        assert "Schedule(graphs=True, staleness=1) under DDP" in got["ddp stale"], got
+    assert qsdp.Schedule(graphs=True, staleness=1).graphs  # (FSDP2 replays its delayed ones)
     with pytest.raises(TypeError, match="must be a bool"):
         qsdp.Schedule(graphs=1)

@@ -21,10 +21,13 @@ pytestmark = [
 
 
 def _replayed_vs_eager(rank: int, ws: int, recipe: str) -> tuple[list[float], int, list]:
-    """Five steps of ``recipe`` (one level; ``NAME+mesh``: two, over a node mesh) with and
-    without ``Schedule(graphs=True)``: the same losses and weights; the losses, the segments
-    the replayed run replayed and the collectives they belong to."""
-    name, mesh = recipe.removesuffix("+mesh"), recipe.endswith("+mesh")
+    """Five steps of ``recipe`` (one level; ``NAME+mesh``: two, over a node mesh; ``+s1``: at
+    staleness 1 from the first step, its delayed reductions replayed on their side streams,
+    the estimates of its prediction too) with and without ``Schedule(graphs=True)``: the same
+    losses and weights; the losses, the segments the replayed run replayed and the
+    collectives they belong to."""
+    name, *options = recipe.split("+")
+    mesh, stale = "mesh" in options, "s1" in options
     runs = {}
     for graphs in (False, True):
         model, dev = _build(
@@ -32,7 +35,7 @@ def _replayed_vs_eager(rank: int, ws: int, recipe: str) -> tuple[list[float], in
             ws,
             torch.bfloat16,
             config=qsdp.recipe(name),
-            schedule=qsdp.Schedule(graphs=graphs),
+            schedule=qsdp.Schedule(graphs=graphs, staleness=int(stale), start=0),
         )
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
         batches = _batches(rank, ws)
@@ -54,13 +57,15 @@ REPLAYED = {
     "cgx": ["reduce_scatter"],
     "sdp4bit": ["all_gather_diff", "reduce_scatter"],
     "sdp4bit+mesh": ["all_gather_diff", "hierarchical_reduce_scatter"],
+    "sdp4bit+s1": ["all_gather_diff", "reduce_scatter"],
+    "sdp4bit+mesh+s1": ["all_gather_diff", "hierarchical_reduce_scatter"],
 }
 
 
 @pytest.mark.parametrize("recipe", list(REPLAYED))
 def test_replayed_codecs_train_bit_for_bit(recipe):
     many = torch.cuda.device_count() >= 2
-    mesh = recipe.endswith("+mesh")
+    mesh = "+mesh" in recipe
     # (over a mesh: 2 nodes x 2 on four ranks, gloo processes sharing fewer GPUs)
     ws = 4 if mesh else min(torch.cuda.device_count(), 4) if many else 3
     backend = "nccl" if torch.cuda.device_count() >= ws else "gloo"

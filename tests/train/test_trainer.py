@@ -601,9 +601,12 @@ def test_graphs_off_cuda_are_refused_on_every_rank_before_anything_is_written(da
             {"gather_ahead": True, "staleness": 1, "recipe": "qsdp-w8g8"},
             "--recipe qsdp-w8g8 gathers none: use sdp4bit",
         ),
-        ({"graphs": True, "staleness": 1}, "--graphs replays the codecs of FSDP2's synchronous"),
+        (
+            {"graphs": True, "staleness": 1, "parallel": "ddp", "recipe": "cgx"},
+            "under DDP at --staleness 0 with cgx",
+        ),
         ({"graphs": True, "parallel": "hsdp", "recipe": "cgx"}, "parallel=hsdp"),
-        ({"graphs": True, "parallel": "ddp", "recipe": "global-qsgd"}, "under DDP with cgx"),
+        ({"graphs": True, "parallel": "ddp", "recipe": "global-qsgd"}, "recipe=global-qsgd"),
         (
             {"graphs": True, "parallel": "ddp", "recipe": "cgx", "error_feedback": True},
             "error_feedback=True",

@@ -199,8 +199,8 @@ def hierarchical_reduce_scatter(
         graphs: replay the kernels between the exchanges from CUDA graphs captured in it at
             the first call of each shape and noise key, the same bits ([Note: two levels
             replayed] in ``qsdp.comm._two_level``): CUDA tensors, a synchronous call, specs
-            with ``nonfinite="propagate"`` (the caller checks NaN/Inf), the Triton backend,
-            ``pipeline=1`` and no ``node_average``.
+            with ``nonfinite="propagate"`` (the caller checks NaN/Inf), the Triton backend
+            and ``pipeline=1``.
 
     Returns:
         A :class:`CommWork` when ``async_op``, else None.
@@ -346,45 +346,62 @@ def _replayed(
     mesh of one level the single-level reduce-scatter's site over its group."""
     for spec in (intra_spec, inter_spec):
         check_replayable(name, async_op=async_op, spec=spec, backend=backend)
-    if pipeline != 1 or node_average is not None:
+    if pipeline != 1:
         raise ValueError(
-            f"{name}(graphs=...) replays one piece and reports no node average; got "
-            f"pipeline={pipeline}, node_average={'given' if node_average else None}: pass "
-            "pipeline=1 and no node_average, or graphs=None"
+            f"{name}(graphs=...) replays the hops of one piece; got pipeline={pipeline}: pass "
+            "pipeline=1, or graphs=None"
         )
     C.check_key(seed, step, bucket)
     (na, nb), kw = shape, dict(split=split, op=op, seed=seed, bucket=bucket, backend=backend)
     if na == 1 or nb == 1:
         sub, spec = (layout.intra, intra_spec) if na == 1 else (layout.inter, inter_spec)
         m = check_chunks(output, input, na * nb, name)
+        own = input.reshape(na * nb, m)[layout.chunk_of(*layout.coord)]
         input = _sub_group_order(input, layout, na, nb, m)
         site = replayed_site(graphs, output, input, sub, spec=spec, hop=hop, name=name, **kw)
-    else:
-        if split is not None:
-            _check_raw_group(group, na * nb)
-        site = graphs.site(
-            name,
-            group=group,
-            input=input,
+        stages = _ran(site, output, input, step, stats, name)
+        if node_average is not None:  # (as the eager call reports it)
+            node = dict(output=output, own=own, node_ranks=nb if na == 1 else 1)
+            stages = _one_level_estimate(stages, node_average, op=C.parse_op(op), **node)
+        C.run_stages(stages, False)
+        return
+    if split is not None:
+        _check_raw_group(group, na * nb)
+    average = node_average is not None  # (the middle hop computes it: a segment of its own)
+    site = graphs.site(
+        name,
+        group=group,
+        input=input,
+        output=output,
+        layout=(layout, intra_spec, inter_spec, split, op),
+        noise=(seed, bucket, average),
+        make=lambda key: TwoLevelSite(
+            graphs,
+            key,
+            (seed, bucket, average),
             output=output,
-            layout=(layout, intra_spec, inter_spec, split, op),
-            noise=(seed, bucket),
-            make=lambda key: TwoLevelSite(
-                graphs,
-                key,
-                (seed, bucket),
-                output=output,
-                input=input,
-                layout=layout,
-                shape=shape,
-                group=group,
-                intra_spec=intra_spec,
-                inter_spec=inter_spec,
-                name=name,
-                **kw,
-            ),
-        )
+            input=input,
+            layout=layout,
+            shape=shape,
+            group=group,
+            intra_spec=intra_spec,
+            inter_spec=inter_spec,
+            average=average,
+            name=name,
+            **kw,
+        ),
+    )
+    site.report = node_average
+    try:
+        site.run(output, input, step, stats, name)
+    finally:
+        site.report = None
+
+
+def _ran(site, output, input, step, stats, name) -> C.Stages:
+    """A replayed call as a collective's stages (none to wait for)."""
     site.run(output, input, step, stats, name)
+    yield from ()
 
 
 def _with_own_raw(

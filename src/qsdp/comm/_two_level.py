@@ -149,6 +149,8 @@ class _Buffers(NamedTuple):
     raw_out: torch.Tensor | None
     out: torch.Tensor  # [m], the output's dtype: copied out to each call's output
     step: torch.Tensor  # one int64: the noise's step, read by the encodes
+    avg: torch.Tensor  # [m] float32: the own chunk's node average (node_average=)
+    avg_comp: torch.Tensor  # [n_comp] float32: its compressed part (avg itself without a split)
 
     @classmethod
     def make(cls, input, output, shape, m, intra, inter, split) -> _Buffers:
@@ -163,6 +165,7 @@ class _Buffers(NamedTuple):
             raw_out = raw.new_empty(split.n_raw)
         b8, b4 = intra.payload_bytes(n), inter.payload_bytes(n)
         send2 = torch.empty(na - 1, b4, dtype=u8, device=device)
+        avg = torch.empty(m, dtype=torch.float32, device=device)
         return cls(
             rows=rows,
             comp=comp,
@@ -176,13 +179,22 @@ class _Buffers(NamedTuple):
             raw_out=raw_out,
             out=torch.empty(m, dtype=output.dtype, device=device),
             step=torch.zeros(1, dtype=torch.int64, device=device),
+            avg=avg,
+            avg_comp=avg if split is None else avg.new_empty(n),
         )
 
 
 class TwoLevelSite(ReplayedSite):
     """One call site of a replayed two-level reduce-scatter (a group's hook): its buffers
     (shared by the sites of its shape), its exchanges' splits and its three segments
-    ([Note: two levels replayed])."""
+    ([Note: two levels replayed]).
+
+    ``average``: the middle hop also writes the own chunk's node average (the eager call's
+    ``node_average`` argument), which the call's :attr:`report` is handed before the inter-node
+    exchange."""
+
+    report: Callable[[torch.Tensor], object] | None = None
+    """The current call's ``node_average`` (set by the caller around :meth:`run`)."""
 
     def __init__(
         self,
@@ -203,6 +215,7 @@ class TwoLevelSite(ReplayedSite):
         bucket: int,
         backend: Backend,
         name: str,
+        average: bool = False,
     ) -> None:
         (na, nb), op = shape, C.parse_op(op)
         m = check_chunks(output, input, na * nb, name)
@@ -215,7 +228,7 @@ class TwoLevelSite(ReplayedSite):
         self.hops = (((key, noise, "recode"), self.recode, self.exchange_inter),)
         self.b, self.layout, self.shape, self.group, self.split = b, layout, shape, group, split
         self.intra_spec, self.inter_spec, self.op = intra_spec, inter_spec, op
-        self.seed, self.backend, self.name = seed, backend, name
+        self.seed, self.backend, self.name, self.average = seed, backend, name, average
         self.n = b.acc.numel()
         self.own = layout.chunk_of(*layout.coord)
         me = layout.coord[0] * nb + layout.coord[1]  # [Note: noise per place in the group]
@@ -270,9 +283,17 @@ class TwoLevelSite(ReplayedSite):
             step=self.b.step,
             backend=self.backend,
         )
+        if self.average:  # the own chunk over the node (the eager call's node_average)
+            b = self.b
+            torch.div(b.acc, self.shape[1], out=b.avg_comp)
+            if self.split is not None:  # (the raw part: this rank's own values)
+                own_raw = b.raw[self.own].to(torch.float32).view(1, -1)
+                self.split.put(b.avg.view(1, -1), b.avg_comp.view(1, -1), own_raw)
 
     def exchange_inter(self, stats: CommStats) -> None:
         b = self.b
+        if self.report is not None:  # (in stream order: before the exchange)
+            self.report(b.avg)
         if self.n:
             recv, send = self._flat[2:]
             splits = self.splits[1]

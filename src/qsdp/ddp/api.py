@@ -108,6 +108,12 @@ def register(
             "Schedule(gather_ahead=True) gathers FSDP2's weight differences ahead; DDP "
             "gathers no weights: drop gather_ahead"
         )
+    if schedule.graphs and schedule.staleness:
+        raise ValueError(
+            "Schedule(graphs=True, staleness=1) under DDP: a delayed bucket's result is a "
+            "new buffer each step, which its replayed NaN/Inf check cannot key; not built "
+            "(FSDP2 replays its delayed reductions): drop graphs, or set staleness=0"
+        )
     if schedule.graphs:
         _check_graphs(model, config, name, error_feedback)
     if schedule.own_reduce_group is not None:

@@ -262,6 +262,8 @@ class QuantizedReduceScatter(_Reduction, _Hook, ReduceScatter):
             # node (only the inter-node level need be late, as under compressed HSDP); else
             # this rank's row of the unreduced input
             node = self.stale.keep_local and plan.node_level
+            # replayed on the side stream the launch runs on ([Note: codec segments replayed])
+            replay = {"graphs": self.graphs} if self.graphs is not None and plan.replayable else {}
 
             def launch(result: torch.Tensor, keep) -> FlagsToAgree | None:
                 plan.reduce_scatter(
@@ -275,6 +277,7 @@ class QuantizedReduceScatter(_Reduction, _Hook, ReduceScatter):
                     bucket=self.bucket,
                     stats=self.stats,
                     **({"node_average": keep} if node else {}),
+                    **replay,
                 )
                 if self.check is None:
                     return None

@@ -467,17 +467,18 @@ class DelayedReductions:
         the next backward keeps new ones. A checkpoint saved between that forward and the
         step (when the parameters are the predicted ones anyway) saves zeros for them."""
         out: dict[nn.Parameter, torch.Tensor] = {}
-        waited: set[int] = set()
+        kept: dict[int, tuple[_Local, list[Slot]]] = {}
         for i, (flight, _) in self._pending.items():
             held = self._local.get(i)
             if held is None:
                 continue
             entry, slot = held
             _check_avg(flight, "local gradient estimates need it")
-            if id(entry) not in waited:  # (once per buffer, not per parameter)
-                entry.wait()
-                waited.add(id(entry))
-            out[slot.param] = _view(entry.buffer, slot)
+            kept.setdefault(id(entry), (entry, []))[1].append(slot)
+        for entry, slots in kept.values():  # once per buffer: a wait, one split (issue 32)
+            entry.wait()
+            for slot, view in zip(slots, slot_views(entry.buffer, slots), strict=True):
+                out[slot.param] = view
         if take:
             self._local = {}
         return out

@@ -156,12 +156,17 @@ class GatheredPrediction:
                 states=[a.state for _, a in items],
                 clip_coef=first.coef,
             )
-            outs = [flat.view(-1)[s.offset : s.offset + s.numel] for s, _ in items]
+            # (one split of the input, not a slice per parameter: issue 32's host)
+            outs = slot_views(flat, [s for s, _ in items], shaped=False)
             predict_step(outs, xs=xs, step=step)
             if flat.is_cuda:  # read on this stream: its memory stays until the read is done
                 stream = torch.cuda.current_stream(flat.device)
+                recorded = set()  # (the estimates are views of a buffer per hook: once each)
                 for _, a in items:
-                    a.estimate.record_stream(stream)
+                    held = a.estimate if a.estimate._base is None else a.estimate._base
+                    if id(held) not in recorded:
+                        recorded.add(id(held))
+                        held.record_stream(stream)
         return True
 
     def take_step(

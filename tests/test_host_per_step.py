@@ -54,10 +54,18 @@ def test_counts_every_hook_of_a_step(mlp):
 
 def test_gpt_blocks_and_cprofile(mlp, tmp_path):
     """``--block gpt``: 12 parameters a block (the hooks' count unchanged, more ops than the
-    6-parameter block's); ``--cprofile``: one section per variant, the hooks' functions in it."""
+    6-parameter block's); ``--cprofile``: one section per variant, the hooks' functions in it;
+    ``--mesh``: ``sdp4bit``'s reduce-scatter over 2 nodes x 2 (two levels), the others' as
+    ever."""
     prof = tmp_path / "gpt.txt"
-    gpt = _run(tmp_path / "gpt.json", "--blocks", "3", "--recipes", "cgx", "--block", "gpt",
-               "--cprofile", str(prof))  # fmt: skip
+    gpt = _run(tmp_path / "gpt.json", "--blocks", "3", "--recipes", "cgx", "sdp4bit", "--block",
+               "gpt", "--mesh", "--cprofile", str(prof))  # fmt: skip
+    assert gpt["mesh"] == "2 nodes x 2" and mlp[0]["mesh"] is None
+    two = prof.read_text().split("== sdp4bit")[1]
+    assert "_two_level.py" in two and "_two_level.py" not in prof.read_text().split("== sdp4bit")[0]
+    assert {r["recipe"]: r for r in gpt["rows"]}["sdp4bit"]["hooks"]["qsdp::reduce-scatter"][
+        "calls"
+    ] == 3
     ops = {}
     for block, d, text in (("mlp", *mlp), ("gpt", gpt, prof.read_text())):
         assert d["block"] == block and d["device"] == "cpu"

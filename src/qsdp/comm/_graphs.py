@@ -26,8 +26,9 @@ What makes a replay the eager call's bits:
 - **the noise key**: the stochastic rounding's step is read by the encode kernel from one int64
   in device memory (``encode_rows(step=<tensor>)``), which each call fills; the seed and the
   noise streams (the rank's place, the bucket) are fixed per segment, part of its key;
-- **fixed addresses**: the buffers (input, split parts, send, receive, output, step) are
-  allocated once per shape and shared by every segment of that shape: FSDP2 reduces its groups
+- **fixed addresses**: the buffers (input, or a policy split's parts taken from it straight,
+  send, receive, output, step) are allocated once per shape and shared by every segment of
+  that shape: FSDP2 reduces its groups
   one after another on one stream, so the groups of a model with equal blocks share one set
   (the key holds the stream, so two streams never share one); the constant tables the kernels
   read (noise streams, run ends) are made once per process and never freed
@@ -36,9 +37,9 @@ What makes a replay the eager call's bits:
   the first, eager call is where a table is first copied to the device.
 
 The cost: one capture per (shape, key) segment (milliseconds, at the first step), the buffers
-(per shape: the input and its split parts, the payloads, the output: about twice one group's
-gradient), and two copies per call (the input in, the output out: 3 bytes per element of
-device memory traffic for bf16 in and out, ~0.05 ms for a 50 M-element GPT block's
+(per shape and stream: the input or its split parts, the payloads, the output: a little more
+than one group's gradient), and two copies per call (the input in, the output out: 3 bytes per
+element of device memory traffic for bf16 in and out, ~0.05 ms for a 50 M-element GPT block's
 reduce-scatter on an H200).
 """
 
@@ -195,14 +196,15 @@ class ReplayedSite:
         key: tuple,
         noise: tuple,
         *,
-        inp: torch.Tensor,
+        inp: torch.Tensor | None,
         out: torch.Tensor,
         step: torch.Tensor,
     ) -> None:
         self.graphs, self.inp, self.out, self.step = graphs, inp, out, step
         # (flat views made once: a call issues no op it need not, [Note: codec segments
         # replayed])
-        self._inp_flat, self._out_flat = inp.view(-1), out.view(-1)
+        self._inp_flat = inp.view(-1) if inp is not None else None
+        self._out_flat = out.view(-1)
         # the encode draws this site's noise; the decode is the same for every site of a shape
         # (unless it writes the site's own state: the site then keys it by its noise too)
         self.encode_key, self.decode_key = (key, noise, "encode"), (key, "decode")
@@ -210,6 +212,11 @@ class ReplayedSite:
         """A collective of several hops: ``(key, segment, exchange)`` of each segment between
         the encode and the decode, and the exchange after it (the two-level reduce-scatter's
         middle hop)."""
+
+    def take(self, input: torch.Tensor) -> None:
+        """The call's input into the captured buffers: copied into ``inp`` (a site whose
+        encode reads other buffers, a policy split's parts, fills them here instead)."""
+        self._inp_flat.copy_(input if input.dim() == 1 else input.reshape(-1))
 
     def encode(self) -> None:
         raise NotImplementedError
@@ -231,16 +238,16 @@ class ReplayedSite:
         count_call: bool = True,
     ):
         """One call: counted (unless ``count_call`` is False: a phase of a composite call);
-        the input in and the step written, the encode replayed, the exchange (on the current
-        stream, after the encode), each of :attr:`hops` (its segment replayed, its exchange),
-        the decode replayed, the output out (``input`` may alias
+        the input in (:meth:`take`) and the step written, the encode replayed, the exchange
+        (on the current stream, after the encode), each of :attr:`hops` (its segment
+        replayed, its exchange), the decode replayed, the output out (``input`` may alias
         ``output``: it is read first; None: left in the site's output). An empty output:
         nothing."""
         if count_call:
             stats.count_call(name)
         if self.out.numel() == 0:
             return
-        self._inp_flat.copy_(input if input.dim() == 1 else input.reshape(-1))
+        self.take(input)
         self.step.fill_(step)
         self.graphs.run(self.encode_key, self.encode)
         self.exchange(stats)

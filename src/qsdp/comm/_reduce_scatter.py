@@ -153,9 +153,9 @@ class _Buffers(NamedTuple):
     """What the captured segments of one reduce-scatter shape read and write
     ([Note: codec segments replayed] in ``_graphs.py``)."""
 
-    rows: torch.Tensor  # [n, m], the input's dtype: each call's input copied in
-    comp: torch.Tensor | None  # [n, n_comp], [n, n_raw]: a split's parts (several runs each)
-    raw: torch.Tensor | None
+    rows: torch.Tensor | None  # [n, m], the input's dtype: each call's input copied in
+    comp: torch.Tensor | None  # [n, n_comp], [n, n_raw]: a split's parts (several runs each),
+    raw: torch.Tensor | None  # taken from each call's input (then no rows: one copy, not two)
     send: torch.Tensor  # [n - 1, row] uint8
     recv: torch.Tensor
     out: torch.Tensor  # [m], the output's dtype: copied out to each call's output
@@ -165,15 +165,16 @@ class _Buffers(NamedTuple):
     @classmethod
     def make(cls, input, output, n, m, spec, split) -> _Buffers:
         device = input.device
-        rows = torch.empty(n, m, dtype=input.dtype, device=device)
-        comp = raw = parts = None
+        rows = comp = raw = parts = None
+        if split is None or split.one_run_each:  # (a split's parts: views of the rows)
+            rows = torch.empty(n, m, dtype=input.dtype, device=device)
         if split is None:
             row = spec.payload_bytes(m)
         else:
             _, row, parts = fused_parts(spec, split.n_comp, split.n_raw * input.element_size())
             if not split.one_run_each:
-                comp = rows.new_empty(n, split.n_comp)
-                raw = rows.new_empty(n, split.n_raw)
+                comp = torch.empty(n, split.n_comp, dtype=input.dtype, device=device)
+                raw = comp.new_empty(n, split.n_raw)
         send = torch.empty(max(n - 1, 0), row, dtype=torch.uint8, device=device)
         return cls(
             rows=rows,
@@ -186,13 +187,11 @@ class _Buffers(NamedTuple):
             parts=parts,
         )
 
-    def split_parts(self, split: Split, *, take: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """The captured input's compressed and raw parts: views of it (one run each), or the
-        parts' buffers, filled from it when ``take`` (the encode) and as filled after."""
+    def split_parts(self, split: Split) -> tuple[torch.Tensor, torch.Tensor]:
+        """The captured input's compressed and raw parts: views of the rows (one run each), or
+        the parts' buffers (filled by the call's :meth:`_Site.take`)."""
         if self.comp is None:
             return split.views(self.rows)
-        if take:
-            return split.take(self.rows, comp_out=self.comp, raw_out=self.raw)
         return self.comp, self.raw
 
 
@@ -240,6 +239,7 @@ class _Site(ReplayedSite):
             check_split(split, m, "each chunk")
         b = graphs.buffers(key, lambda: _Buffers.make(input, output, n, m, spec, split))
         super().__init__(graphs, key, (seed, bucket, hop), inp=b.rows, out=b.out, step=b.step)
+        self._rows_of = lambda input: input.view(n, m)  # (a split's parts taken from them)
         self.b, self.pg, self.r, self.n, self.name = b, pg, r, n, name
         self.spec, self.split, self.seed, self.backend = spec, split, seed, backend
         self.splits = [0 if j == r else b.send.shape[1] for j in range(n)]
@@ -247,12 +247,19 @@ class _Site(ReplayedSite):
         self.streams = C.peer_streams(r, n, bucket=bucket, hop=hop)
         self.divisor = n if op == "avg" else None
 
+    def take(self, input: torch.Tensor) -> None:
+        b = self.b
+        if b.rows is None:  # a split's parts straight from the input (no rows buffer)
+            self.split.take(self._rows_of(input), comp_out=b.comp, raw_out=b.raw)
+        else:
+            super().take(input)
+
     def encode(self) -> None:
         b, r, spec, kw = self.b, self.r, self.spec, {"seed": self.seed, "backend": self.backend}
         if self.split is None:
             _encode_chunks(b.rows, b.send, r, spec, self.streams, step=b.step, **kw)
             return
-        comp, raw = b.split_parts(self.split, take=True)
+        comp, raw = b.split_parts(self.split)
         _encode_fused(comp, raw, b.send, b.parts, r, spec, self.streams, step=b.step, **kw)
 
     def exchange(self, stats: CommStats) -> None:
@@ -274,7 +281,7 @@ class _Site(ReplayedSite):
             m = b.out.numel()
             _decode_chunks(b.recv, b.rows[r], b.out, m, self.spec, self.divisor, self.backend)
             return
-        comp, raw = b.split_parts(self.split, take=False)
+        comp, raw = b.split_parts(self.split)
         _decode_fused(
             b.recv,
             b.parts,

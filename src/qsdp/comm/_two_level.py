@@ -19,9 +19,11 @@ are not evenly spaced (a mesh listing its ranks in another order) are cut into r
 
 [Note: two levels replayed]
 With ``graphs=`` (``Schedule(graphs=True)``, pipeline 1) a call copies its input into the
-captured rows, writes its step into the captured step word and replays three segments with the
-exchanges eager between them ([Note: codec segments replayed] in ``_graphs``): the encode (a
-split's parts taken, the own chunk into the float32 sum, the intra-node encodes), the intra-node
+captured rows (with a policy split: its two parts, taken from the input straight into their
+captured buffers, one copy where rows and parts took two), writes its step into the captured
+step word and replays three segments with the exchanges eager between them ([Note: codec
+segments replayed] in ``_graphs``): the encode (the own chunk into the float32 sum, the
+intra-node encodes), the intra-node
 all-to-all, the middle hop (whose re-encodes draw noise: captured per site, like the encode),
 the inter-node all-to-all and a split's raw part's plain reduce-scatter, and the decode (the
 other nodes' partial sums onto the own one, the division and cast, a split's raw part divided
@@ -137,9 +139,9 @@ class _Buffers(NamedTuple):
     """What the captured segments of one two-level shape read and write ([Note: two levels
     replayed])."""
 
-    rows: torch.Tensor  # [N, m], the input's dtype: each call's input copied in
-    comp: torch.Tensor | None  # [N, n_comp], [N, n_raw]: a split's parts
-    raw: torch.Tensor | None
+    rows: torch.Tensor | None  # [N, m], the input's dtype: each call's input copied in
+    comp: torch.Tensor | None  # [N, n_comp], [N, n_raw]: a split's parts, taken from each
+    raw: torch.Tensor | None  # call's input (then no rows: one copy, not two)
     stack: torch.Tensor  # [B, A, intra bytes]: the local peers' payloads, the own encodes
     send: torch.Tensor  # [B - 1, A, intra bytes]
     acc: torch.Tensor  # [n_comp] float32: the own chunk's sum
@@ -155,12 +157,14 @@ class _Buffers(NamedTuple):
     @classmethod
     def make(cls, input, output, shape, m, intra, inter, split) -> _Buffers:
         (na, nb), device, u8 = shape, input.device, torch.uint8
-        rows = torch.empty(na * nb, m, dtype=input.dtype, device=device)
-        comp = raw = comp_out = raw_out = None
+        rows = comp = raw = comp_out = raw_out = None
         n = m
-        if split is not None:
+        if split is None:
+            rows = torch.empty(na * nb, m, dtype=input.dtype, device=device)
+        else:
             n = split.n_comp
-            comp, raw = rows.new_empty(na * nb, n), rows.new_empty(na * nb, split.n_raw)
+            comp = torch.empty(na * nb, n, dtype=input.dtype, device=device)
+            raw = comp.new_empty(na * nb, split.n_raw)
             comp_out = torch.empty(n, dtype=output.dtype, device=device)
             raw_out = raw.new_empty(split.n_raw)
         b8, b4 = intra.payload_bytes(n), inter.payload_bytes(n)
@@ -241,12 +245,17 @@ class TwoLevelSite(ReplayedSite):
             [0 if j == layout.me_inter else row4 for j in range(na)],
         )
         self._flat = (b.stack[:-1].view(-1), b.send.view(-1), b.recv2.view(-1), b.send2.view(-1))
+        self._rows_of = lambda input: input.view(na * nb, m)  # (a split's parts taken from them)
+
+    def take(self, input: torch.Tensor) -> None:
+        if self.split is None:
+            super().take(input)
+        else:  # the parts straight from the input (no rows buffer)
+            self.split.take(self._rows_of(input), comp_out=self.b.comp, raw_out=self.b.raw)
 
     def encode(self) -> None:
         b = self.b
-        chunks = b.rows
-        if self.split is not None:
-            chunks, _ = self.split.take(b.rows, comp_out=b.comp, raw_out=b.raw)
+        chunks = b.rows if self.split is None else b.comp
         b.acc.copy_(chunks[self.own])
         encode_intra(
             chunks,

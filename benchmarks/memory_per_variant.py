@@ -56,7 +56,7 @@ def _one(name: str, blocks: int, d: int, mesh: bool, steps: int) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--out", type=Path, help="the JSON (required)")
     p.add_argument("--recipes", nargs="*", default=["sdp4bit", "sdp4bit+graphs"])
     p.add_argument("--blocks", type=int, default=8)
     p.add_argument("--d", type=int, default=1024)
@@ -67,6 +67,8 @@ def main() -> None:
     if a.one:
         print(json.dumps(_one(a.one, a.blocks, a.d, a.mesh, a.steps)))
         return
+    if a.out is None:
+        p.error("--out is required")
     if not torch.cuda.is_available():
         raise SystemExit("memory_per_variant.py measures CUDA memory: run it on a GPU")
     rows = []

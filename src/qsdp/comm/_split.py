@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import NamedTuple
 
@@ -37,8 +37,9 @@ class Split:
     chunk: int
     runs: tuple[tuple[int, int, bool], ...]
     """``(start, length, compressed)`` runs covering the chunk in order, neighbours merged."""
-    raw_names: tuple[str, ...] = ()
-    """The parameters sent raw (for reports)."""
+    raw_names: tuple[str, ...] = field(default=(), compare=False)
+    """The parameters sent raw (for reports: not part of what the split is, so the equal splits
+    of two groups with equal blocks are equal, and share a replayed site's buffers)."""
 
     @classmethod
     def of(cls, parts: Iterable[tuple[int, bool]], *, raw_names: tuple[str, ...] = ()) -> Split:
@@ -83,7 +84,7 @@ class Split:
 
     @cached_property
     def _hash(self) -> int:
-        return hash((self.chunk, self.runs, self.raw_names))
+        return hash((self.chunk, self.runs))
 
     def __getstate__(self) -> dict:
         # (a string's hash differs between processes: another process hashes anew)

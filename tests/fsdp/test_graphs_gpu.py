@@ -23,11 +23,12 @@ pytestmark = [
 def _replayed_vs_eager(rank: int, ws: int, recipe: str) -> tuple[list[float], int, list]:
     """Five steps of ``recipe`` (one level; ``NAME+mesh``: two, over a node mesh; ``+s1``: at
     staleness 1 from the first step, its delayed reductions replayed on their side streams,
-    the estimates of its prediction too) with and without ``Schedule(graphs=True)``: the same
+    the estimates of its prediction too; ``+ahead``: the next step's weights gathered in the
+    backward, on the gather's own stream) with and without ``Schedule(graphs=True)``: the same
     losses and weights; the losses, the segments the replayed run replayed and the
     collectives they belong to."""
     name, *options = recipe.split("+")
-    mesh, stale = "mesh" in options, "s1" in options
+    mesh, stale, ahead = "mesh" in options, "s1" in options, "ahead" in options
     runs = {}
     for graphs in (False, True):
         model, dev = _build(
@@ -35,7 +36,9 @@ def _replayed_vs_eager(rank: int, ws: int, recipe: str) -> tuple[list[float], in
             ws,
             torch.bfloat16,
             config=qsdp.recipe(name),
-            schedule=qsdp.Schedule(graphs=graphs, staleness=int(stale), start=0),
+            schedule=qsdp.Schedule(
+                graphs=graphs, staleness=int(stale), start=0, gather_ahead=ahead
+            ),
         )
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
         batches = _batches(rank, ws)
@@ -59,6 +62,7 @@ REPLAYED = {
     "sdp4bit+mesh": ["all_gather_diff", "hierarchical_reduce_scatter"],
     "sdp4bit+s1": ["all_gather_diff", "reduce_scatter"],
     "sdp4bit+mesh+s1": ["all_gather_diff", "hierarchical_reduce_scatter"],
+    "sdp4bit+s1+ahead": ["all_gather_diff", "reduce_scatter"],
 }
 
 

@@ -35,6 +35,9 @@ SPEC = QuantSpec(
     nonfinite="propagate",
 )
 M = 97  # elements per destination chunk: not a multiple of the group size
+#: (step, bucket) of each call: two steps of a site (bucket 1: the step word read anew), then a
+#: second site of the same shape (bucket 2: the buffers shared, its own noise)
+CALLS = ((0, 1), (1, 1), (1, 2))
 SPLITS = {
     "whole": None,
     "one run each": Split.of([(60, True), (37, False)]),
@@ -94,21 +97,20 @@ def _named(split: Split | None) -> Split | None:
 
 
 def _matches_eager(rank, ws, call, shapes, device, capture):
-    """Two steps of two buckets (two groups of equal blocks: bucket 2's split names its
-    parameters anew) per split: each replayed call's output and bytes are the eager call's
-    (each step its own noise); ``shapes`` sets of buffers in all."""
+    """Per split, the calls of :data:`CALLS` (two sites: two groups of equal blocks, bucket 2's
+    split naming its parameters anew): each replayed call's output and bytes are the eager
+    call's (each step its own noise); ``shapes`` sets of buffers in all."""
     graphs = CodecGraphs(capture=capture)
     backend = "triton" if device == "cpu" else "auto"
     for name, first in SPLITS.items():
-        for step in range(2):
-            for bucket in (1, 2):
-                split = first if bucket == 1 else _named(first)
-                eager, sent = call(rank, ws, split, step, bucket, None, device, _eager(device))
-                got, sent_replayed = call(rank, ws, split, step, bucket, graphs, device, backend)
-                assert torch.equal(eager, got), (name, step, bucket)
-                assert sent.snapshot() == sent_replayed.snapshot(), name
-                assert ws == 1 or sent.total_bytes > 0
-                assert_same_on_all_ranks(torch.tensor([step, bucket]))
+        for step, bucket in CALLS:
+            split = first if bucket == 1 else _named(first)
+            eager, sent = call(rank, ws, split, step, bucket, None, device, _eager(device))
+            got, sent_replayed = call(rank, ws, split, step, bucket, graphs, device, backend)
+            assert torch.equal(eager, got), (name, step, bucket)
+            assert sent.snapshot() == sent_replayed.snapshot(), name
+            assert ws == 1 or sent.total_bytes > 0
+            assert_same_on_all_ranks(torch.tensor([step, bucket]))
     assert len(graphs._buffers) == shapes * len(SPLITS)
     return graphs.captured, graphs.replayed
 
@@ -182,8 +184,8 @@ def test_replayed_buffers_give_the_eager_bits(world_size):
 def two_phase_replay_matches_eager(rank, ws, *, device="cpu", capture=False):
     """CGX's two-phase all-reduce replayed ([Note: two phases replayed]): DDP buckets of an odd
     length (padded inside to whole chunks) and of a whole number of chunks, raw runs beside the
-    codes, phase 2 on a second communicator; two steps of two buckets each, every result and
-    byte count the eager call's. Returns (captured, replayed, sites)."""
+    codes, phase 2 on a second communicator; the calls of :data:`CALLS` for each, every
+    result and byte count the eager call's. Returns (captured, replayed, sites)."""
     graphs = CodecGraphs(capture=capture)
     backend = "triton" if device == "cpu" else "auto"
     eager = _eager(device)
@@ -192,31 +194,33 @@ def two_phase_replay_matches_eager(rank, ws, *, device="cpu", capture=False):
     cases += [(name, M, split, None) for name, split in SPLITS.items() if split is not None]
     cases.append(("second group", M, SPLITS["several runs"], second))
     for name, numel, split, group2 in cases:
-        for step in range(2):
-            for bucket in (1, 2):
-                x = rank_tensor(rank, numel, seed=step + 10 * bucket).to(device, torch.bfloat16)
-                got, sent = {}, {}
-                for way, g, kernels in (("eager", None, eager), ("replayed", graphs, backend)):
-                    got[way], sent[way] = x.clone(), CommStats()
-                    two_phase_all_reduce(
-                        got[way],
-                        spec=SPEC,
-                        split=split,
-                        seed=3,
-                        step=step,
-                        bucket=bucket,
-                        backend=kernels,
-                        stats=sent[way],
-                        second_group=group2,
-                        graphs=g,
-                    )
-                assert torch.equal(got["eager"], got["replayed"]), (name, step, bucket)
-                assert sent["eager"].snapshot() == sent["replayed"].snapshot(), name
-                assert ws == 1 or sent["eager"].total_bytes > 0
-                assert not torch.equal(got["replayed"], x) or ws == 1  # (it reduced)
-                assert_same_on_all_ranks(got["replayed"])
-    # the rows a call copies into: one per shape (both buckets of a case share them)
-    assert sum(1 for key in graphs._buffers if key[0] == "two_phase rows") == len(cases)
+        for step, bucket in CALLS:
+            x = rank_tensor(rank, numel, seed=step + 10 * bucket).to(device, torch.bfloat16)
+            got, sent = {}, {}
+            for way, g, kernels in (("eager", None, eager), ("replayed", graphs, backend)):
+                got[way], sent[way] = x.clone(), CommStats()
+                two_phase_all_reduce(
+                    got[way],
+                    spec=SPEC,
+                    split=split,
+                    seed=3,
+                    step=step,
+                    bucket=bucket,
+                    backend=kernels,
+                    stats=sent[way],
+                    second_group=group2,
+                    graphs=g,
+                )
+            assert torch.equal(got["eager"], got["replayed"]), (name, step, bucket)
+            assert sent["eager"].snapshot() == sent["replayed"].snapshot(), name
+            assert ws == 1 or sent["eager"].total_bytes > 0
+            assert not torch.equal(got["replayed"], x) or ws == 1  # (it reduced)
+            assert_same_on_all_ranks(got["replayed"])
+    # the rows a call copies into: one per shape (both buckets of a case share them), none for
+    # whole chunks without a split (the tensor is phase 1's input and phase 2's output)
+    direct = sum(1 for _, numel, split, _ in cases if split is None and numel % ws == 0)
+    assert direct == (2 if ws == 1 else 1)
+    assert sum(1 for key in graphs._buffers if key[0] == "two_phase rows") == len(cases) - direct
     return graphs.captured, graphs.replayed, len(graphs.sites)
 
 
@@ -241,7 +245,7 @@ def two_level_replay_matches_eager(rank, ws, cases, *, device="cpu", capture=Fal
     intra = dataclasses.replace(SPEC, bits=8)
     for rows, name in cases:
         mesh = DeviceMesh(device, rows, mesh_dim_names=("inter", "intra"))
-        for step, bucket in ((0, 1), (1, 1), (1, 2)):
+        for step, bucket in CALLS:
             x = rank_tensor(rank, ws * M, seed=step + 10 * bucket).to(device, torch.bfloat16)
             got, sent, average = {}, {}, {}
             for way, g, kernels in (("eager", None, _eager(device)), ("replayed", graphs, backend)):

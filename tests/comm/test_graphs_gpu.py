@@ -25,19 +25,21 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
 
-# per split, (captured, replayed) after 2 steps x 2 buckets x 2 segments: the reduce-scatter's
-# encode captured per bucket and its decode once per shape (3 first runs); the all-gather's two
-# shapes (a float32 and an in-place bf16 output) an encode and a decode each (4 first runs).
-# The weight-difference gathers: two sites (reconstructions) of one shape, each 3 difference
-# calls of 5 (two exact): an encode and a decode captured at the first, replayed at the others
+# per split, (captured, replayed) after the 3 calls of test_graphs.CALLS x 2 segments: the
+# reduce-scatter's encode captured per bucket and its decode once per shape (3 first runs of
+# 6); the all-gather's two shapes (a float32 output, bucket 1, and an in-place bf16 one,
+# bucket 2) an encode and a decode each (4 first runs of 6). The weight-difference gathers: two
+# sites (reconstructions) of one shape, each 3 difference calls of 5 (two exact): an encode
+# and a decode captured at the first, replayed at the others
 CASES = {
-    "reduce_scatter": (replay_matches_eager, (3 * len(SPLITS), 5 * len(SPLITS))),
-    "all_gather": (gather_replay_matches_eager, (4 * len(SPLITS), 4 * len(SPLITS))),
+    "reduce_scatter": (replay_matches_eager, (3 * len(SPLITS), 3 * len(SPLITS))),
+    "all_gather": (gather_replay_matches_eager, (4 * len(SPLITS), 2 * len(SPLITS))),
     "all_gather_diff": (diff_replay_matches_eager, (4, 8, 2, 1)),
     # CGX's two phases: 5 cases x 2 buckets; phase 1's sites (8: the second-group case shares
     # the several-runs case's) an encode each and a decode per shape (4), phase 2's (10) an
-    # encode each and a decode per shape (5): 27 captured of 80 segment runs, 53 replayed
-    "two_phase_all_reduce": (two_phase_replay_matches_eager, (27, 53, 28)),
+    # encode each and a decode per shape (5): 27 captured of 5 x 3 calls x 4 segment runs,
+    # 33 replayed
+    "two_phase_all_reduce": (two_phase_replay_matches_eager, (27, 33, 28)),
 }
 
 

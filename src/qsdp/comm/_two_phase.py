@@ -211,9 +211,11 @@ class _ReplayedPhases:
     two sites back to back (phase 2 reads phase 1's output where it lies) and copies the
     gathered rows back: the two copies, the two sites' four replays and their two exchanges,
     about a dozen torch ops where the eager call issues some 60 and a dozen launches (DDP,
-    ``benchmarks/host_per_step.py --ddp``). Memory per shape and stream: the rows, phase 1's
-    rows and output, phase 2's input and output, and the payloads: about three tensors' worth
-    (float32 tensors; more for bf16 ones, whose phase outputs are float32)."""
+    ``benchmarks/host_per_step.py --ddp``). A tensor of whole chunks without a split is its own
+    rows: phase 1 takes it and phase 2 writes it straight (two copies and a buffer fewer).
+    Memory per shape and stream: the rows, phase 1's rows (or a split's parts) and output,
+    phase 2's input and output, and the payloads: about three tensors' worth (float32 tensors;
+    more for bf16 ones, whose phase outputs are float32)."""
 
     def __init__(self, graphs, key, tensor, split, pgs, n, op, spec, seed, bucket, backend) -> None:
         numel, device = tensor.numel(), tensor.device
@@ -223,12 +225,16 @@ class _ReplayedPhases:
         else:  # (padded inside to whole chunks, the gather decoded in the tensor's dtype)
             per_chunk, self.pieces = None, None
             chunk, gathered_dtype = -(-numel // n), tensor.dtype
-        # the rows phase 1 reads: a split's pieces or the padded tensor; gaps and padding zero
-        # (shared by the sites of one shape and stream, as the phases' own buffers are)
-        self.rows = graphs.buffers(
-            ("two_phase rows", key),
-            lambda: torch.zeros(n * chunk, dtype=tensor.dtype, device=device),
-        )
+        # whole chunks without a split: the tensor is the rows phase 1 reads
+        self.direct = split is None and numel == n * chunk
+        # else the rows phase 1 reads: a split's pieces or the padded tensor; gaps and padding
+        # zero (shared by the sites of one shape and stream, as the phases' own buffers are)
+        self.rows = tensor.view(-1)
+        if not self.direct:
+            self.rows = graphs.buffers(
+                ("two_phase rows", key),
+                lambda: torch.zeros(n * chunk, dtype=tensor.dtype, device=device),
+            )
         kw = dict(split=per_chunk, seed=seed, bucket=bucket, backend=backend, name=_NAME)
         reduced = torch.empty(chunk, dtype=torch.float32, device=device)
         gathered = torch.empty(n * chunk, dtype=gathered_dtype, device=device)
@@ -236,15 +242,20 @@ class _ReplayedPhases:
             graphs, reduced, self.rows, pgs[0], spec=spec, op=op, hop=0, **kw
         )
         self.phase2 = replayed_all_gather(graphs, gathered, reduced, pgs[1], spec=spec, hop=1, **kw)
+        self.rows = None if self.direct else self.rows  # (the site holds no caller's tensor)
         # (made once: the views a call copies into and out of)
         out = self.phase2.out.view(-1)
         if split is not None:
             self._rows_parts, self._out_parts = self.pieces.parts(self.rows), self.pieces.parts(out)
-        else:
+        elif not self.direct:
             self._rows_head, self._out_head = self.rows[:numel], out[:numel]
 
     def run(self, tensor: torch.Tensor, step: int, stats: CommStats) -> None:
         flat = tensor.view(-1)
+        if self.direct:  # phase 1 takes the tensor, phase 2 writes it
+            self.phase1.run(None, flat, step, stats, _NAME, count_call=False)
+            self.phase2.run(flat, self.phase1.out, step, stats, _NAME, count_call=False)
+            return
         if self.pieces is not None:
             flat_parts = list(flat.split(self.pieces.flat_sizes))
             torch._foreach_copy_(self._rows_parts, flat_parts)

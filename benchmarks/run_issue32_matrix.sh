@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Issue 32's judged rows on a 4-GPU host, each part one device call (under 10 minutes), the
+# replayed codecs (NAME+graphs) beside the eager ones and the baselines, logs and JSON in $OUT:
+#   OUT=out bash benchmarks/run_issue32_matrix.sh nvlink     # FSDP2, 1.42 B GPT, micro-batch 8
+#   OUT=out bash benchmarks/run_issue32_matrix.sh socket     # staleness 1 gathered ahead
+#   OUT=out bash benchmarks/run_issue32_matrix.sh 2x2        # two levels, staleness 1
+#   OUT=out bash benchmarks/run_issue32_matrix.sh ddp        # DDP cgx vs bf16_compress_hook
+#   OUT=out bash benchmarks/run_issue32_matrix.sh tests      # the replays' GPU tests on NCCL
+# Every timed row also runs back to back (--loop-steps: one synchronisation at the end), as the
+# issue judges; NVLink profiles one step per variant (host time, launches).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+source benchmarks/run_env.sh  # PYTHONPATH, GPU safety variables, gpu, day, RESULTS_DIR
+OUT=${OUT:-out}
+mkdir -p "$OUT"
+quiet() { grep -v -E " step [0-9]+:|^W[0-9]{4}|\*{5}|OMP_NUM_THREADS|_warn_once|UserWarning"; }
+fsdp() {  # fsdp REGIME NAME ARGS...: one bench_fsdp_step.py run on 4 GPUs
+  local regime=$1 name=$2
+  shift 2
+  timeout 560 torchrun --standalone --nproc-per-node 4 benchmarks/bench_fsdp_step.py \
+    --regime "$regime" --loop-steps 6 --out "$OUT/fsdp_${name}_${gpu}_${day}.json" "$@" 2>&1 | quiet
+}
+for part in "${@:-nvlink}"; do
+  echo "== $part"
+  case $part in
+    nvlink)
+      fsdp nvlink nvlink_graphs --baselines bf16 --profile "$OUT/prof_nvlink" --recipes \
+        sdp4bit sdp4bit+graphs qsdp-w8g8 qsdp-w8g8+graphs cgx cgx+graphs ;;
+    socket)
+      fsdp socket socket_graphs --baselines bf16 --recipes \
+        sdp4bit sdp4bit+graphs sdp4bit+s1+ahead sdp4bit+s1+ahead+graphs ;;
+    2x2)
+      fsdp 2x2 2x2_graphs --baselines bf16 --recipes \
+        sdp4bit sdp4bit+graphs sdp4bit+s1 sdp4bit+s1+graphs sdp4bit+s1+ahead+graphs ;;
+    ddp)
+      timeout 560 torchrun --standalone --nproc-per-node 4 benchmarks/bench_ddp_step.py \
+        --regime nvlink --baselines bf16_compress_hook --recipes cgx cgx+graphs qsdp-g8+graphs \
+        --out "$OUT/ddp_nvlink_graphs_${gpu}_${day}.json" 2>&1 | quiet ;;
+    tests)
+      timeout 560 python -m pytest -q -p no:cacheprovider -m gpu tests/comm/test_graphs_gpu.py \
+        tests/ddp/test_graphs_gpu.py tests/fsdp/test_graphs_gpu.py 2>&1 | tail -15 ;;
+    *) echo "unknown part $part: nvlink, socket, 2x2, ddp or tests" >&2; exit 2 ;;
+  esac
+done

@@ -45,6 +45,9 @@ SPLITS = {
         chunk=M, runs=((0, 10, False), (10, 60, True), (70, 3, False), (73, 24, True))
     ),
 }
+#: the two-level cases' splits: also a group whose parameters all travel raw (a root module
+#: holding only norms: no codes, the raw reduce-scatter alone)
+LEVEL_SPLITS = {**SPLITS, "all raw": Split.of([(M, False)])}
 
 
 def _reduce(rank, ws, split, step, bucket, graphs, device, backend):
@@ -259,7 +262,7 @@ def two_level_replay_matches_eager(rank, ws, cases, *, device="cpu", capture=Fal
                     mesh=mesh,
                     intra_spec=intra,
                     inter_spec=SPEC,
-                    split=SPLITS[name] if bucket == 1 else _named(SPLITS[name]),
+                    split=LEVEL_SPLITS[name] if bucket == 1 else _named(LEVEL_SPLITS[name]),
                     seed=3,
                     step=step,
                     bucket=bucket,
@@ -285,9 +288,10 @@ def two_level_replay_matches_eager(rank, ws, cases, *, device="cpu", capture=Fal
     ("world_size", "cases"),
     [
         # row-major; listed in another order (a column's rows not evenly spaced; three nodes
-        # and the own column's encodes around the own chunk: test_hierarchical.py); one level
+        # and the own column's encodes around the own chunk: test_hierarchical.py); one level;
+        # a group of raw parameters only (norms: no codes, the raw reduce-scatter alone)
         (4, [([[0, 1], [2, 3]], "whole"), ([[3, 1], [2, 0]], "several runs"),
-             ([[0, 1, 2, 3]], "one run each")]),
+             ([[0, 1, 2, 3]], "one run each"), ([[0, 1], [2, 3]], "all raw")]),
     ],
     ids=["2x2,1x4"],
 )  # fmt: skip

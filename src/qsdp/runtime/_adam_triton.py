@@ -212,6 +212,15 @@ def _steps_here(steps: Sequence, device: torch.device) -> bool:
     return all(isinstance(t, torch.Tensor) and t.device == device for t in steps)
 
 
+def _host_counts(counts: Sequence) -> list[float]:
+    """Each step count the host holds, plus one (the step about to be taken): the optimizer's
+    CPU tensors read in one stack, not one ``item`` each (a GPT block's 12 parameters, every
+    gather of a staleness-1 forward: issue 32's host); plain numbers as they are."""
+    if all(isinstance(c, torch.Tensor) and c.dim() == 0 and c.device.type == "cpu" for c in counts):
+        return [c + 1 for c in torch.stack(list(counts)).tolist()]
+    return [float(c) + 1 for c in counts]
+
+
 def predict_into(
     outs: Sequence[torch.Tensor], *, xs: Sequence[torch.Tensor], step: AdamStep
 ) -> None:
@@ -241,10 +250,11 @@ def predict_into(
     sets = (list(xs), list(step.estimates), *map(list, zip(*step.moments, strict=True)), list(outs))
     if here:
         sets += (counts,)
+    taken = _host_counts([counts[i] for i in live]) if not here else [None] * len(live)
     batches: dict[tuple, list[int]] = {}
-    for i in live:
+    for i, t in zip(live, taken, strict=True):
         dtypes = tuple(s[i].dtype for s in sets)
-        batches.setdefault((None if here else float(counts[i]) + 1, dtypes), []).append(i)
+        batches.setdefault((t, dtypes), []).append(i)
     for (t, _), picked in batches.items():
         chosen = [[s[i] for i in picked] for s in sets]
         ptrs = [[u.data_ptr() for u in ts] for ts in chosen]

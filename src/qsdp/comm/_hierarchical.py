@@ -356,7 +356,9 @@ def _replayed(
     if na == 1 or nb == 1:
         sub, spec = (layout.intra, intra_spec) if na == 1 else (layout.inter, inter_spec)
         m = check_chunks(output, input, na * nb, name)
-        own = input.reshape(na * nb, m)[layout.chunk_of(*layout.coord)]
+        own = None
+        if node_average is not None:  # (the own chunk before any reordering)
+            own = input.reshape(na * nb, m)[layout.chunk_of(*layout.coord)]
         input = _sub_group_order(input, layout, na, nb, m)
         site = replayed_site(graphs, output, input, sub, spec=spec, hop=hop, name=name, **kw)
         stages = _ran(site, output, input, step, stats, name)

@@ -23,11 +23,11 @@ captured rows (with a policy split: its two parts, taken from the input straight
 captured buffers, one copy where rows and parts took two), writes its step into the captured
 step word and replays three segments with the exchanges eager between them ([Note: codec
 segments replayed] in ``_graphs``): the encode (the own chunk into the float32 sum, the
-intra-node encodes), the intra-node
-all-to-all, the middle hop (whose re-encodes draw noise: captured per site, like the encode),
-the inter-node all-to-all and a split's raw part's plain reduce-scatter, and the decode (the
-other nodes' partial sums onto the own one, the division and cast, a split's raw part divided
-and every part put in place). Both exchanges run on the current stream, where the eager call
+intra-node encodes), the intra-node all-to-all, the middle hop (whose re-encodes draw noise:
+captured per site, like the encode; staleness 1's node average written there too), the
+inter-node all-to-all and a split's raw part's plain reduce-scatter, and the decode (the other
+nodes' partial sums onto the own one, the division and cast, a split's raw part divided and
+every part put in place). Both exchanges run on the current stream, where the eager call
 issues each on its group's stream (its pieces overlap there): one piece has nothing to overlap.
 """
 

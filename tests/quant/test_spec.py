@@ -87,6 +87,11 @@ def test_a_spec_and_a_split_hash_anew_in_another_process():
     split = Split.of([(3, True), (2, False)], raw_names=("ln.weight",))
     assert {spec: 1}[QuantSpec(8, 128, "absmax", "nearest", nonfinite="propagate")] == 1
     assert {split: 1}[Split.of([(3, True), (2, False)], raw_names=("ln.weight",))] == 1
+    # another group's equal split (its parameters named otherwise) is the same key: the groups
+    # of equal blocks share a replayed site's buffers ([Note: codec segments replayed])
+    other = Split.of([(3, True), (2, False)], raw_names=("blocks.1.ln.weight",))
+    assert other == split and {split: 1}[other] == 1 and other.raw_names != split.raw_names
+    assert Split.of([(2, True), (3, False)]) != split  # (the runs are what a split is)
     code = (
         "import pickle, sys\n"
         "from qsdp.comm import Split\n"

@@ -36,10 +36,10 @@ CASES = {
     "all_gather": (gather_replay_matches_eager, (4 * len(SPLITS), 2 * len(SPLITS))),
     "all_gather_diff": (diff_replay_matches_eager, (4, 8, 2, 1)),
     # CGX's two phases: 5 cases x 2 buckets; phase 1's sites (8: the second-group case shares
-    # the several-runs case's) an encode each and a decode per shape (4), phase 2's (10) an
-    # encode each and a decode per shape (5): 27 captured of 5 x 3 calls x 4 segment runs,
-    # 33 replayed
-    "two_phase_all_reduce": (two_phase_replay_matches_eager, (27, 33, 28)),
+    # the several-runs case's) an encode each, each pair of sites (10) phase 1's decode and
+    # phase 2's encode in one segment, phase 2's decode per shape (5): 23 captured of 5 x 3
+    # calls x 3 segment runs, 22 replayed; sites: 10 composite, 8 of phase 1, 10 of phase 2
+    "two_phase_all_reduce": (two_phase_replay_matches_eager, (23, 22, 28)),
 }
 
 

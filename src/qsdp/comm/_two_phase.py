@@ -208,8 +208,9 @@ class _ReplayedPhases:
     byte counter (``two_phase_all_reduce``) of the eager call, so the same bits and bytes. A
     call copies the tensor into the site's rows (a split's runs into their places; the rows'
     gaps zero since the rows were made, shared by the sites of one shape and stream), runs the
-    two sites back to back (phase 2 reads phase 1's output where it lies) and copies the
-    gathered rows back: the two copies, the two sites' four replays and their two exchanges,
+    two sites back to back and copies the gathered rows back: phase 1's encode, its exchange,
+    one segment of phase 1's decode, the copy of its output into phase 2's input and phase 2's
+    encode, phase 2's exchange and its decode: the two copies, three replays and two exchanges,
     about a dozen torch ops where the eager call issues some 60 and a dozen launches (DDP,
     ``benchmarks/host_per_step.py --ddp``). A tensor of whole chunks without a split is its own
     rows: phase 1 takes it and phase 2 writes it straight (two copies and a buffer fewer).
@@ -242,6 +243,10 @@ class _ReplayedPhases:
             graphs, reduced, self.rows, pgs[0], spec=spec, op=op, hop=0, **kw
         )
         self.phase2 = replayed_all_gather(graphs, gathered, reduced, pgs[1], spec=spec, hop=1, **kw)
+        self.graphs = graphs
+        # phase 1's decode and phase 2's encode: one segment, per pair of sites (the encode's
+        # noise is phase 2's site's)
+        self._middle_key = ("two_phase middle", self.phase1.decode_key, self.phase2.encode_key)
         self.rows = None if self.direct else self.rows  # (the site holds no caller's tensor)
         # (made once: the views a call copies into and out of)
         out = self.phase2.out.view(-1)
@@ -253,20 +258,41 @@ class _ReplayedPhases:
     def run(self, tensor: torch.Tensor, step: int, stats: CommStats) -> None:
         flat = tensor.view(-1)
         if self.direct:  # phase 1 takes the tensor, phase 2 writes it
-            self.phase1.run(None, flat, step, stats, _NAME, count_call=False)
-            self.phase2.run(flat, self.phase1.out, step, stats, _NAME, count_call=False)
+            self._phases(flat, step, stats)
+            flat.copy_(self.phase2._out_flat)
             return
         if self.pieces is not None:
             flat_parts = list(flat.split(self.pieces.flat_sizes))
             torch._foreach_copy_(self._rows_parts, flat_parts)
         else:
             self._rows_head.copy_(flat)
-        self.phase1.run(None, self.rows, step, stats, _NAME, count_call=False)
-        self.phase2.run(None, self.phase1.out, step, stats, _NAME, count_call=False)
+        self._phases(self.rows, step, stats)
         if self.pieces is not None:
             torch._foreach_copy_(flat_parts, self._out_parts)
         else:
             flat.copy_(self._out_head)
+
+    def _phases(self, rows: torch.Tensor, step: int, stats: CommStats) -> None:
+        """Both phases on ``rows`` into phase 2's output: phase 1's decode, phase 2's input
+        and its encode one segment (``_middle``), three replays where the two sites' runs
+        took four, and no copy between them on the host's account ([Note: two phases
+        replayed])."""
+        p1, p2, graphs = self.phase1, self.phase2, self.graphs
+        if p2.out.numel() == 0:
+            return
+        p1.take(rows)
+        p1.step.fill_(step)
+        p2.step.fill_(step)
+        graphs.run(p1.encode_key, p1.encode)
+        p1.exchange(stats)
+        graphs.run(self._middle_key, self._middle)
+        p2.exchange(stats)
+        graphs.run(p2.decode_key, p2.decode)
+
+    def _middle(self) -> None:
+        self.phase1.decode()
+        self.phase2.take(self.phase1.out)
+        self.phase2.encode()
 
 
 class _Owner(NamedTuple):

@@ -38,6 +38,23 @@ M = 97  # elements per destination chunk: not a multiple of the group size
 #: (step, bucket) of each call: two steps of a site (bucket 1: the step word read anew), then a
 #: second site of the same shape (bucket 2: the buffers shared, its own noise)
 CALLS = ((0, 1), (1, 1), (1, 2))
+
+# (captured, replayed) over CALLS, what a capture makes (and CodecGraphs(capture=False) counts:
+# the GPU tier asserts the same of its captures). A reduce-scatter: its encode per site (2), its
+# decode per shape (1), of 3 calls x 2 segments; an all-gather: an encode and a decode for each
+# of its two shapes (bucket 1 into float32, bucket 2 in place in bf16), of 6 runs.
+RS_PER_SPLIT, AG_PER_SPLIT = (3, 3), (4, 2)
+#: the weight-difference gathers: two sites (reconstructions) of one shape, each 3 difference
+#: calls of 5 (two exact): an encode and a decode captured at the first; sites; buffer sets
+DIFF_COUNTS = (4, 8, 2, 1)
+#: CGX's two phases, 5 cases x 2 buckets: phase 1's sites (8: the second-group case shares the
+#: several-runs case's) an encode each, each pair of sites (10) phase 1's decode and phase 2's
+#: encode in one segment, phase 2's decode per shape (5): 23 of 5 x 3 calls x 3 segments;
+#: sites: 10 composite, 8 of phase 1, 10 of phase 2
+TWO_PHASE_COUNTS = (23, 22, 28)
+#: per case of the two-level replays: two levels, an encode and a middle hop per site (2) and a
+#: decode per shape of 3 calls x 3 segments; one level, the reduce-scatter's
+TWO_LEVEL_PER_CASE = {"two levels": (5, 4), "one level": RS_PER_SPLIT}
 SPLITS = {
     "whole": None,
     "one run each": Split.of([(60, True), (37, False)]),
@@ -182,10 +199,13 @@ def diff_replay_matches_eager(rank, ws, *, device="cpu", capture=False):
 def test_replayed_buffers_give_the_eager_bits(world_size):
     # (one rank: no peers, each split's own chunk alone; one split of several runs shows it)
     splits = tuple(SPLITS) if world_size > 1 else ("several runs",)
-    run_distributed(replay_matches_eager, world_size, splits=splits)
-    run_distributed(gather_replay_matches_eager, world_size, splits=splits)
+    k = len(splits)
+    got = run_distributed(replay_matches_eager, world_size, splits=splits)
+    assert got == [(RS_PER_SPLIT[0] * k, RS_PER_SPLIT[1] * k)] * world_size
+    got = run_distributed(gather_replay_matches_eager, world_size, splits=splits)
+    assert got == [(AG_PER_SPLIT[0] * k, AG_PER_SPLIT[1] * k)] * world_size
     # (each group's own reconstruction: a site each; one set of buffers for their shape)
-    assert run_distributed(diff_replay_matches_eager, world_size) == [(0, 0, 2, 1)] * world_size
+    assert run_distributed(diff_replay_matches_eager, world_size) == [DIFF_COUNTS] * world_size
 
 
 def two_phase_replay_matches_eager(rank, ws, *, device="cpu", capture=False):
@@ -236,7 +256,7 @@ def test_two_phase_replays_give_the_eager_bits(world_size):
     # each case's two buckets: a composite site each (10), with a phase-2 site each (10) and
     # phase-1 sites (8: the second-group case's are the several-runs case's, same key)
     got = run_distributed(two_phase_replay_matches_eager, world_size)
-    assert got == [(0, 0, 28)] * world_size
+    assert got == [TWO_PHASE_COUNTS] * world_size
 
 
 def two_level_replay_matches_eager(rank, ws, cases, *, device="cpu", capture=False):
@@ -302,7 +322,14 @@ def two_level_replay_matches_eager(rank, ws, cases, *, device="cpu", capture=Fal
 def test_two_level_replays_give_the_eager_bits(world_size, cases):
     got = run_distributed(two_level_replay_matches_eager, world_size, cases)
     # a site per case and bucket; a set of buffers per case (its mesh and split: its shape)
-    assert got == [(0, 0, 2 * len(cases), len(cases))] * world_size
+    counts = two_level_counts(cases)
+    assert got == [(*counts, 2 * len(cases), len(cases))] * world_size
+
+
+def two_level_counts(cases) -> tuple[int, int]:
+    """(captured, replayed) of the two-level replay cases (``TWO_LEVEL_PER_CASE``)."""
+    per = [TWO_LEVEL_PER_CASE["one level" if len(rows) == 1 else "two levels"] for rows, _ in cases]
+    return sum(c for c, _ in per), sum(r for _, r in per)
 
 
 def _refusals(rank, ws):

@@ -88,7 +88,8 @@ class CodecGraphs:
 
     Args:
         capture: False runs every segment eagerly on the same buffers, captures nothing (any
-            device: what the CPU tests check of the buffers and keys; no host work saved).
+            device: what the CPU tests check of the buffers and keys; no host work saved), and
+            counts in :attr:`captured` and :attr:`replayed` what a capture would have done.
     """
 
     def __init__(self, *, capture: bool = True) -> None:
@@ -96,12 +97,13 @@ class CodecGraphs:
         self._buffers: dict[Hashable, Any] = {}
         self.sites: dict[Hashable, Any] = {}
         """A collective's call sites, worked out at their first call (its own key and type)."""
-        self._graphs: dict[Hashable, torch.cuda.CUDAGraph] = {}
+        self._graphs: dict[Hashable, torch.cuda.CUDAGraph | None] = {}
         self._side: dict[torch.device, torch.cuda.Stream] = {}
         self.captured = 0
-        """Segments captured so far (one per (shape, key) and side: encode or decode)."""
+        """Segments captured so far (one per (shape, key) and side: encode or decode); without
+        ``capture``, the segments a capture would have captured."""
         self.replayed = 0
-        """Segment replays so far."""
+        """Segment replays so far (without ``capture``: the later runs of a segment's key)."""
 
     @staticmethod
     def check_parameters(params: Iterable[torch.Tensor]) -> None:
@@ -155,8 +157,13 @@ class CodecGraphs:
         ``key`` run eagerly, then captured (not run again); replayed at every later call.
         ``body`` must launch the same kernels on the same buffers every time it is called with
         ``key`` and read nothing from the host (a table it reads is made by its eager run)."""
-        if not self.capture:
+        if not self.capture:  # eagerly, counted as a capture would count it
             body()
+            if key in self._graphs:
+                self.replayed += 1
+            else:
+                self._graphs[key] = None
+                self.captured += 1
             return
         graph = self._graphs.get(key)
         if graph is not None:

@@ -51,7 +51,7 @@ from . import _common as C
 from ._all_gather import _all_gather_stages, all_gather_wire_bytes
 from ._all_gather import replayed_site as replayed_all_gather
 from ._calls import checked
-from ._graphs import CodecGraphs, check_replayable
+from ._graphs import CodecGraphs, ReplayedSite, check_replayable
 from ._reduce_scatter import _reduce_scatter_stages, reduce_scatter_wire_bytes
 from ._reduce_scatter import replayed_site as replayed_reduce_scatter
 from ._split import Split, check_split
@@ -226,73 +226,82 @@ class _ReplayedPhases:
         else:  # (padded inside to whole chunks, the gather decoded in the tensor's dtype)
             per_chunk, self.pieces = None, None
             chunk, gathered_dtype = -(-numel // n), tensor.dtype
-        # whole chunks without a split: the tensor is the rows phase 1 reads
+        # whole chunks without a split: the tensor is the rows phase 1 reads; else the rows: a
+        # split's pieces or the padded tensor, gaps and padding zero (shared by the sites of one
+        # shape and stream, as the phases' own buffers are)
         self.direct = split is None and numel == n * chunk
-        # else the rows phase 1 reads: a split's pieces or the padded tensor; gaps and padding
-        # zero (shared by the sites of one shape and stream, as the phases' own buffers are)
-        self.rows = tensor.view(-1)
+        rows = tensor.view(-1)
         if not self.direct:
-            self.rows = graphs.buffers(
+            rows = graphs.buffers(
                 ("two_phase rows", key),
                 lambda: torch.zeros(n * chunk, dtype=tensor.dtype, device=device),
             )
         kw = dict(split=per_chunk, seed=seed, bucket=bucket, backend=backend, name=_NAME)
         reduced = torch.empty(chunk, dtype=torch.float32, device=device)
         gathered = torch.empty(n * chunk, dtype=gathered_dtype, device=device)
-        self.phase1 = replayed_reduce_scatter(
-            graphs, reduced, self.rows, pgs[0], spec=spec, op=op, hop=0, **kw
+        phase1 = replayed_reduce_scatter(
+            graphs, reduced, rows, pgs[0], spec=spec, op=op, hop=0, **kw
         )
-        self.phase2 = replayed_all_gather(graphs, gathered, reduced, pgs[1], spec=spec, hop=1, **kw)
-        self.graphs = graphs
-        # phase 1's decode and phase 2's encode: one segment, per pair of sites (the encode's
-        # noise is phase 2's site's)
-        self._middle_key = ("two_phase middle", self.phase1.decode_key, self.phase2.encode_key)
-        self.rows = None if self.direct else self.rows  # (the site holds no caller's tensor)
+        phase2 = replayed_all_gather(graphs, gathered, reduced, pgs[1], spec=spec, hop=1, **kw)
+        self.phases = _Phases(graphs, phase1, phase2)
+        self.rows = None if self.direct else rows  # (the site holds no caller's tensor)
         # (made once: the views a call copies into and out of)
-        out = self.phase2.out.view(-1)
+        out = phase2.out.view(-1)
         if split is not None:
-            self._rows_parts, self._out_parts = self.pieces.parts(self.rows), self.pieces.parts(out)
+            self._rows_parts, self._out_parts = self.pieces.parts(rows), self.pieces.parts(out)
         elif not self.direct:
-            self._rows_head, self._out_head = self.rows[:numel], out[:numel]
+            self._rows_head, self._out_head = rows[:numel], out[:numel]
 
     def run(self, tensor: torch.Tensor, step: int, stats: CommStats) -> None:
         flat = tensor.view(-1)
         if self.direct:  # phase 1 takes the tensor, phase 2 writes it
-            self._phases(flat, step, stats)
-            flat.copy_(self.phase2._out_flat)
+            self.phases.run(flat, flat, step, stats, _NAME, count_call=False)
             return
         if self.pieces is not None:
             flat_parts = list(flat.split(self.pieces.flat_sizes))
             torch._foreach_copy_(self._rows_parts, flat_parts)
         else:
             self._rows_head.copy_(flat)
-        self._phases(self.rows, step, stats)
+        self.phases.run(None, self.rows, step, stats, _NAME, count_call=False)
         if self.pieces is not None:
             torch._foreach_copy_(flat_parts, self._out_parts)
         else:
             flat.copy_(self._out_head)
 
-    def _phases(self, rows: torch.Tensor, step: int, stats: CommStats) -> None:
-        """Both phases on ``rows`` into phase 2's output: phase 1's decode, phase 2's input
-        and its encode one segment (``_middle``), three replays where the two sites' runs
-        took four, and no copy between them on the host's account ([Note: two phases
-        replayed])."""
-        p1, p2, graphs = self.phase1, self.phase2, self.graphs
-        if p2.out.numel() == 0:
-            return
-        p1.take(rows)
-        p1.step.fill_(step)
-        p2.step.fill_(step)
-        graphs.run(p1.encode_key, p1.encode)
-        p1.exchange(stats)
-        graphs.run(self._middle_key, self._middle)
-        p2.exchange(stats)
-        graphs.run(p2.decode_key, p2.decode)
+
+class _Phases(ReplayedSite):
+    """Both phases as one replayed call of two hops ([Note: two phases replayed]): phase 1's
+    input, encode and exchange; one segment of phase 1's decode, phase 2's step word and input
+    (copied on the device from phase 1's) and phase 2's encode, then phase 2's exchange; phase
+    2's decode, its output the call's. Three replays where the two sites' own runs took four,
+    no copy between them on the host's account."""
+
+    def __init__(self, graphs: CodecGraphs, phase1: ReplayedSite, phase2: ReplayedSite) -> None:
+        super().__init__(graphs, (), (), inp=None, out=phase2.out, step=phase1.step)
+        self.phase1, self.phase2 = phase1, phase2
+        self.encode_key, self.decode_key = phase1.encode_key, phase2.decode_key
+        # (per pair of sites: the encode's noise is phase 2's site's)
+        middle = ("two_phase middle", phase1.decode_key, phase2.encode_key)
+        self.hops = ((middle, self._middle, phase2.exchange),)
+
+    def take(self, input: torch.Tensor) -> None:
+        self.phase1.take(input)
+
+    def encode(self) -> None:
+        self.phase1.encode()
+
+    def exchange(self, stats: CommStats) -> None:
+        self.phase1.exchange(stats)
 
     def _middle(self) -> None:
-        self.phase1.decode()
-        self.phase2.take(self.phase1.out)
-        self.phase2.encode()
+        p1, p2 = self.phase1, self.phase2
+        p1.decode()
+        p2.step.copy_(p1.step)
+        p2.take(p1.out)
+        p2.encode()
+
+    def decode(self) -> None:
+        self.phase2.decode()
 
 
 class _Owner(NamedTuple):

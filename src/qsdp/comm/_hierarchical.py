@@ -238,20 +238,18 @@ def hierarchical_reduce_scatter(
             **common,
         )
     if na == 1 or nb == 1:  # one level: a flat reduce-scatter over the mesh's only group
-        sub, spec = (layout.intra, intra_spec) if na == 1 else (layout.inter, inter_spec)
-        m = check_chunks(output, input, na * nb, "hierarchical_reduce_scatter")
-        own = input.reshape(na * nb, m)[layout.chunk_of(*layout.coord)]
-        input = _sub_group_order(input, layout, na, nb, m)
-        stages = _reduce_scatter_stages(output, input, sub, spec=spec, **common)
-        if node_average is not None:
-            stages = _one_level_estimate(
-                stages,
-                node_average,
-                output=output,
-                own=own,
-                node_ranks=nb if na == 1 else 1,
-                op=C.parse_op(op),
-            )
+        stages = _one_level(
+            output,
+            input,
+            layout=layout,
+            shape=(na, nb),
+            specs=(intra_spec, inter_spec),
+            node_average=node_average,
+            op=op,
+            stages_of=lambda x, sub, spec: _reduce_scatter_stages(
+                output, x, sub, spec=spec, **common
+            ),
+        )
         return C.run_stages(stages, async_op, result=output)
     op = C.parse_op(op)
     C.check_key(seed, step, bucket)
@@ -307,16 +305,34 @@ def _check_raw_group(group: dist.ProcessGroup | None, mesh_size: int) -> None:
         )
 
 
-def _sub_group_order(
-    input: torch.Tensor, layout: MeshLayout, na: int, nb: int, m: int
-) -> torch.Tensor:
-    """On a mesh of one level, ``input`` with its chunks in the order the mesh's only group
-    numbers its ranks (a copy where that differs from the flat layout's)."""
-    flat = [layout.chunk[0][j] if na == 1 else layout.chunk[j][0] for j in range(na * nb)]
-    order = [flat[j] for j in (layout.intra_cols if na == 1 else layout.inter_rows)]
-    if order == sorted(order):
-        return input
-    return input.reshape(na * nb, m)[order]
+def _one_level(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    *,
+    layout: MeshLayout,
+    shape: tuple[int, int],
+    specs: tuple[QuantSpec, QuantSpec],
+    node_average: Callable[[torch.Tensor], object] | None,
+    op: str | dist.ReduceOp,
+    stages_of: Callable[[torch.Tensor, dist.ProcessGroup, QuantSpec], C.Stages],
+) -> C.Stages:
+    """A mesh of one level: ``stages_of(input, group, spec)``, the flat reduce-scatter (eager
+    or replayed) over the mesh's only group with that level's quantizer, ``input``'s chunks in
+    the order that group numbers its ranks (a copy where it differs from the flat layout's,
+    ``MeshLayout.sub_order``); ``node_average`` reported as :func:`_one_level_estimate` says."""
+    na, nb = shape
+    sub, spec = (layout.intra, specs[0]) if na == 1 else (layout.inter, specs[1])
+    m = check_chunks(output, input, na * nb, _NAME)
+    own = None
+    if node_average is not None:  # (the own chunk before any reordering)
+        own = input.reshape(na * nb, m)[layout.chunk_of(*layout.coord)]
+    if layout.sub_order is not None:
+        input = input.reshape(na * nb, m)[list(layout.sub_order)]
+    stages = stages_of(input, sub, spec)
+    if node_average is None:
+        return stages
+    node = dict(output=output, own=own, node_ranks=nb if na == 1 else 1)
+    return _one_level_estimate(stages, node_average, op=C.parse_op(op), **node)
 
 
 def _replayed(
@@ -354,18 +370,26 @@ def _replayed(
     C.check_key(seed, step, bucket)
     (na, nb), kw = shape, dict(split=split, op=op, seed=seed, bucket=bucket, backend=backend)
     if na == 1 or nb == 1:
-        sub, spec = (layout.intra, intra_spec) if na == 1 else (layout.inter, inter_spec)
-        m = check_chunks(output, input, na * nb, name)
-        own = None
-        if node_average is not None:  # (the own chunk before any reordering)
-            own = input.reshape(na * nb, m)[layout.chunk_of(*layout.coord)]
-        input = _sub_group_order(input, layout, na, nb, m)
-        site = replayed_site(graphs, output, input, sub, spec=spec, hop=hop, name=name, **kw)
-        stages = _ran(site, output, input, step, stats, name)
-        if node_average is not None:  # (as the eager call reports it)
-            node = dict(output=output, own=own, node_ranks=nb if na == 1 else 1)
-            stages = _one_level_estimate(stages, node_average, op=C.parse_op(op), **node)
-        C.run_stages(stages, False)
+
+        def stages_of(x: torch.Tensor, sub: dist.ProcessGroup, spec: QuantSpec) -> C.Stages:
+            site = replayed_site(graphs, output, x, sub, spec=spec, hop=hop, name=name, **kw)
+            site.run(output, x, step, stats, name)
+            yield from ()
+
+        specs = (intra_spec, inter_spec)
+        C.run_stages(
+            _one_level(
+                output,
+                input,
+                layout=layout,
+                shape=shape,
+                specs=specs,
+                node_average=node_average,
+                op=op,
+                stages_of=stages_of,
+            ),
+            False,
+        )
         return
     if split is not None:
         _check_raw_group(group, na * nb)
@@ -398,12 +422,6 @@ def _replayed(
         site.run(output, input, step, stats, name)
     finally:
         site.report = None
-
-
-def _ran(site, output, input, step, stats, name) -> C.Stages:
-    """A replayed call as a collective's stages (none to wait for)."""
-    site.run(output, input, step, stats, name)
-    yield from ()
 
 
 def _with_own_raw(

@@ -69,6 +69,9 @@ class MeshLayout:
     """This rank's rank in the intra group."""
     me_inter: int = 0
     """This rank's rank in the inter group."""
+    sub_order: tuple[int, ...] | None = None
+    """A mesh of one level: the input rows in the order its only group numbers its ranks,
+    where that differs from the flat layout's (None: the same order)."""
 
     def chunk_of(self, a: int, b: int) -> int:
         return self.chunk[a][b]
@@ -86,6 +89,11 @@ class MeshLayout:
     ) -> MeshLayout:
         """The layout of coordinate ``coord`` with the fields derived from the others."""
         a, b = coord
+        sub_order = None
+        if len(chunk) == 1 or len(chunk[0]) == 1:  # one level: the mesh's only group's order
+            flat = [r for row in chunk for r in row]
+            order = tuple(flat[j] for j in (intra_cols if len(chunk) == 1 else inter_rows))
+            sub_order = None if order == tuple(sorted(order)) else order
         return cls(
             inter=inter,
             intra=intra,
@@ -97,6 +105,7 @@ class MeshLayout:
             others=tuple((a2, chunk[a2][b]) for a2 in inter_rows if a2 != a),
             me_intra=intra_cols.index(b),
             me_inter=inter_rows.index(a),
+            sub_order=sub_order,
         )
 
 

@@ -239,7 +239,6 @@ class _Site(ReplayedSite):
             check_split(split, m, "each chunk")
         b = graphs.buffers(key, lambda: _Buffers.make(input, output, n, m, spec, split))
         super().__init__(graphs, key, (seed, bucket, hop), inp=b.rows, out=b.out, step=b.step)
-        self._rows_of = lambda input: input.view(n, m)  # (a split's parts taken from them)
         self.b, self.pg, self.r, self.n, self.name = b, pg, r, n, name
         self.spec, self.split, self.seed, self.backend = spec, split, seed, backend
         self.splits = [0 if j == r else b.send.shape[1] for j in range(n)]
@@ -250,7 +249,7 @@ class _Site(ReplayedSite):
     def take(self, input: torch.Tensor) -> None:
         b = self.b
         if b.rows is None:  # a split's parts straight from the input (no rows buffer)
-            self.split.take(self._rows_of(input), comp_out=b.comp, raw_out=b.raw)
+            self.split.take(input.view(self.n, -1), comp_out=b.comp, raw_out=b.raw)
         else:
             super().take(input)
 

@@ -245,13 +245,13 @@ class TwoLevelSite(ReplayedSite):
             [0 if j == layout.me_inter else row4 for j in range(na)],
         )
         self._flat = (b.stack[:-1].view(-1), b.send.view(-1), b.recv2.view(-1), b.send2.view(-1))
-        self._rows_of = lambda input: input.view(na * nb, m)  # (a split's parts taken from them)
 
     def take(self, input: torch.Tensor) -> None:
         if self.split is None:
             super().take(input)
         else:  # the parts straight from the input (no rows buffer)
-            self.split.take(self._rows_of(input), comp_out=self.b.comp, raw_out=self.b.raw)
+            b = self.b
+            self.split.take(input.view(b.comp.shape[0], -1), comp_out=b.comp, raw_out=b.raw)
 
     def encode(self) -> None:
         b = self.b

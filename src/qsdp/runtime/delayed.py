@@ -131,6 +131,20 @@ def slot_views(
     return [pieces[i].view(s.shape) for i, s in zip(picks, slots, strict=True)]
 
 
+def _waited_views(held: Iterable[tuple[_Local, Slot]]) -> list[tuple[Slot, torch.Tensor]]:
+    """Each kept ``(estimate buffer, slot)``'s slot and its view of the buffer, shaped as its
+    local tensor, complete for the current stream: each buffer waited for once and its slots
+    cut by one split (``slot_views``), not one wait and one slice per parameter (issue 32)."""
+    by_buffer: dict[int, tuple[_Local, list[Slot]]] = {}
+    for entry, slot in held:
+        by_buffer.setdefault(id(entry), (entry, []))[1].append(slot)
+    out: list[tuple[Slot, torch.Tensor]] = []
+    for entry, slots in by_buffer.values():
+        entry.wait()
+        out += zip(slots, slot_views(entry.buffer, slots), strict=True)
+    return out
+
+
 def packed_slots(params: Iterable[nn.Parameter]) -> list[Slot]:
     """The slots of a buffer whose parameters follow each other (a DDP bucket)."""
     slots, offset = [], 0
@@ -466,19 +480,12 @@ class DelayedReductions:
         (``take=True``): their memory returns once it has computed the predicted step, and
         the next backward keeps new ones. A checkpoint saved between that forward and the
         step (when the parameters are the predicted ones anyway) saves zeros for them."""
-        out: dict[nn.Parameter, torch.Tensor] = {}
-        kept: dict[int, tuple[_Local, list[Slot]]] = {}
+        held = []
         for i, (flight, _) in self._pending.items():
-            held = self._local.get(i)
-            if held is None:
-                continue
-            entry, slot = held
-            _check_avg(flight, "local gradient estimates need it")
-            kept.setdefault(id(entry), (entry, []))[1].append(slot)
-        for entry, slots in kept.values():  # once per buffer: a wait, one split (issue 32)
-            entry.wait()
-            for slot, view in zip(slots, slot_views(entry.buffer, slots), strict=True):
-                out[slot.param] = view
+            if i in self._local:
+                _check_avg(flight, "local gradient estimates need it")
+                held.append(self._local[i])
+        out = {slot.param: view for slot, view in _waited_views(held)}
         if take:
             self._local = {}
         return out
@@ -487,19 +494,8 @@ class DelayedReductions:
         """This rank's estimates of ``slots``' parameters kept by this backward, by parameter
         id, shaped as their local tensors and complete for the current stream; kept here (a
         gather ahead reads them before the next forward takes them)."""
-        out: dict[int, torch.Tensor] = {}
-        held = [self._local.get(id(slot.param)) for slot in slots]
-        entries = {id(h[0]): h[0] for h in held if h is not None}
-        for entry in entries.values():
-            entry.wait()
-        if len(entries) == 1 and all(h is not None for h in held):  # (one buffer: one split)
-            (entry,) = entries.values()
-            views = slot_views(entry.buffer, [kept for _, kept in held])
-            return {id(s.param): v for s, v in zip(slots, views, strict=True)}
-        for slot, h in zip(slots, held, strict=True):
-            if h is not None:
-                out[id(slot.param)] = _view(h[0].buffer, h[1])
-        return out
+        held = [h for slot in slots if (h := self._local.get(id(slot.param))) is not None]
+        return {id(slot.param): view for slot, view in _waited_views(held)}
 
     # --- after the last backward ------------------------------------------------------------
     def drain(self) -> None:

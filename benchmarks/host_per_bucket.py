@@ -85,6 +85,11 @@ def _stub_kernels() -> None:
 
     global_int._resolve = codec._resolve
     flags._resolve = codec._resolve  # (imported by name: patched where it is read)
+    # weight prediction's kernel (staleness 1): its launcher's Python as on a GPU
+    from qsdp.runtime import _adam_triton, adam_step
+
+    _adam_triton.adam_predict_kernel = _NoKernel(_adam_triton.adam_predict_kernel)
+    adam_step._kernel_applies = lambda outs, xs, step: True
     try:  # (an older commit's code, run beside the tree's for a before/after, has none)
         import qsdp.quant.rowsum as rowsum
     except ImportError:

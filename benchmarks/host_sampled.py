@@ -14,7 +14,8 @@
 ``run``: ``--steps`` training steps of ``host_per_step.py``'s model (GPT blocks, a ``fake``
 process group of 4, real kernels on a GPU) with the backward on the calling thread, after 5
 untimed ones; prints milliseconds per step. ``--optimizer`` adds an AdamW step to each step;
-``--staleness 1`` runs the recipe at staleness 1 as shipped, its prediction included.
+``--staleness 1`` runs the recipe at staleness 1 as shipped, its prediction included;
+``host_per_step.py``'s variant names work too (``sdp4bit+s1+graphs``), ``--mesh`` its 2 x 2.
 ``summarize``: from py-spy's raw stacks, the samples of the timed loop only: each function's
 share inclusive and of its own (a C call is charged to the Python line that made it), and each
 qsdp line's share counting everything below it that is not qsdp's (the torch ops and launches
@@ -42,11 +43,17 @@ def run(a: argparse.Namespace) -> None:
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
     schedule = qsdp.Schedule(staleness=1, start=0) if a.staleness else None  # as shipped
+    mesh = None
+    if a.mesh:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(a.device, (2, 2), mesh_dim_names=("inter", "intra"))
     model = host_per_step.build(
-        a.recipe, a.blocks, a.d, block="gpt", device=a.device, schedule=schedule
+        a.recipe, a.blocks, a.d, block="gpt", device=a.device, schedule=schedule, mesh=mesh
     )
     x = torch.randn(4, a.d, device=a.device)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4) if a.optimizer or a.staleness else None
+    stale = a.staleness or "+s1" in a.recipe
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4) if a.optimizer or stale else None
 
     def sync() -> None:
         if a.device == "cuda":
@@ -127,6 +134,11 @@ def main() -> None:
         choices=[0, 1],
         default=0,
         help="1: Schedule(staleness=1) as shipped (its prediction; implies --optimizer)",
+    )
+    r.add_argument(
+        "--mesh",
+        action="store_true",
+        help="the fake group of 4 as 2 nodes x 2 (host_per_step.py --mesh)",
     )
     s = sub.add_parser("summarize", help="shares from py-spy's raw output")
     s.add_argument("raw")

@@ -113,6 +113,34 @@ def test_a_non_finite_estimate_predicts_nothing_in_the_kernel_and_its_reference(
         torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-7)
 
 
+def test_a_clip_coefficient_on_the_device_is_the_same_step_as_the_number():
+    """[Note: a clipped prediction never reads the device]: a 0-d float32 coefficient, read by
+    the kernel (and multiplied as a tensor by the reference), steps bit for bit as the same
+    float32 value passed as a number; one of another dtype or size is refused."""
+    from qsdp.runtime import _adam_triton
+
+    opt, xs, states, estimates = _case(torch.optim.AdamW, 0.1, "cpu")
+    coef = torch.tensor(0.37)  # (float32: the number's value as the kernel reads it)
+    want = _reference(opt, xs, states, estimates, 0.37)
+    assert all(
+        torch.equal(r, w)
+        for r, w in zip(_reference(opt, xs, states, estimates, coef), want, strict=True)
+    )
+    by_number = [torch.empty_like(x) for x in xs]
+    _adam_triton.predict_into(by_number, xs=xs, step=_step(opt, states, estimates, 0.37))
+    on_device = [torch.empty_like(x) for x in xs]
+    _adam_triton.predict_into(on_device, xs=xs, step=_step(opt, states, estimates, coef))
+    unclipped = [torch.empty_like(x) for x in xs]
+    _adam_triton.predict_into(unclipped, xs=xs, step=_step(opt, states, estimates, 1.0))
+    for a, b, c, w in zip(by_number, on_device, unclipped, want, strict=True):
+        assert torch.equal(a, b)
+        assert not torch.equal(b, c)  # (the coefficient was read)
+        torch.testing.assert_close(b, w, rtol=1e-6, atol=1e-7)
+    out = [torch.empty_like(x) for x in xs]
+    with pytest.raises(ValueError, match="one-element float32 tensor"):
+        _adam_triton.predict_into(out, xs=xs, step=_step(opt, states, estimates, coef.double()))
+
+
 def test_the_kernel_runs_where_it_applies_and_the_reference_elsewhere():
     """On CPU the reference computes the step; on CUDA the kernel, for contiguous float32 /
     bf16 / fp16 tensors only."""
@@ -125,6 +153,8 @@ def test_the_kernel_runs_where_it_applies_and_the_reference_elsewhere():
         assert not adam_step._kernel_applies(t, t, _step(opt, states[2:3], estimates[2:3], 1.0))
         wide = [x.double() for x in xs]
         assert not adam_step._kernel_applies(wide, wide, _step(opt, states, estimates, 1.0))
+        on_cpu = torch.tensor(0.5)  # (a coefficient the kernel cannot read)
+        assert not adam_step._kernel_applies(xs, xs, _step(opt, states, estimates, on_cpu))
 
 
 def _fused_adamw(params, **kw):

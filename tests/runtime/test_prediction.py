@@ -13,6 +13,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import qsdp
 from qsdp.runtime import WeightPrediction
@@ -177,6 +178,42 @@ class _Source:
 
     def estimate_square_norm(self, estimates: dict) -> torch.Tensor:
         return torch.stack([g.float().square().sum() for g in estimates.values()]).sum()
+
+
+class _HostReads(TorchDispatchMode):
+    """Counts the reads of a tensor's value by the host (``item()``, ``float()``: on a GPU each
+    waits for the device)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.reads += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_clipped_prediction_never_reads_the_device():
+    """[Note: a clipped prediction never reads the device]: clipping the estimate by its norm
+    adds no host read to a predicted step (the coefficient stays a tensor), and still clips."""
+    torch.manual_seed(0)
+    model = classifier()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _loss(model, 0, 0).backward()
+    opt.step()
+    opt.zero_grad()
+    g = torch.Generator().manual_seed(5)
+    estimates = {p: 100 * torch.randn(p.shape, generator=g) for p in model.parameters()}
+    predict = WeightPrediction(opt, local=_Source(estimates))
+    moved = {}
+    for clip in (None, 1.0):
+        counter = _HostReads()
+        with counter, predict.ahead(clip=clip):
+            moved[clip] = [p.detach().clone() for p in model.parameters()]
+        moved[clip, "reads"] = counter.reads
+    assert moved[1.0, "reads"] == moved[None, "reads"]
+    assert not all(torch.equal(a, b) for a, b in zip(moved[None], moved[1.0], strict=True))
 
 
 def _adam_decoupled(params, **kw):

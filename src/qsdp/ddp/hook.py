@@ -84,6 +84,7 @@ from .. import comm as qc
 from ..config import CompressionConfig, NonFinite, Schedule, check_saved, config_record
 from ..policy import auto
 from ..runtime import NonfiniteCheck, SideStreams
+from ..runtime.adam_step import square_norm
 from ..runtime.delayed import DelayedReductions, packed_slots
 from ..runtime.prediction import AutoPrediction, predict_with
 from ..runtime.widths import WidthController
@@ -345,7 +346,7 @@ class DDPCompression:
     def estimate_square_norm(self, estimates: dict) -> torch.Tensor:
         """The squared norm of one whole estimate: this rank's own (every rank holds a whole
         gradient). No collective."""
-        return torch.stack([g.float().square().sum() for g in estimates.values()]).sum()
+        return square_norm(estimates.values())
 
     def predict_with(self, optimizer: torch.optim.Optimizer) -> None:
         """Staleness 1 as shipped: predict ``optimizer``'s next step from now on. Call it after

@@ -15,6 +15,7 @@ from ..comm import CommStats
 from ..config import CompressionConfig, Schedule, check_saved, config_record
 from ..policy import auto
 from ..runtime import NonfiniteCheck
+from ..runtime.adam_step import square_norm
 from ..runtime.delayed import DelayedReductions
 from ..runtime.prediction import AutoPrediction, predict_with
 from ..runtime.widths import WidthController
@@ -227,7 +228,7 @@ class CommState:
         HSDP, where each node has its own). A collective over that group."""
         if self._installed.stale is None:
             raise ValueError("local gradient estimates are for staleness=1")
-        square = torch.stack([g.float().square().sum() for g in estimates.values()]).sum()
+        square = square_norm(estimates.values())
         dist.all_reduce(square, group=self._estimate_group())
         return square
 

@@ -70,6 +70,7 @@ def adam_predict_kernel(
     v_ptr,
     out_ptr,
     t_ptr,
+    coef_ptr,
     rel_ptr,
     numel_ptr,
     param_ptr,
@@ -87,6 +88,7 @@ def adam_predict_kernel(
     log_beta2,
     DECOUPLED: tl.constexpr,
     STEPS_HERE: tl.constexpr,
+    COEF_HERE: tl.constexpr,
     ALIGNED: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
@@ -99,7 +101,9 @@ def adam_predict_kernel(
     (``x``, ``g``, ``m``, ``v``, ``out``, ``t``: s = 0..5). ``bias1``: ``1 - beta1^t``;
     ``bias2_sqrt``: ``sqrt(1 - beta2^t)``; with STEPS_HERE each parameter's optimizer step
     count is read from the ``t`` set (a fused or capturable optimizer's, on the device) and
-    the two are computed from it and ``log(beta)`` here, as torch's fused step does.
+    the two are computed from it and ``log(beta)`` here, as torch's fused step does. With
+    COEF_HERE ``coef`` is read from ``coef_ptr`` (a float32 on the device: [Note: a clipped
+    prediction never reads the device] in ``qsdp.runtime.adam_step``).
     ALIGNED: every tensor starts on a 16-byte boundary and every length is a multiple of 16 (a
     mask the same over each vector: the loads stay vectorized)."""
     pid = tl.program_id(0)
@@ -114,6 +118,8 @@ def adam_predict_kernel(
     g = _load(_at(g_ptr, tl.load(rel_ptr + k + i), offs, ALIGNED), mask, TAIL=True)
     m = _load(_at(m_ptr, tl.load(rel_ptr + 2 * k + i), offs, ALIGNED), mask, TAIL=True)
     v = _load(_at(v_ptr, tl.load(rel_ptr + 3 * k + i), offs, ALIGNED), mask, TAIL=True)
+    if COEF_HERE:
+        coef = tl.load(coef_ptr)
     g = tl.where(tl.abs(g) < float("inf"), g, 0.0) * coef  # (NaN compares false too)
     if DECOUPLED:
         x = x - lr * weight_decay * x
@@ -251,6 +257,13 @@ def predict_into(
     if here:
         sets += (counts,)
     taken = _host_counts([counts[i] for i in live]) if not here else [None] * len(live)
+    coef = step.clip_coef
+    coef_here = isinstance(coef, torch.Tensor)
+    if coef_here and (coef.device != device or coef.dtype != torch.float32 or coef.numel() != 1):
+        raise ValueError(
+            f"weight prediction's kernel: clip_coef must be a float or a one-element float32 "
+            f"tensor on {device}, got {coef.dtype} of {coef.numel()} elements on {coef.device}"
+        )
     batches: dict[tuple, list[int]] = {}
     for i, t in zip(live, taken, strict=True):
         dtypes = tuple(s[i].dtype for s in sets)
@@ -279,6 +292,7 @@ def predict_into(
         args = (
             *(ts[0] for ts in chosen[:5]),
             chosen[5][0] if here else chosen[0][0],  # (read only with STEPS_HERE)
+            coef if coef_here else chosen[0][0],  # (read only with COEF_HERE)
             offsets,
             grid.numel,
             grid.param,
@@ -289,13 +303,14 @@ def predict_into(
             beta2,
             float(group["eps"]),
             float(group["weight_decay"]),
-            float(step.clip_coef),
+            1.0 if coef_here else float(coef),
             bias1,
             bias2_sqrt,
             _log(beta1),
             _log(beta2),
             decoupled,
             here,
+            coef_here,
             aligned,
             _BLOCK,
         )

@@ -47,9 +47,11 @@ __all__ = [
     "AdamStep",
     "adam_next",
     "check_adam",
+    "clip_coefficient",
     "fp32_copies",
     "predict_step",
     "predicted_into",
+    "square_norm",
     "stepped",
 ]
 
@@ -68,14 +70,40 @@ class AdamStep:
     """Each parameter's gradient estimate, its local tensor's element count."""
     states: Sequence[dict]
     """Each parameter's optimizer state (``step``, ``exp_avg``, ``exp_avg_sq``): read only."""
-    clip_coef: float
-    """What the estimates are multiplied by (gradient clipping)."""
+    clip_coef: float | torch.Tensor
+    """What the estimates are multiplied by (gradient clipping): a number, or a 0-d float32
+    tensor on the estimates' device, read there ([Note: a clipped prediction never reads the
+    device])."""
 
     @functools.cached_property
     def moments(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Each parameter's (``exp_avg``, ``exp_avg_sq``) local tensors, read once (a
         DTensor's ``to_local()`` costs the host every call)."""
         return [(local_of(s["exp_avg"]), local_of(s["exp_avg_sq"])) for s in self.states]
+
+
+def square_norm(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The squared 2-norm of ``tensors`` together, a 0-d float32 tensor on their device: one
+    norm launch set over all of them (``torch._foreach_norm`` in float32), not three ops a
+    tensor (a GPT block's 12 parameters, every group of the model, at every predicted step)."""
+    norms = torch._foreach_norm(list(tensors), 2, dtype=torch.float32)
+    return torch.stack(norms).square().sum()
+
+
+def clip_coefficient(square: torch.Tensor, clip: float) -> torch.Tensor:
+    """What ``clip_grad_norm_(max_norm=clip)`` multiplies a gradient of squared norm
+    ``square`` by: ``min(1, clip / (norm + 1e-6))``, computed where ``square`` is.
+
+    [Note: a clipped prediction never reads the device]
+    Weight prediction with ``Schedule(predict_clip=...)`` clips each estimate by the norm of one
+    whole estimate, which a collective sums over the ranks. The coefficient used to be read on
+    the host (``float(norm)``) at the first forward of every predicted step: the host waited
+    there for the device, for the backward's last estimate and the collective, while the
+    delayed reductions it was meant to overlap were still queued. Now the coefficient stays a
+    0-d tensor on the device and the prediction's kernel reads it there (its torch reference
+    multiplies by it as a tensor): the same clip, computed in float32 instead of float64 (the
+    coefficient may differ by one float32 rounding from the host's)."""
+    return torch.clamp(clip / (square.sqrt() + 1e-6), max=1.0)
 
 
 def check_adam(optimizer: torch.optim.Optimizer) -> None:
@@ -173,7 +201,7 @@ def stepped(xs: Sequence[torch.Tensor], step: AdamStep) -> tuple[list[torch.Tens
     nothing]), once for a whole flat buffer rather than once per tensor."""
     new = fp32_copies(xs)
     gs = list(step.estimates)
-    if step.clip_coef != 1.0:
+    if isinstance(step.clip_coef, torch.Tensor) or step.clip_coef != 1.0:
         torch._foreach_mul_(gs, step.clip_coef)
     ms, vs, counts = [], [], []
     for x, s in zip(new, step.states, strict=True):
@@ -204,7 +232,7 @@ def stepped(xs: Sequence[torch.Tensor], step: AdamStep) -> tuple[list[torch.Tens
 
 @torch.no_grad()
 def adam_next(
-    optimizer: torch.optim.Optimizer, estimates: dict, clip_coef: float
+    optimizer: torch.optim.Optimizer, estimates: dict, clip_coef: float | torch.Tensor
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Move each parameter with an estimate and optimizer state to where ``optimizer.step()``
     would take it with that gradient (times ``clip_coef``); returns (local tensor, copy) to
@@ -263,6 +291,9 @@ def _kernel_applies(outs, xs, step: AdamStep) -> bool:
     """Whether the kernel computes this step: every tensor on CUDA, contiguous, of a dtype it
     reads in float32 without loss (not float64)."""
     ts = [*outs, *xs, *step.estimates, *(t for mv in step.moments for t in mv)]
+    coef = step.clip_coef
+    if isinstance(coef, torch.Tensor) and not (coef.is_cuda and coef.dtype == torch.float32):
+        return False
     return all(t.is_cuda and t.is_contiguous() and t.dtype in _KERNEL_DTYPES for t in ts)
 
 

@@ -81,7 +81,7 @@ class _Armed(NamedTuple):
     group: dict
     state: dict
     adamw: bool
-    coef: float
+    coef: float | torch.Tensor
     optimizer: torch.optim.Optimizer
 
 

@@ -69,7 +69,7 @@ from torch.optim.optimizer import (
     register_optimizer_step_pre_hook,
 )
 
-from .adam_step import adam_next, check_adam
+from .adam_step import adam_next, check_adam, clip_coefficient
 from .contracts import LocalGradients, StalenessState, check_contract
 from .gathered import GatheredPrediction
 from .placement import like_param, local_of
@@ -189,10 +189,12 @@ class WeightPrediction:
     def _ahead_local(self, *, enabled: bool, clip: float | None) -> Iterator[None]:
         # taken: read once here, not held through the forward ([Note: estimates handed over])
         estimates = self.local.local_gradients(take=True) if enabled else {}
-        coef = 1.0
+        coef: float | torch.Tensor = 1.0
         if estimates and clip is not None:  # (in flight on every rank or on none)
             square = self.local.estimate_square_norm(estimates)  # of one whole estimate
-            coef = min(1.0, clip / (float(square.sqrt()) + 1e-6))
+            # on the device, never read by the host ([Note: a clipped prediction never reads
+            # the device] in qsdp.runtime.adam_step)
+            coef = clip_coefficient(square, clip)
         armed = False
         if self._gathers is not None and estimates:  # predicted where they are gathered
             on_gathers = {p: e for p, e in estimates.items() if id(p) in self._gathered}

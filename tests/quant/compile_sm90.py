@@ -112,14 +112,21 @@ def main() -> None:
             "starts_ptr": "*i64"}  # fmt: skip
     results["row_sum"] = _compile(K.row_sum_kernel, ptrs, rs)
     ptrs = {"x_ptr": "*fp32", "g_ptr": "*bf16", "m_ptr": "*fp32", "v_ptr": "*fp32",
-            "out_ptr": "*bf16", "t_ptr": "*fp32", "rel_ptr": "*i64", "numel_ptr": "*i64",
+            "out_ptr": "*bf16", "t_ptr": "*fp32", "coef_ptr": "*fp32", "rel_ptr": "*i64",
+            "numel_ptr": "*i64",
             "param_ptr": "*i32", "first_ptr": "*i32"}  # fmt: skip
     # weight prediction's step, a group in one launch; its step counts read on the host or
     # by the kernel (a fused optimizer's)
     for decoupled, aligned, here in itertools.product((False, True), repeat=3):
         ap = {"DECOUPLED": decoupled, "ALIGNED": aligned, "STEPS_HERE": here, "BLOCK": A._BLOCK}
         name = f"adam_predict decoupled={decoupled} aligned={aligned} steps_here={here}"
-        results[name] = _compile(A.adam_predict_kernel, ptrs, ap, aligned=aligned)
+        results[name] = _compile(
+            A.adam_predict_kernel, ptrs, ap | {"COEF_HERE": False}, aligned=aligned
+        )
+    # the clip coefficient read on the device (Schedule(predict_clip=...))
+    ap = {"DECOUPLED": True, "ALIGNED": True, "STEPS_HERE": True, "BLOCK": A._BLOCK}
+    name = "adam_predict decoupled=True aligned=True steps_here=True coef_here=True"
+    results[name] = _compile(A.adam_predict_kernel, ptrs, ap | {"COEF_HERE": True}, aligned=True)
     json.dump({"triton": triton.__version__, "kernels": results}, sys.stdout, indent=1)
 
 

@@ -43,13 +43,18 @@ def test_every_kernel_compiles_for_sm90_without_spills():
         "row_sum",
         "adam_predict",
     }
-    assert len(kernels) == 21
+    assert len(kernels) == 22
     spilled = {name: k for name, k in kernels.items() if k["spill_bytes"]}
     assert not spilled, spilled
     assert all(0 < k["registers"] <= 255 for k in kernels.values())
     # weight prediction's one launch per group ([Note: one launch per group]): where every
     # tensor is 16-byte aligned its loads are vectorized, as one tensor per launch had them
-    for decoupled, here in ((False, False), (False, True), (True, False), (True, True)):
-        aligned = kernels[f"adam_predict decoupled={decoupled} aligned=True steps_here={here}"]
+    # (and with the clip coefficient read on the device)
+    names = [
+        f"adam_predict decoupled={decoupled} aligned=True steps_here={here}"
+        for decoupled, here in ((False, False), (False, True), (True, False), (True, True))
+    ]
+    for name in [*names, "adam_predict decoupled=True aligned=True steps_here=True coef_here=True"]:
+        aligned = kernels[name]
         assert aligned["vector_loads"] >= 12, aligned  # (14 with triton 3.6; none unaligned)
         assert aligned["registers"] < 128, aligned

@@ -468,15 +468,18 @@ def test_the_hooks_never_make_the_host_wait_on_nccl():
         assert all(v == "none" for v in got.values()), got
 
 
-def _shipped_staleness_syncs(rank: int, ws: int, fused: bool) -> list[str]:
+def _shipped_staleness_syncs(rank: int, ws: int, fused: bool, clip: float | None) -> list[str]:
     """Staleness 1 as shipped: the schedule's default prediction (Adam's next step from each
     rank's own gradient) runs on the forward pre-hook and the optimizer's step pre-hook, which
     the backward-only check above does not reach. No op of a whole step (forward, backward,
     optimizer step) may make the host wait, and the host returns from a whole step while the
     device is still busy (issue 32: staleness 1's host time per step was 0.34 s against the
     synchronous step's 0.19 over sockets on 4x H200). ``fused``: AdamW(fused=True), whose step
-    counts lie on the device ([Note: step counts read where they are])."""
-    model, dev = _build("sdp4bit", ws, torch.bfloat16, schedule=qsdp.Schedule(staleness=1, start=0))
+    counts lie on the device ([Note: step counts read where they are]). ``clip``:
+    ``Schedule(predict_clip=...)``, the estimate clipped by its norm over the ranks ([Note: a
+    clipped prediction never reads the device])."""
+    schedule = qsdp.Schedule(staleness=1, start=0, predict_clip=clip)
+    model, dev = _build("sdp4bit", ws, torch.bfloat16, schedule=schedule)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, fused=fused)
     batches = (b.to(dev) for b in _batches(rank, ws))
     found = "none"
@@ -491,10 +494,10 @@ def _shipped_staleness_syncs(rank: int, ws: int, fused: bool) -> list[str]:
     return [found, "ahead" if ahead else "the host waited for the step"]
 
 
-@pytest.mark.parametrize("fused", [False, True])
-def test_staleness_1_as_shipped_never_makes_the_host_wait_on_nccl(fused):
+@pytest.mark.parametrize(("fused", "clip"), [(False, None), (True, None), (True, 1.0)])
+def test_staleness_1_as_shipped_never_makes_the_host_wait_on_nccl(fused, clip):
     ws = min(torch.cuda.device_count(), 4)
-    for got in run_distributed(_shipped_staleness_syncs, ws, fused, backend="nccl"):
+    for got in run_distributed(_shipped_staleness_syncs, ws, fused, clip, backend="nccl"):
         assert got == ["none", "ahead"], got
 
 

@@ -17,6 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import qsdp
 from qsdp.runtime import WeightPrediction
+from qsdp.runtime.adam_step import adam_next
 from qsdp.testing import assert_same_on_all_ranks, run_distributed
 
 from ..models import batch, classifier
@@ -214,6 +215,41 @@ def test_a_clipped_prediction_never_reads_the_device():
         moved[clip, "reads"] = counter.reads
     assert moved[1.0, "reads"] == moved[None, "reads"]
     assert not all(torch.equal(a, b) for a, b in zip(moved[None], moved[1.0], strict=True))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_clipped_prediction_never_makes_the_host_wait_on_cuda(fused):
+    """The same on CUDA under the sync detector: the clipped prediction's kernel reads the
+    coefficient on the device, and equals the prediction clipped by the host's number."""
+    from ..host_syncs import first_sync
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    model = classifier().to(dev)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fused)
+    x, y = batch(0, 0)
+    nn.functional.cross_entropy(model(x.to(dev)), y.to(dev)).backward()
+    opt.step()
+    g = torch.Generator().manual_seed(5)
+    estimates = {p: 100 * torch.randn(p.shape, generator=g).to(dev) for p in model.parameters()}
+    source = _Source(estimates)
+    predict = WeightPrediction(opt, local=source)
+    moved = []
+
+    def ahead() -> None:
+        with predict.ahead(clip=1.0):
+            moved.extend(p.detach().clone() for p in model.parameters())
+
+    assert first_sync(ahead) == "none"
+    # the step clipped by the host's number (read here, after the check)
+    coef = min(1.0, 1.0 / (float(source.estimate_square_norm(estimates).sqrt()) + 1e-6))
+    saved = adam_next(opt, estimates, coef)  # (moved in place, restored below)
+    want = [p.detach().clone() for p in model.parameters()]
+    with torch.no_grad():
+        torch._foreach_copy_([x for x, _ in saved], [c for _, c in saved])
+    for a, b in zip(moved, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
 
 
 def _adam_decoupled(params, **kw):

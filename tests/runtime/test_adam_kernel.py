@@ -210,6 +210,23 @@ def test_one_launch_per_group_builds_its_table_once_per_layout():
     assert len(grids) == 1, grids
 
 
+def test_tensors_a_fraction_of_an_element_apart_are_refused():
+    """The table holds whole elements: an estimate at an odd byte address beside others of its
+    dtype at even ones cannot be reached from the set's first, and is refused by name."""
+    from qsdp.runtime import _adam_triton
+
+    opt, xs, states, estimates = _case(torch.optim.AdamW, 0.1, "cpu")
+    n = estimates[1].numel()
+    raw = bytearray(2 * n + 1)
+    odd = torch.frombuffer(raw, dtype=torch.bfloat16, count=n, offset=1).view(estimates[1].shape)
+    odd.copy_(estimates[1])
+    assert odd.data_ptr() % 2 == 1
+    bad = [estimates[0], odd, *estimates[2:]]
+    out = [torch.empty_like(x) for x in xs]
+    with pytest.raises(ValueError, match="a fraction of an element apart"):
+        _adam_triton.predict_into(out, xs=xs, step=_step(opt, states, bad, 1.0))
+
+
 @pytest.mark.parametrize("steps_here", [True, False])
 def test_parameters_at_other_steps_or_dtypes_each_take_their_own_step(monkeypatch, steps_here):
     """A group whose parameters' optimizer steps differ (one added later) or whose dtypes

@@ -227,6 +227,64 @@ def _host_counts(counts: Sequence) -> list[float]:
     return [float(c) + 1 for c in counts]
 
 
+def _batches(sets: Sequence[list], live: list[int], taken: list) -> list[tuple[object, list[int]]]:
+    """The launches of a group: ``(host step count + 1 or None, parameter indices)`` each; one
+    for all ``live`` parameters where every set holds one dtype and the host's counts agree (a
+    model's usual group), else one per distinct count and dtypes."""
+    first = taken[0]
+    if all(t == first for t in taken) and all(len({u.dtype for u in ts}) == 1 for ts in sets):
+        return [(first, live)]
+    batches: dict[tuple, list[int]] = {}
+    for i, t in zip(live, taken, strict=True):
+        dtypes = tuple(s[i].dtype for s in sets)
+        batches.setdefault((t, dtypes), []).append(i)
+    return [(t, picked) for (t, _), picked in batches.items()]
+
+
+class _Layout(NamedTuple):
+    """Where one launch's tensors lie: each set's element offsets from its first (the device
+    table's contents) and whether every tensor and length is 16-byte aligned (``ALIGNED``)."""
+
+    rel: tuple[tuple[int, ...], ...]
+    aligned: bool
+
+
+_layouts: OrderedDict[tuple, _Layout] = OrderedDict()
+
+
+def _layout_of(chosen: Sequence[Sequence[torch.Tensor]], numels: tuple[int, ...]) -> _Layout:
+    """The layout of one launch's tensor sets (each of one dtype), worked out once per layout:
+    keyed by each set's byte offsets from its first tensor, the first tensors' alignment and
+    element sizes and the lengths, which a group keeps from step to step while its estimates
+    and its gather's input are new buffers ([Note: one launch per group]): a call reads each
+    tensor's address once, no per-element arithmetic."""
+    bases = [ts[0].data_ptr() for ts in chosen]
+    key = (
+        numels,
+        tuple(b % 16 for b in bases),
+        tuple(ts[0].element_size() for ts in chosen),
+        *(tuple(u.data_ptr() - b for u in ts) for ts, b in zip(chosen, bases, strict=True)),
+    )
+    found = _layouts.get(key)
+    if found is not None:
+        _layouts.move_to_end(key)
+        return found
+    _, align, sizes, *apart = key
+    if any(d % size for ds, size in zip(apart, sizes, strict=True) for d in ds):
+        raise ValueError(
+            "weight prediction's kernel: two tensors of one dtype lie a fraction of an "
+            "element apart (a byte view reinterpreted at an odd offset?); pass tensors "
+            "aligned to their element size"
+        )
+    rel = tuple(tuple(d // size for d in ds) for ds, size in zip(apart, sizes, strict=True))
+    # (the step counts are read one scalar each: no promise needed for them)
+    aligned = all(a == 0 for a in align[:5]) and all(d % 16 == 0 for ds in apart[:5] for d in ds)
+    found = _layouts[key] = _Layout(rel, aligned and all(n % 16 == 0 for n in numels))
+    if len(_layouts) > _MAX_PLANS:
+        _layouts.popitem(last=False)
+    return found
+
+
 def predict_into(
     outs: Sequence[torch.Tensor], *, xs: Sequence[torch.Tensor], step: AdamStep
 ) -> None:
@@ -264,30 +322,18 @@ def predict_into(
             f"weight prediction's kernel: clip_coef must be a float or a one-element float32 "
             f"tensor on {device}, got {coef.dtype} of {coef.numel()} elements on {coef.device}"
         )
-    batches: dict[tuple, list[int]] = {}
-    for i, t in zip(live, taken, strict=True):
-        dtypes = tuple(s[i].dtype for s in sets)
-        batches.setdefault((t, dtypes), []).append(i)
-    for (t, _), picked in batches.items():
-        chosen = [[s[i] for i in picked] for s in sets]
-        ptrs = [[u.data_ptr() for u in ts] for ts in chosen]
-        sizes = [ts[0].element_size() for ts in chosen]
-        if any((p - ps[0]) % size for ps, size in zip(ptrs, sizes, strict=True) for p in ps):
-            raise ValueError(
-                "weight prediction's kernel: two tensors of one dtype lie a fraction of an "
-                "element apart (a byte view reinterpreted at an odd offset?); pass tensors "
-                "aligned to their element size"
-            )
-        rel = tuple(
-            tuple((p - ps[0]) // size for p in ps) for ps, size in zip(ptrs, sizes, strict=True)
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    for t, picked in _batches(sets, live, taken):
+        chosen = (
+            sets
+            if picked is live and len(live) == len(xs)
+            else [[s[i] for i in picked] for s in sets]
         )
         numels = tuple(xs[i].numel() for i in picked)
-        # (the step counts are read one scalar each: no promise needed for them)
-        aligned = all(p % 16 == 0 for ps in ptrs[:5] for p in ps)
-        aligned = aligned and all(n % 16 == 0 for n in numels)
-        stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+        layout = _layout_of(chosen, numels)
         grid = _programs(device, stream, numels)
-        offsets = _offsets(device, stream, rel)
+        offsets = _offsets(device, stream, layout.rel)
+        aligned = layout.aligned
         bias1, bias2_sqrt = (1.0, 1.0) if t is None else (1 - beta1**t, math.sqrt(1 - beta2**t))
         args = (
             *(ts[0] for ts in chosen[:5]),

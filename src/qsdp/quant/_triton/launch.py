@@ -159,6 +159,12 @@ def _launch(kernel, kwargs: dict, *, tile_numel: int, grid_rows: int = 1) -> Non
             )
 
 
+def _run(kernel, args: dict, *, grid: tuple[int, ...]) -> None:
+    """One launch of ``kernel`` over ``grid`` with ``args`` (every parameter by name), handed
+    over positionally in the kernel's parameter order ([Note: a launch's host cost])."""
+    kernel.run(*[args[n] for n in kernel.arg_names], grid=grid, warmup=False, num_warps=_NUM_WARPS)
+
+
 def _big(*sizes: int) -> bool:
     """Whether an offset can reach 2^31 (then the kernels index with int64)."""
     return max(sizes) + _BLOCK >= 2**31
@@ -481,21 +487,20 @@ def run_flags(rows: torch.Tensor, *, ends: torch.Tensor, flags: torch.Tensor, li
     k, numel = rows.shape
     if k == 0 or numel == 0:
         return
-    K.run_flags_kernel.run(  # (not kernel[grid]: [Note: a launch's host cost])
-        grid=(-(-numel // _FLAG_BLOCK), k),
-        warmup=False,
-        x_ptr=rows,
-        ends_ptr=ends,
-        flags_ptr=flags,
-        numel=numel,
-        row_stride=rows.stride(0),
-        n_runs=ends.numel(),
-        limit=limit,
-        BLOCK=_FLAG_BLOCK,
-        SEARCH=max(1, ends.numel().bit_length()),
-        BIG=_big(k * rows.stride(0), numel),
-        num_warps=_NUM_WARPS,
-    )
+    runs = ends.numel()
+    args = {
+        "x_ptr": rows,
+        "ends_ptr": ends,
+        "flags_ptr": flags,
+        "numel": numel,
+        "row_stride": rows.stride(0),
+        "n_runs": runs,
+        "limit": limit,
+        "BLOCK": _FLAG_BLOCK,
+        "SEARCH": max(1, runs.bit_length()),
+        "BIG": _big(k * rows.stride(0), numel),
+    }
+    _run(K.run_flags_kernel, args, grid=(-(-numel // _FLAG_BLOCK), k))
 
 
 #: Elements per program of ``row_sum_kernel``.
@@ -516,22 +521,21 @@ def row_sum(
     k, numel = rows.shape
     if numel == 0:
         return
-    K.row_sum_kernel.run(  # (not kernel[grid]: [Note: a launch's host cost])
-        grid=(-(-numel // _ROW_SUM_BLOCK),),
-        warmup=False,
-        rows_ptr=rows,
-        base_ptr=base,
-        out_ptr=out,
-        ends_ptr=ends,
-        starts_ptr=starts,
-        numel=numel,
-        row_stride=rows.stride(0) if k else 0,
-        n_runs=ends.numel(),
-        divisor=1.0 if divisor is None else float(divisor),
-        K=k,
-        DIVIDE=divisor is not None,
-        BLOCK=_ROW_SUM_BLOCK,
-        SEARCH=max(1, ends.numel().bit_length()),
-        INTERPRET=_INTERPRET,
-        num_warps=_NUM_WARPS,
-    )
+    runs = ends.numel()
+    args = {
+        "rows_ptr": rows,
+        "base_ptr": base,
+        "out_ptr": out,
+        "ends_ptr": ends,
+        "starts_ptr": starts,
+        "numel": numel,
+        "row_stride": rows.stride(0) if k else 0,
+        "n_runs": runs,
+        "divisor": 1.0 if divisor is None else float(divisor),
+        "K": k,
+        "DIVIDE": divisor is not None,
+        "BLOCK": _ROW_SUM_BLOCK,
+        "SEARCH": max(1, runs.bit_length()),
+        "INTERPRET": _INTERPRET,
+    }
+    _run(K.row_sum_kernel, args, grid=(-(-numel // _ROW_SUM_BLOCK),))

@@ -6,6 +6,7 @@
 #   OUT=out bash benchmarks/run_issue32_matrix.sh 2x2        # two levels, staleness 1
 #   OUT=out bash benchmarks/run_issue32_matrix.sh ddp        # DDP cgx vs bf16_compress_hook
 #   OUT=out bash benchmarks/run_issue32_matrix.sh tests      # the replays' GPU tests on NCCL
+#   OUT=out bash benchmarks/run_issue32_matrix.sh memory     # peak memory, each variant alone
 # Every timed row also runs back to back (--loop-steps: one synchronisation at the end), as the
 # issue judges; NVLink profiles one step per variant (host time, launches).
 set -uo pipefail
@@ -39,6 +40,9 @@ for part in "${@:-nvlink}"; do
     tests)
       timeout 560 python -m pytest -q -p no:cacheprovider -m gpu tests/comm/test_graphs_gpu.py \
         tests/ddp/test_graphs_gpu.py tests/fsdp/test_graphs_gpu.py 2>&1 | tail -15 ;;
-    *) echo "unknown part $part: nvlink, socket, 2x2, ddp or tests" >&2; exit 2 ;;
+    memory)  # the bound: plain FSDP2 + 2.5 B a parameter, staleness 1 and the replays included
+      RESULTS_DIR=$OUT timeout 560 bash benchmarks/run_memory_alone.sh socket fsdp2-bf16 \
+        sdp4bit sdp4bit+s1 sdp4bit+graphs sdp4bit+s1+graphs 2>&1 | quiet | tail -60 ;;
+    *) echo "unknown part $part: nvlink, socket, 2x2, ddp, tests or memory" >&2; exit 2 ;;
   esac
 done

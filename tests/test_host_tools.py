@@ -37,12 +37,14 @@ def test_sampled_summary_counts_the_timed_loop_only(tmp_path):
 
 
 def test_sampled_run_steps_a_recipe_synchronous_and_at_staleness_1():
-    for extra in ([], ["--staleness", "1"]):
-        cmd = [sys.executable, "benchmarks/host_sampled.py", "run", "--recipe", "cgx",
+    """``--staleness 1``, or a ``host_per_step.py`` variant name (``sdp4bit+s1``: its optimizer
+    made) over the 2 x 2 mesh."""
+    for recipe, extra in (("cgx", []), ("cgx", ["--staleness", "1"]), ("sdp4bit+s1", ["--mesh"])):
+        cmd = [sys.executable, "benchmarks/host_sampled.py", "run", "--recipe", recipe,
                "--steps", "3", "--blocks", "2", *extra]  # fmt: skip
         out = subprocess.run(cmd, cwd=ROOT, env=ENV, check=True, capture_output=True, text=True)
-        recipe, ms, unit = out.stdout.split()[:3]
-        assert recipe == "cgx" and float(ms) > 0 and unit == "ms"
+        name, ms, unit = out.stdout.split()[:3]
+        assert name == recipe and float(ms) > 0 and unit == "ms"
 
 
 def test_primitives_price_each_piece_on_the_cpu(tmp_path):

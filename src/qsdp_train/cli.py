@@ -1,5 +1,5 @@
 """The ``qsdp`` command (also ``python -m qsdp_train``): ``train``, ``demo``, ``plot``,
-``quant-demo`` and ``prepare-data``."""
+``quant-demo``, ``prepare-data`` and ``carry-data``."""
 
 from __future__ import annotations
 
@@ -17,6 +17,8 @@ commands:
               fetch, tokenize and split a built-in corpus ("shakespeare", "debian-docs",
               "debian-large") once into the data cache; print its directory
               (qsdp prepare-data -h)
+  carry-data  cut a prepared corpus into checked parts that fit a device call, and put it back
+              together on the machine (qsdp carry-data -h)
 """
 
 
@@ -50,5 +52,10 @@ def main(argv: list[str] | None = None) -> None:
         from .prepare_cli import main as prepare
 
         prepare(rest)
+        return
+    if cmd == "carry-data":
+        from .carry import main as carry
+
+        carry(rest)
         return
     sys.exit(f"qsdp: unknown command {cmd!r}\n{_USAGE}")

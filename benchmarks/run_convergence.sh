@@ -9,6 +9,11 @@
 # $OUT/<run>.log; each run has its own time limit, so one stuck run leaves the others'.
 #   DATA=~/.cache/qsdp/debian-docs-gpt2 OUT=out bash benchmarks/run_convergence.sh
 #   RUNS="bf16 sdp4bit" PRESET=gpt-350m ... runs a subset (names below)
+# Runs longer than a device call (issue 34: 250 M tokens of debian-large, STEPS=3815, carried
+# there by qsdp carry-data, docs/data.md) go across calls with RESUME=1: a run whose folder holds
+# a checkpoint continues from it (qsdp train --resume), one whose metrics reach STEPS is done
+# and skipped, and LIMIT_S's SIGTERM ends a call's run after a step every rank agrees on, saved:
+#   DATA=/tmp/debian-large-gpt2 STEPS=3815 RESUME=1 LIMIT_S=520 RUNS=bf16 OUT=out bash ...
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source benchmarks/run_env.sh  # PYTHONPATH, GPU safety variables, gpu, day
@@ -24,6 +29,8 @@ WARMUP=${WARMUP:-50}
 LIMIT_S=${LIMIT_S:-200}
 NPROC=${NPROC:-4}  # GPUs per run; with fewer, raise MICRO to keep the tokens per step
 RUNS_DIR=${RUNS_DIR:-/tmp/qsdp-convergence}
+RESUME=${RESUME:-0}  # 1: continue each run from its last checkpoint (above)
+CKPT_EVERY=${CKPT_EVERY:-0}  # steps between checkpoints besides the one SIGTERM saves
 declare -A ARGS=(
   [bf16]="--recipe bf16 --nodes 2"
   [bf16-seed1]="--recipe bf16 --nodes 2 --seed 1"
@@ -80,12 +87,26 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | head -n 1
 for r in "${runs[@]}"; do
   [ -n "${ARGS[$r]:-}" ] || { echo "unknown run $r; known: ${!ARGS[*]}"; exit 2; }
   start=$(date +%s)
-  rm -rf "${RUNS_DIR:?}/$r"
+  resume=()
+  if [ "$RESUME" = 1 ] && [ -f "$RUNS_DIR/$r/ckpt/latest" ]; then
+    done_steps=$(( $(tail -n 1 "$RUNS_DIR/$r/metrics.csv" | cut -d, -f1) + 1 ))
+    if [ "$done_steps" -ge "$STEPS" ]; then
+      echo "$r: done before this call ($done_steps steps)"
+      continue
+    fi
+    resume=(--resume)
+  else
+    rm -rf "${RUNS_DIR:?}/$r"
+    : > "$OUT/$r.log"
+  fi
+  # (SIGTERM at LIMIT_S: the run saves its last step; KILL a minute later if it cannot)
   # shellcheck disable=SC2086
-  timeout "$LIMIT_S" torchrun --standalone --nproc-per-node "$NPROC" -m qsdp_train train \
+  timeout --kill-after 60 "$LIMIT_S" torchrun --standalone --nproc-per-node "$NPROC" \
+    -m qsdp_train train \
     --out "$RUNS_DIR/$r" --preset "$PRESET" --data "$DATA" --data-order pass \
     --steps "$STEPS" --micro-batch "$MICRO" --lr "$LR" --warmup "$WARMUP" --min-lr-ratio 0.1 \
-    --eval-every 50 --eval-batches 10 --seed 0 --no-progress ${ARGS[$r]} > "$OUT/$r.log" 2>&1
+    --eval-every 50 --eval-batches 10 --seed 0 --no-progress --ckpt-every "$CKPT_EVERY" \
+    "${resume[@]}" ${ARGS[$r]} >> "$OUT/$r.log" 2>&1
   rc=$?
   mkdir -p "$OUT/$r"
   cp "$RUNS_DIR/$r/metrics.csv" "$RUNS_DIR/$r/config.json" "$OUT/$r/" 2>/dev/null

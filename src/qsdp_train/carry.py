@@ -179,22 +179,22 @@ def unpack(parts: Path, out: Path) -> Path:
         if p.stat().st_size != want["bytes"] or _sha256(p) != want["sha256"]:
             raise ValueError(f"{p}: size or sha256 differs from the manifest (cut short?)")
     out.mkdir(parents=True, exist_ok=True)
-    written: list[Path] = []
+    written: list[tuple[Path, Path]] = []
     try:
         _extract(parts, manifest, out, written)
     except BaseException:
-        for tmp in written:
+        for tmp, _ in written:
             tmp.unlink(missing_ok=True)
         raise
-    for tmp in written:
-        tmp.replace(out / tmp.name[1 : -len(".part")])
+    for tmp, final in written:
+        tmp.replace(final)
     return out
 
 
-def _extract(parts: Path, manifest: dict, out: Path, written: list[Path]) -> None:
-    """The stream's files into ``out`` under temporary names (appended to ``written`` as they
-    are opened), each checked against the manifest; raises at the first that differs, or if
-    one is missing."""
+def _extract(parts: Path, manifest: dict, out: Path, written: list[tuple[Path, Path]]) -> None:
+    """The stream's files into ``out`` under temporary names (``(temporary, final)`` appended to
+    ``written`` as each is opened), each checked against the manifest; raises at the first that
+    differs, or if one is missing."""
     stream = lzma.LZMAFile(_Joined([parts / p["name"] for p in manifest["parts"]]))
     with tarfile.open(fileobj=stream, mode="r|") as tar:
         for member in tar:
@@ -202,13 +202,13 @@ def _extract(parts: Path, manifest: dict, out: Path, written: list[Path]) -> Non
             if want is None or not member.isfile() or "/" in member.name:
                 raise ValueError(f"{parts}: the stream holds {member.name!r}, not in the manifest")
             tmp = out / f".{member.name}.part"
-            written.append(tmp)
+            written.append((tmp, out / member.name))
             with tar.extractfile(member) as f, tmp.open("wb") as g:
                 for block in iter(lambda f=f: f.read(1 << 20), b""):
                     g.write(block)
             if tmp.stat().st_size != want["bytes"] or _sha256(tmp) != want["sha256"]:
                 raise ValueError(f"{member.name}: its bytes differ from the manifest's sha256")
-    missing = sorted(set(manifest["files"]) - {t.name[1 : -len(".part")] for t in written})
+    missing = sorted(set(manifest["files"]) - {final.name for _, final in written})
     if missing:
         raise ValueError(f"{parts}: the stream ends without {missing}")
 

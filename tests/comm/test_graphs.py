@@ -226,18 +226,8 @@ def two_phase_replay_matches_eager(rank, ws, *, device="cpu", capture=False):
             got, sent = {}, {}
             for way, g, kernels in (("eager", None, eager), ("replayed", graphs, backend)):
                 got[way], sent[way] = x.clone(), CommStats()
-                two_phase_all_reduce(
-                    got[way],
-                    spec=SPEC,
-                    split=split,
-                    seed=3,
-                    step=step,
-                    bucket=bucket,
-                    backend=kernels,
-                    stats=sent[way],
-                    second_group=group2,
-                    graphs=g,
-                )
+                keys = _keys(split, step, bucket, kernels, sent[way], g)
+                two_phase_all_reduce(got[way], second_group=group2, **keys)
             assert torch.equal(got["eager"], got["replayed"]), (name, step, bucket)
             assert sent["eager"].snapshot() == sent["replayed"].snapshot(), name
             assert ws == 1 or sent["eager"].total_bytes > 0

@@ -132,7 +132,7 @@ def _matches_eager(rank, ws, call, shapes, device, capture, splits):
             assert torch.equal(eager, got), (name, step, bucket)
             assert sent.snapshot() == sent_replayed.snapshot(), name
             assert ws == 1 or sent.total_bytes > 0
-            assert_same_on_all_ranks(torch.tensor([step, bucket]))
+            assert_same_on_all_ranks(torch.tensor([step, bucket], device=device))
     assert len(graphs._buffers) == shapes * len(splits)
     return graphs.captured, graphs.replayed
 
@@ -294,7 +294,7 @@ def two_level_replay_matches_eager(rank, ws, cases, *, device="cpu", capture=Fal
             assert sent["eager"].snapshot() == sent["replayed"].snapshot(), what
             assert sent["eager"].total_bytes > 0
             assert not torch.isnan(got["replayed"]).any()
-            assert_same_on_all_ranks(torch.tensor([step, bucket]))
+            assert_same_on_all_ranks(torch.tensor([step, bucket], device=device))
     return graphs.captured, graphs.replayed, len(graphs.sites), len(graphs._buffers)
 
 

@@ -111,6 +111,10 @@ def main() -> None:
     ptrs = {"rows_ptr": "*bf16", "base_ptr": "*bf16", "out_ptr": "*bf16", "ends_ptr": "*i64",
             "starts_ptr": "*i64"}  # fmt: skip
     results["row_sum"] = _compile(K.row_sum_kernel, ptrs, rs)
+    # a flagged result zeroed: written through its bits' integer type, the flag the one load
+    zf = {"BLOCK": L._ZERO_BLOCK, "BIG": False}
+    ptrs = {"x_ptr": "*i32", "flag_ptr": "*i32"}
+    results["zero_flagged"] = _compile(K.zero_flagged_kernel, ptrs, zf)
     ptrs = {"x_ptr": "*fp32", "g_ptr": "*bf16", "m_ptr": "*fp32", "v_ptr": "*fp32",
             "out_ptr": "*bf16", "t_ptr": "*fp32", "coef_ptr": "*fp32", "rel_ptr": "*i64",
             "numel_ptr": "*i64",

@@ -42,8 +42,11 @@ def test_every_kernel_compiles_for_sm90_without_spills():
         "run_flags",
         "row_sum",
         "adam_predict",
+        "zero_flagged",
     }
-    assert len(kernels) == 22
+    assert len(kernels) == 23
+    # a flagged result zeroed reads its flag and nothing of the tensor it zeroes
+    assert kernels["zero_flagged"]["loads"] == 1, kernels["zero_flagged"]
     spilled = {name: k for name, k in kernels.items() if k["spill_bytes"]}
     assert not spilled, spilled
     assert all(0 < k["registers"] <= 255 for k in kernels.values())

@@ -83,6 +83,7 @@ from torch import nn
 from .. import comm as qc
 from ..config import CompressionConfig, NonFinite, Schedule, check_saved, config_record
 from ..policy import auto
+from ..quant import zero_flagged
 from ..runtime import NonfiniteCheck, SideStreams
 from ..runtime.adam_step import square_norm
 from ..runtime.delayed import DelayedReductions, packed_slots
@@ -375,9 +376,9 @@ class DDPCompression:
         at once (the same bits on every rank: no agreement needed)."""
         if self.check is None:
             return
-        bad = ~torch.isfinite(flat).all()
-        flat.masked_fill_(bad, 0)
-        self.check.add(self._drained, bad.reshape(1).to(torch.int32))  # outside a backward
+        bad = (~torch.isfinite(flat).all()).reshape(1).to(torch.int32)
+        zero_flagged(flat, bad)
+        self.check.add(self._drained, bad)  # outside a backward
 
     @contextlib.contextmanager
     def synchronous(self) -> Iterator[None]:
@@ -587,8 +588,8 @@ def _flag_word(tensor: torch.Tensor) -> torch.Tensor:
 def _flag_and_zero(tensor: torch.Tensor, flags: torch.Tensor) -> None:
     """Zero a reduced bucket holding NaN/Inf and set its flag (on the device: no host read)."""
     bad = ~torch.isfinite(tensor).all()  # the same on every rank: they hold the same bits
-    tensor.masked_fill_(bad, 0)
     flags.copy_(bad.reshape(1))
+    zero_flagged(tensor, flags)  # (written only where set: not a second pass over the bucket)
 
 
 def _flag_key(tensor: torch.Tensor) -> tuple:

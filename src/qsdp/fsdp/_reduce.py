@@ -10,6 +10,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
 from .. import comm as qc
+from ..quant import zero_flagged
 from ..runtime import NonfiniteCheck, nonfinite_flags
 from ..runtime.delayed import DelayedReductions, FlagsToAgree, padded_slots
 from ..runtime.nonfinite import agree, layout_sizes
@@ -198,7 +199,7 @@ class _Reduction:
         if self.check is None:
             return
         flags = nonfinite_flags(flat, self.layout, sizes=self._sizes)
-        flat.masked_fill_(self._agree(flags, self._group), 0)
+        zero_flagged(flat, self._agree(flags, self._group))
 
     def _defer(
         self, flags: torch.Tensor, group: dist.ProcessGroup | tuple[dist.ProcessGroup, ...]

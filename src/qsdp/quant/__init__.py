@@ -14,7 +14,7 @@ from .codec import (
     encode_diff,
     encode_rows,
 )
-from .flags import flagged_groups, run_flags
+from .flags import flagged_groups, run_flags, zero_flagged
 from .global_int import (
     CARRIERS,
     global_int_decode,
@@ -52,4 +52,5 @@ __all__ = [
     "group_absmax",
     "run_flags",
     "sum_rows_finish",
+    "zero_flagged",
 ]

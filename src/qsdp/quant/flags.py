@@ -1,7 +1,7 @@
 """Flags read on the device, without a host sync, so a collective can agree on them across
 ranks first: which groups of encoded payloads were flagged (NaN/Inf, or not representable), and
 which runs of a flat input hold such values (:func:`run_flags`, a reduction's per-parameter
-NaN/Inf check)."""
+NaN/Inf check), and a tensor zeroed where such a flag is set (:func:`zero_flagged`)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from ._tables import on_device
 from .codec import Backend, _resolve
 from .spec import QuantSpec
 
-__all__ = ["flagged_groups", "run_flags"]
+__all__ = ["flagged_groups", "run_flags", "zero_flagged"]
 
 #: The largest float32: ``|x| <= limit`` with ``limit`` at most this is false for +-Inf and NaN.
 _FLOAT32_MAX = torch.finfo(torch.float32).max
@@ -86,6 +86,48 @@ def _run_flags_reference(rows: torch.Tensor, sizes: Sequence[int], limit: float)
     peak = torch.stack([next(norms) if n else zero for _ in range(k) for n in sizes])
     peak = peak.view(k, len(sizes)).amax(dim=0).float()
     return (~(peak <= limit)).to(torch.int32)
+
+
+def zero_flagged(x: torch.Tensor, flag: torch.Tensor, *, backend: Backend = "auto") -> None:
+    """Zero ``x`` in place where ``flag`` is set, on the device (no host read): a reduction's
+    result, or a group's gradients, that held NaN/Inf on some rank.
+
+    ``masked_fill_(flag, 0)`` reads and writes every element whether the flag is set or not:
+    every gradient shard once a step, at the end of the backward, where the optimizer waits for
+    it. The Triton path reads the flag and writes only when it is set, and never reads ``x``
+    (flags are almost never set).
+
+    Args:
+        x: any float tensor; contiguous on the Triton path.
+        flag: one element, int32, uint8 or bool, on ``x``'s device (a view into a tensor of
+            flags is fine): nonzero zeroes ``x``.
+        backend: ``"auto"`` (Triton on CUDA, the reference on CPU), ``"triton"`` or
+            ``"reference"``.
+    """
+    if flag.numel() != 1 or flag.dtype not in (torch.int32, torch.uint8, torch.bool):
+        raise ValueError(
+            f"zero_flagged: flag must be one int32, uint8 or bool element, got {flag.dtype} of "
+            f"{flag.numel()} elements"
+        )
+    if flag.device != x.device:
+        raise ValueError(f"zero_flagged: flag on {flag.device}, x on {x.device}: put both on one")
+    if _resolve(backend, x.device) == "reference":
+        _zero_flagged_reference(x, flag)
+        return
+    if not x.is_contiguous():
+        raise ValueError(
+            f"zero_flagged: the Triton path needs a contiguous x, got shape {tuple(x.shape)} "
+            f"strides {x.stride()}; pass x.contiguous()'s source or backend='reference'"
+        )
+    from ._triton import launch
+
+    launch.zero_flagged(x, flag=flag.view(torch.uint8) if flag.dtype == torch.bool else flag)
+
+
+def _zero_flagged_reference(x: torch.Tensor, flag: torch.Tensor) -> None:
+    """:func:`zero_flagged` in torch: ``masked_fill_`` with the flag as a 0-d bool."""
+    bad = flag.reshape(())
+    x.masked_fill_(bad if bad.dtype == torch.bool else bad != 0, 0)
 
 
 def flagged_groups(payloads: torch.Tensor, numel: int, spec: QuantSpec) -> torch.Tensor:

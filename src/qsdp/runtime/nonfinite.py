@@ -11,7 +11,8 @@ did (2x H200 over sockets, GPT-125M, DDP `cgx` pipelined in 100 MiB buckets: 0.0
 with that read; 0.046 s with this design, 0.045 s with no check at all;
 `benchmarks/results/session15_2026-11-27/nonfinite_read/`). Now the callback acts on the device and
 reads later: it agrees the flags, zeroes the flagged groups' gradients in place on the device
-(``masked_fill_`` with the agreed flag, on every rank, so no optimizer step ever applies them)
+(``qsdp.quant.zero_flagged`` with the agreed flag, on every rank, so no optimizer step ever
+applies them; nothing is read or written where it is clear)
 and starts a non-blocking copy of the flags into pinned host memory. The host reads that copy
 when the next backward ends, before it acts on that one, or at :meth:`NonfiniteCheck.flush`
 (``drain()``, ``check_nonfinite()`` and ``state_dict()`` of the integrations' states, so
@@ -46,7 +47,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from ..quant import Backend, run_flags
+from ..quant import Backend, run_flags, zero_flagged
 from .contracts import FlaggedReduction
 from .placement import local_of
 
@@ -85,16 +86,14 @@ def layout_sizes(layout: list[tuple[str, int]] | None) -> tuple[int, ...] | None
 
 
 def zero_where(bad: torch.Tensor, grads: Sequence[torch.Tensor]) -> None:
-    """Zero every one of ``grads`` where ``bad`` (a 0-d bool on their device) is set, on the
-    device. FSDP2's sharded gradients of a group are views of its reduce-scatter output: then
-    one fill over the span of that buffer they cover (its padding between them included) in
-    place of one per parameter (a launch each: ~200 per step of a 24-block GPT)."""
+    """Zero every one of ``grads`` where ``bad`` (one int32 or bool element on their device) is
+    set, on the device (``qsdp.quant.zero_flagged``: on CUDA nothing is read or written where
+    it is clear). FSDP2's sharded gradients of a group are views of its reduce-scatter output:
+    then one launch over the span of that buffer they cover (its padding between them included)
+    in place of one per parameter (~200 per step of a 24-block GPT)."""
     span = _one_span(grads)
-    if span is not None:
-        span.masked_fill_(bad, 0)
-        return
-    for g in grads:
-        g.masked_fill_(bad, 0)
+    for g in [span] if span is not None else grads:
+        zero_flagged(g, bad, backend="auto" if g.is_contiguous() else "reference")
 
 
 def _one_span(grads: Sequence[torch.Tensor]) -> torch.Tensor | None:
@@ -263,7 +262,7 @@ class NonfiniteCheck:
             # whether each entry holds a set flag (any rank's: agreed), all in one pass over
             # the concatenated flags, not an ``any()`` launch per entry
             sizes = [e.flags.numel() for e in pending]
-            bad = run_flags(flags.view(1, -1).float(), sizes, limit=0.5).bool().unbind()
+            bad = run_flags(flags.view(1, -1).float(), sizes, limit=0.5).unbind()
             for i, entry in enumerate(pending):
                 if entry.params:  # zeroed where set, on every rank
                     grads = [local_of(p.grad) for p in entry.params if p.grad is not None]

@@ -1005,3 +1005,17 @@ def row_sum_kernel(
     dest = tl.load(starts_ptr + run, mask=mask, other=0) + (offs - first)
     acc = _cast_out(acc, DTYPE=out_ptr.dtype.element_ty, INTERPRET=INTERPRET)
     tl.store(out_ptr + dest, acc, mask=mask)
+
+
+@triton.jit
+def zero_flagged_kernel(x_ptr, flag_ptr, numel, BLOCK: tl.constexpr, BIG: tl.constexpr):
+    """``x[:numel] = 0`` (all-zero bits: +0.0 in any float format) where the word at
+    ``flag_ptr`` is set; ``x`` is never read, and where the flag is clear a program reads that
+    one word and writes nothing. ``qsdp.quant.flags._zero_flagged_reference`` (``masked_fill_``,
+    which reads and writes every element either way) is the specification."""
+    if tl.load(flag_ptr) != 0:
+        pid = tl.program_id(0)
+        if BIG:
+            pid = pid.to(tl.int64)
+        offs = pid * BLOCK + tl.arange(0, BLOCK)
+        tl.store(x_ptr + offs, tl.zeros((BLOCK,), x_ptr.dtype.element_ty), mask=offs < numel)

@@ -539,3 +539,27 @@ def row_sum(
         "INTERPRET": _INTERPRET,
     }
     _run(K.row_sum_kernel, args, grid=(-(-numel // _ROW_SUM_BLOCK),))
+
+
+#: Elements per program of ``zero_flagged_kernel`` (a program reads one flag word: few
+#: programs keep the unflagged pass, the usual one, short).
+_ZERO_BLOCK = 8192
+#: The integer dtype of each element size: the kernel writes zero bits through it (every float
+#: format's +0.0, and no bf16 in the interpreter's numpy).
+_BITS_OF = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def zero_flagged(x: torch.Tensor, *, flag: torch.Tensor) -> None:
+    """One launch: the contiguous ``x`` zeroed where the one-word ``flag`` (int32 or uint8, on
+    its device) is set."""
+    numel = x.numel()
+    if numel == 0:
+        return
+    args = {
+        "x_ptr": x.view(_BITS_OF[x.element_size()]),
+        "flag_ptr": flag,
+        "numel": numel,
+        "BLOCK": _ZERO_BLOCK,
+        "BIG": _big(numel),
+    }
+    _run(K.zero_flagged_kernel, args, grid=(-(-numel // _ZERO_BLOCK),))

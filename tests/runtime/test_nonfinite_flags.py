@@ -117,3 +117,18 @@ def test_zero_where_fills_one_span_of_a_shared_buffer_and_nothing_beyond():
     assert _one_span([buffer[0:2], buffer.double()[2:4]]) is None
     zero_where(torch.tensor(True), [c, d])
     assert not c.any() and not d.any()
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_run_flags_writes_into_a_given_word(backend):
+    # (a replayed check's persistent flag word: zeroed and set in place, the same word back)
+    x = torch.ones(1, 9)
+    out = torch.full((2,), 7, dtype=torch.int32)
+    assert run_flags(x, [4, 5], out=out, backend=backend) is out
+    assert out.tolist() == [0, 0]
+    x[0, 6] = float("nan")
+    run_flags(x, [4, 5], out=out, backend=backend)
+    assert out.tolist() == [0, 1]
+    for bad in (torch.zeros(2), torch.zeros(3, dtype=torch.int32), torch.zeros(1, 2).int()):
+        with pytest.raises(ValueError, match=r"out must be int32 \[2\]"):
+            run_flags(x, [4, 5], out=bad, backend=backend)

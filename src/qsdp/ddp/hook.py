@@ -83,7 +83,7 @@ from torch import nn
 from .. import comm as qc
 from ..config import CompressionConfig, NonFinite, Schedule, check_saved, config_record
 from ..policy import auto
-from ..quant import zero_flagged
+from ..quant import run_flags, zero_flagged
 from ..runtime import NonfiniteCheck, SideStreams
 from ..runtime.adam_step import square_norm
 from ..runtime.delayed import DelayedReductions, packed_slots
@@ -376,7 +376,7 @@ class DDPCompression:
         at once (the same bits on every rank: no agreement needed)."""
         if self.check is None:
             return
-        bad = (~torch.isfinite(flat).all()).reshape(1).to(torch.int32)
+        bad = run_flags(flat.view(1, -1), (flat.numel(),))
         zero_flagged(flat, bad)
         self.check.add(self._drained, bad)  # outside a backward
 
@@ -587,9 +587,10 @@ def _flag_word(tensor: torch.Tensor) -> torch.Tensor:
 
 def _flag_and_zero(tensor: torch.Tensor, flags: torch.Tensor) -> None:
     """Zero a reduced bucket holding NaN/Inf and set its flag (on the device: no host read)."""
-    bad = ~torch.isfinite(tensor).all()  # the same on every rank: they hold the same bits
-    flags.copy_(bad.reshape(1))
-    zero_flagged(tensor, flags)  # (written only where set: not a second pass over the bucket)
+    # the same on every rank: they hold the same bits. One read of the bucket (no temporary of
+    # its size, which a replay's memory pool would keep); written only where flagged
+    run_flags(tensor.view(1, -1), (tensor.numel(),), out=flags)
+    zero_flagged(tensor, flags)
 
 
 def _flag_key(tensor: torch.Tensor) -> tuple:

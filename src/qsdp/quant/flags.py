@@ -27,6 +27,7 @@ def run_flags(
     *,
     limit: float = float("inf"),
     backend: Backend = "auto",
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Per-run flags of a flat input: ``flags[p] = 1`` where run ``p`` (the ``sizes[p]``
     elements after the runs before it) of any row holds NaN, +-Inf or ``|x| > limit``.
@@ -44,21 +45,36 @@ def run_flags(
         limit: the largest magnitude that is not flagged (default: only NaN/Inf are).
         backend: ``"auto"`` (Triton on CUDA, the reference on CPU), ``"triton"`` or
             ``"reference"``.
+        out: where to write the flags (int32 ``[len(sizes)]`` on ``rows``' device; a replayed
+            check's persistent word), else a new tensor. One run over a whole tensor is its
+            NaN/Inf check in one read-only pass, no temporary of its size
+            (``~torch.isfinite(x).all()`` writes a bool per element and reads it again).
 
     Returns:
-        int32 ``[len(sizes)]`` on ``rows``' device.
+        int32 ``[len(sizes)]`` on ``rows``' device (``out`` when given).
     """
     if rows.dim() != 2 or rows.shape[1] != sum(sizes) or (rows.numel() and rows.stride(1) != 1):
         raise ValueError(
             f"run_flags: rows {tuple(rows.shape)} (strides {rows.stride()}) must be [k, "
             f"{sum(sizes)}] with unit column stride for runs of {list(sizes)} elements"
         )
+    if out is not None and (
+        out.dtype != torch.int32 or out.shape != (len(sizes),) or out.device != rows.device
+    ):
+        raise ValueError(
+            f"run_flags: out must be int32 [{len(sizes)}] on {rows.device}, got {out.dtype} "
+            f"{list(out.shape)} on {out.device}"
+        )
     lim = min(float(limit), _FLOAT32_MAX)
     if _resolve(backend, rows.device) == "reference":
-        return _run_flags_reference(rows, sizes, lim)
+        flags = _run_flags_reference(rows, sizes, lim)
+        return flags if out is None else out.copy_(flags)
     from ._triton import launch
 
-    flags = torch.zeros(len(sizes), dtype=torch.int32, device=rows.device)
+    if out is None:
+        flags = torch.zeros(len(sizes), dtype=torch.int32, device=rows.device)
+    else:
+        flags = out.zero_()  # (the kernel only sets flags)
     ends = on_device(_ends(tuple(sizes)), dtype=torch.int64, device=rows.device)
     launch.run_flags(rows, ends=ends, flags=flags, limit=lim)
     return flags

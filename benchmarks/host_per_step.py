@@ -34,7 +34,8 @@ backward's hooks otherwise run on autograd's device thread, which cProfile does 
 of that many KiB, on the fake group): ``noop`` (a hook that hands each bucket back: DDP's own
 all-reduce and PyTorch's ``bf16_compress_hook`` need results from the process group, which the fake
 one does not give: ``bench_ddp_step.py`` runs them) is the floor, then qsdp's DDP recipes (``cgx``,
-``qsdp-g8``, ``global-qsgd``; ``NAME+pipeline``, ``NAME+graphs``). ``--ddp 64`` gives a small model
+``qsdp-g8``, ``global-qsgd``; ``NAME+pipeline``, ``NAME+graphs``, ``NAME+s1`` with
+``--optimizer``). ``--ddp 64`` gives a small model
 about as many buckets as a GPT-124M has of DDP's 25 MiB.
 """
 
@@ -152,17 +153,21 @@ def _ddp(model: nn.Module, name: str, options: list[str], bucket_kb: float) -> n
     DDP's 25 MiB: as many here on a small model), and ``name``'s hook: ``noop`` (hands each
     bucket back) or qsdp's recipe (``+pipeline``:
     ``Schedule(pipeline=True)``, the buckets alternating between two communicators and hook
-    streams; ``+graphs``: ``Schedule(graphs=True)``, CGX's two phases replayed)."""
-    if options not in ([], ["pipeline"], ["graphs"]) or (options and name == "noop"):
+    streams; ``+graphs``: ``Schedule(graphs=True)``, CGX's two phases replayed; ``+s1``:
+    ``Schedule(staleness=1, start=0)``, as ``bench_ddp_step.py``'s, needs ``--optimizer``)."""
+    if options not in ([], ["pipeline"], ["graphs"], ["s1"]) or (options and name == "noop"):
         raise SystemExit(
-            f"DDP variant {name!r}+{'+'.join(options)}: the options are +pipeline and +graphs"
+            f"DDP variant {name!r}+{'+'.join(options)}: the options are +pipeline, +graphs and +s1"
         )
     model = DDP(model, bucket_cap_mb=bucket_kb / 1024)
     if name == "noop":
         model.hook_calls = []
         model.register_comm_hook(model.hook_calls, _noop_hook)
     else:
-        schedule = qsdp.Schedule(**{options[0]: True}) if options else None
+        if options == ["s1"]:  # the delayed schedule from the first step
+            schedule = qsdp.Schedule(staleness=1, start=0)
+        else:
+            schedule = qsdp.Schedule(**{options[0]: True}) if options else None
         qsdp.ddp.register(model, qsdp.recipe(name, nonfinite="zero"), schedule=schedule)
     return model
 

@@ -93,3 +93,20 @@ def test_ddp_buckets_against_a_hook_that_does_nothing(tmp_path):
         hooks = rows[name]["hooks"]
         assert hooks["qsdp::nonfinite verdict"]["calls"] == 1
         assert hooks["qsdp::ddp all-reduce"]["calls"] == d["ddp_buckets"], hooks
+
+
+def test_ddp_at_staleness_1_beside_the_synchronous_hook(tmp_path):
+    """``--ddp KB`` with ``NAME+s1`` (``--optimizer``: the prediction runs on its state): each
+    bucket still one hook call a backward, the delayed send and the prediction on top of the
+    synchronous hook's ops; an option DDP lacks is refused by name."""
+    d = _run(tmp_path / "ddp_s1.json", "--blocks", "3", "--ddp", "16", "--optimizer",
+             "--recipes", "cgx", "cgx+s1")  # fmt: skip
+    rows = {r["recipe"]: r for r in d["rows"]}
+    assert list(rows) == ["noop", "cgx", "cgx+s1"]
+    for name in ("cgx", "cgx+s1"):
+        assert rows[name]["hooks"]["qsdp::ddp all-reduce"]["calls"] == d["ddp_buckets"]
+    assert rows["cgx+s1"]["issued_ops"] > rows["cgx"]["issued_ops"]
+    cmd = [sys.executable, "benchmarks/host_per_step.py", "--out", str(tmp_path / "x.json"),
+           "--ddp", "16", "--recipes", "cgx+s1+graphs", "--optimizer"]  # fmt: skip
+    run = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    assert run.returncode != 0 and "the options are +pipeline, +graphs and +s1" in run.stderr

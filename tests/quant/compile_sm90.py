@@ -115,6 +115,10 @@ def main() -> None:
     zf = {"BLOCK": L._ZERO_BLOCK, "BIG": False}
     ptrs = {"x_ptr": "*i32", "flag_ptr": "*i32"}
     results["zero_flagged"] = _compile(K.zero_flagged_kernel, ptrs, zf)
+    ptrs = {"x_ptr": "*i32", "flags_ptr": "*i32", "rel_ptr": "*i64", "numel_ptr": "*i64",
+            "param_ptr": "*i32", "first_ptr": "*i32"}  # fmt: skip
+    zfe = {"BLOCK": L._ZERO_BLOCK}
+    results["zero_flagged_each"] = _compile(K.zero_flagged_each_kernel, ptrs, zfe)
     ptrs = {"x_ptr": "*fp32", "g_ptr": "*bf16", "m_ptr": "*fp32", "v_ptr": "*fp32",
             "out_ptr": "*bf16", "t_ptr": "*fp32", "coef_ptr": "*fp32", "rel_ptr": "*i64",
             "numel_ptr": "*i64",

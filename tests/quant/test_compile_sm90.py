@@ -43,10 +43,13 @@ def test_every_kernel_compiles_for_sm90_without_spills():
         "row_sum",
         "adam_predict",
         "zero_flagged",
+        "zero_flagged_each",
     }
-    assert len(kernels) == 23
+    assert len(kernels) == 24
     # a flagged result zeroed reads its flag and nothing of the tensor it zeroes
     assert kernels["zero_flagged"]["loads"] == 1, kernels["zero_flagged"]
+    # (over many tensors: the tables' five words and the flag)
+    assert kernels["zero_flagged_each"]["loads"] == 6, kernels["zero_flagged_each"]
     spilled = {name: k for name, k in kernels.items() if k["spill_bytes"]}
     assert not spilled, spilled
     assert all(0 < k["registers"] <= 255 for k in kernels.values())

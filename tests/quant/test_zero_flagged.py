@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qsdp.quant import zero_flagged
+from qsdp.quant import zero_flagged, zero_flagged_each
 from qsdp.quant._triton import launch
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
@@ -85,3 +85,49 @@ def test_compiled_kernel_gives_the_reference_bits(dtype):
     x = torch.ones(4, device="cuda")
     with pytest.raises(ValueError, match="flag on cpu, x on cuda"):
         zero_flagged(x, torch.ones(1, dtype=torch.int32))
+
+
+def _many(device="cpu"):
+    """Tensors of three element sizes in separate storages and in one (two spans of a shared
+    buffer, a gap between them), across programs and not, with their guards, and the flags."""
+    pool = _buffer(2 * launch._ZERO_BLOCK + 40, torch.float32, device)
+    xs = [
+        pool[3 : 3 + launch._ZERO_BLOCK + 9],  # across programs
+        pool[launch._ZERO_BLOCK + 20 : launch._ZERO_BLOCK + 31],  # the same storage, further on
+        _buffer(5, torch.bfloat16, device)[7:12],
+        _buffer(33, torch.float16, device)[7:40],
+        _buffer(3, torch.float64, device)[7:10],
+        _buffer(6, torch.float32, device)[7:13],
+    ]
+    return pool, xs
+
+
+@pytest.mark.parametrize("pattern", [(1, 0, 1, 0, 1, 0), (0, 1, 0, 1, 0, 1), (0,) * 6, (1,) * 6])
+def test_many_tensors_give_the_reference_bits(pattern, device="cpu"):
+    flags = torch.tensor([0, *pattern[::-1]], dtype=torch.int32, device=device)
+    which = [len(pattern) - j for j in range(len(pattern))]  # (each tensor's flag, reversed)
+    got_pool, got = _many(device)
+    want_pool, want = _many(device)
+    bases = [x._base for x in got]
+    before = [_bits(b).clone() for b in bases]
+    zero_flagged_each(want, flags, which, backend="reference")
+    zero_flagged_each(got, flags, which, backend="triton")
+    for j, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert torch.equal(_bits(g._base), _bits(w._base)), j
+        assert torch.equal(_bits(g), torch.zeros_like(_bits(g))) == bool(pattern[j]), j
+    assert torch.equal(_bits(got_pool), _bits(want_pool))
+    # outside the tensors, nothing written: the guards and the pool's gaps as they were
+    for j, (b, old) in enumerate(zip(bases[2:], before[2:], strict=True)):
+        assert torch.equal(_bits(b)[:7], old[:7]) and torch.equal(_bits(b)[-7:], old[-7:]), j
+    pool_old = before[0]
+    keep = torch.ones(got_pool.numel(), dtype=torch.bool)
+    for x in got[:2]:
+        keep[x.storage_offset() : x.storage_offset() + x.numel()] = False
+    assert torch.equal(_bits(got_pool)[keep.to(got_pool.device)], pool_old[keep])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_compiled_many_tensors_give_the_reference_bits():
+    for pattern in [(1, 0, 1, 0, 1, 0), (0,) * 6, (1,) * 6]:
+        test_many_tensors_give_the_reference_bits(pattern, device="cuda")

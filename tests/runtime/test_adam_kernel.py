@@ -180,6 +180,7 @@ def test_one_launch_per_group_builds_its_table_once_per_layout():
     found again when the next step's estimates and outputs are new buffers laid out alike; a
     new layout builds new offsets and keeps the grid of the same lengths. Every call computes
     the reference step."""
+    from qsdp.quant._triton import tables
     from qsdp.runtime import _adam_triton
 
     opt, xs, states, estimates = _case(torch.optim.AdamW, 0.1, "cpu")
@@ -192,7 +193,7 @@ def test_one_launch_per_group_builds_its_table_once_per_layout():
             offset += x.numel() + gap
         return views
 
-    built = _adam_triton.plans_built
+    built = tables.plans_built
     for gap in (3, 3, 3, 8):  # three steps of one layout, then another
         ests = laid_out(torch.zeros(total + 5 * gap, dtype=torch.bfloat16), gap)
         for e, src in zip(ests, estimates, strict=True):
@@ -203,10 +204,10 @@ def test_one_launch_per_group_builds_its_table_once_per_layout():
         want = _reference(opt, xs, states, estimates, 1.0)
         for o, w in zip(outs, want, strict=True):
             torch.testing.assert_close(o, w.reshape(-1), rtol=1e-6, atol=1e-7)
-    assert _adam_triton.plans_built == built + 2
+    assert tables.plans_built == built + 2
     # the grid's table (one entry per program) depends on the lengths alone: one for both layouts
     numels = tuple(x.numel() for x in xs)
-    grids = [k for k in _adam_triton._tables if k[0] == "programs" and k[-1] == numels]
+    grids = [k for k in tables._tables if k[0] == "programs" and k[-1] == numels]
     assert len(grids) == 1, grids
 
 

@@ -98,25 +98,78 @@ def test_run_flags_refuses_rows_that_do_not_match_the_runs():
         run_flags(torch.zeros(10, 2).t(), [4, 6])
 
 
-def test_zero_where_fills_one_span_of_a_shared_buffer_and_nothing_beyond():
-    from qsdp.runtime.nonfinite import _one_span, zero_where
+def test_zero_groups_fills_one_span_of_a_shared_buffer_and_nothing_beyond():
+    from qsdp.runtime.nonfinite import _one_span, zero_groups
 
     buffer = torch.arange(1.0, 13.0)  # FSDP2's reduce-scatter output: views with padding
     a, b = buffer[2:5], buffer[6:10].view(2, 2)
     span = _one_span([a, b])
     assert span is not None and span.data_ptr() == a.data_ptr() and span.numel() == 8
-    zero_where(torch.tensor(False), [a, b])
+    zero_groups(torch.tensor([0], dtype=torch.int32), [[a, b]])
     assert torch.equal(buffer, torch.arange(1.0, 13.0))  # not flagged: untouched
-    zero_where(torch.tensor(True), [a, b])
+    zero_groups(torch.tensor([1], dtype=torch.int32), [[a, b]])
     assert not a.any() and not b.any()
     assert torch.equal(buffer[:2], torch.tensor([1.0, 2.0]))  # outside the span: kept
     assert torch.equal(buffer[10:], torch.tensor([11.0, 12.0]))
-    # separate tensors (accumulated gradients), or another dtype: one fill each
+    # separate tensors (accumulated gradients), or another dtype: each on its own
     c, d = torch.ones(3), torch.ones(2)
     assert _one_span([c, d]) is None
     assert _one_span([buffer[0:2], buffer.double()[2:4]]) is None
-    zero_where(torch.tensor(True), [c, d])
+    zero_groups(torch.tensor([1], dtype=torch.int32), [[c, d]])
     assert not c.any() and not d.any()
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_zero_groups_zeroes_only_the_flagged_groups(backend, monkeypatch):
+    """Several groups in one call (the Triton path: one launch per element size), each by its
+    own flag: float32 spans, a bf16 one, a strided gradient (the reference), an empty group."""
+    from qsdp.quant import flags as qflags
+    from qsdp.runtime import nonfinite
+
+    if backend == "reference":  # (the CPU's "auto" is the reference; force the kernel else)
+        monkeypatch.setattr(nonfinite, "zero_flagged_each", qflags.zero_flagged_each)
+    else:
+        monkeypatch.setattr(
+            nonfinite,
+            "zero_flagged_each",
+            lambda xs, bad, which: qflags.zero_flagged_each(xs, bad, which, backend="triton"),
+        )
+    g = torch.Generator().manual_seed(0)
+    shards = [torch.randn(40, generator=g) for _ in range(3)]
+    half = torch.randn(10, generator=g).to(torch.bfloat16)
+    wide = torch.randn(4, 6, generator=g)
+    strided = wide.t()  # not contiguous
+    groups = [
+        [shards[0][1:9], shards[0][10:30]],
+        [shards[1][:40]],
+        [half],
+        [shards[2][5:7], strided],
+        [],
+    ]
+    before = [t.clone() for t in (*shards, half, wide)]
+    bad = torch.tensor([1, 0, 1, 1, 1], dtype=torch.int32)
+    nonfinite.zero_groups(bad, groups)
+    s0, s1, s2 = before[:3]
+    assert not shards[0][1:30].any()  # (the span's padding, element 9, included)
+    assert shards[0][0] == s0[0] and torch.equal(shards[0][30:], s0[30:])
+    assert torch.equal(shards[1], s1)  # clear: untouched
+    assert not half.any()
+    assert not shards[2][5:7].any() and torch.equal(shards[2][:5], s2[:5])
+    assert torch.equal(shards[2][7:], s2[7:]) and not wide.any()
+
+
+def test_zero_flagged_each_names_bad_inputs():
+    from qsdp.quant import zero_flagged_each
+
+    x, flags = torch.ones(4), torch.zeros(2, dtype=torch.int32)
+    with pytest.raises(ValueError, match="1 tensors but 2 flag indices"):
+        zero_flagged_each([x], flags, [0, 1])
+    with pytest.raises(ValueError, match=r"flag indices \[2\] outside the 2 flags"):
+        zero_flagged_each([x], flags, [2])
+    with pytest.raises(ValueError, match="1-D int32, uint8 or bool, got torch.float32"):
+        zero_flagged_each([x], flags.float(), [0])
+    with pytest.raises(ValueError, match=r"xs\[0\] are not"):
+        zero_flagged_each([torch.ones(3, 2).t()], flags, [0], backend="triton")
 
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])

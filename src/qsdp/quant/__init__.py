@@ -14,7 +14,7 @@ from .codec import (
     encode_diff,
     encode_rows,
 )
-from .flags import flagged_groups, run_flags, zero_flagged
+from .flags import flagged_groups, run_flags, zero_flagged, zero_flagged_each
 from .global_int import (
     CARRIERS,
     global_int_decode,
@@ -53,4 +53,5 @@ __all__ = [
     "run_flags",
     "sum_rows_finish",
     "zero_flagged",
+    "zero_flagged_each",
 ]

@@ -15,7 +15,7 @@ from ._tables import on_device
 from .codec import Backend, _resolve
 from .spec import QuantSpec
 
-__all__ = ["flagged_groups", "run_flags", "zero_flagged"]
+__all__ = ["flagged_groups", "run_flags", "zero_flagged", "zero_flagged_each"]
 
 #: The largest float32: ``|x| <= limit`` with ``limit`` at most this is false for +-Inf and NaN.
 _FLOAT32_MAX = torch.finfo(torch.float32).max
@@ -138,6 +138,64 @@ def zero_flagged(x: torch.Tensor, flag: torch.Tensor, *, backend: Backend = "aut
     from ._triton import launch
 
     launch.zero_flagged(x, flag=flag.view(torch.uint8) if flag.dtype == torch.bool else flag)
+
+
+def zero_flagged_each(
+    xs: Sequence[torch.Tensor],
+    flags: torch.Tensor,
+    which: Sequence[int],
+    *,
+    backend: Backend = "auto",
+) -> None:
+    """:func:`zero_flagged` of many tensors at once: ``xs[j]`` zeroed in place where
+    ``flags[which[j]]`` is set (a backward's NaN/Inf verdict: each FSDP2 group's gradient span
+    and the flag its group agreed). On CUDA one launch per element size among ``xs``, not one
+    per tensor (25 a step of a 24-block GPT), reading only the flags where they are clear.
+
+    Args:
+        xs: float tensors on ``flags``' device; contiguous on the Triton path (empty ones are
+            skipped).
+        flags: 1-D int32 or uint8 (or bool) on the device.
+        which: for each of ``xs`` the index of its flag, ``0 <= which[j] < len(flags)``.
+        backend: ``"auto"`` (Triton on CUDA, the reference on CPU), ``"triton"`` or
+            ``"reference"``.
+    """
+    if len(which) != len(xs):
+        raise ValueError(f"zero_flagged_each: {len(xs)} tensors but {len(which)} flag indices")
+    if flags.dim() != 1 or flags.dtype not in (torch.int32, torch.uint8, torch.bool):
+        raise ValueError(
+            f"zero_flagged_each: flags must be 1-D int32, uint8 or bool, got {flags.dtype} "
+            f"{list(flags.shape)}"
+        )
+    bad = [w for w in which if not 0 <= w < flags.numel()]
+    if bad:
+        raise ValueError(f"zero_flagged_each: flag indices {bad} outside the {flags.numel()} flags")
+    devices = {x.device for x in xs} - {flags.device}
+    if devices:
+        raise ValueError(
+            f"zero_flagged_each: tensors on {sorted(map(str, devices))}, flags on "
+            f"{flags.device}: put them on one device"
+        )
+    live = [j for j, x in enumerate(xs) if x.numel()]
+    if not live:
+        return
+    if _resolve(backend, flags.device) == "reference":
+        for j in live:
+            _zero_flagged_reference(xs[j], flags[which[j]])
+        return
+    strided = [j for j in live if not xs[j].is_contiguous()]
+    if strided:
+        raise ValueError(
+            f"zero_flagged_each: the Triton path needs contiguous tensors; xs{strided} are not "
+            "(zero them with zero_flagged(x, flag, backend='reference'))"
+        )
+    from ._triton import launch
+
+    launch.zero_flagged_each(
+        [xs[j] for j in live],
+        flags=flags.view(torch.uint8) if flags.dtype == torch.bool else flags,
+        which=[which[j] for j in live],
+    )
 
 
 def _zero_flagged_reference(x: torch.Tensor, flag: torch.Tensor) -> None:

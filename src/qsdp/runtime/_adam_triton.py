@@ -19,8 +19,9 @@ tensors lie relative to each other and on their lengths, which a group keeps fro
 step (its parameters and moments stay where they are; its estimates and its gather's input are
 new buffers each step, laid out alike): it is built once per layout and stream (copied from
 pinned memory at the first step, the host never waiting) and looked up after that;
-:data:`plans_built` counts the builds. The grid's tables (each program's parameter: the larger
-one) depend on the lengths alone and are kept apart, so a group whose buffers do move between
+:data:`qsdp.quant._triton.tables.plans_built` counts the builds (``tables`` holds them, shared
+with the other launches over many tensors). The grid's tables (each program's parameter: the
+larger one) depend on the lengths alone and are kept apart, so a group whose buffers do move between
 steps (the estimates of several DDP buckets) rebuilds only its offsets, a few words a tensor.
 Where every tensor starts on a 16-byte boundary and every length is a multiple of 16 the
 offsets are promised to the compiler (``ALIGNED``), so the loads stay vectorized as they were
@@ -30,26 +31,25 @@ with one tensor per launch (``tests/quant/compile_sm90.py`` counts them).
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 import torch
 import triton
 import triton.language as tl
 
+from ..quant._triton import tables
 from ..quant._triton.kernels import _INTERPRETED, _cast_out, _load
 
 if TYPE_CHECKING:
     from .adam_step import AdamStep
 
-__all__ = ["adam_predict_kernel", "plans_built", "predict_into"]
+__all__ = ["adam_predict_kernel", "predict_into"]
 
 #: Elements per program.
 _BLOCK = 2048
 _NUM_WARPS = 4
-#: Tables kept (a model's groups, each with its gather and, for DDP, its in-place move).
-_MAX_PLANS = 1024
+_WHAT = "weight prediction's kernel"
 
 
 @triton.jit
@@ -137,75 +137,6 @@ def adam_predict_kernel(
     tl.store(_at(out_ptr, tl.load(rel_ptr + 4 * k + i), offs, ALIGNED), out, mask=mask)
 
 
-class _Programs(NamedTuple):
-    """What the grid reads of a group's lengths (see the kernel): each program's parameter, each
-    parameter's first program and length."""
-
-    numel: torch.Tensor
-    param: torch.Tensor
-    first: torch.Tensor
-    programs: int
-
-
-_tables: OrderedDict[tuple, torch.Tensor | _Programs] = OrderedDict()
-plans_built = 0
-"""Offset tables built and copied to the device so far (one per group's layout and stream at
-its first step; a layout that changed every step would show here as a count that grows)."""
-
-
-def _on(device: torch.device, t: torch.Tensor) -> torch.Tensor:
-    """``t`` on ``device``: copied from pinned memory, the host never waiting, on the current
-    stream (the only one that reads it: the stream is in every table's key, so a launch on it
-    finds the table there, and an evicted table's memory returns to that stream's pool after
-    its last launch)."""
-    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
-
-
-def _cached(key: tuple, build):
-    """The table of ``key``, built by ``build()`` at its first use (the least recently used of
-    more than ``_MAX_PLANS`` dropped)."""
-    table = _tables.get(key)
-    if table is None:
-        table = _tables[key] = build()
-        if len(_tables) > _MAX_PLANS:
-            _tables.popitem(last=False)
-    else:
-        _tables.move_to_end(key)
-    return table
-
-
-def _programs(device: torch.device, stream: int, numels: tuple[int, ...]) -> _Programs:
-    """The grid of ``numels``' parameters: by their lengths alone, so a group whose buffers move
-    between steps (its offsets rebuilt) keeps it; the larger table (one entry per program)."""
-
-    def build() -> _Programs:
-        counts = [triton.cdiv(n, _BLOCK) for n in numels]
-        first = [0]
-        for c in counts[:-1]:
-            first.append(first[-1] + c)
-        index = torch.arange(len(numels), dtype=torch.int32)
-        return _Programs(
-            numel=_on(device, torch.tensor(numels, dtype=torch.int64)),
-            param=_on(device, torch.repeat_interleave(index, torch.tensor(counts))),
-            first=_on(device, torch.tensor(first, dtype=torch.int32)),
-            programs=sum(counts),
-        )
-
-    return _cached(("programs", device, stream, numels), build)
-
-
-def _offsets(device: torch.device, stream: int, rel: tuple[tuple[int, ...], ...]) -> torch.Tensor:
-    """The offset table of ``rel`` (each set's tensors' element offsets from its first), built
-    once per layout and stream."""
-
-    def build() -> torch.Tensor:
-        global plans_built
-        plans_built += 1
-        return _on(device, torch.tensor([r for s in rel for r in s], dtype=torch.int64))
-
-    return _cached(("offsets", device, stream, rel), build)
-
-
 def _log(beta: float) -> float:
     """``log(beta)`` for the kernel's ``exp(t * log(beta))``; -inf for ``beta = 0`` (no
     momentum: ``0^t = 0`` for every step, where ``math.log`` raises)."""
@@ -239,50 +170,6 @@ def _batches(sets: Sequence[list], live: list[int], taken: list) -> list[tuple[o
         dtypes = tuple(s[i].dtype for s in sets)
         batches.setdefault((t, dtypes), []).append(i)
     return [(t, picked) for (t, _), picked in batches.items()]
-
-
-class _Layout(NamedTuple):
-    """Where one launch's tensors lie: each set's element offsets from its first (the device
-    table's contents) and whether every tensor and length is 16-byte aligned (``ALIGNED``)."""
-
-    rel: tuple[tuple[int, ...], ...]
-    aligned: bool
-
-
-_layouts: OrderedDict[tuple, _Layout] = OrderedDict()
-
-
-def _layout_of(chosen: Sequence[Sequence[torch.Tensor]], numels: tuple[int, ...]) -> _Layout:
-    """The layout of one launch's tensor sets (each of one dtype), worked out once per layout:
-    keyed by each set's byte offsets from its first tensor, the first tensors' alignment and
-    element sizes and the lengths, which a group keeps from step to step while its estimates
-    and its gather's input are new buffers ([Note: one launch per group]): a call reads each
-    tensor's address once, no per-element arithmetic."""
-    bases = [ts[0].data_ptr() for ts in chosen]
-    key = (
-        numels,
-        tuple(b % 16 for b in bases),
-        tuple(ts[0].element_size() for ts in chosen),
-        *(tuple(u.data_ptr() - b for u in ts) for ts, b in zip(chosen, bases, strict=True)),
-    )
-    found = _layouts.get(key)
-    if found is not None:
-        _layouts.move_to_end(key)
-        return found
-    _, align, sizes, *apart = key
-    if any(d % size for ds, size in zip(apart, sizes, strict=True) for d in ds):
-        raise ValueError(
-            "weight prediction's kernel: two tensors of one dtype lie a fraction of an "
-            "element apart (a byte view reinterpreted at an odd offset?); pass tensors "
-            "aligned to their element size"
-        )
-    rel = tuple(tuple(d // size for d in ds) for ds, size in zip(apart, sizes, strict=True))
-    # (the step counts are read one scalar each: no promise needed for them)
-    aligned = all(a == 0 for a in align[:5]) and all(d % 16 == 0 for ds in apart[:5] for d in ds)
-    found = _layouts[key] = _Layout(rel, aligned and all(n % 16 == 0 for n in numels))
-    if len(_layouts) > _MAX_PLANS:
-        _layouts.popitem(last=False)
-    return found
 
 
 def predict_into(
@@ -330,9 +217,10 @@ def predict_into(
             else [[s[i] for i in picked] for s in sets]
         )
         numels = tuple(xs[i].numel() for i in picked)
-        layout = _layout_of(chosen, numels)
-        grid = _programs(device, stream, numels)
-        offsets = _offsets(device, stream, layout.rel)
+        # (the sixth set, the step counts, read one scalar each: no alignment promised)
+        layout = tables.layout_of(chosen, numels, aligned_sets=5, what=_WHAT)
+        grid = tables.programs(device, stream, numels, block=_BLOCK)
+        offsets = tables.offsets(device, stream, layout.rel)
         aligned = layout.aligned
         bias1, bias2_sqrt = (1.0, 1.0) if t is None else (1 - beta1**t, math.sqrt(1 - beta2**t))
         args = (

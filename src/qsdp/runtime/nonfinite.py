@@ -11,9 +11,12 @@ did (2x H200 over sockets, GPT-125M, DDP `cgx` pipelined in 100 MiB buckets: 0.0
 with that read; 0.046 s with this design, 0.045 s with no check at all;
 `benchmarks/results/session15_2026-11-27/nonfinite_read/`). Now the callback acts on the device and
 reads later: it agrees the flags, zeroes the flagged groups' gradients in place on the device
-(``qsdp.quant.zero_flagged`` with the agreed flag, on every rank, so no optimizer step ever
-applies them; nothing is read or written where it is clear)
-and starts a non-blocking copy of the flags into pinned host memory. The host reads that copy
+(``qsdp.quant.zero_flagged_each`` with the agreed flags, on every rank, so no optimizer step
+ever applies them: one launch for all the groups, nothing read or written where a flag is
+clear; ``masked_fill_`` a group, a read and a write of every gradient shard each step, took
+2.18 ms of device time a step on 2x H200 with the 1.42 B GPT, 0.44 ms after the first cut, 25
+launches of the single-tensor kernel: `benchmarks/results/session37_2026-11-29/`) and starts a
+non-blocking copy of the flags into pinned host memory. The host reads that copy
 when the next backward ends, before it acts on that one, or at :meth:`NonfiniteCheck.flush`
 (``drain()``, ``check_nonfinite()`` and ``state_dict()`` of the integrations' states, so
 every checkpoint, ``qsdp train``'s after its last step included): it raises naming every
@@ -47,11 +50,11 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from ..quant import Backend, run_flags, zero_flagged
+from ..quant import Backend, run_flags, zero_flagged, zero_flagged_each
 from .contracts import FlaggedReduction
 from .placement import local_of
 
-__all__ = ["NonfiniteCheck", "layout_sizes", "nonfinite_flags", "zero_where"]
+__all__ = ["NonfiniteCheck", "layout_sizes", "nonfinite_flags", "zero_groups"]
 
 
 def nonfinite_flags(
@@ -85,15 +88,25 @@ def layout_sizes(layout: list[tuple[str, int]] | None) -> tuple[int, ...] | None
     return None if layout is None else tuple(entry[1] for entry in layout)
 
 
-def zero_where(bad: torch.Tensor, grads: Sequence[torch.Tensor]) -> None:
-    """Zero every one of ``grads`` where ``bad`` (one int32 or bool element on their device) is
-    set, on the device (``qsdp.quant.zero_flagged``: on CUDA nothing is read or written where
-    it is clear). FSDP2's sharded gradients of a group are views of its reduce-scatter output:
-    then one launch over the span of that buffer they cover (its padding between them included)
-    in place of one per parameter (~200 per step of a 24-block GPT)."""
-    span = _one_span(grads)
-    for g in [span] if span is not None else grads:
-        zero_flagged(g, bad, backend="auto" if g.is_contiguous() else "reference")
+def zero_groups(bad: torch.Tensor, groups: Sequence[Sequence[torch.Tensor]]) -> None:
+    """Zero every gradient of ``groups[i]`` where ``bad[i]`` (1-D int32 on their device) is
+    set, on the device: ``qsdp.quant.zero_flagged_each``, one launch on CUDA for all the
+    groups (nothing read or written where a flag is clear). FSDP2's sharded gradients of a group
+    are views of its reduce-scatter output: then the span of that buffer they cover (its padding
+    between them included) in place of each parameter (~200 a step of a 24-block GPT); a
+    gradient that is not contiguous is zeroed by the reference (``masked_fill_``)."""
+    xs: list[torch.Tensor] = []
+    which: list[int] = []
+    for i, grads in enumerate(groups):
+        span = _one_span(grads)
+        for g in [span] if span is not None else grads:
+            if g.is_contiguous():
+                xs.append(g)
+                which.append(i)
+            else:
+                zero_flagged(g, bad[i], backend="reference")
+    if xs:
+        zero_flagged_each(xs, bad, which)
 
 
 def _one_span(grads: Sequence[torch.Tensor]) -> torch.Tensor | None:
@@ -262,11 +275,9 @@ class NonfiniteCheck:
             # whether each entry holds a set flag (any rank's: agreed), all in one pass over
             # the concatenated flags, not an ``any()`` launch per entry
             sizes = [e.flags.numel() for e in pending]
-            bad = run_flags(flags.view(1, -1).float(), sizes, limit=0.5).unbind()
-            for i, entry in enumerate(pending):
-                if entry.params:  # zeroed where set, on every rank
-                    grads = [local_of(p.grad) for p in entry.params if p.grad is not None]
-                    zero_where(bad[i], grads)
+            bad = run_flags(flags.view(1, -1).float(), sizes, limit=0.5)
+            grads = [[local_of(p.grad) for p in e.params if p.grad is not None] for e in pending]
+            zero_groups(bad, grads)  # zeroed where set, on every rank
         if flags.is_cuda:
             host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
             host.copy_(flags, non_blocking=True)

@@ -1019,3 +1019,22 @@ def zero_flagged_kernel(x_ptr, flag_ptr, numel, BLOCK: tl.constexpr, BIG: tl.con
             pid = pid.to(tl.int64)
         offs = pid * BLOCK + tl.arange(0, BLOCK)
         tl.store(x_ptr + offs, tl.zeros((BLOCK,), x_ptr.dtype.element_ty), mask=offs < numel)
+
+
+@triton.jit
+def zero_flagged_each_kernel(
+    x_ptr, flags_ptr, rel_ptr, numel_ptr, param_ptr, first_ptr, k, BLOCK: tl.constexpr
+):
+    """:func:`zero_flagged_kernel` over ``k`` tensors in one launch: tensor ``i`` (this
+    program's, ``param_ptr``; its first program ``first_ptr[i]``, its length ``numel_ptr[i]``)
+    lies ``rel_ptr[i]`` elements from ``x_ptr`` and is zeroed where ``flags[rel_ptr[k + i]]``
+    is set. A program whose flag is clear reads three words and writes nothing."""
+    pid = tl.program_id(0)
+    i = tl.load(param_ptr + pid)
+    if tl.load(flags_ptr + tl.load(rel_ptr + k + i)) != 0:
+        # (one 64-bit base a program, 32-bit offsets from it: few registers, whatever the size)
+        start = (pid - tl.load(first_ptr + i)).to(tl.int64) * BLOCK
+        base = x_ptr + tl.load(rel_ptr + i) + start
+        offs = tl.arange(0, BLOCK)
+        left = tl.load(numel_ptr + i) - start
+        tl.store(base + offs, tl.zeros((BLOCK,), x_ptr.dtype.element_ty), mask=offs < left)

@@ -9,7 +9,7 @@ splatted (``**c.encoding``), so two kernels cannot receive the same flags in dif
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +18,7 @@ from ..philox import random_signs
 from ..reference import headroom, step_cap
 from ..spec import QuantSpec, Rounding, Scheme, inv_sqrt
 from . import kernels as K
+from . import tables
 
 _SCHEME_ID = {Scheme.ABSMAX: 0, Scheme.MINMAX: 1, Scheme.SHIFT_LATTICE: 2}
 #: Elements per program; a program always holds whole groups.
@@ -563,3 +564,34 @@ def zero_flagged(x: torch.Tensor, *, flag: torch.Tensor) -> None:
         "BIG": _big(numel),
     }
     _run(K.zero_flagged_kernel, args, grid=(-(-numel // _ZERO_BLOCK),))
+
+
+def zero_flagged_each(
+    xs: Sequence[torch.Tensor], *, flags: torch.Tensor, which: Sequence[int]
+) -> None:
+    """One launch per element size among ``xs`` (contiguous, on one device, none empty): each
+    ``xs[j]`` zeroed where ``flags[which[j]]`` (int32 or uint8) is set; the tables (where each
+    tensor lies, its flag's index, the grid) built once per layout ([Note: one launch per group]
+    in ``qsdp.runtime._adam_triton``)."""
+    device = xs[0].device
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    by_size: dict[int, list[int]] = {}
+    for j, x in enumerate(xs):
+        by_size.setdefault(x.element_size(), []).append(j)
+    for size, picked in by_size.items():
+        views = [xs[j].view(_BITS_OF[size]) for j in picked]
+        numels = tuple(v.numel() for v in views)
+        layout = tables.layout_of([views], numels, aligned_sets=0, what="zero_flagged_each")
+        grid = tables.programs(device, stream, numels, block=_ZERO_BLOCK)
+        rel = tables.offsets(device, stream, (layout.rel[0], tuple(which[j] for j in picked)))
+        args = {
+            "x_ptr": views[0],
+            "flags_ptr": flags,
+            "rel_ptr": rel,
+            "numel_ptr": grid.numel,
+            "param_ptr": grid.param,
+            "first_ptr": grid.first,
+            "k": len(picked),
+            "BLOCK": _ZERO_BLOCK,
+        }
+        _run(K.zero_flagged_each_kernel, args, grid=(grid.programs,))

@@ -42,10 +42,11 @@ for part in "${@:-nvlink}"; do
       timeout 560 torchrun --standalone --nproc-per-node "$NPROC" benchmarks/bench_ddp_step.py \
         --regime nvlink --baselines bf16_compress_hook --recipes cgx cgx+graphs qsdp-g8+graphs \
         --out "$OUT/ddp_nvlink_graphs_ws${NPROC}_${gpu}_${day}.json" 2>&1 | quiet ;;
-    tests)  # (the no-host-wait checks run on NCCL with 2 GPUs or more, else skip)
+    tests)  # (the no-host-wait and NaN checks run on NCCL with 2 GPUs or more, else skip)
       timeout 560 python -m pytest -q -p no:cacheprovider -m gpu tests/comm/test_graphs_gpu.py \
         tests/ddp/test_graphs_gpu.py tests/fsdp/test_graphs_gpu.py tests/fsdp/test_gpu.py \
-        tests/runtime/test_prediction.py -k "graphs or host_wait or clipped" 2>&1 | tail -15 ;;
+        tests/runtime/test_prediction.py tests/quant/test_zero_flagged.py \
+        -k "graphs or host_wait or clipped or nan or compiled" 2>&1 | tail -15 ;;
     memory)  # the bound: plain FSDP2 + 2.5 B a parameter, staleness 1 and the replays included
       NPROC=$NPROC RESULTS_DIR=$OUT timeout 560 bash benchmarks/run_memory_alone.sh socket fsdp2-bf16 \
         sdp4bit sdp4bit+s1 sdp4bit+graphs sdp4bit+s1+graphs 2>&1 | quiet | tail -60 ;;

@@ -30,7 +30,11 @@ for part in "${@:-nvlink}"; do
   case $part in
     nvlink)
       fsdp nvlink nvlink_graphs --baselines bf16 --profile "$OUT/prof_nvlink" --recipes \
-        sdp4bit sdp4bit+graphs qsdp-w8g8 qsdp-w8g8+graphs cgx cgx+graphs ;;
+        sdp4bit sdp4bit+graphs qsdp-w8g8 qsdp-w8g8+graphs cgx cgx+graphs
+      # the profiles' tables in one file (a device call returns a few files: session 37 lost
+      # most of them), the traces left behind
+      tar -C "$OUT" --exclude='*.trace.json.gz' -czf "$OUT/prof_nvlink.tgz" prof_nvlink &&
+        rm -rf "$OUT/prof_nvlink" ;;
     socket)
       fsdp socket socket_graphs --baselines bf16 --recipes \
         sdp4bit sdp4bit+graphs sdp4bit+s1+ahead sdp4bit+s1+ahead+graphs ;;

@@ -405,7 +405,10 @@ class Schedule:
     Costs about two of a group's gradients (and one gathered group, or one shard for weight
     differences) of device memory per shape and stream (staleness 1's two side streams each
     their own), the buffers shared by the groups of one shape, and two copies a call on the
-    device. DDP on CUDA (``staleness=0``): CGX's two-phase all-reduce of each bucket (``cgx``,
+    device; so only the FSDP modules whose shapes another one shares replay (a model's
+    repeated blocks), the root's embedding and head run eagerly ([Note: only repeated shapes
+    replayed] in ``qsdp.fsdp.api``; a model with no repeated module is refused). DDP on CUDA
+    (``staleness=0``): CGX's two-phase all-reduce of each bucket (``cgx``,
     ``qsdp-g8``; not with error feedback) replays both phases' codecs ([Note: two phases
     replayed] in ``qsdp.comm._two_phase``) from the second backward on: about three buckets of
     device memory per bucket shape and hook stream (DDP's buckets rarely share a length: about

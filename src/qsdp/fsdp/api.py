@@ -225,6 +225,13 @@ class _Shared:
     graphs: qc.CodecGraphs | None = None
     """``Schedule(graphs=True)``: the hooks' captured codec segments, the reduce-scatters' and
     the quantized gathers' ([Note: codec segments replayed] in ``qsdp.comm._graphs``)."""
+    replayed: frozenset[int] = frozenset()
+    """The groups whose collectives replay :attr:`graphs` ([Note: only repeated shapes
+    replayed]); the others run eagerly."""
+
+    def graphs_of(self, i: int) -> qc.CodecGraphs | None:
+        """Group ``i``'s replayed segments, or None where it runs eagerly."""
+        return self.graphs if i in self.replayed else None
 
     def split(self, layout: list) -> qc.Split | None:
         """The policy's split of a group's chunk (None: everything quantized)."""
@@ -283,6 +290,7 @@ def _shared(
         prediction = GatheredPrediction()
     return _Shared(
         graphs=qc.CodecGraphs() if schedule.graphs else None,
+        replayed=repeated_shapes(groups) if schedule.graphs else frozenset(),
         ahead=SideStreams(1) if schedule.gather_ahead else None,
         prediction=prediction,
         config=config,
@@ -381,7 +389,7 @@ def _gather_hook(shared: _Shared, model: nn.Module, group: FSDPGroup, i: int):
             resync_every=weights.resync_every,
             check_replicas=weights.check_replicas,
             streams=shared.ahead,
-            graphs=shared.graphs,
+            graphs=shared.graphs_of(i),
             **_predicting(shared, model, group),
             **key,
         )
@@ -393,7 +401,7 @@ def _gather_hook(shared: _Shared, model: nn.Module, group: FSDPGroup, i: int):
         gather = QuantizedAllGather(
             weights.spec,
             split=shared.split(layout),
-            graphs=shared.graphs,
+            graphs=shared.graphs_of(i),
             **_predicting(shared, model, group),
             **key,
         )
@@ -463,7 +471,7 @@ def _reduce_hook(
         stale=stale,
         chunk=_grad_params(model, layout) if stale else (),
         twins=shared.twins,
-        graphs=shared.graphs,
+        graphs=shared.graphs_of(i),
         **key,
     )
     group.module.set_custom_reduce_scatter(reduce)
@@ -545,7 +553,45 @@ def _check_graphs(schedule: Schedule, shared: _Shared, groups: list[FSDPGroup]) 
             "uncompressed gradients have none) and gathers neither quantized weights nor "
             "weight differences: drop graphs, or use 'qsdp-w8g8', 'cgx' or 'sdp4bit'"
         )
+    if not shared.replayed:
+        raise ValueError(
+            f"Schedule(graphs=True) replays the collectives of the FSDP modules whose shapes "
+            f"another one shares (a model's repeated blocks: [Note: only repeated shapes "
+            f"replayed] in qsdp.fsdp.api); this model's {len(groups)} FSDP modules each have "
+            "shapes of their own: fully_shard each repeated block, or drop graphs"
+        )
     qc.CodecGraphs.check_parameters(p for g in groups for p in g.params)
+
+
+def repeated_shapes(groups: list[FSDPGroup]) -> frozenset[int]:
+    """The indices of ``groups`` whose parameters' shapes, dtypes and gradients another group
+    has too: the groups ``Schedule(graphs=True)`` replays.
+
+    [Note: only repeated shapes replayed]
+    A replayed collective holds buffers per shape and stream for the whole run (its input copied
+    in, its payloads, its output: about one group's gradient and weights, [Note: codec segments
+    replayed] in ``qsdp.comm._graphs``), shared by every group of that shape. A model's repeated
+    blocks share one set, so replaying them costs one block's buffers and saves the host work
+    of every block's calls; a group of shapes of its own (the root: embeddings and the head)
+    holds a set for its one call a step. On the 1.42 B GPT the root is about four blocks' worth
+    of parameters (untied 50 K x 2048 embedding and head), so by the buffers' sizes about 4/5
+    of the replays' memory (+0.96 B a parameter on two ranks, measured whole:
+    ``benchmarks/results/session37_2026-11-29/``) was the root's, for the host time of one
+    reduce-scatter and one gather a step (~1 ms of a ~180 ms step, by the per-call times on one
+    H200 in docs/fsdp.md). So only groups whose shapes repeat replay; the others stay eager,
+    the same bits either way."""
+    signature = [
+        (tuple((s.elements, s.shape, s.requires_grad) for s in g.slots), g.param_dtype,
+         g.reduce_dtype, tuple(p.dtype for p in g.params))
+        for g in groups
+    ]  # fmt: skip
+    counts: dict[tuple, int] = {}
+    for sig in signature:
+        counts[sig] = counts.get(sig, 0) + 1
+    return frozenset(
+        i for i, (g, sig) in enumerate(zip(groups, signature, strict=True))
+        if g.params and counts[sig] > 1
+    )  # fmt: skip
 
 
 def _check_pipeline(

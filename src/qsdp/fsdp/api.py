@@ -574,12 +574,13 @@ def repeated_shapes(groups: list[FSDPGroup]) -> frozenset[int]:
     blocks share one set, so replaying them costs one block's buffers and saves the host work
     of every block's calls; a group of shapes of its own (the root: embeddings and the head)
     holds a set for its one call a step. On the 1.42 B GPT the root is about four blocks' worth
-    of parameters (untied 50 K x 2048 embedding and head), so by the buffers' sizes about 4/5
-    of the replays' memory (+0.96 B a parameter on two ranks, measured whole:
-    ``benchmarks/results/session37_2026-11-29/``) was the root's, for the host time of one
-    reduce-scatter and one gather a step (~1 ms of a ~180 ms step, by the per-call times on one
-    H200 in docs/fsdp.md). So only groups whose shapes repeat replay; the others stay eager,
-    the same bits either way."""
+    of parameters (untied 50 K x 2048 embedding and head): of the replays' buffers (counted on
+    the CPU by ``benchmarks/replay_buffers.py`` for a GPT of those proportions, ``sdp4bit``, two
+    ranks) 1.51 B a parameter with every module replayed, 0.30 without the root (+0.96 B a
+    parameter of peak on 2x H200 with every module: ``benchmarks/results/session37_2026-11-29/``),
+    for the host time of one reduce-scatter and one gather a step (~1 ms of a ~180 ms step, by
+    the per-call times on one H200 in docs/fsdp.md). So only groups whose shapes repeat replay;
+    the others stay eager, the same bits either way."""
     signature = [
         (tuple((s.elements, s.shape, s.requires_grad) for s in g.slots), g.param_dtype,
          g.reduce_dtype, tuple(p.dtype for p in g.params))

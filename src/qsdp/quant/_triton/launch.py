@@ -579,13 +579,13 @@ def zero_flagged_each(
     for j, x in enumerate(xs):
         by_size.setdefault(x.element_size(), []).append(j)
     for size, picked in by_size.items():
-        views = [xs[j].view(_BITS_OF[size]) for j in picked]
-        numels = tuple(v.numel() for v in views)
-        layout = tables.layout_of([views], numels, aligned_sets=0, what="zero_flagged_each")
+        chosen = [xs[j] for j in picked]  # (one element size: whole elements apart)
+        numels = tuple(x.numel() for x in chosen)
+        layout = tables.layout_of([chosen], numels, aligned_sets=0, what="zero_flagged_each")
         grid = tables.programs(device, stream, numels, block=_ZERO_BLOCK)
         rel = tables.offsets(device, stream, (layout.rel[0], tuple(which[j] for j in picked)))
         args = {
-            "x_ptr": views[0],
+            "x_ptr": chosen[0].view(_BITS_OF[size]),  # (the others reached from it)
             "flags_ptr": flags,
             "rel_ptr": rel,
             "numel_ptr": grid.numel,

@@ -155,8 +155,7 @@ class DDPCompression:
         if schedule.staleness:  # each rank's local estimates (its own gradient) differ
             tag = f"rank{dist.get_rank(group)}"
             self.stale = DelayedReductions(params, local_tag=tag, owner=self, start=schedule.start)
-        self._drained = _BucketReport()
-        self._drained.where = "the drained gradients"
+        self._drained = _BucketReport({}, where="the drained gradients")
         self.widths: WidthController | None = None
         """Adaptive widths (``CompressionConfig.adaptive``): each bucket's width, by index."""
         if config.adaptive is not None:
@@ -429,8 +428,10 @@ class DDPCompression:
         else:
             done = fut.then(finish)
         if flags is not None:
-            report = self._reports.setdefault(index, _BucketReport())
-            report.name([self._names.get(id(p), "?") for p in params])
+            report = self._reports.get(index)
+            if report is None:
+                report = self._reports[index] = _BucketReport(self._names)
+            report.params = params  # (named only when a verdict reports it)
             self.check.add(report, flags, ready=done)
         return done
 
@@ -609,14 +610,21 @@ def _completed(value: torch.Tensor) -> torch.futures.Future:
 
 
 class _BucketReport:
-    """What :class:`NonfiniteCheck` reports of one bucket reduction (its parameters)."""
+    """What :class:`NonfiniteCheck` reports of one bucket reduction (its parameters): the
+    bucket's latest parameters, named only when a verdict reports them (not at every call)."""
 
     layout = None
 
-    def __init__(self) -> None:
-        self.module_name = self.where = ""
+    def __init__(self, names: dict[int, str], *, where: str = "") -> None:
+        self.module_name = ""
         self.zeroed = 0
+        self.params: list[nn.Parameter] = []
+        self._names, self._where = names, where
 
-    def name(self, names: list[str]) -> None:
+    @property
+    def where(self) -> str:
+        if self._where or not self.params:
+            return self._where
+        names = [self._names.get(id(p), "?") for p in self.params]
         more = " ..." if len(names) > 6 else ""
-        self.where = f"the DDP bucket holding {names[:6]}{more}"
+        return f"the DDP bucket holding {names[:6]}{more}"

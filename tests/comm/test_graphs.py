@@ -369,7 +369,12 @@ def _installs(rank, ws):
 
     got = {}
     for name, config in (("cpu", "qsdp-w8g8"), ("integer", "global-qsgd"), ("auto", "auto")):
-        model = classifier()
+        torch.manual_seed(0)  # two equal modules: what graphs=True replays (a twin each)
+        model = torch.nn.Sequential(
+            torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 64)
+        )
+        for layer in (model[0], model[2]):
+            fully_shard(layer)
         fully_shard(model)
         try:
             qsdp.compress_fsdp(model, config, schedule=qsdp.Schedule(graphs=True))

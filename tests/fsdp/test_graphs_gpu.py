@@ -44,6 +44,8 @@ def _replayed_vs_eager(rank: int, ws: int, recipe: str) -> tuple[list[float], in
         batches = _batches(rank, ws)
         losses = [float(_train_step(model, opt, dev, next(batches))) for _ in range(5)]
         weights = torch.cat([p.to_local().detach().float().reshape(-1) for p in model.parameters()])
+        # (the two blocks replay; the root, embeddings and head of its own shapes, runs eagerly)
+        assert qsdp.fsdp.comm_state(model).replayed == (("blocks.0", "blocks.1") if graphs else ())
         shared = {id(g): g for h in _installed(model).hooks if (g := getattr(h, "graphs", None))}
         sites = sorted({key[0][0] for g in shared.values() for key in g.sites})
         runs[graphs] = (losses, weights, sum(g.replayed for g in shared.values()), sites)

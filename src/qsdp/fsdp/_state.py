@@ -49,6 +49,8 @@ class _Installed:
     """The NaN/Inf check of the model's reductions (None: ``nonfinite="propagate"``)."""
     predict: AutoPrediction | None = None
     """``Schedule(predict="local")``: the prediction on hooks."""
+    replayed: tuple[str, ...] = ()
+    """``Schedule(graphs=True)``: the FSDP modules whose collectives replay."""
 
 
 _INSTALLED: weakref.WeakKeyDictionary[nn.Module, _Installed] = weakref.WeakKeyDictionary()
@@ -147,6 +149,14 @@ class CommState:
         ``"raise"`` before it raised): each backward's count when the next one ends, or at
         :meth:`check_nonfinite`. The DDP hook's ``zeroed`` counts the same per bucket."""
         return sum(getattr(h, "zeroed", 0) for h in self._installed.hooks)
+
+    @property
+    def replayed(self) -> tuple[str, ...]:
+        """The FSDP modules (their names in the model, ``""`` the root) whose collectives
+        ``Schedule(graphs=True)`` replays from CUDA graphs: those whose shapes another module
+        shares ([Note: only repeated shapes replayed] in ``qsdp.fsdp.api``); the others run
+        eagerly. Empty without graphs."""
+        return self._installed.replayed
 
     @property
     def widths(self) -> WidthController | None:

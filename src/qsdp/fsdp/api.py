@@ -175,6 +175,7 @@ def compress_fsdp(
         widths=shared.widths,
         decision=decision,
         check=shared.check,
+        replayed=tuple(groups[i].name for i in sorted(shared.replayed)),
     )
     if schedule.prediction == "local":  # [Note: prediction in the schedule]
         _INSTALLED[model].predict = AutoPrediction(

@@ -375,8 +375,8 @@ class DDPCompression:
         at once (the same bits on every rank: no agreement needed)."""
         if self.check is None:
             return
-        bad = run_flags(flat.view(1, -1), (flat.numel(),))
-        zero_flagged(flat, bad)
+        bad = _flag_word(flat)
+        _flag_and_zero(flat, bad)
         self.check.add(self._drained, bad)  # outside a backward
 
     @contextlib.contextmanager

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -53,13 +52,30 @@ class _Installed:
     """``Schedule(graphs=True)``: the FSDP modules whose collectives replay."""
 
 
-_INSTALLED: weakref.WeakKeyDictionary[nn.Module, _Installed] = weakref.WeakKeyDictionary()
+# [Note: the installation lives on the model]
+# A model's installation (its hooks, NaN/Inf check, staleness state, prediction) is kept in the
+# model's own ``__dict__``, as torch's composable APIs keep FSDP2's state, not in a
+# ``WeakKeyDictionary`` keyed by the model. Its objects form cycles (a hook holds the check, the
+# check's last verdict holds the hooks and their parameters); held as a weak dictionary's value
+# they outlived the model's own collection: the dictionary dropped the value in the collection
+# that freed the model, and the cycles it had kept became garbage only for the next one. A model
+# dropped with ``del model; gc.collect()`` kept its parameters (at staleness 1 its optimizer
+# too) until a later collection: the next model of the process was built beside them (the
+# 1.42 B GPT's benchmark on 4x H200: up to 14 GiB still allocated as a variant began). On the
+# model, the installation is part of the model's cycle and goes in the same collection
+# (tests/fsdp/test_release.py).
+_KEY = "_qsdp_installed"
+
+
+def _install(model: nn.Module, installed: _Installed) -> None:
+    model.__dict__[_KEY] = installed
 
 
 def _installed(model: nn.Module) -> _Installed:
-    if model not in _INSTALLED:
+    installed = model.__dict__.get(_KEY)
+    if installed is None:
         raise ValueError("this model was not passed to qsdp.compress_fsdp")
-    return _INSTALLED[model]
+    return installed
 
 
 def fsdp_comm_stats(model: nn.Module) -> CommStats:

@@ -40,8 +40,9 @@ from ._hooks import StepClock
 from ._reduce import QuantizedReduceScatter, compressed_runs
 from ._replicate import ReplicateAllReduce, ReplicateCounter
 from ._state import (
-    _INSTALLED,
+    _install,
     _Installed,
+    _installed,
     comm_state,
 )
 
@@ -162,23 +163,26 @@ def compress_fsdp(
             if hook is not None:
                 hooks.append(hook)
                 slots.append((i, column))
-    _INSTALLED[model] = _Installed(
-        config=config,
-        schedule=schedule,
-        stats=shared.stats,
-        clock=shared.clock,
-        gathers=[h for h in hooks if isinstance(h, WeightDiffAllGather)],
-        hooks=hooks,
-        slots=slots,
-        groups=len(groups),
-        stale=shared.stale,
-        widths=shared.widths,
-        decision=decision,
-        check=shared.check,
-        replayed=tuple(groups[i].name for i in sorted(shared.replayed)),
+    _install(
+        model,
+        _Installed(
+            config=config,
+            schedule=schedule,
+            stats=shared.stats,
+            clock=shared.clock,
+            gathers=[h for h in hooks if isinstance(h, WeightDiffAllGather)],
+            hooks=hooks,
+            slots=slots,
+            groups=len(groups),
+            stale=shared.stale,
+            widths=shared.widths,
+            decision=decision,
+            check=shared.check,
+            replayed=tuple(groups[i].name for i in sorted(shared.replayed)),
+        ),
     )
     if schedule.prediction == "local":  # [Note: prediction in the schedule]
-        _INSTALLED[model].predict = AutoPrediction(
+        _installed(model).predict = AutoPrediction(
             model,
             comm_state(model),
             clip=schedule.predict_clip,

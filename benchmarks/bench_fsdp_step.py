@@ -284,13 +284,22 @@ def merge(rounds: list[Measured]) -> Measured:
     )
 
 
+def _allocated_now(device: torch.device) -> int:
+    """The bytes allocated once the device is idle: a block freed while a side stream still
+    used it (``record_stream``) counts as allocated until the caching allocator's next malloc
+    reads its stream's event, so one tiny allocation first."""
+    torch.cuda.synchronize(device)
+    torch.empty(1, device=device)
+    return torch.cuda.memory_allocated(device)
+
+
 def run_variant(
     name, c, args, device, recipe, reduce_dtype, compute_dtype, *, extras: bool = True
 ) -> Measured:
     """Build the variant and time its steps (``extras``: also the --profile / --bounds steps,
     which later rounds skip)."""
     if device.type == "cuda":
-        left = torch.cuda.memory_allocated(device)
+        left = _allocated_now(device)
         if left > 2**28 and dist.get_rank() == 0:
             print(f"  warning: {left / 2**30:.2f} GiB still allocated before {name}", flush=True)
     record = args.mem_peak is not None and device.type == "cuda" and dist.get_rank() == 0
@@ -400,10 +409,10 @@ def run_variant(
     if device.type == "cuda":
         torch.cuda.empty_cache()
         if args.mem_trace and dist.get_rank() == 0:
-            left = torch.cuda.memory_allocated(device) / 2**30
+            left = _allocated_now(device) / 2**30
             time.sleep(2.0)  # NCCL's watchdog releases the tensors of finished collectives
             gc.collect()
-            later = torch.cuda.memory_allocated(device) / 2**30
+            later = _allocated_now(device) / 2**30
             print(f"  {name}: {left:.2f} GiB left after del+gc, {later:.2f} GiB 2 s later")
     return Measured(
         times=times,

@@ -57,6 +57,7 @@ def main() -> None:
     p.add_argument("--recipe", default="sdp4bit")
     p.add_argument("--d", type=int, default=128)
     p.add_argument("--world", type=int, default=2)
+    p.add_argument("--layers", type=int, default=24, help="blocks (the test: fewer, faster)")
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--all-modules", action="store_true", help="replay the root too")
     a = p.parse_args()
@@ -80,7 +81,8 @@ def main() -> None:
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=a.world)
     scale = a.d / 2048
     config = replace(
-        bench_fsdp_step.GPT_1_4B, d_model=a.d, n_head=max(1, a.d // 128), block_size=64,
+        bench_fsdp_step.GPT_1_4B, n_layer=a.layers, d_model=a.d, n_head=max(1, a.d // 128),
+        block_size=64,
         vocab_size=int(50304 * scale) // 64 * 64,
     )  # fmt: skip
     torch.manual_seed(0)

@@ -360,9 +360,11 @@ SESSION15 = Path("session15_2026-11-27")
 SESSION16 = Path("session16_2026-11-27")
 SESSION17 = Path("session17_2026-11-27")
 H200 = "NVIDIA_H200_2026-11-27"
+SESSION38, H200_29 = "session38_2026-11-29", "NVIDIA_H200_2026-11-29"
 #: The README's headline rows: (setting, results file under RESULTS, regime, baseline variant and
 #: label, qsdp variant and label). The latest run of each judged setting with the code as it is
-#: (FSDP2 sockets and NVLink: 2026-11-28, after the exchanges moved to the current stream; the
+#: (FSDP2 sockets and NVLink: 2026-11-28, after the exchanges moved to the current stream, and
+#: the replayed rows of 2026-11-29 (session 38), the options beside the recipe; the
 #: DDP sockets pipelined rows: the sixteenth session's run after its three stream fixes; DDP's
 #: 25 MiB `cgx` row: the fifteenth session's, not rerun).
 HEADLINE = (
@@ -372,9 +374,19 @@ HEADLINE = (
     ("FSDP2, GPT 1.42 B, sockets",
      "session21_2026-11-28/call6/step_socket.json",
      ("fsdp2-bf16-reduce", "FSDP2 bf16 reduce"), ("sdp4bit+s1", "`sdp4bit` staleness 1")),
+    ("FSDP2, GPT 1.42 B, sockets",
+     f"{SESSION38}/call4_socket_ddp_socket/fsdp_socket_graphs_ws4_{H200_29}.json",
+     ("fsdp2-bf16-reduce", "FSDP2 bf16 reduce"),
+     ("sdp4bit+s1+ahead+graphs", "`sdp4bit` staleness 1, `gather_ahead=True`, `graphs=True`")),
     ("FSDP2, GPT 1.42 B, NVLink",
      "session21_2026-11-28/crossover/step_nvlink.json",
      ("fsdp2-bf16-reduce", "FSDP2 bf16 reduce"), ("sdp4bit", "`sdp4bit`")),
+    ("FSDP2, GPT 1.42 B, NVLink",
+     f"{SESSION38}/call2_tests_nvlink/fsdp_nvlink_graphs_ws4_{H200_29}.json",
+     ("fsdp2-bf16-reduce", "FSDP2 bf16 reduce"), ("sdp4bit+graphs", "`sdp4bit`, `graphs=True`")),
+    ("FSDP2, GPT 1.42 B, NVLink",
+     f"{SESSION38}/call2_tests_nvlink/fsdp_nvlink_graphs_ws4_{H200_29}.json",
+     ("fsdp2-bf16-reduce", "FSDP2 bf16 reduce"), ("cgx+graphs", "`cgx`, `graphs=True`")),
     ("FSDP2, GPT 1.42 B, NVLink",
      "session21_2026-11-28/crossover/step_nvlink.json",
      ("fsdp2-bf16-reduce", "FSDP2 bf16 reduce"), ("cgx", "`cgx`")),

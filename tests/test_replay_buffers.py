@@ -15,7 +15,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _run(out: Path, *args: str) -> dict:
     env = {"PYTHONPATH": f"{ROOT / 'src'}:{ROOT / 'benchmarks'}", "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "benchmarks/replay_buffers.py", "--d", "64", "--steps", "2",
+    cmd = [sys.executable, "benchmarks/replay_buffers.py", "--d", "64", "--layers", "3",
+           "--steps", "2",
            "--out", str(out), *args]  # fmt: skip
     subprocess.run(cmd, cwd=ROOT, env=env, check=True, capture_output=True, timeout=300)
     return json.loads(out.read_text())

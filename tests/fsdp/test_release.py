@@ -22,20 +22,13 @@ from qsdp.testing import run_distributed
 from ..models import classifier, train
 from ..tiny_gpt import TinyGPT
 
-S1 = qsdp.Schedule(staleness=1)
-VARIANTS = {  # name: (recipe, schedule)
+VARIANTS = {  # name: (recipe, schedule): the NaN/Inf check's cycles, staleness 1's state
     "plain": (None, None),
     "sdp4bit": ("sdp4bit", None),
-    "qsdp-w8g8": ("qsdp-w8g8", None),
     "cgx": ("cgx", None),
-    "sdp4bit+s1": ("sdp4bit", S1),
     "sdp4bit+s1+ahead": ("sdp4bit", qsdp.Schedule(staleness=1, gather_ahead=True)),
 }
-DDP_VARIANTS = {
-    "ddp cgx": ("cgx", None),
-    "ddp qsdp-g8": ("qsdp-g8", None),
-    "ddp cgx+s1": ("cgx", S1),
-}
+DDP_VARIANTS = {"ddp cgx+s1": ("cgx", qsdp.Schedule(staleness=1))}
 
 
 def _fsdp(recipe, schedule) -> tuple[list[weakref.ref], int]:
@@ -88,7 +81,7 @@ def _worker(rank: int, world: int) -> dict:
 
 @pytest.fixture(scope="module")
 def alive() -> list[dict]:
-    return run_distributed(_worker, 3)
+    return run_distributed(_worker, 2)
 
 
 @pytest.mark.parametrize("name", [*VARIANTS, *DDP_VARIANTS])

@@ -28,9 +28,10 @@ fsdp() {  # fsdp REGIME NAME ARGS...: one bench_fsdp_step.py run on NPROC GPUs
 for part in "${@:-nvlink}"; do
   echo "== $part"
   case $part in
-    nvlink)
-      fsdp nvlink nvlink_graphs --baselines bf16 --profile "$OUT/prof_nvlink" --recipes \
-        sdp4bit sdp4bit+graphs qsdp-w8g8 qsdp-w8g8+graphs cgx cgx+graphs
+    nvlink)  # two rounds, the second in reverse order: on 4x H200 (session 38) the later a
+      # variant ran in one process the slower it tended to be (0.83-0.97x for the same code)
+      fsdp nvlink nvlink_graphs --baselines bf16 --rounds 2 --profile "$OUT/prof_nvlink" \
+        --recipes sdp4bit sdp4bit+graphs qsdp-w8g8 qsdp-w8g8+graphs cgx cgx+graphs
       # the profiles' tables in one file (a device call returns a few files: session 37 lost
       # most of them), the traces left behind
       tar -C "$OUT" --exclude='*.trace.json.gz' -czf "$OUT/prof_nvlink.tgz" prof_nvlink &&

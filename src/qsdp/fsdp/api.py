@@ -42,7 +42,6 @@ from ._replicate import ReplicateAllReduce, ReplicateCounter
 from ._state import (
     _install,
     _Installed,
-    _installed,
     comm_state,
 )
 
@@ -163,26 +162,24 @@ def compress_fsdp(
             if hook is not None:
                 hooks.append(hook)
                 slots.append((i, column))
-    _install(
-        model,
-        _Installed(
-            config=config,
-            schedule=schedule,
-            stats=shared.stats,
-            clock=shared.clock,
-            gathers=[h for h in hooks if isinstance(h, WeightDiffAllGather)],
-            hooks=hooks,
-            slots=slots,
-            groups=len(groups),
-            stale=shared.stale,
-            widths=shared.widths,
-            decision=decision,
-            check=shared.check,
-            replayed=tuple(groups[i].name for i in sorted(shared.replayed)),
-        ),
+    installed = _Installed(
+        config=config,
+        schedule=schedule,
+        stats=shared.stats,
+        clock=shared.clock,
+        gathers=[h for h in hooks if isinstance(h, WeightDiffAllGather)],
+        hooks=hooks,
+        slots=slots,
+        groups=len(groups),
+        stale=shared.stale,
+        widths=shared.widths,
+        decision=decision,
+        check=shared.check,
+        replayed=tuple(groups[i].name for i in sorted(shared.replayed)),
     )
+    _install(model, installed)
     if schedule.prediction == "local":  # [Note: prediction in the schedule]
-        _installed(model).predict = AutoPrediction(
+        installed.predict = AutoPrediction(
             model,
             comm_state(model),
             clip=schedule.predict_clip,

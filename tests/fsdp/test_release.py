@@ -1,8 +1,8 @@
 """A compressed model, its optimizer and everything qsdp installed go in the one garbage
 collection that frees the model ([Note: the installation lives on the model] in
 ``qsdp/fsdp/_state.py``): while the installation was a weak dictionary's value, a compressed
-model outlived its ``del model; gc.collect()`` until a later collection (these tests failed on
-that code), and the next model of the process was built beside it."""
+model outlived its ``del model; gc.collect()`` until a later collection (the FSDP2 recipes' cases
+failed on that code), and the next model of the process could be built beside it."""
 
 from __future__ import annotations
 

@@ -60,10 +60,11 @@ class _Installed:
 # they outlived the model's own collection: the dictionary dropped the value in the collection
 # that freed the model, and the cycles it had kept became garbage only for the next one. A model
 # dropped with ``del model; gc.collect()`` kept its parameters (at staleness 1 its optimizer
-# too) until a later collection: the next model of the process was built beside them (the
-# 1.42 B GPT's benchmark on 4x H200: up to 14 GiB still allocated as a variant began). On the
-# model, the installation is part of the model's cycle and goes in the same collection
-# (tests/fsdp/test_release.py).
+# too) until a later collection (on gloo: tests/fsdp/test_release.py failed), and the next model
+# of the process could be built beside them (found while the 1.42 B GPT's benchmark began
+# variants with up to 14 GiB of earlier ones allocated on 4x H200; how much of that was this is
+# not measured). On the model, the installation is part of the model's cycle and goes in the
+# same collection.
 _KEY = "_qsdp_installed"
 
 

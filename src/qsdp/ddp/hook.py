@@ -83,10 +83,11 @@ from torch import nn
 from .. import comm as qc
 from ..config import CompressionConfig, NonFinite, Schedule, check_saved, config_record
 from ..policy import auto
-from ..quant import run_flags, zero_flagged
+from ..quant import zero_flagged
 from ..runtime import NonfiniteCheck, SideStreams
 from ..runtime.adam_step import square_norm
 from ..runtime.delayed import DelayedReductions, packed_slots
+from ..runtime.nonfinite import nonfinite_flags
 from ..runtime.prediction import AutoPrediction, predict_with
 from ..runtime.widths import WidthController
 
@@ -590,7 +591,7 @@ def _flag_and_zero(tensor: torch.Tensor, flags: torch.Tensor) -> None:
     """Zero a reduced bucket holding NaN/Inf and set its flag (on the device: no host read)."""
     # the same on every rank: they hold the same bits. One read of the bucket (no temporary of
     # its size, which a replay's memory pool would keep); written only where flagged
-    run_flags(tensor.view(1, -1), (tensor.numel(),), out=flags)
+    nonfinite_flags(tensor, None, out=flags)
     zero_flagged(tensor, flags)
 
 

@@ -61,7 +61,7 @@ import torch
 import torch.distributed as dist
 
 from .. import comm as qc
-from ..quant import run_flags
+from ..runtime.nonfinite import nonfinite_flags
 from ._hooks import _Context, _usable
 from ._reduce import _Reduction
 
@@ -144,7 +144,7 @@ class ReplicateAllReduce(_Reduction):
             if self.check is not None:
                 # identical on the replicas after the all-reduce; agreed (MAX) over the shard
                 # and the replicate group, and acted on, when the backward ends
-                flags = run_flags(flat.view(1, -1), (flat.numel(),))  # (one read of flat)
+                flags = nonfinite_flags(flat, None)  # (one flag, one read of flat)
                 self._defer(flags, (self.shard, self.replicate))
             if self.stale is not None:  # before staleness 1 starts: the same on the replicas
                 self.stale.reduced_now(flat, self.shard)

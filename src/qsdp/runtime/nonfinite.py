@@ -64,12 +64,15 @@ def nonfinite_flags(
     *,
     backend: Backend = "auto",
     sizes: tuple[int, ...] | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Per-parameter flags (int32) of NaN/Inf, or of ``|x| > limit`` (a value the quantizer
     would send as NaN, ``ReducePlan.value_limit``), in the rank-major ``[world, M]`` gradient
-    input (one flag for the whole group when the layout does not match): the parameters' runs
-    of ``qsdp.quant.run_flags`` (on a GPU one kernel launch; ``backend`` as there). ``sizes``:
-    the layout's lengths when the caller holds them (:func:`layout_sizes`, worked out once)."""
+    input (one flag for the whole group when the layout does not match; ``layout=None``: one
+    flag for the whole tensor, in one read-only pass): the parameters' runs of
+    ``qsdp.quant.run_flags`` (on a GPU one kernel launch; ``backend`` and ``out`` as there).
+    ``sizes``: the layout's lengths when the caller holds them (:func:`layout_sizes`, worked
+    out once)."""
     rows = (
         chunks
         if chunks.dim() == 2
@@ -79,7 +82,7 @@ def nonfinite_flags(
         sizes = layout_sizes(layout)
     if sizes is None or sum(sizes) != rows.shape[1]:
         sizes = (rows.shape[1],)
-    return run_flags(rows, sizes, limit=limit, backend=backend)
+    return run_flags(rows, sizes, limit=limit, backend=backend, out=out)
 
 
 def layout_sizes(layout: list[tuple[str, int]] | None) -> tuple[int, ...] | None:

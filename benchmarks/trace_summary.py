@@ -10,7 +10,11 @@ clocks agree), the start of each NCCL kernel of a stream on every rank: a collec
 spins until its last peer arrives, so a kernel's busy time is often another rank's lateness.
 ``--timeline``: every NCCL kernel (stream, start, duration) and the time between the first and
 the last when none ran (the link idle as this rank saw it: which stream each exchange ran on
-shows two communicators that share one stream).
+shows two communicators that share one stream). ``--lateness`` (two or more ranks' traces): for
+each collective (the n-th NCCL kernel of a stream on every rank), the time its early ranks' kernels
+spun waiting for the last, charged to what held the last one back: the kernel before it on its
+stream, its host launch, another stream's kernel it waited on, or none of these (its CTAs waited
+for free SMs).
 The compute stream is the one with the most kernels. Profiled steps run slower than measured
 ones (the profiler's host overhead per op): read the shares, not the absolute times.
 """
@@ -32,6 +36,20 @@ def load(path: Path) -> list[dict]:
     with gzip.open(path) if str(path).endswith(".gz") else open(path) as f:
         events = json.load(f)["traceEvents"]
     return [e for e in events if e.get("ph") == "X" and e.get("cat") in KINDS]
+
+
+def launches(path: Path) -> dict[int, float]:
+    """When the host's launch call of each correlation id ended (us): kernels launched one by
+    one, and a CUDA graph's kernels (their correlation is the graph launch's)."""
+    with gzip.open(path) if str(path).endswith(".gz") else open(path) as f:
+        events = json.load(f)["traceEvents"]
+    return {
+        e["args"]["correlation"]: e["ts"] + e["dur"]
+        for e in events
+        if e.get("ph") == "X"
+        and e.get("cat") in ("cuda_runtime", "cuda_driver")
+        and "correlation" in e.get("args", {})
+    }
 
 
 def _short(name: str) -> str:
@@ -100,6 +118,63 @@ def skew(traces: list[list[dict]], tid: int, pattern: str) -> list[list[float]]:
     return [list(row) for row in zip(*cols, strict=False)]  # (the shortest)
 
 
+def lateness(
+    traces: list[list[dict]], launched: list[dict[int, float]], near_us: float = 30.0
+) -> tuple[float, list[tuple]]:
+    """Each collective's wait on its last rank, charged to what held that rank back.
+
+    A collective is the n-th NCCL kernel of one stream on every rank (the same code creates the
+    same streams in the same order). Its kernel spins on each rank from its start until the last
+    rank's starts; those early ranks' summed spin is the collective's wait. What started the last
+    rank's kernel is what ended within ``near_us`` before it: the previous device op on its own
+    stream (``stream``), the host's launch call (``host``), a kernel on another stream it waited
+    on through an event (``event``), or nothing (``sms``: it was ready and launched, yet its CTAs
+    found no free SMs). Returns the total wait in ms and, per (cause, name), the ms and the count,
+    largest first."""
+    total, cause_ms, cause_n = 0.0, collections.Counter(), collections.Counter()
+    per_rank = []
+    for t in traces:
+        by: dict[int, list[dict]] = collections.defaultdict(list)
+        for e in sorted(t, key=lambda e: e["ts"]):
+            by[e["tid"]].append(e)
+        ends = sorted((e["ts"] + e["dur"], i, e) for i, e in enumerate(t))
+        per_rank.append((by, ends))
+    streams = {e["tid"] for e in traces[0] if e["name"].startswith("nccl")}
+    for tid in sorted(streams):
+        cols = []
+        for by, _ in per_rank:
+            es = by.get(tid, [])
+            cols.append([(i, e) for i, e in enumerate(es) if e["name"].startswith("nccl")])
+        for row in zip(*cols, strict=False):
+            starts = [e["ts"] for _, e in row]
+            last = max(range(len(row)), key=lambda r: starts[r])
+            wait = sum(starts[last] - s for s in starts) / 1e3
+            if wait <= 0:
+                continue
+            i, kern = row[last]
+            by, ends = per_rank[last]
+            start = kern["ts"]
+            prev = by[tid][i - 1] if i > 0 else None
+            host = launched[last].get(kern.get("args", {}).get("correlation", -1))
+            if prev is not None and 0 <= start - (prev["ts"] + prev["dur"]) < near_us:
+                key = ("stream", _short(prev["name"]))
+            elif host is not None and 0 <= start - host < near_us:
+                key = ("host", "")
+            else:
+                key = ("sms", "")
+                j = bisect.bisect_right(ends, (start, float("inf"))) - 1
+                while j >= 0 and start - ends[j][0] < near_us:
+                    if ends[j][2]["tid"] != tid:
+                        other = ends[j][2]
+                        key = ("event", f"stream {other['tid']} {_short(other['name'])}")
+                        break
+                    j -= 1
+            total += wait
+            cause_ms[key] += wait
+            cause_n[key] += 1
+    return total, [(k, ms, cause_n[k]) for k, ms in cause_ms.most_common()]
+
+
 def nccl_timeline(events: list[dict]) -> list[tuple[int, float, float, str]]:
     """Every NCCL kernel as (stream, start ms, duration ms, short name), in start order (ms
     against the trace's first device event)."""
@@ -133,6 +208,11 @@ def main() -> None:
     p.add_argument(
         "--wire-pattern", default="nccl", help="--timeline: the kernels the idle time is between"
     )
+    p.add_argument(
+        "--lateness",
+        action="store_true",
+        help="(2+ traces) each collective's wait for its last rank, charged to what held it",
+    )
     a = p.parse_args()
     loaded = [load(t) for t in a.traces]
     for path, events in zip(a.traces, loaded, strict=True):
@@ -157,6 +237,15 @@ def main() -> None:
             )
             for tid, start, dur, name in nccl_timeline(events):
                 print(f"      stream {tid:4d} {start:8.1f} +{dur:7.1f} ms  {name}")
+    if len(loaded) > 1 and a.lateness:
+        total, causes = lateness(loaded, [launches(t) for t in a.traces])
+        resident = sum(e["dur"] for t in loaded for e in t if e["name"].startswith("nccl"))
+        print(
+            f"== NCCL kernels resident {resident / 1e3:.1f} ms summed over the traces, of which "
+            f"{total:.1f} ms spinning for a later rank; what held the last rank back:"
+        )
+        for (cause, name), ms, n in causes[:12]:
+            print(f"      {ms:8.1f} ms  {n:4d}x  {cause} {name}")
     if len(loaded) > 1 and a.skew_stream is not None:
         rows = skew(loaded, a.skew_stream, a.skew_pattern)
         print(f"== stream {a.skew_stream} {a.skew_pattern!r} starts (ms), one column per trace")

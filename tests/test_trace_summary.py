@@ -6,6 +6,8 @@ from __future__ import annotations
 import gzip
 import json
 
+import pytest
+
 from .bench_scripts import load
 
 
@@ -70,3 +72,65 @@ def test_nccl_timeline_and_wire_idle():
         (21, 4.0, 1.0, "ncclDevKernel_AllReduce_Sum_u8_RING_LL"),
     ]
     assert ts.wire_idle([_k(7, 0, 10, "gemm_a")]) == (0.0, 0.0)
+
+
+def _c(tid: int, ts: float, dur: float, name: str, corr: int) -> dict:
+    return {**_k(tid, ts, dur, name), "args": {"correlation": corr}}
+
+
+def _launch(ts: float, corr: int) -> dict:
+    return {
+        "ph": "X",
+        "cat": "cuda_runtime",
+        "name": "cudaLaunchKernel",
+        "tid": 1,
+        "pid": 1,
+        "ts": ts,
+        "dur": 5,
+        "args": {"correlation": corr},
+    }
+
+
+def test_lateness_charges_each_wait_to_what_held_the_last_rank(tmp_path):
+    """Four collectives on stream 9 over two ranks, the last rank late for a different reason
+    each time: after its own encode on stream 9 (rank 1, 400 us), its host launch (rank 0,
+    300 us), a kernel on stream 7 it waited on (rank 1, 200 us), nothing (rank 0, 100 us); a
+    fifth starts together (no wait)."""
+    ts = load("trace_summary")
+    r0 = [
+        _c(9, 1000, 100, "ncclDevKernel_AllGather(x)", 1),  # waits 400 for rank 1
+        _c(9, 3000, 50, "ncclDevKernel_SendRecv(x)", 2),
+        _launch(2990, 2),  # last: host
+        _c(9, 5000, 250, "ncclDevKernel_AllGather(x)", 3),  # waits 200 for rank 1
+        _k(7, 6500, 500, "gemm_a"),  # ends at 7000, not 30 us before 7100: the SMs
+        _c(9, 7100, 50, "ncclDevKernel_AllGather(x)", 4),
+        _c(9, 9000, 50, "ncclDevKernel_AllGather(x)", 5),
+    ]
+    r1 = [
+        _c(9, 1000, 400, "encode_kernel(x)", 11),
+        _c(9, 1400, 100, "ncclDevKernel_AllGather(x)", 12),
+        _c(9, 2700, 350, "ncclDevKernel_SendRecv(x)", 13),
+        _launch(2600, 13),
+        _k(7, 4800, 390, "gemm_b(y)"),  # ends at 5190: rank 1's gather waited on it
+        _c(9, 5200, 50, "ncclDevKernel_AllGather(x)", 14),
+        _launch(4000, 14),
+        _c(9, 7000, 150, "ncclDevKernel_AllGather(x)", 15),
+        _c(9, 9000, 50, "ncclDevKernel_AllGather(x)", 16),
+    ]
+    paths = []
+    for rank, events in enumerate((r0, r1)):
+        path = tmp_path / f"r{rank}.json"
+        path.write_text(json.dumps({"traceEvents": events}))
+        paths.append(path)
+    loaded = [ts.load(p) for p in paths]
+    launched = [ts.launches(p) for p in paths]
+    assert launched[0] == {2: 2995} and launched[1] == {13: 2605, 14: 4005}
+    total, causes = ts.lateness(loaded, launched)
+    assert total == pytest.approx(1.0)
+    assert [(k, n) for k, _, n in causes] == [
+        (("stream", "encode_kernel"), 1),
+        (("host", ""), 1),
+        (("event", "stream 7 gemm_b"), 1),
+        (("sms", ""), 1),
+    ]
+    assert [ms for _, ms, _ in causes] == pytest.approx([0.4, 0.3, 0.2, 0.1])

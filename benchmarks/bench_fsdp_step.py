@@ -42,6 +42,7 @@ replicate all-reduce through ``compress_fsdp(..., replicate=mesh["replicate"])``
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import gc
 import json
@@ -132,6 +133,10 @@ class Row:
     synchronisation or collective of the benchmark between them, one full synchronisation at
     the end (every stream: a staleness-1 step's last reduction included); the slowest rank's
     seconds over K (the median over rounds)."""
+    loop_clocks: dict | None = None
+    """--loop-steps on CUDA: rank 0's SM clock (MHz), board power (W) and the share of samples
+    the power limit held the clock down, sampled every 20 ms over those K steps (the means over
+    rounds; ``profiling.Clocks``): at the power limit, added device work slows the matmuls."""
 
 
 def two_level_mesh(regime: str, device: torch.device):
@@ -248,6 +253,18 @@ class Measured:
     round_medians: list[float]
     profile: dict | None = None
     loop_times: list[float] | None = None
+    loop_clocks: list[dict] | None = None
+
+
+def _mean_clocks(rounds: list[dict] | None) -> dict | None:
+    """The rounds' clock summaries (``profiling.Clocks.summary``) as one: each figure's mean
+    weighted by the samples, the samples summed."""
+    if not rounds:
+        return None
+    n = sum(k["samples"] for k in rounds)
+    out = {f: sum(k[f] * k["samples"] for k in rounds) / n for f in ("sm_mhz", "power_w")}
+    capped = sum(k["power_capped"] * k["samples"] for k in rounds) / n
+    return {**{f: round(v) for f, v in out.items()}, "power_capped": round(capped, 2), "samples": n}
 
 
 def _choice(decision: dict | None) -> dict | None:
@@ -281,6 +298,7 @@ def merge(rounds: list[Measured]) -> Measured:
         round_medians=[m for r in rounds for m in r.round_medians],
         profile=first.profile,
         loop_times=[t for r in rounds for t in (r.loop_times or [])] or None,
+        loop_clocks=[k for r in rounds for k in (r.loop_clocks or [])] or None,
     )
 
 
@@ -380,9 +398,11 @@ def run_variant(
             print(f"  {name} step {i}: {float(slowest):.3f} s loss {losses[-1]:.4f}", flush=True)
         if i == timed - 1:  # the measured steps' peak, before a profiled step resets it
             peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
-    loop = None
+    loop, loop_clocks = None, None
     if args.loop_steps:
-        loop = _loop_time(model, opt, state, stale, c, args, device, g)
+        clocks = profiling.Clocks(device)
+        loop = _loop_time(model, opt, state, stale, c, args, device, g, clocks=clocks)
+        loop_clocks = clocks.summary
         if args.profile and extras:  # the same steps again, profiled: steps as a loop runs them
             prof = profiling.profiler(device)
             with prof:
@@ -425,6 +445,7 @@ def run_variant(
         round_medians=[statistics.median(times)],
         profile=counted,
         loop_times=[loop] if loop is not None else None,
+        loop_clocks=[loop_clocks] if loop_clocks is not None else None,
     )
 
 
@@ -454,22 +475,27 @@ def _train_step(model, opt, batch, c, *, skip: bool, at: _Phases | None = None) 
     return loss
 
 
-def _loop_time(model, opt, state, stale: bool, c, args, device: torch.device, g) -> float:
+def _loop_time(
+    model, opt, state, stale: bool, c, args, device: torch.device, g, clocks=None
+) -> float:
     """--loop-steps: the timed steps above each start after a barrier and end with a
     synchronisation, and between two of them the benchmark all-reduces the step's time: a
     staleness-1 reduction runs on through those gaps untimed, and the next step may start with
     the link free. Here ``args.loop_steps`` steps run back to back as a training loop runs them,
     one full synchronisation at the end (the last reduction in flight included, a tail once
-    per K steps); the slowest rank's seconds per step."""
+    per K steps); the slowest rank's seconds per step. ``clocks`` (a ``profiling.Clocks``)
+    samples this rank's SM clock and power over the steps."""
     profiling.sync(device)
     dist.barrier()
     profiling.sync(device)
-    t0 = time.perf_counter()
-    for _ in range(args.loop_steps):
-        batch = _batch(c, args, device, g)
-        _train_step(model, opt, batch, c, skip=stale and state.applied_nothing)
-    profiling.sync(device)
-    slowest = torch.tensor([time.perf_counter() - t0], device=device, dtype=torch.float64)
+    with clocks if clocks is not None else contextlib.nullcontext():
+        t0 = time.perf_counter()
+        for _ in range(args.loop_steps):
+            batch = _batch(c, args, device, g)
+            _train_step(model, opt, batch, c, skip=stale and state.applied_nothing)
+        profiling.sync(device)
+        elapsed = time.perf_counter() - t0
+    slowest = torch.tensor([elapsed], device=device, dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     return float(slowest) / args.loop_steps
 
@@ -681,6 +707,7 @@ def main() -> None:
                 round_medians=[round(x, 4) for x in m.round_medians] if a.rounds > 1 else None,
                 profile=m.profile,
                 loop_s_per_step=round(statistics.median(m.loop_times), 4) if m.loop_times else None,
+                loop_clocks=_mean_clocks(m.loop_clocks),
             )
         )
     if dist.get_rank() == 0:
@@ -696,10 +723,15 @@ def main() -> None:
             if r.profile:
                 print(f"        profiled step: {json.dumps(r.profile)}", flush=True)
             if r.loop_s_per_step:
-                print(
-                    f"        {a.loop_steps} steps back to back: {r.loop_s_per_step:.3f} s/step",
-                    flush=True,
+                k = r.loop_clocks
+                at = (
+                    f" (rank 0: SM {k['sm_mhz']} MHz, {k['power_w']} W, power-capped in "
+                    f"{k['power_capped']:.0%} of samples)"
+                    if k
+                    else ""
                 )
+                loop = f"{a.loop_steps} steps back to back: {r.loop_s_per_step:.3f} s/step"
+                print(f"        {loop}{at}", flush=True)
             if r.round_medians:
                 print(
                     f"        rounds: {' '.join(f'{x:.3f}' for x in r.round_medians)} s", flush=True

@@ -7,6 +7,7 @@ import gzip
 import os
 import statistics
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -25,6 +26,71 @@ def compute_sync(device: torch.device) -> None:
     into the next step (a full sync would wait for it, untimed)."""
     if device.type == "cuda":
         torch.cuda.current_stream(device).synchronize()
+
+
+# NVML's clock-event bits that mean the power limit held the SM clock down: the software power
+# cap and the hardware power brake (nvml.h, nvmlClocksEventReason*)
+_POWER_CAPPED = 0x4 | 0x80
+
+
+class Clocks:
+    """The SM clock, the board's power draw and how often the power limit held the clock down,
+    sampled every ``every_s`` by a thread while the ``with`` block runs (NVML; no CUDA work).
+
+    A GPU at its power limit lowers its clock: device work added beside the matmuls (codecs,
+    NCCL kernels spinning for a peer) then slows the matmuls themselves, though it overlaps
+    them. ``summary`` is None off CUDA or without NVML (``nvidia-ml-py``)."""
+
+    def __init__(self, device: torch.device, every_s: float = 0.02):
+        self.device, self.every_s = device, every_s
+        self.samples: list[tuple[int, float, int]] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._handle = None
+        if device.type == "cuda":
+            try:
+                import pynvml
+
+                pynvml.nvmlInit()
+                uuid = str(torch.cuda.get_device_properties(device).uuid)
+                self._handle = pynvml.nvmlDeviceGetHandleByUUID(f"GPU-{uuid}")
+                self._nvml = pynvml
+            except Exception as e:  # noqa: BLE001 (no NVML: no clock figures, said once)
+                print(f"  (no SM clock figures: NVML unavailable: {e!r})", flush=True)
+
+    def _sample(self) -> None:
+        nvml, h = self._nvml, self._handle
+        reasons = getattr(nvml, "nvmlDeviceGetCurrentClocksEventReasons", None)
+        reasons = reasons or nvml.nvmlDeviceGetCurrentClocksThrottleReasons  # (older NVML)
+        while not self._stop.is_set():
+            mhz = nvml.nvmlDeviceGetClockInfo(h, nvml.NVML_CLOCK_SM)
+            watts = nvml.nvmlDeviceGetPowerUsage(h) / 1e3
+            self.samples.append((mhz, watts, reasons(h)))
+            self._stop.wait(self.every_s)
+
+    def __enter__(self) -> Clocks:
+        if self._handle is not None:
+            self._thread = threading.Thread(target=self._sample, daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+
+    @property
+    def summary(self) -> dict | None:
+        """Mean SM MHz, mean watts, the share of samples power-capped; None without samples."""
+        if not self.samples:
+            return None
+        n = len(self.samples)
+        return {
+            "sm_mhz": round(sum(s[0] for s in self.samples) / n),
+            "power_w": round(sum(s[1] for s in self.samples) / n),
+            "power_capped": round(sum(bool(s[2] & _POWER_CAPPED) for s in self.samples) / n, 2),
+            "samples": n,
+        }
 
 
 def host_and_device(fn: Callable[[], object], calls: int, rounds: int) -> dict:

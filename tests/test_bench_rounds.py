@@ -69,3 +69,41 @@ def test_ddp_rounds_take_the_slowest_ranks_median_over_all_steps():
         assert compute == pytest.approx(0.02)
         assert per_round == [pytest.approx(0.4), pytest.approx(1.0)]
         assert peak == 2.0 and not kept_times
+
+
+def test_loop_clocks_pool_over_rounds_weighted_by_samples():
+    bench = load("bench_fsdp_step", siblings=True)
+    a = {"sm_mhz": 1980, "power_w": 400, "power_capped": 0.0, "samples": 10}
+    b = {"sm_mhz": 1680, "power_w": 700, "power_capped": 0.6, "samples": 30}
+    first, second = _round(bench, [0.1]), _round(bench, [0.2])
+    first.loop_clocks, second.loop_clocks = [a], [b]
+    merged = bench.merge([first, second])
+    assert merged.loop_clocks == [a, b]
+    assert bench._mean_clocks(merged.loop_clocks) == {
+        "sm_mhz": 1755,
+        "power_w": 625,
+        "power_capped": 0.45,
+        "samples": 40,
+    }
+    assert (
+        bench._mean_clocks(None) is None and bench.merge([_round(bench, [0.1])]).loop_clocks is None
+    )
+
+
+def test_clock_samples_summarised_and_none_off_cuda():
+    import torch
+
+    profiling = load("profiling")
+    clocks = profiling.Clocks(torch.device("cpu"))
+    with clocks:  # no NVML off CUDA: no thread, no samples
+        pass
+    assert clocks.summary is None
+    # SM MHz, watts, NVML's clock-event reasons: 0x4 the software power cap, 0x80 the hardware
+    # power brake, 0x1 idle (not a power cap)
+    clocks.samples = [
+        (1980, 300.0, 0x0),
+        (1800, 690.0, 0x4),
+        (1500, 700.0, 0x84),
+        (1980, 120.0, 0x1),
+    ]
+    assert clocks.summary == {"sm_mhz": 1815, "power_w": 452, "power_capped": 0.5, "samples": 4}

@@ -136,7 +136,8 @@ class Row:
     loop_clocks: dict | None = None
     """--loop-steps on CUDA: rank 0's SM clock (MHz), board power (W) and the share of samples
     the power limit held the clock down, sampled every 20 ms over those K steps (the means over
-    rounds; ``profiling.Clocks``): at the power limit, added device work slows the matmuls."""
+    rounds; ``profiling.Clocks``), and the board's joules over the K steps: at the power limit,
+    added device work slows the matmuls though it overlaps them."""
 
 
 def two_level_mesh(regime: str, device: torch.device):
@@ -258,13 +259,19 @@ class Measured:
 
 def _mean_clocks(rounds: list[dict] | None) -> dict | None:
     """The rounds' clock summaries (``profiling.Clocks.summary``) as one: each figure's mean
-    weighted by the samples, the samples summed."""
+    weighted by the samples, the samples summed, the joules of a round's steps averaged."""
     if not rounds:
         return None
     n = sum(k["samples"] for k in rounds)
     out = {f: sum(k[f] * k["samples"] for k in rounds) / n for f in ("sm_mhz", "power_w")}
     capped = sum(k["power_capped"] * k["samples"] for k in rounds) / n
-    return {**{f: round(v) for f, v in out.items()}, "power_capped": round(capped, 2), "samples": n}
+    joules = [k.get("joules") for k in rounds]
+    return {
+        **{f: round(v) for f, v in out.items()},
+        "power_capped": round(capped, 2),
+        "samples": n,
+        "joules": None if None in joules else round(sum(joules) / len(joules), 1),
+    }
 
 
 def _choice(decision: dict | None) -> dict | None:
@@ -726,7 +733,8 @@ def main() -> None:
                 k = r.loop_clocks
                 at = (
                     f" (rank 0: SM {k['sm_mhz']} MHz, {k['power_w']} W, power-capped in "
-                    f"{k['power_capped']:.0%} of samples)"
+                    f"{k['power_capped']:.0%} of samples"
+                    + (f", {k['joules'] / a.loop_steps:.1f} J/step)" if k["joules"] else ")")
                     if k
                     else ""
                 )

@@ -44,6 +44,8 @@ class Clocks:
     def __init__(self, device: torch.device, every_s: float = 0.02):
         self.device, self.every_s = device, every_s
         self.samples: list[tuple[int, float, int]] = []
+        self.joules: float | None = None  # the board's energy over the block (NVML's counter)
+        self._mj0 = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._handle = None
@@ -70,6 +72,7 @@ class Clocks:
 
     def __enter__(self) -> Clocks:
         if self._handle is not None:
+            self._mj0 = self._nvml.nvmlDeviceGetTotalEnergyConsumption(self._handle)
             self._thread = threading.Thread(target=self._sample, daemon=True)
             self._thread.start()
         return self
@@ -78,14 +81,18 @@ class Clocks:
         if self._thread is not None:
             self._stop.set()
             self._thread.join()
+            mj = self._nvml.nvmlDeviceGetTotalEnergyConsumption(self._handle) - self._mj0
+            self.joules = mj / 1e3
 
     @property
     def summary(self) -> dict | None:
-        """Mean SM MHz, mean watts, the share of samples power-capped; None without samples."""
+        """Mean SM MHz, mean watts, the share of samples power-capped, the joules over the block
+        (when NVML counts energy); None without samples."""
         if not self.samples:
             return None
         n = len(self.samples)
         return {
+            "joules": round(self.joules, 1) if self.joules is not None else None,
             "sm_mhz": round(sum(s[0] for s in self.samples) / n),
             "power_w": round(sum(s[1] for s in self.samples) / n),
             "power_capped": round(sum(bool(s[2] & _POWER_CAPPED) for s in self.samples) / n, 2),

@@ -73,8 +73,8 @@ def test_ddp_rounds_take_the_slowest_ranks_median_over_all_steps():
 
 def test_loop_clocks_pool_over_rounds_weighted_by_samples():
     bench = load("bench_fsdp_step", siblings=True)
-    a = {"sm_mhz": 1980, "power_w": 400, "power_capped": 0.0, "samples": 10}
-    b = {"sm_mhz": 1680, "power_w": 700, "power_capped": 0.6, "samples": 30}
+    a = {"sm_mhz": 1980, "power_w": 400, "power_capped": 0.0, "samples": 10, "joules": 80.0}
+    b = {"sm_mhz": 1680, "power_w": 700, "power_capped": 0.6, "samples": 30, "joules": 100.0}
     first, second = _round(bench, [0.1]), _round(bench, [0.2])
     first.loop_clocks, second.loop_clocks = [a], [b]
     merged = bench.merge([first, second])
@@ -84,7 +84,9 @@ def test_loop_clocks_pool_over_rounds_weighted_by_samples():
         "power_w": 625,
         "power_capped": 0.45,
         "samples": 40,
+        "joules": 90.0,
     }
+    assert bench._mean_clocks([a, {**b, "joules": None}])["joules"] is None
     assert (
         bench._mean_clocks(None) is None and bench.merge([_round(bench, [0.1])]).loop_clocks is None
     )
@@ -106,4 +108,12 @@ def test_clock_samples_summarised_and_none_off_cuda():
         (1500, 700.0, 0x84),
         (1980, 120.0, 0x1),
     ]
-    assert clocks.summary == {"sm_mhz": 1815, "power_w": 452, "power_capped": 0.5, "samples": 4}
+    assert clocks.summary == {
+        "joules": None,
+        "sm_mhz": 1815,
+        "power_w": 452,
+        "power_capped": 0.5,
+        "samples": 4,
+    }
+    clocks.joules = 12.345
+    assert clocks.summary["joules"] == 12.3

@@ -411,7 +411,7 @@ def run_variant(
         loop = _loop_time(model, opt, state, stale, c, args, device, g, clocks=clocks)
         loop_clocks = clocks.summary
         if args.profile and extras:  # the same steps again, profiled: steps as a loop runs them
-            prof = profiling.profiler(device)
+            prof = profiling.profiler(device, device_only=args.profile_device_only)
             with prof:
                 elapsed = _loop_time(model, opt, state, stale, c, args, device, g)
             if dist.get_rank() == 0 or args.profile_all_ranks:
@@ -620,6 +620,14 @@ def main() -> None:
         "--cprofile",
         type=Path,
         help="the host's Python time of 3 extra steps per variant (cProfile, rank 0) into DIR",
+    )
+    p.add_argument(
+        "--profile-device-only",
+        action="store_true",
+        help="with --profile and --loop-steps: the back-to-back steps' profile records the "
+        "device's kernels and the CUDA runtime's calls only, no host ops (the host ops' "
+        "recording slows the host enough to make it the binder; trace_summary.py --lateness "
+        "then reads the ranks' skew as an unprofiled loop has it)",
     )
     p.add_argument(
         "--profile-all-ranks",

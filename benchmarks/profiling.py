@@ -121,8 +121,10 @@ def host_and_device(fn: Callable[[], object], calls: int, rounds: int) -> dict:
     return {"host_us": round(statistics.median(host), 1), "device_ms": statistics.median(device)}
 
 
-def profiler(device: torch.device):
-    acts = [torch.profiler.ProfilerActivity.CPU]
+def profiler(device: torch.device, *, device_only: bool = False):
+    """torch's profiler over the host's ops and, on CUDA, the device's kernels; ``device_only``
+    (CUDA): the kernels and the CUDA runtime's calls alone, at a fraction of the host cost."""
+    acts = [] if device_only and device.type == "cuda" else [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         acts.append(torch.profiler.ProfilerActivity.CUDA)
     return torch.profiler.profile(activities=acts)

@@ -43,3 +43,25 @@ def test_split_positions_follow_the_flat_layout():
     back = torch.zeros_like(rows)
     s.put(back, c, r)
     assert torch.equal(back, rows)
+
+
+def test_split_put_writes_every_rows_runs_from_contiguous_and_strided_parts():
+    """put() into [k, chunk] rows (k = 3) from a contiguous compressed part and a raw part that
+    is a column block of a wider payload (its rows apart), against the positions' reference; a
+    part given as None leaves its runs as they were."""
+    from qsdp.comm import Split
+
+    s = Split.of([(5, True), (2, False), (7, True), (3, False), (4, True)])
+    comp_pos, raw_pos = s.positions()
+    k = 3
+    comp = torch.arange(k * s.n_comp, dtype=torch.float32).view(k, s.n_comp) + 100
+    payload = torch.arange(k * (s.n_raw + 4), dtype=torch.float32).view(k, -1) - 100
+    raw = payload[:, 2 : 2 + s.n_raw]  # rows apart: stride (n_raw + 4, 1)
+    assert not raw.is_contiguous()
+    rows = torch.full((k, s.chunk), -1.0)
+    s.put(rows, comp, raw)
+    assert torch.equal(rows[:, comp_pos], comp) and torch.equal(rows[:, raw_pos], raw)
+    kept = torch.full((k, s.chunk), -1.0)
+    s.put(kept, None, raw)
+    assert torch.equal(kept[:, raw_pos], raw) and bool((kept[:, comp_pos] == -1).all())
+    s.put(kept[:0], comp[:0], raw[:0])  # no rows: nothing to write

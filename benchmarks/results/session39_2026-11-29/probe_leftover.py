@@ -1,5 +1,6 @@
 """What bench_fsdp_step.run_variant leaves allocated on the GPU after it returns (session 39):
-torchrun --nproc-per-node 2 probe_leftover.py [LAYERS] (PYTHONPATH=src:benchmarks). Each variant:
+torchrun --nproc-per-node 2 probe_leftover.py [LAYERS [LOOP_STEPS [RECIPE ...]]]
+(PYTHONPATH=src:benchmarks; RECIPE "plain" for plain FSDP2). Each variant:
 its parameters' weak references after gc, the allocated bytes, and the CUDA tensors > 1 MiB that
 Python still reaches with their holders' types."""
 
@@ -39,7 +40,7 @@ args = argparse.Namespace(
     steps=2,
     rounds=1,
     warmup=1,
-    loop_steps=2,
+    loop_steps=int(sys.argv[2]) if len(sys.argv) > 2 else 2,
     batch=8,
     device="cuda",
     tiny=False,
@@ -51,7 +52,8 @@ args = argparse.Namespace(
     bounds=False,
 )
 c = replace(b.GPT_1_4B, n_layer=int(sys.argv[1]) if len(sys.argv) > 1 else 4)
-for recipe in (None, "sdp4bit", "sdp4bit+graphs", "sdp4bit+s1", "cgx"):
+named = [None if r == "plain" else r for r in sys.argv[3:]]
+for recipe in named or (None, "sdp4bit", "sdp4bit+graphs", "sdp4bit+s1", "cgx"):
     b.run_variant(str(recipe), c, args, dev, recipe, torch.bfloat16, torch.bfloat16)
     gc.collect()
     torch.cuda.empty_cache()

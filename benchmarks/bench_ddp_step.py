@@ -90,6 +90,15 @@ def _bucket_mb(options: list[str], default: float) -> float:
     return float(sizes[0]) if sizes else default
 
 
+def _release(device: torch.device) -> None:
+    """Free the last variant's model once its run has returned (its locals keep the model's
+    reference cycles reachable until then: ``bench_fsdp_step._release``), and reset the peak."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
 def run_variant(name: str, a, cfg, device: torch.device, rank: int) -> dict:
     torch.manual_seed(0)
     module = GPT(cfg).to(device)
@@ -169,11 +178,6 @@ def run_variant(name: str, a, cfg, device: torch.device, rank: int) -> dict:
         else _hook_bytes(base, model, numel, hook_state)
     )
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
-    del model, module, opt
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
     decision = getattr(qsdp_state, "decision", None)
     return {
         "variant": name,
@@ -306,6 +310,7 @@ def main() -> None:
     for k in range(a.rounds):
         for name in names if k % 2 == 0 else names[::-1]:
             runs[name].append(run_variant(name, a, cfg, device, dist.get_rank()))
+            _release(device)
     rows = []
     for name in names:
         row = merge_rounds(runs[name], device)

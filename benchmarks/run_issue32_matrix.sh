@@ -8,7 +8,8 @@
 #   OUT=out bash benchmarks/run_issue32_matrix.sh tests      # the replays' GPU tests on NCCL
 #   OUT=out bash benchmarks/run_issue32_matrix.sh memory     # peak memory, each variant alone
 # Every timed row also runs back to back (--loop-steps: one synchronisation at the end), as the
-# issue judges; NVLink profiles one step per variant (host time, launches). NPROC=2 runs the
+# issue judges, each variant's SM clock, power and joules sampled over them; NVLink profiles one
+# step per variant (host time, launches) and its back-to-back steps (kernels only). NPROC=2 runs the
 # parts that fit 2 GPUs on a 2-GPU host (nvlink, socket, ddp, tests, memory: the issue's
 # figures are of 4; 2 x 2 needs 4 and is refused).
 set -uo pipefail
@@ -30,8 +31,16 @@ for part in "${@:-nvlink}"; do
   case $part in
     nvlink)  # two rounds, the second in reverse order: on 4x H200 (session 38) the later a
       # variant ran in one process the slower it tended to be (0.83-0.97x for the same code)
+      # the back-to-back steps profiled on every rank without host ops (a full profile makes
+      # the host the binder and skews the ranks: session 39), each variant's collectives'
+      # waits charged to what held their last rank (trace_summary.py --lateness)
       fsdp nvlink nvlink_graphs --baselines bf16 --rounds 2 --profile "$OUT/prof_nvlink" \
+        --profile-device-only --profile-all-ranks \
         --recipes sdp4bit sdp4bit+graphs qsdp-w8g8 qsdp-w8g8+graphs cgx cgx+graphs
+      for r0 in "$OUT"/prof_nvlink/*_loop_rank0.txt.trace.json.gz; do
+        echo "== $(basename "${r0%_loop_rank0.txt.trace.json.gz}")"
+        python benchmarks/trace_summary.py --lateness "${r0%_rank0.txt.trace.json.gz}"_rank*.txt.trace.json.gz
+      done > "$OUT/prof_nvlink/lateness.txt" 2>&1
       # the profiles' tables in one file (a device call returns a few files: session 37 lost
       # most of them), the traces left behind
       tar -C "$OUT" --exclude='*.trace.json.gz' -czf "$OUT/prof_nvlink.tgz" prof_nvlink &&

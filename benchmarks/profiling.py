@@ -31,6 +31,7 @@ def compute_sync(device: torch.device) -> None:
 # NVML's clock-event bits that mean the power limit held the SM clock down: the software power
 # cap and the hardware power brake (nvml.h, nvmlClocksEventReason*)
 _POWER_CAPPED = 0x4 | 0x80
+_NO_NVML: list[Exception] = []  # (why NVML failed, once a process has said it)
 
 
 class Clocks:
@@ -58,7 +59,9 @@ class Clocks:
                 self._handle = pynvml.nvmlDeviceGetHandleByUUID(f"GPU-{uuid}")
                 self._nvml = pynvml
             except Exception as e:  # noqa: BLE001 (no NVML: no clock figures, said once)
-                print(f"  (no SM clock figures: NVML unavailable: {e!r})", flush=True)
+                if not _NO_NVML:
+                    _NO_NVML.append(e)
+                    print(f"  (no SM clock figures: NVML unavailable: {e!r})", flush=True)
 
     def _sample(self) -> None:
         nvml, h = self._nvml, self._handle

@@ -163,11 +163,12 @@ class Split:
         Each run of each row is copied as its own contiguous 1-D piece, not as a ``[k, run]``
         column block: a column block of a ``[k, chunk]`` buffer is strided, which takes
         ``_foreach_copy_`` off its fused route (one copy kernel per block, each in the
-        non-vectorized strided loop: 10 ms a step of `qsdp-w8g8`'s gathers on the 1.42 B GPT,
-        2x H200, session 39); contiguous pieces are copied by one fused launch. A tensor laid out
-        as one block is cut in one ``split_with_sizes`` over its flat view (the runs of every
-        row, row after row: worked out once per split and ``k``); a tensor whose rows are
-        apart (a column of a payload) row by row."""
+        non-vectorized strided loop); contiguous pieces go through its multi-tensor kernels
+        (`qsdp-w8g8`'s gathers on the 1.42 B GPT, 2x H200, session 39: 10.2 -> 8.1 ms a step,
+        still 2.5x the copy's HBM time: a decode straight into place would remove the pass). A
+        tensor laid out as one block is cut in one ``split_with_sizes`` over its flat view (the
+        runs of every row, row after row: worked out once per split and ``k``); a tensor whose
+        rows are apart (a column of a payload) row by row."""
         if not rows.shape[0]:
             return
         lengths, comp_i, raw_i = self._plan
@@ -203,9 +204,9 @@ def _row_pieces(t: torch.Tensor, lengths: tuple[int, ...]) -> list[torch.Tensor]
 
 
 @functools.lru_cache(maxsize=256)
-def _repeat(lengths: tuple[int, ...], k: int) -> list[int]:
+def _repeat(lengths: tuple[int, ...], k: int) -> tuple[int, ...]:
     """``lengths`` ``k`` times, end to end (one split of a flat ``[k, chunk]`` buffer)."""
-    return list(lengths) * k
+    return lengths * k
 
 
 def _cat(

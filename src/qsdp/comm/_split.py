@@ -165,10 +165,12 @@ class Split:
         ``_foreach_copy_`` off its fused route (one copy kernel per block, each in the
         non-vectorized strided loop); contiguous pieces go through its multi-tensor kernels
         (`qsdp-w8g8`'s gathers on the 1.42 B GPT, 2x H200, session 39: 10.2 -> 8.1 ms a step,
-        still 2.5x the copy's HBM time: a decode straight into place would remove the pass). A
-        tensor laid out as one block is cut in one ``split_with_sizes`` over its flat view (the
-        runs of every row, row after row: worked out once per split and ``k``); a tensor whose
-        rows are apart (a column of a payload) row by row."""
+        still 2.5x the copy's HBM time; a payload per run, each decoded into its place with
+        contiguous stores, would remove the pass: a scatter inside the decode kernel was slower,
+        ``decode_kernel``'s docstring). A tensor laid out as one block is cut in one
+        ``split_with_sizes`` over its flat view (the runs of every row, row after row: worked
+        out once per split and ``k``); a tensor whose rows are apart (a column of a payload)
+        row by row."""
         if not rows.shape[0]:
             return
         lengths, comp_i, raw_i = self._plan

@@ -50,6 +50,7 @@ import os
 import statistics
 import tempfile
 import time
+import weakref
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -332,6 +333,7 @@ def run_variant(
     hsdp = hsdp_mesh(device) if args.hsdp else None
     mesh = None if args.hsdp else two_level_mesh(args.regime, device)
     model = build(c, device, reduce_dtype, recipe, compute_dtype, mesh, hsdp)
+    _LAST_MODEL[0] = weakref.ref(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     g = torch.Generator(device=device).manual_seed(100 + dist.get_rank())
     times, cpu_times, losses = [], [], []
@@ -446,26 +448,33 @@ def run_variant(
     )
 
 
+_LAST_MODEL: list = [None]
+"""A weak reference to the model the last run built (``_release`` says whether it went)."""
+
+
 def _release(name: str, device: torch.device, trace: bool) -> None:
     """Free what the variant ``name`` built before the next one is built: one collection once
     its run has returned. FSDP2's module <-> state references form cycles, which the run's
     own locals keep reachable until it returns: a collection inside it freed none of them, and
     on 2x H200 every variant began with the last one's still allocated (2.70 GiB after plain
     FSDP2, a float32 shard of the 1.42 B GPT; after the return one collection frees all:
-    session 39's ``probe_leftover.py``). ``trace``: rank 0 prints what is left, and 2 s
-    later."""
+    session 39's ``probe_leftover.py``). ``trace``: rank 0 prints whether the model is gone
+    (any device) and, on CUDA, what is left allocated, and 2 s later."""
     gc.collect()
-    if device.type != "cuda":
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    if not trace or dist.get_rank() != 0:
         return
-    torch.cuda.empty_cache()
-    if trace and dist.get_rank() == 0:
+    ref = _LAST_MODEL[0]
+    gone = "freed" if ref is None or ref() is None else "still alive"
+    line = f"  {name}: model {gone} after the run and a collection"
+    if device.type == "cuda":
         left = _allocated_now(device) / 2**30
         time.sleep(2.0)  # NCCL's watchdog releases the tensors of finished collectives
         gc.collect()
         later = _allocated_now(device) / 2**30
-        print(
-            f"  {name}: {left:.2f} GiB left after the run and a collection, {later:.2f} 2 s later"
-        )
+        line += f", {left:.2f} GiB left, {later:.2f} 2 s later"
+    print(line, flush=True)
 
 
 def _batch(c, args, device: torch.device, g) -> torch.Tensor:
@@ -620,7 +629,11 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--tiny", action="store_true", help="a 2-layer d-128 model (smoke tests)")
-    p.add_argument("--mem-trace", action="store_true", help="print allocated memory per step")
+    p.add_argument(
+        "--mem-trace",
+        action="store_true",
+        help="print allocated memory per step (CUDA), and whether each variant's model was freed",
+    )
     p.add_argument("--profile", type=Path, help="profile one extra step per variant into DIR")
     p.add_argument(
         "--mem-peak",

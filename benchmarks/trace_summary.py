@@ -31,18 +31,17 @@ from pathlib import Path
 KINDS = ("kernel", "gpu_memcpy", "gpu_memset")
 
 
-def load(path: Path) -> list[dict]:
-    """The trace's device events (kernels, copies, sets) as dicts with ts/dur in microseconds."""
+def _read(path: Path) -> list[dict]:
+    """Every event of a Chrome trace (gzipped or not)."""
     with gzip.open(path) if str(path).endswith(".gz") else open(path) as f:
-        events = json.load(f)["traceEvents"]
+        return json.load(f)["traceEvents"]
+
+
+def _device(events: list[dict]) -> list[dict]:
     return [e for e in events if e.get("ph") == "X" and e.get("cat") in KINDS]
 
 
-def launches(path: Path) -> dict[int, float]:
-    """When the host's launch call of each correlation id ended (us): kernels launched one by
-    one, and a CUDA graph's kernels (their correlation is the graph launch's)."""
-    with gzip.open(path) if str(path).endswith(".gz") else open(path) as f:
-        events = json.load(f)["traceEvents"]
+def _launch_ends(events: list[dict]) -> dict[int, float]:
     return {
         e["args"]["correlation"]: e["ts"] + e["dur"]
         for e in events
@@ -50,6 +49,17 @@ def launches(path: Path) -> dict[int, float]:
         and e.get("cat") in ("cuda_runtime", "cuda_driver")
         and "correlation" in e.get("args", {})
     }
+
+
+def load(path: Path) -> list[dict]:
+    """The trace's device events (kernels, copies, sets) as dicts with ts/dur in microseconds."""
+    return _device(_read(path))
+
+
+def launches(path: Path) -> dict[int, float]:
+    """When the host's launch call of each correlation id ended (us): kernels launched one by
+    one, and a CUDA graph's kernels (their correlation is the graph launch's)."""
+    return _launch_ends(_read(path))
 
 
 def _short(name: str) -> str:
@@ -214,7 +224,11 @@ def main() -> None:
         help="(2+ traces) each collective's wait for its last rank, charged to what held it",
     )
     a = p.parse_args()
-    loaded = [load(t) for t in a.traces]
+    loaded, launched = [], []
+    for t in a.traces:  # each trace parsed once (tens of MB of JSON), its events not kept
+        events = _read(t)
+        loaded.append(_device(events))
+        launched.append(_launch_ends(events) if a.lateness else {})
     for path, events in zip(a.traces, loaded, strict=True):
         span = (max(e["ts"] + e["dur"] for e in events) - min(e["ts"] for e in events)) / 1e3
         print(f"== {path.name}: GPU span {span:.1f} ms, {len(events)} device events")
@@ -238,7 +252,7 @@ def main() -> None:
             for tid, start, dur, name in nccl_timeline(events):
                 print(f"      stream {tid:4d} {start:8.1f} +{dur:7.1f} ms  {name}")
     if len(loaded) > 1 and a.lateness:
-        total, causes = lateness(loaded, [launches(t) for t in a.traces])
+        total, causes = lateness(loaded, launched)
         resident = sum(e["dur"] for t in loaded for e in t if e["name"].startswith("nccl"))
         print(
             f"== NCCL kernels resident {resident / 1e3:.1f} ms summed over the traces, of which "

@@ -108,10 +108,10 @@ class Split:
         return lengths, comp, raw
 
     @cached_property
-    def _part_lengths(self) -> tuple[list[int], list[int]]:
+    def _part_lengths(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """The compressed runs' lengths and the raw runs', in chunk order."""
         lengths, comp, raw = self._plan
-        return [lengths[i] for i in comp], [lengths[i] for i in raw]
+        return tuple(lengths[i] for i in comp), tuple(lengths[i] for i in raw)
 
     def take(
         self,
@@ -171,20 +171,18 @@ class Split:
         ``split_with_sizes`` over its flat view (the runs of every row, row after row: worked
         out once per split and ``k``); a tensor whose rows are apart (a column of a payload)
         row by row."""
-        if not rows.shape[0]:
+        k = rows.shape[0]
+        if not k:
             return
         lengths, comp_i, raw_i = self._plan
         dst = _row_pieces(rows, lengths)
-        per_row = len(lengths)
         targets, sources = [], []
         pairs = zip((comp_i, raw_i), (comp, raw), self._part_lengths, strict=True)
         for indices, part, sizes in pairs:
             if indices and part is not None:
-                src = _row_pieces(part, tuple(sizes))
-                for j in range(rows.shape[0]):
-                    for k, i in enumerate(indices):
-                        targets.append(dst[j * per_row + i])
-                        sources.append(src[j * len(indices) + k])
+                # a part's pieces, row after row, go to these pieces of ``rows``
+                targets += [dst[i] for i in _row_major(indices, len(lengths), k)]
+                sources += _row_pieces(part, sizes)
         torch._foreach_copy_(targets, sources)
 
     def places(self, *, compressed: bool) -> tuple[tuple[int, int], ...]:
@@ -203,6 +201,14 @@ def _row_pieces(t: torch.Tensor, lengths: tuple[int, ...]) -> list[torch.Tensor]
     if t.is_contiguous():
         return list(t.view(-1).split_with_sizes(_repeat(lengths, k)))
     return [piece for row in t.unbind(0) for piece in row.split_with_sizes(lengths)]
+
+
+@functools.lru_cache(maxsize=256)
+def _row_major(indices: tuple[int, ...], per_row: int, k: int) -> tuple[int, ...]:
+    """Where the runs ``indices`` of each of ``k`` rows of ``per_row`` runs sit among all the
+    rows' runs, row after row (:meth:`Split.put`'s targets, worked out once per split and
+    ``k``)."""
+    return tuple(j * per_row + i for j in range(k) for i in indices)
 
 
 @functools.lru_cache(maxsize=256)

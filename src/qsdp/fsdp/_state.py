@@ -61,10 +61,10 @@ class _Installed:
 # that freed the model, and the cycles it had kept became garbage only for the next one. A model
 # dropped with ``del model; gc.collect()`` kept its parameters (at staleness 1 its optimizer
 # too) until a later collection (on gloo: tests/fsdp/test_release.py failed), and the next model
-# of the process could be built beside them (found while the 1.42 B GPT's benchmark began
-# variants with up to 14 GiB of earlier ones allocated on 4x H200; how much of that was this is
-# not measured). On the model, the installation is part of the model's cycle and goes in the
-# same collection.
+# of the process could be built beside them. (Found while the 1.42 B GPT's benchmark began
+# variants with up to 14 GiB of earlier ones allocated on 4x H200; those were the benchmark's
+# own, a collection made before its run returned: session 39, ``bench_fsdp_step._release``.)
+# On the model, the installation is part of the model's cycle and goes in the same collection.
 _KEY = "_qsdp_installed"
 
 
